@@ -1,0 +1,34 @@
+"""qpcfarm's compiler: ONNX in, QPC out, and a functional runtime that runs what it emits."""
+
+from compiler_core.errors import CompileError
+from compiler_core.options import CompileOptions
+
+__all__ = [
+    "CompileError",
+    "CompileOptions",
+    "compile_model",
+    "load_qpc",
+    "run_qpc",
+    "validate_qpc",
+]
+
+
+def __getattr__(name: str) -> object:
+    # Heavy modules load on first use, so `import compiler_core` (the CLI's start) stays fast.
+    if name == "compile_model":
+        from compiler_core.compile import compile_model
+
+        return compile_model
+    if name == "run_qpc":
+        from compiler_core.runtime import run_qpc
+
+        return run_qpc
+    if name == "load_qpc":
+        from compiler_core.qpc.container import load_qpc
+
+        return load_qpc
+    if name == "validate_qpc":
+        from compiler_core.qpc.validate import validate_qpc
+
+        return validate_qpc
+    raise AttributeError(name)

@@ -1,0 +1,242 @@
+"""The whole compile, one line per stage: import -> passes -> lower -> plan memory -> emit.
+
+Every stage is timed (`-time-passes`) and reports progress through one callback, which the
+farm's worker forwards to the job row.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.importer import ModelSource, import_model, require_static_shapes
+from compiler_core.lowering.emit import emit_program
+from compiler_core.lowering.lower import LoweredGraph, config_from, lower_graph
+from compiler_core.lowering.memory import MemoryPlan, plan_memory
+from compiler_core.lowering.program import Program, encode_program
+from compiler_core.metrics import perf_metrics, perf_warnings
+from compiler_core.options import CompileOptions
+from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
+from compiler_core.passes.pipeline import graph_pipeline
+from compiler_core.qpc.container import ConstantEntry, Segment, encode_constantsdesc, write_qpc
+from compiler_core.qpc.networkdesc import IODesc, NetworkDesc, Requirements
+from compiler_core.version import COMPILER_VERSION
+
+Progress = Callable[[str, float], None]
+
+# Share of the whole compile that each stage reports progress over.
+_STAGES = {
+    "import": (0.0, 0.15),
+    "graph-passes": (0.15, 0.55),
+    "lower": (0.55, 0.75),
+    "plan-memory": (0.75, 0.8),
+    "emit-program": (0.8, 0.9),
+    "write-qpc": (0.9, 1.0),
+}
+
+
+@dataclass
+class CompileResult:
+    qpc_path: Path
+    metrics: dict[str, Any]
+    warnings: list[dict[str, Any]]
+    pass_times: dict[str, float]
+    options: CompileOptions
+    program: Program = field(repr=False)
+    _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    @property
+    def qpc(self) -> bytes:
+        return self.qpc_path.read_bytes()
+
+    def cleanup(self) -> None:
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+
+class _Stages:
+    def __init__(self, progress: Progress | None) -> None:
+        self.timing = PassTiming()
+        self.progress = progress
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.timing.records.append((name, time.perf_counter() - start))
+        self.report(name, 1.0)
+
+    def report(self, name: str, fraction: float) -> None:
+        if self.progress is not None:
+            lo, hi = _STAGES[name]
+            self.progress(name, lo + (hi - lo) * fraction)
+
+    def pass_times(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, seconds in self.timing.records:
+            key, n = name, 2
+            while key in out:
+                key, n = f"{name}#{n}", n + 1
+            out[key] = seconds
+        return out
+
+
+def _as_options(options: CompileOptions | Mapping[str, Any] | Sequence[str] | None
+                ) -> CompileOptions:
+    if options is None:
+        return CompileOptions()
+    if isinstance(options, CompileOptions):
+        return options
+    if isinstance(options, Mapping):
+        return CompileOptions.from_json(options)
+    return CompileOptions.from_flags(list(options))
+
+
+def compile_model(
+    model: ModelSource | None = None,
+    options: CompileOptions | Mapping[str, Any] | Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> CompileResult:
+    """Compile an ONNX model (path, bytes or ModelProto) into a QPC.
+
+    Writes `<-aic-binary-dir>/programqpc.bin`, or a temporary directory's when no directory is
+    named (kept until `result.cleanup()` or garbage collection).
+    """
+    opts = _as_options(options)
+    source = model if model is not None else opts.model
+    if source is None:
+        raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    device = opts.device
+    stages = _Stages(progress)
+
+    with stages.stage("import"):
+        imported = import_model(
+            source, define_symbols=opts.onnx_define_symbol, batchsize=opts.batchsize
+        )
+    ir_model = imported.model
+    passes = graph_pipeline(opts)
+    with stages.stage("graph-passes"):
+        reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
+        run_passes(ir_model, passes, timing=stages.timing, progress=reporter)
+        require_static_shapes(ir_model)
+    pass_warnings = [w for p in passes for w in getattr(p, "warnings", [])]
+
+    with stages.stage("lower"):
+        lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, device))
+    with stages.stage("plan-memory"):
+        plan = plan_memory(
+            lowered,
+            dealloc_delay=opts.allocator_dealloc_delay,
+            ddr_capacity=device.ddr_bytes_per_soc,
+        )
+    with stages.stage("emit-program"):
+        program = emit_program(lowered, plan)
+        program_bytes = encode_program(program)
+
+    out_dir, tmpdir = _output_dir(opts)
+    with stages.stage("write-qpc"):
+        network = _network_desc(lowered, program, opts, imported.model.graph.name)
+        constants, entries = _constants(lowered, plan)
+        write_qpc(
+            out_dir / "programqpc.bin",
+            [
+                Segment("networkdesc.bin", network.to_bytes()),
+                Segment("program.bin", program_bytes),
+                Segment("constants.bin", constants, offset_field=None),
+                Segment("constantsdesc.bin", encode_constantsdesc(entries)),
+            ],
+        )
+
+    warnings = [_warning("deprecated_option", w) for w in opts.warnings]
+    warnings += [_warning("import", w) for w in imported.warnings]
+    warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
+    warnings += perf_warnings(program, lowered, opts, device)
+    metrics = perf_metrics(program, lowered, plan, opts, device)
+    return CompileResult(
+        qpc_path=out_dir / "programqpc.bin",
+        metrics=metrics,
+        warnings=warnings,
+        pass_times=stages.pass_times(),
+        options=opts,
+        program=program,
+        _tmpdir=tmpdir,
+    )
+
+
+def _warning(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "nodes": [], "suggestion": ""}
+
+
+def _output_dir(opts: CompileOptions) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    if opts.aic_binary_dir:
+        path = Path(opts.aic_binary_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CompileError(
+                "output_dir", f"cannot create -aic-binary-dir {path}: {exc.strerror}",
+                flag="-aic-binary-dir",
+            ) from None
+        return path, None
+    tmp = tempfile.TemporaryDirectory(prefix="qpcfarm-")
+    return Path(tmp.name), tmp
+
+
+def _network_desc(lowered: LoweredGraph, program: Program, opts: CompileOptions,
+                  name: str | None) -> NetworkDesc:
+    inputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.inputs)
+    outputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.outputs)
+    batch = inputs[0].dims[0] if inputs and inputs[0].dims else 1
+    return NetworkDesc(
+        network_name=name or "network",
+        compiler_version=COMPILER_VERSION,
+        options=opts.to_json(),
+        hw_version=opts.device.hw_version,
+        num_cores=program.num_cores,
+        batch_size=int(batch),
+        inputs=inputs,
+        outputs=outputs,
+        requirements=Requirements.from_program(program),
+        stats={
+            "level": opts.stats_level,
+            "batchsize": opts.stats_batchsize,
+            "ddr_stats": opts.ddr_stats,
+            "pmu_recipe": opts.aic_pmu_recipe,
+            "pmu_events": list(opts.aic_pmu_events),
+        },
+    )
+
+
+def _constants(lowered: LoweredGraph, plan: MemoryPlan
+               ) -> tuple[Iterator[memoryview], list[ConstantEntry]]:
+    entries = []
+    for tid in plan.constant_order:
+        t = lowered.tensors[tid]
+        entries.append(ConstantEntry(t.name, t.dtype, t.shape, plan.offsets[tid], t.nbytes))
+
+    def chunks() -> Iterator[memoryview]:
+        cursor = 0
+        for entry, tid in zip(entries, plan.constant_order, strict=True):
+            if entry.offset > cursor:
+                yield memoryview(bytes(entry.offset - cursor))
+            data = lowered.tensors[tid].data
+            assert data is not None
+            array = np.ascontiguousarray(np.asarray(data.numpy()), dtype=np.dtype(entry.dtype))
+            if array.dtype.byteorder == ">":
+                array = array.astype(array.dtype.newbyteorder("<"))
+            yield memoryview(array.reshape(-1)).cast("B")
+            cursor = entry.offset + entry.nbytes
+        if plan.constants_size > cursor:
+            yield memoryview(bytes(plan.constants_size - cursor))
+
+    return chunks(), entries
+

@@ -1,0 +1,685 @@
+"""Import an ONNX model into onnx_ir with a static shape and a dtype on every value.
+
+The front door of the compiler: everything a user can get wrong about the model file itself
+(not ONNX, truncated, unsafe or missing external data, symbolic dims left unbound, unsupported
+operators) is reported here as one `CompileError` with a stable code, never as a protobuf or
+onnx traceback.
+
+Memory: the model file is parsed once; external data stays on disk as memory-mapped
+`ir.ExternalTensor`s; the ONNX checker and shape inference only ever see a "lean" copy of the
+model whose large initializers were turned into typed graph inputs, so a model of any size
+(> 2 GiB with external data) imports while holding at most one copy of its weights.
+
+`-batchsize=B` rule (vendor meaning: recompile the model for batch size B):
+- a graph input whose first dim is symbolic gets B there (a named symbol is then bound to B
+  everywhere it appears, as `-onnx-define-symbol=<sym>,B` would);
+- if the FIRST graph input has a fixed first dim N, N is the model's batch: every graph input
+  whose first dim is N gets B;
+- other inputs and rank-0 inputs are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+from google.protobuf.message import DecodeError
+
+from compiler_core.errors import CompileError
+
+if TYPE_CHECKING:
+    from compiler_core.ops.registry import OpRegistry
+
+ModelSource = str | os.PathLike[str] | bytes | bytearray | memoryview | onnx.ModelProto
+
+_LEAN_TENSOR_LIMIT = 1024
+"""Initializers up to this many bytes stay in the lean proto given to onnx's C++ APIs: shape
+tensors (Reshape, Slice, ...) must be there for data propagation, weights need not be."""
+
+_NAMES_SHOWN = 5
+"""How many node names an unsupported-operator entry lists before saying 'and N more'."""
+
+
+@dataclass
+class ImportedModel:
+    """The imported model and what the importer learned about it."""
+
+    model: ir.Model
+    opset: int
+    """The default-domain ("ai.onnx") opset of the model."""
+    source_path: Path | None
+    warnings: list[str] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+    """Names of node outputs whose shape or dtype inference could not make static (data-
+    dependent ops). Constant folding may resolve them; `require_static_shapes` rechecks."""
+
+
+def import_model(
+    source: ModelSource,
+    *,
+    define_symbols: Mapping[str, int] | None = None,
+    batchsize: int | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+    registry: OpRegistry | None = None,
+) -> ImportedModel:
+    """Load, check and statically shape an ONNX model.
+
+    `source` is a file path, the model's bytes or a ModelProto. External data is resolved
+    against the model file's folder, or `base_dir` for bytes and protos. `registry` defaults
+    to the compiler's op registry (`compiler_core.ops.REGISTRY`).
+    """
+    proto, source_path = _read_model(source)
+    if base_dir is None and source_path is not None:
+        base_dir = source_path.parent
+    _check_structure(proto)
+    _check_external_data(proto, None if base_dir is None else Path(base_dir))
+    model = _deserialize(proto)
+    if base_dir is not None:
+        ir.external_data.set_base_dir(model.graph, os.fspath(base_dir))
+
+    _set_initializer_types(model.graph)
+    _run_checker(model)
+    _inline_functions(model)
+    warnings = _drop_initializer_inputs(model.graph)
+    _name_nodes(model.graph)
+    _check_io_types(model.graph)
+    opset = _default_opset(model)
+
+    if registry is None:
+        from compiler_core.ops import REGISTRY  # importing the package fills the registry
+
+        registry = REGISTRY
+    _raise_unsupported(_unsupported_op_types(model, registry))
+
+    warnings += _bind_input_shapes(model.graph, dict(define_symbols or {}), batchsize)
+    _require_static_inputs(model.graph)
+    _clear_node_output_shapes(model.graph)
+    infer_shapes(model)
+    _raise_unsupported(_unsupported_dtypes(model, registry))
+
+    unresolved = [v.name or "" for v in dynamic_values(model.graph)]
+    if unresolved:
+        warnings.append(
+            f"{len(unresolved)} value(s) have no static shape after shape inference "
+            f"(data-dependent): {_first_few(unresolved)}"
+        )
+    return ImportedModel(model, opset, source_path, warnings, unresolved)
+
+
+def infer_shapes(model: ir.Model) -> None:
+    """(Re)run ONNX shape inference (strict, with data propagation) and merge it in place.
+
+    An inferred shape replaces the IR's one unless it knows less (a static shape is never
+    downgraded), so shapes set by passes for ops onnx does not know survive.
+    """
+    _set_initializer_types(model.graph)
+    with _lean_graph(model):
+        lean = ir.serde.serialize_model(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(
+            lean, check_type=True, strict_mode=True, data_prop=True
+        )
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
+        text = str(exc).strip()
+        match = re.search(r"node name: ([^)]*)\)", text)
+        node = match.group(1) if match else None
+        where = f" at node '{node}'" if node else ""
+        raise CompileError(
+            "shape_inference_failed", f"shape inference failed{where}: {text}", node=node
+        ) from None
+    infos = {vi.name: vi for vi in (*inferred.graph.value_info, *inferred.graph.output)}
+    for value in _main_values(model.graph):
+        info = infos.get(value.name or "")
+        if info is not None:
+            _merge_type(value, info.type)
+
+
+def dynamic_values(graph: ir.Graph) -> list[ir.Value]:
+    """Values of the main graph still without a static shape or without a dtype."""
+    return [
+        v
+        for v in _main_values(graph)
+        if v.dtype is None or v.shape is None or not v.shape.is_static()
+    ]
+
+
+def require_static_shapes(model: ir.Model) -> None:
+    """Raise `dynamic_shape` naming every value (and its producer) that is still dynamic."""
+    values = dynamic_values(model.graph)
+    if not values:
+        return
+    lines = []
+    for value in values:
+        producer = value.producer()
+        origin = f" (output of {producer.op_type} node '{producer.name}')" if producer else ""
+        lines.append(f"'{value.name}'{origin} has shape {value.shape}, dtype {value.dtype}")
+    first = values[0].producer()
+    raise CompileError(
+        "dynamic_shape",
+        f"{len(values)} value(s) have no static shape (data-dependent): " + "; ".join(lines),
+        node=first.name if first is not None else None,
+        details={"values": [v.name for v in values]},
+    )
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(source, onnx.ModelProto):
+        return source, None
+    if isinstance(source, bytes | bytearray | memoryview):
+        if len(source) == 0:
+            raise CompileError("invalid_model", "the model is empty (0 bytes)")
+        return _parse(source, "the given bytes"), None
+    path = Path(source)
+    if not path.exists():
+        raise CompileError("model_not_found", f"model file '{path}' does not exist")
+    if not path.is_file():
+        raise CompileError("invalid_model", f"model path '{path}' is not a file")
+    if path.stat().st_size == 0:
+        raise CompileError("invalid_model", f"model file '{path}' is empty (0 bytes)")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        # Parsing from the mapped file avoids holding the file's bytes and the proto at once.
+        with memoryview(mapped) as view:
+            proto = _parse(view, f"'{path}'")
+    return proto, path.resolve()
+
+
+def _parse(data: bytes | bytearray | memoryview, what: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except DecodeError as exc:
+        raise CompileError(
+            "invalid_model",
+            f"{what} is not an ONNX model: the protobuf does not parse ({exc}); "
+            "is the file truncated or of another format?",
+        ) from None
+    return proto
+
+
+def _check_structure(proto: onnx.ModelProto) -> None:
+    """Catch what parses as protobuf but is no model (protobuf accepts many byte strings)."""
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        missing = "graph" if not proto.HasField("graph") else "ir_version"
+        raise CompileError(
+            "invalid_model",
+            f"not an ONNX model: it has no {missing} (is the file truncated or of another "
+            "format?)",
+        )
+
+
+def _deserialize(proto: onnx.ModelProto) -> ir.Model:
+    try:
+        return ir.serde.deserialize_model(proto)
+    except Exception as exc:  # onnx_ir raises plain errors for malformed protos
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompileError("invalid_model", f"the model cannot be read: {first}") from None
+
+
+def _run_checker(model: ir.Model) -> None:
+    with _lean_graph(model):
+        lean = ir.serde.serialize_model(model)
+    try:
+        onnx.checker.check_model(lean, full_check=False)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompileError("invalid_model", f"the ONNX checker rejects the model: {first}") from None
+
+
+# --- external data --------------------------------------------------------------------------
+
+
+def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
+    """Reject external data that escapes the model's folder, is missing or is too short."""
+    for tensor in _external_tensor_protos(proto):
+        info = onnx.external_data_helper.ExternalDataInfo(tensor)
+        location = str(info.location)
+        where = f"tensor '{tensor.name}' (external data location '{location}')"
+        if base_dir is None:
+            raise CompileError(
+                "external_data_missing",
+                f"{where} keeps its data in an external file, but the model was given without "
+                "a folder: pass the model by its file path (or give base_dir)",
+            )
+        _check_location(location, base_dir, where)
+        path = os.path.realpath(base_dir / location)
+        if not os.path.isfile(path):
+            raise CompileError(
+                "external_data_missing",
+                f"{where}: file '{location}' not found next to the model in '{base_dir}'",
+            )
+        nbytes = _tensor_nbytes(tensor)
+        length = info.length if info.length not in (None, -1) else nbytes
+        if length != nbytes:
+            raise CompileError(
+                "invalid_model",
+                f"{where}: length {length} does not match the tensor's size, {nbytes} bytes",
+            )
+        offset = max(int(info.offset or 0), 0)
+        size = os.stat(path).st_size
+        if offset + length > size:
+            raise CompileError(
+                "external_data_missing",
+                f"{where}: file is {size} bytes but the tensor needs bytes "
+                f"[{offset}, {offset + length})",
+            )
+        if os.stat(path).st_nlink > 1:
+            raise CompileError(
+                "unsafe_external_data",
+                f"{where}: the file has several hard links, which onnx_ir refuses to map "
+                "(a hard link can smuggle a file from outside the model's folder); copy it",
+            )
+
+
+def _check_location(location: str, base_dir: Path, where: str) -> None:
+    parts = re.split(r"[\\/]", location)
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or re.match(r"^\w:", location):
+        reason = "is an absolute path"
+    elif ".." in parts:
+        reason = "contains '..'"
+    else:
+        base_real = os.path.realpath(base_dir)
+        real = os.path.realpath(base_dir / location)
+        if os.path.commonpath([base_real, real]) == base_real:
+            return
+        reason = f"resolves (through a symlink) to '{real}', outside the model's folder"
+    raise CompileError(
+        "unsafe_external_data",
+        f"{where} {reason}: external data must be a file inside the model's folder",
+        details={"tensor": _tensor_name(where), "location": location},
+    )
+
+
+def _tensor_name(where: str) -> str:
+    match = re.match(r"tensor '([^']*)'", where)
+    return match.group(1) if match else ""
+
+
+def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    dtype = ir.DataType(tensor.data_type)
+    return math.ceil(dtype.itemsize * math.prod(tensor.dims))
+
+
+def _external_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    graphs: list[onnx.GraphProto] = [proto.graph]
+    nodes: list[onnx.NodeProto] = [n for f in proto.functions for n in f.node]
+    tensors: list[onnx.TensorProto] = []
+    while graphs or nodes:
+        if graphs:
+            graph = graphs.pop()
+            tensors.extend(graph.initializer)
+            for sparse in graph.sparse_initializer:
+                tensors.extend((sparse.values, sparse.indices))
+            nodes.extend(graph.node)
+            continue
+        for attr in nodes.pop().attribute:
+            if attr.HasField("t"):
+                tensors.append(attr.t)
+            tensors.extend(attr.tensors)
+            if attr.HasField("g"):
+                graphs.append(attr.g)
+            graphs.extend(attr.graphs)
+    for tensor in tensors:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            yield tensor
+
+
+# --- normalising the graph ------------------------------------------------------------------
+
+
+def _inline_functions(model: ir.Model) -> None:
+    if not model.functions:
+        return
+    try:
+        common_passes.InlinePass()(model)
+    except Exception as exc:  # e.g. recursive functions
+        raise CompileError(
+            "invalid_model", f"model-local functions cannot be inlined: {exc}"
+        ) from None
+
+
+def _drop_initializer_inputs(graph: ir.Graph) -> list[str]:
+    """Graph inputs that are also initializers are constants here (their default is used)."""
+    constant = [v for v in graph.inputs if v.is_initializer()]
+    if not constant:
+        return []
+    kept = [v for v in graph.inputs if not v.is_initializer()]
+    graph.inputs.clear()
+    graph.inputs.extend(kept)
+    names = [v.name or "" for v in constant]
+    return [
+        f"{len(names)} graph input(s) have initializers and are compiled as constants: "
+        + _first_few(names)
+    ]
+
+
+def _name_nodes(graph: ir.Graph) -> None:
+    """Give unnamed (and duplicate-named) nodes `<op_type>_<index>`, unique and stable."""
+    used = {node.name for node in graph if node.name}
+    seen: set[str] = set()
+    for index, node in enumerate(graph):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        base = f"{node.name}_{index}" if node.name else f"{node.op_type}_{index}"
+        name, suffix = base, 1
+        while name in used:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        node.name = name
+        used.add(name)
+        seen.add(name)
+
+
+def _check_io_types(graph: ir.Graph) -> None:
+    problems = []
+    for kind, values in (("input", graph.inputs), ("output", graph.outputs)):
+        for value in values:
+            if value.type is not None and not isinstance(value.type, ir.TensorType):
+                problems.append(f"{kind} '{value.name}' is a {value.type}")
+            elif value.dtype == ir.DataType.STRING:
+                problems.append(f"{kind} '{value.name}' is a string tensor")
+            elif kind == "input" and value.dtype is None:
+                problems.append(f"{kind} '{value.name}' has no element type")
+    if problems:
+        raise CompileError(
+            "unsupported_type",
+            "only numeric tensors can be graph inputs and outputs: " + "; ".join(problems),
+        )
+
+
+def _default_opset(model: ir.Model) -> int:
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if opset is None:
+        raise CompileError("invalid_model", "the model imports no default-domain ONNX opset")
+    return opset
+
+
+def _set_initializer_types(graph: ir.Graph) -> None:
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None:
+            continue
+        if value.dtype is None:
+            value.dtype = tensor.dtype
+        if value.shape is None or not value.shape.is_static():
+            value.shape = ir.Shape(tensor.shape.numpy())
+
+
+# --- operator support -----------------------------------------------------------------------
+
+
+@dataclass
+class _Unsupported:
+    op_type: str
+    domain: str
+    opset: int
+    reason: str
+    nodes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        op = f"{self.domain}::{self.op_type}" if self.domain else self.op_type
+        count = len(self.nodes)
+        return (
+            f"{op} (opset {self.opset}){self.reason} at {count} node{'s' if count > 1 else ''}: "
+            + _first_few(self.nodes)
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "op_type": self.op_type,
+            "domain": self.domain,
+            "opset": self.opset,
+            "reason": self.reason.strip(" ,"),
+            "count": len(self.nodes),
+            "nodes": self.nodes,
+        }
+
+
+def _node_opset(model: ir.Model, node: ir.Node) -> int:
+    if node.version is not None:
+        return node.version
+    opsets = {_norm_domain(d): v for d, v in model.opset_imports.items()}
+    return opsets.get(_domain(node), 0)
+
+
+def _domain(node: ir.Node) -> str:
+    return _norm_domain(node.domain)
+
+
+def _norm_domain(domain: str) -> str:
+    return "" if domain == "ai.onnx" else domain
+
+
+def _unsupported_op_types(model: ir.Model, registry: OpRegistry) -> list[_Unsupported]:
+    found: dict[tuple[str, str, int], _Unsupported] = {}
+    for node in model.graph:
+        opset = _node_opset(model, node)
+        if registry.lookup(node.op_type, _domain(node), opset) is None:
+            key = (node.op_type, _domain(node), opset)
+            entry = found.setdefault(key, _Unsupported(*key, reason=""))
+            entry.nodes.append(node.name or "")
+    return list(found.values())
+
+
+def _unsupported_dtypes(model: ir.Model, registry: OpRegistry) -> list[_Unsupported]:
+    """Check each node's data type: its first input's element type (the output's if it has no
+    inputs) must be in `OpDef.dtypes`. Index-like inputs (shapes, axes, indices) are not checked."""
+    found: dict[tuple[str, str, int, str], _Unsupported] = {}
+    for node in model.graph:
+        opset = _node_opset(model, node)
+        opdef = registry.lookup(node.op_type, _domain(node), opset)
+        data = node.inputs[0] if node.inputs else (node.outputs[0] if node.outputs else None)
+        if opdef is None or data is None or data.dtype is None:
+            continue
+        name = _dtype_name(data.dtype)
+        if name in opdef.dtypes:
+            continue
+        key = (node.op_type, _domain(node), opset, name)
+        supported = ", ".join(sorted(opdef.dtypes))
+        reason = f" with element type {name} (supported: {supported}),"
+        entry = found.setdefault(key, _Unsupported(*key[:3], reason=reason))
+        entry.nodes.append(node.name or "")
+    return list(found.values())
+
+
+def _dtype_name(dtype: ir.DataType) -> str:
+    try:
+        return str(np.dtype(dtype.numpy()).name)
+    except (TypeError, ValueError):
+        return dtype.name.lower()
+
+
+def _raise_unsupported(entries: Sequence[_Unsupported]) -> None:
+    if not entries:
+        return
+    nodes = sum(len(e.nodes) for e in entries)
+    raise CompileError(
+        "unsupported_operator",
+        f"{len(entries)} unsupported operator kind(s) at {nodes} node(s): "
+        + "; ".join(e.describe() for e in entries),
+        node=entries[0].nodes[0],
+        details={"unsupported": [e.as_dict() for e in entries]},
+    )
+
+
+def _first_few(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    more = len(names) - _NAMES_SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+# --- binding symbols and batch size ---------------------------------------------------------
+
+
+def _bind_input_shapes(
+    graph: ir.Graph, symbols: dict[str, int], batchsize: int | None
+) -> list[str]:
+    """Apply `-onnx-define-symbol` and `-batchsize` to the graph inputs; return warnings."""
+    for name, size in symbols.items():
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            raise CompileError(
+                "invalid_option",
+                f"-onnx-define-symbol={name},{size}: the value must be a positive integer",
+                flag="-onnx-define-symbol",
+            )
+    if batchsize is not None and (
+        isinstance(batchsize, bool) or not isinstance(batchsize, int | np.integer) or batchsize < 1
+    ):
+        raise CompileError(
+            "invalid_option", f"-batchsize={batchsize} must be a positive integer", flag="-batchsize"
+        )
+    input_symbols = {
+        d.value
+        for v in graph.inputs
+        if v.shape is not None
+        for d in v.shape
+        if isinstance(d, ir.SymbolicDim) and d.value
+    }
+    if batchsize is not None:
+        _apply_batchsize(graph, symbols, int(batchsize))
+    for value in _main_values(graph):
+        if value.shape is not None and not value.shape.is_static():
+            value.shape = ir.Shape([_bound(d, symbols) for d in value.shape])
+    return [
+        f"-onnx-define-symbol={name},{size}: no graph input uses symbol '{name}'"
+        for name, size in symbols.items()
+        if name not in input_symbols
+    ]
+
+
+def _apply_batchsize(graph: ir.Graph, symbols: dict[str, int], batchsize: int) -> None:
+    shaped = [v for v in graph.inputs if v.shape is not None and len(v.shape) > 0]
+    model_batch = shaped[0].shape[0] if shaped else None  # type: ignore[index]
+    for value in shaped:
+        assert value.shape is not None
+        first = value.shape[0]
+        if isinstance(first, ir.SymbolicDim):
+            if first.value:
+                if symbols.get(first.value, batchsize) != batchsize:
+                    raise CompileError(
+                        "invalid_option",
+                        f"-batchsize={batchsize} conflicts with -onnx-define-symbol="
+                        f"{first.value},{symbols[first.value]} (input '{value.name}' dim 0)",
+                        flag="-batchsize",
+                    )
+                symbols[first.value] = batchsize
+        elif not isinstance(model_batch, int) or first != model_batch:
+            continue
+        value.shape = ir.Shape([batchsize, *list(value.shape)[1:]])
+
+
+def _bound(dim: int | ir.SymbolicDim, symbols: Mapping[str, int]) -> int | ir.SymbolicDim:
+    if isinstance(dim, ir.SymbolicDim) and dim.value in symbols:
+        return symbols[dim.value]
+    return dim
+
+
+def _require_static_inputs(graph: ir.Graph) -> None:
+    problems: list[str] = []
+    for value in graph.inputs:
+        if value.shape is None:
+            problems.append(
+                f"input '{value.name}' has no shape (unknown rank): the model must declare it"
+            )
+            continue
+        for index, dim in enumerate(value.shape):
+            if isinstance(dim, int):
+                continue
+            batch_hint = " (or -batchsize)" if index == 0 else ""
+            if dim.value:
+                problems.append(
+                    f"input '{value.name}' dim {index} is symbolic '{dim.value}': set "
+                    f"-onnx-define-symbol={dim.value},<value>{batch_hint}"
+                )
+            elif index == 0:
+                problems.append(
+                    f"input '{value.name}' dim 0 is dynamic and unnamed: set -batchsize=<value>"
+                )
+            else:
+                problems.append(
+                    f"input '{value.name}' dim {index} is dynamic and unnamed: the model must "
+                    "name it (dim_param) or fix it"
+                )
+    if problems:
+        raise CompileError(
+            "dynamic_shape",
+            "every input dimension must be static; " + "; ".join(problems),
+            flag="-onnx-define-symbol",
+            details={"problems": problems},
+        )
+
+
+def _clear_node_output_shapes(graph: ir.Graph) -> None:
+    """Forget annotated intermediate shapes: after binding they are recomputed from the inputs,
+    so stale exporter annotations (e.g. the old batch) cannot conflict with them."""
+    for node in graph:
+        for value in node.outputs:
+            value.shape = None
+
+
+# --- shape inference plumbing ---------------------------------------------------------------
+
+
+def _main_values(graph: ir.Graph) -> Iterator[ir.Value]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs
+
+
+def _merge_type(value: ir.Value, type_proto: onnx.TypeProto) -> None:
+    inferred_type = ir.serde.deserialize_type_proto_for_type(type_proto)
+    if value.dtype is None and inferred_type is not None and inferred_type.dtype is not None:
+        value.dtype = inferred_type.dtype
+    if value.type is None and inferred_type is not None:
+        value.type = inferred_type
+    shape = ir.serde.deserialize_type_proto_for_shape(type_proto)
+    if shape is None:
+        return
+    if value.shape is None or (shape.is_static() or not value.shape.is_static()):
+        value.shape = shape
+
+
+@contextmanager
+def _lean_graph(model: ir.Model) -> Iterator[None]:
+    """Temporarily turn large (and data-less) initializers into typed graph inputs.
+
+    What onnx's C++ checker and shape inference receive is then small whatever the weights
+    weigh; small external tensors are read (they may be shape operands). Restores the graph
+    exactly, initializer order included.
+    """
+    graph = model.graph
+    values = list(graph.initializers.values())
+    tensors = [v.const_value for v in values]
+    input_count = len(graph.inputs)
+    try:
+        for value, tensor in zip(values, tensors, strict=True):
+            if tensor is not None and tensor.nbytes <= _LEAN_TENSOR_LIMIT:
+                if isinstance(tensor, ir.ExternalTensor):
+                    value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name)
+                continue
+            graph.initializers.pop(value.name or "")
+            value.const_value = None
+            if not value.is_graph_input():
+                graph.inputs.append(value)
+        yield
+    finally:
+        while len(graph.inputs) > input_count:
+            graph.inputs.pop()
+        graph.initializers.clear()
+        for value, tensor in zip(values, tensors, strict=True):
+            value.const_value = tensor
+            graph.initializers.add(value)

@@ -1,0 +1,279 @@
+"""Lower the optimised graph to kernels with tiles on cores, before memory is placed.
+
+Every node becomes one kernel (its fused epilogue included), except pure reinterpretations
+(Reshape, Squeeze...) whose output simply aliases its input's bytes. Graph outputs that are
+constants or graph inputs get an explicit copy kernel so every output has its own buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from compiler_core.devices import DeviceProfile
+from compiler_core.errors import CompileError
+from compiler_core.fusion import base_input_count, epilogue, fused_node_names
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    KIND_CONSTANT,
+    KIND_INPUT,
+    KIND_OUTPUT,
+    EpilogueDesc,
+    KernelDesc,
+)
+from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
+from compiler_core.nodeinfo import dtype_name, node_info, static_shape
+from compiler_core.ops import REGISTRY
+from compiler_core.ops.registry import NodeInfo
+
+
+@dataclass
+class LTensor:
+    id: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    alias_of: int | None = None
+    data: ir.TensorProtocol | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class LKernel:
+    desc: KernelDesc
+    tiles: list[TileSpec]
+
+
+@dataclass
+class LoweredGraph:
+    tensors: list[LTensor]
+    kernels: list[LKernel]
+    inputs: list[int]
+    outputs: list[int]
+    num_cores: int
+    network_name: str
+    warnings: list[dict[str, object]] = field(default_factory=list)
+
+    def root(self, tensor_id: int) -> int:
+        t = self.tensors[tensor_id]
+        while t.alias_of is not None:
+            t = self.tensors[t.alias_of]
+        return t.id
+
+
+@dataclass(frozen=True)
+class LoweringConfig:
+    num_cores: int
+    ols: int
+    mos: int | None
+    vtcm_budget: int
+    granularity: int
+
+
+def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
+    ratio = float(getattr(options, "vtcm_working_set_limit_ratio", 1.0) or 1.0)
+    granularity_kib = int(getattr(options, "size_split_granularity", 1024) or 1024)
+    return LoweringConfig(
+        num_cores=int(getattr(options, "aic_num_cores", 1) or 1),
+        ols=int(getattr(options, "ols", 1) or 1),
+        mos=getattr(options, "mos", None),
+        vtcm_budget=int(device.vtcm_bytes_per_core * ratio),
+        granularity=granularity_kib * 1024,
+    )
+
+
+class _Builder:
+    def __init__(self, graph: ir.Graph, opset: int, config: LoweringConfig) -> None:
+        self.graph = graph
+        self.opset = opset
+        self.config = config
+        self.tensors: list[LTensor] = []
+        self.by_value: dict[int, int] = {}
+        self.kernels: list[LKernel] = []
+        self.output_values = {id(v) for v in graph.outputs}
+
+    def tensor(self, value: ir.Value) -> int:
+        key = id(value)
+        if key in self.by_value:
+            return self.by_value[key]
+        shape = static_shape(value)
+        dtype = dtype_name(value.dtype)
+        if shape is None or dtype is None:
+            raise CompileError(
+                "dynamic_shape",
+                f"value '{value.name}' has no static shape or type after the graph passes",
+                node=value.producer().name if value.producer() is not None else None,
+            )
+        if value.const_value is not None:
+            kind = KIND_CONSTANT
+        elif value.is_graph_input():
+            kind = KIND_INPUT
+        elif key in self.output_values:
+            kind = KIND_OUTPUT
+        else:
+            kind = KIND_ACTIVATION
+        tid = len(self.tensors)
+        self.tensors.append(
+            LTensor(
+                id=tid,
+                name=value.name or f"t{tid}",
+                dtype=dtype,
+                shape=shape,
+                kind=kind,
+                data=value.const_value if kind == KIND_CONSTANT else None,
+            )
+        )
+        self.by_value[key] = tid
+        return tid
+
+    def add_kernel(
+        self,
+        info: NodeInfo,
+        inputs: list[int],
+        outputs: list[int],
+        steps: tuple[EpilogueDesc, ...],
+        nodes: tuple[str, ...],
+        op_types: tuple[str, ...],
+    ) -> None:
+        opdef = REGISTRY.lookup(info.op_type, info.domain, info.opset)
+        if opdef is None:
+            raise CompileError(
+                "unsupported_operator",
+                f"no kernel for {info.op_type} (opset {info.opset}) at node '{info.name}'",
+                node=info.name,
+            )
+        n_base = len(info.in_shapes)
+        extra = inputs[n_base:]
+        kid = len(self.kernels)
+        request = TilingRequest(
+            info=info,
+            opdef=opdef,
+            extra_shapes=tuple(self.tensors[t].shape for t in extra),
+            extra_dtypes=tuple(self.tensors[t].dtype for t in extra),
+            num_cores=self.config.num_cores,
+            ols=self.config.ols,
+            mos=self.config.mos,
+            budget=self.config.vtcm_budget,
+            granularity=self.config.granularity,
+            rotate=kid,
+        )
+        tiles = plan_tiles(request)
+        macs = int(opdef.macs(info))
+        out_elems = int(np.prod(info.out_shapes[0], dtype=np.int64)) if info.out_shapes else 0
+        desc = KernelDesc(
+            id=kid,
+            name=info.name,
+            info=info,
+            inputs=tuple(inputs),
+            outputs=tuple(outputs),
+            epilogue=steps,
+            kernel=opdef.kernel_name,
+            unit=opdef.unit,
+            macs=macs + out_elems * len(steps),
+            nodes=nodes,
+            op_types=op_types,
+        )
+        self.kernels.append(LKernel(desc=desc, tiles=tiles))
+
+    def lower_node(self, node: ir.Node) -> None:
+        opdef = REGISTRY.lookup(node.op_type, node.domain, self.opset)
+        steps = epilogue(node)
+        live = list(node.outputs)
+        while live and not live[-1].name and not live[-1].uses():
+            live.pop()  # omitted optional outputs
+        outputs = [self.tensor(v) for v in live]
+        if (
+            opdef is not None
+            and opdef.alias
+            and not steps
+            and len(outputs) == 1
+            and node.inputs
+            and node.inputs[0] is not None
+            and self.tensors[outputs[0]].kind == KIND_ACTIVATION
+        ):
+            src = self.tensor(node.inputs[0])
+            self.tensors[outputs[0]].alias_of = src
+            return
+        n_base = base_input_count(node)
+        info = node_info(node, self.opset)
+        info = NodeInfo(
+            op_type=info.op_type,
+            name=info.name,
+            attrs=info.attrs,
+            in_shapes=info.in_shapes[:n_base],
+            in_dtypes=info.in_dtypes[:n_base],
+            out_shapes=info.out_shapes,
+            out_dtypes=info.out_dtypes,
+            opset=info.opset,
+            domain=info.domain,
+            consts={k: v for k, v in info.consts.items() if k < n_base},
+        )
+        inputs = [-1 if v is None else self.tensor(v) for v in node.inputs]
+        out_dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
+        descs = tuple(
+            EpilogueDesc(
+                op_type=s.op_type,
+                node_name=s.node_name,
+                inputs=s.inputs,
+                attrs=dict(s.attrs),
+                opset=self.opset,
+                out_dtype=out_dtype,
+            )
+            for s in steps
+        )
+        names = fused_node_names(node)
+        op_types = (node.op_type, *(s.op_type for s in steps))
+        self.add_kernel(info, inputs, outputs, descs, names, op_types)
+
+    def copy_kernel(self, src: int, dst: int) -> None:
+        t = self.tensors[dst]
+        info = NodeInfo(
+            op_type="Identity",
+            name=f"copy_to_{t.name}",
+            attrs={},
+            in_shapes=(self.tensors[src].shape,),
+            in_dtypes=(self.tensors[src].dtype,),
+            out_shapes=(t.shape,),
+            out_dtypes=(t.dtype,),
+            opset=self.opset,
+        )
+        self.add_kernel(info, [src], [dst], (), (info.name,), ("Identity",))
+
+
+def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredGraph:
+    builder = _Builder(graph, opset, config)
+    inputs = [builder.tensor(v) for v in graph.inputs]
+    for node in graph:
+        builder.lower_node(node)
+    outputs: list[int] = []
+    for value in graph.outputs:
+        tid = builder.tensor(value)
+        if builder.tensors[tid].kind != KIND_OUTPUT:
+            src = tid
+            out = len(builder.tensors)
+            builder.tensors.append(
+                LTensor(
+                    id=out,
+                    name=value.name or f"t{out}",
+                    dtype=builder.tensors[src].dtype,
+                    shape=builder.tensors[src].shape,
+                    kind=KIND_OUTPUT,
+                )
+            )
+            builder.copy_kernel(src, out)
+            tid = out
+        outputs.append(tid)
+    return LoweredGraph(
+        tensors=builder.tensors,
+        kernels=builder.kernels,
+        inputs=inputs,
+        outputs=outputs,
+        num_cores=config.num_cores,
+        network_name=graph.name or "network",
+    )

@@ -1,0 +1,122 @@
+"""Place every tensor in DDR: constants, then graph I/O, then activations with reuse.
+
+Activations share space when their lifetimes (first writing kernel to last reading kernel,
+aliases included, extended by `-allocator-dealloc-delay`) do not overlap: a greedy best-offset
+placement, largest first. Exceeding the device's DDR is an error that says by how much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler_core.errors import CompileError
+from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    KIND_CONSTANT,
+    KIND_INPUT,
+    KIND_OUTPUT,
+)
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    offsets: dict[int, int]
+    """DDR offset of every root tensor (aliases resolve through LoweredGraph.root)."""
+    constants_size: int
+    io_size: int
+    activations_size: int
+    ddr_size: int
+    constant_order: list[int]
+    lifetimes: dict[int, tuple[int, int]]
+
+    def offset(self, graph: LoweredGraph, tensor_id: int) -> int:
+        return self.offsets[graph.root(tensor_id)]
+
+
+def plan_memory(
+    graph: LoweredGraph,
+    *,
+    dealloc_delay: int = 0,
+    ddr_capacity: int | None = None,
+    extra_bytes: int = 0,
+) -> MemoryPlan:
+    offsets: dict[int, int] = {}
+    used_roots: list[int] = []
+    seen: set[int] = set()
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for index, kernel in enumerate(graph.kernels):
+        for tid in (*kernel.desc.inputs, *kernel.desc.outputs):
+            if tid < 0:
+                continue
+            root = graph.root(tid)
+            first.setdefault(root, index)
+            last[root] = index
+            if root not in seen:
+                seen.add(root)
+                used_roots.append(root)
+    for tid in (*graph.inputs, *graph.outputs):
+        root = graph.root(tid)
+        if root not in seen:
+            seen.add(root)
+            used_roots.append(root)
+
+    cursor = 0
+    constant_order = [t for t in used_roots if graph.tensors[t].kind == KIND_CONSTANT]
+    for tid in constant_order:
+        offsets[tid] = cursor
+        cursor = _align(cursor + graph.tensors[tid].nbytes)
+    constants_size = cursor
+
+    io_start = cursor
+    for tid in used_roots:
+        if graph.tensors[tid].kind in (KIND_INPUT, KIND_OUTPUT):
+            offsets[tid] = cursor
+            cursor = _align(cursor + graph.tensors[tid].nbytes)
+    io_size = cursor - io_start
+
+    act_start = cursor
+    acts = [t for t in used_roots if graph.tensors[t].kind == KIND_ACTIVATION]
+    lifetimes = {t: (first.get(t, 0), last.get(t, 0) + dealloc_delay) for t in acts}
+    placed: list[tuple[int, int, int, int]] = []  # (offset, size, start, end)
+    peak = 0
+    for tid in sorted(acts, key=lambda t: (-graph.tensors[t].nbytes, lifetimes[t][0], t)):
+        size = _align(max(graph.tensors[tid].nbytes, 1))
+        start, end = lifetimes[tid]
+        clashes = sorted(
+            (off, sz) for off, sz, s, e in placed if not (e < start or end < s)
+        )
+        offset = 0
+        for off, sz in clashes:
+            if offset + size <= off:
+                break
+            offset = max(offset, off + sz)
+        placed.append((offset, size, start, end))
+        offsets[tid] = act_start + offset
+        peak = max(peak, offset + size)
+    activations_size = peak
+    ddr_size = act_start + activations_size + extra_bytes
+    if ddr_capacity is not None and ddr_size > ddr_capacity:
+        raise CompileError(
+            "ddr_overflow",
+            f"the network needs {ddr_size:,} bytes of device DDR (constants {constants_size:,}, "
+            f"I/O {io_size:,}, activations {activations_size:,}), {ddr_size - ddr_capacity:,} "
+            f"bytes more than the device's {ddr_capacity:,}",
+            details={"needed": ddr_size, "capacity": ddr_capacity},
+        )
+    return MemoryPlan(
+        offsets=offsets,
+        constants_size=constants_size,
+        io_size=io_size,
+        activations_size=activations_size,
+        ddr_size=ddr_size,
+        constant_order=constant_order,
+        lifetimes=lifetimes,
+    )

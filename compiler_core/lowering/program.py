@@ -1,0 +1,430 @@
+"""The lowered program: tensors in DDR, kernels, and one instruction stream per NSP core.
+
+This is what `program.bin` holds. The encoding is ours and documented in docs/qpc-format.md:
+a JSON table section (tensors and kernels, canonical so QPCs are byte-identical) followed by
+fixed-layout little-endian binary instruction streams.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.ops.registry import Box, NodeInfo
+
+PROGRAM_MAGIC = b"QPRG"
+PROGRAM_VERSION = 1
+
+KIND_CONSTANT = "constant"
+KIND_INPUT = "input"
+KIND_OUTPUT = "output"
+KIND_ACTIVATION = "activation"
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """A tensor's place in DDR. Aliased tensors (Reshape...) share their root's bytes."""
+
+    id: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    ddr_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class EpilogueDesc:
+    """An elementwise step applied to a kernel's output tile (see compiler_core.fusion)."""
+
+    op_type: str
+    node_name: str
+    inputs: tuple[int | None, ...]
+    """None: the running value; k >= 0: the kernel's operand k; -1: missing optional input."""
+    attrs: dict[str, Any]
+    opset: int
+    out_dtype: str
+
+
+@dataclass(frozen=True)
+class KernelDesc:
+    """One kernel: a base op (its NodeInfo) plus epilogue steps, reading and writing tensors.
+
+    `inputs[:len(info.in_shapes)]` are the base op's inputs, the rest are epilogue operands.
+    """
+
+    id: int
+    name: str
+    info: NodeInfo
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    epilogue: tuple[EpilogueDesc, ...]
+    kernel: str
+    unit: str
+    macs: int
+    nodes: tuple[str, ...]
+    op_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DmaLoad:
+    tensor: int
+    box: Box
+    vtcm: int
+
+
+@dataclass(frozen=True)
+class DmaStore:
+    tensor: int
+    box: Box
+    vtcm: int
+
+
+@dataclass(frozen=True)
+class Operand:
+    vtcm: int
+    box: Box
+
+
+@dataclass(frozen=True)
+class RunKernel:
+    kernel: int
+    out_box: Box
+    inputs: tuple[Operand | None, ...]
+    outputs: tuple[Operand, ...]
+
+
+@dataclass(frozen=True)
+class SemPost:
+    sem: int
+
+
+@dataclass(frozen=True)
+class SemWait:
+    sem: int
+    count: int
+
+
+Instr = DmaLoad | DmaStore | RunKernel | SemPost | SemWait
+
+
+@dataclass
+class Program:
+    tensors: list[TensorDesc]
+    kernels: list[KernelDesc]
+    streams: list[list[Instr]]
+    num_semaphores: int
+    ddr_size: int
+    constants_size: int
+    vtcm_used: list[int]
+    inputs: list[int]
+    outputs: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_cores(self) -> int:
+        return len(self.streams)
+
+
+# ----------------------------------------------------------------------------------- encoding
+
+_OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT = 1, 2, 3, 4, 5
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        return {
+            "__ndarray__": base64.b64encode(arr.tobytes()).decode("ascii"),
+            "dtype": str(arr.dtype),
+            "shape": list(arr.shape),
+        }
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _unjson(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__ndarray__" in value:
+            raw = base64.b64decode(value["__ndarray__"])
+            return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+        return {k: _unjson(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v) for v in value]
+    return value
+
+
+def _info_to_json(info: NodeInfo) -> dict[str, Any]:
+    return {
+        "op_type": info.op_type,
+        "name": info.name,
+        "domain": info.domain,
+        "opset": info.opset,
+        "attrs": _jsonable(info.attrs),
+        "in_shapes": [None if s is None else list(s) for s in info.in_shapes],
+        "in_dtypes": list(info.in_dtypes),
+        "out_shapes": [list(s) for s in info.out_shapes],
+        "out_dtypes": list(info.out_dtypes),
+        "consts": {str(k): _jsonable(v) for k, v in sorted(info.consts.items())},
+    }
+
+
+def _info_from_json(d: dict[str, Any]) -> NodeInfo:
+    return NodeInfo(
+        op_type=d["op_type"],
+        name=d["name"],
+        attrs=_unjson(d["attrs"]),
+        in_shapes=tuple(None if s is None else tuple(s) for s in d["in_shapes"]),
+        in_dtypes=tuple(d["in_dtypes"]),
+        out_shapes=tuple(tuple(s) for s in d["out_shapes"]),
+        out_dtypes=tuple(d["out_dtypes"]),
+        opset=d["opset"],
+        domain=d["domain"],
+        consts={int(k): _unjson(v) for k, v in d["consts"].items()},
+    )
+
+
+def _tables_json(program: Program) -> bytes:
+    doc = {
+        "version": PROGRAM_VERSION,
+        "num_cores": program.num_cores,
+        "num_semaphores": program.num_semaphores,
+        "ddr_size": program.ddr_size,
+        "constants_size": program.constants_size,
+        "vtcm_used": program.vtcm_used,
+        "inputs": program.inputs,
+        "outputs": program.outputs,
+        "meta": _jsonable(program.meta),
+        "tensors": [
+            [t.id, t.name, t.dtype, list(t.shape), t.kind, t.ddr_offset, t.nbytes]
+            for t in program.tensors
+        ],
+        "kernels": [
+            {
+                "id": k.id,
+                "name": k.name,
+                "info": _info_to_json(k.info),
+                "inputs": list(k.inputs),
+                "outputs": list(k.outputs),
+                "epilogue": [
+                    {
+                        "op_type": e.op_type,
+                        "node_name": e.node_name,
+                        "inputs": list(e.inputs),
+                        "attrs": _jsonable(e.attrs),
+                        "opset": e.opset,
+                        "out_dtype": e.out_dtype,
+                    }
+                    for e in k.epilogue
+                ],
+                "kernel": k.kernel,
+                "unit": k.unit,
+                "macs": k.macs,
+                "nodes": list(k.nodes),
+                "op_types": list(k.op_types),
+            }
+            for k in program.kernels
+        ],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _pack_box(out: list[bytes], box: Box) -> None:
+    out.append(struct.pack("<B", len(box)))
+    for start, stop in box:
+        out.append(struct.pack("<qq", start, stop))
+
+
+def _pack_operand(out: list[bytes], operand: Operand | None) -> None:
+    if operand is None:
+        out.append(b"\x00")
+        return
+    out.append(struct.pack("<BQ", 1, operand.vtcm))
+    _pack_box(out, operand.box)
+
+
+def encode_program(program: Program) -> bytes:
+    tables = _tables_json(program)
+    parts: list[bytes] = [
+        PROGRAM_MAGIC,
+        struct.pack("<IQI", PROGRAM_VERSION, len(tables), len(program.streams)),
+        tables,
+    ]
+    for stream in program.streams:
+        body: list[bytes] = []
+        for instr in stream:
+            if isinstance(instr, DmaLoad | DmaStore):
+                code = _OP_LOAD if isinstance(instr, DmaLoad) else _OP_STORE
+                body.append(struct.pack("<BIQ", code, instr.tensor, instr.vtcm))
+                _pack_box(body, instr.box)
+            elif isinstance(instr, RunKernel):
+                body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
+                _pack_box(body, instr.out_box)
+                body.append(struct.pack("<B", len(instr.inputs)))
+                for operand in instr.inputs:
+                    _pack_operand(body, operand)
+                body.append(struct.pack("<B", len(instr.outputs)))
+                for operand in instr.outputs:
+                    _pack_operand(body, operand)
+            elif isinstance(instr, SemPost):
+                body.append(struct.pack("<BI", _OP_POST, instr.sem))
+            else:
+                body.append(struct.pack("<BII", _OP_WAIT, instr.sem, instr.count))
+        blob = b"".join(body)
+        parts.append(struct.pack("<IQ", len(stream), len(blob)))
+        parts.append(blob)
+    return b"".join(parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def take(self, fmt: str) -> tuple[Any, ...]:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.data):
+            raise CompileError("invalid_program", f"program.bin truncated at byte {self.pos}")
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += size
+        return values
+
+    def box(self) -> Box:
+        (rank,) = self.take("<B")
+        return tuple(self.take("<qq") for _ in range(rank))  # type: ignore[misc]
+
+    def operand(self) -> Operand | None:
+        (present,) = self.take("<B")
+        if present == 0:
+            return None
+        if present != 1:
+            raise CompileError("invalid_program", f"bad operand flag {present} at {self.pos}")
+        (vtcm,) = self.take("<Q")
+        return Operand(vtcm=vtcm, box=self.box())
+
+
+def decode_program(data: bytes | memoryview) -> Program:
+    """Decode and structurally check program.bin; raises CompileError('invalid_program')."""
+    reader = _Reader(data)
+    if bytes(reader.data[:4]) != PROGRAM_MAGIC:
+        raise CompileError("invalid_program", "program.bin does not start with QPRG")
+    reader.pos = 4
+    version, tables_len, num_streams = reader.take("<IQI")
+    if version != PROGRAM_VERSION:
+        raise CompileError("invalid_program", f"program.bin version {version} is not supported")
+    if reader.pos + tables_len > len(reader.data):
+        raise CompileError("invalid_program", "program.bin table section is truncated")
+    try:
+        doc = json.loads(bytes(reader.data[reader.pos : reader.pos + tables_len]))
+    except ValueError as exc:
+        raise CompileError("invalid_program", f"program.bin tables are not JSON: {exc}") from exc
+    reader.pos += tables_len
+    try:
+        tensors = [
+            TensorDesc(int(i), str(n), str(dt), tuple(int(d) for d in s), str(k), int(o), int(b))
+            for i, n, dt, s, k, o, b in doc["tensors"]
+        ]
+        kernels = [
+            KernelDesc(
+                id=k["id"],
+                name=k["name"],
+                info=_info_from_json(k["info"]),
+                inputs=tuple(k["inputs"]),
+                outputs=tuple(k["outputs"]),
+                epilogue=tuple(
+                    EpilogueDesc(
+                        op_type=e["op_type"],
+                        node_name=e["node_name"],
+                        inputs=tuple(e["inputs"]),
+                        attrs=_unjson(e["attrs"]),
+                        opset=e["opset"],
+                        out_dtype=e["out_dtype"],
+                    )
+                    for e in k["epilogue"]
+                ),
+                kernel=k["kernel"],
+                unit=k["unit"],
+                macs=k["macs"],
+                nodes=tuple(k["nodes"]),
+                op_types=tuple(k["op_types"]),
+            )
+            for k in doc["kernels"]
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CompileError("invalid_program", f"program.bin tables are malformed: {exc}") from exc
+    streams: list[list[Instr]] = []
+    for _ in range(num_streams):
+        count, _blob_len = reader.take("<IQ")
+        stream: list[Instr] = []
+        for _ in range(count):
+            (code,) = reader.take("<B")
+            if code in (_OP_LOAD, _OP_STORE):
+                tensor, vtcm = reader.take("<IQ")
+                box = reader.box()
+                stream.append(DmaLoad(tensor, box, vtcm) if code == _OP_LOAD else
+                              DmaStore(tensor, box, vtcm))
+            elif code == _OP_KERNEL:
+                (kernel,) = reader.take("<I")
+                out_box = reader.box()
+                (n_in,) = reader.take("<B")
+                ins = tuple(reader.operand() for _ in range(n_in))
+                (n_out,) = reader.take("<B")
+                outs = tuple(reader.operand() for _ in range(n_out))
+                if any(o is None for o in outs):
+                    raise CompileError("invalid_program", "kernel output operand missing")
+                stream.append(RunKernel(kernel, out_box, ins, outs))  # type: ignore[arg-type]
+            elif code == _OP_POST:
+                stream.append(SemPost(*reader.take("<I")))
+            elif code == _OP_WAIT:
+                stream.append(SemWait(*reader.take("<II")))
+            else:
+                raise CompileError("invalid_program", f"unknown opcode {code} at {reader.pos - 1}")
+        streams.append(stream)
+    if reader.pos != len(reader.data):
+        raise CompileError("invalid_program", "program.bin has trailing bytes")
+    program = Program(
+        tensors=tensors,
+        kernels=kernels,
+        streams=streams,
+        num_semaphores=int(doc["num_semaphores"]),
+        ddr_size=int(doc["ddr_size"]),
+        constants_size=int(doc["constants_size"]),
+        vtcm_used=[int(v) for v in doc["vtcm_used"]],
+        inputs=[int(v) for v in doc["inputs"]],
+        outputs=[int(v) for v in doc["outputs"]],
+        meta=_unjson(doc.get("meta", {})),
+    )
+    check_program(program)
+    return program
+
+
+def check_program(program: Program) -> None:
+    """Every reference in range: tensors, kernels, semaphores; tensors inside DDR."""
+    n_t, n_k = len(program.tensors), len(program.kernels)
+    for t in program.tensors:
+        if t.ddr_offset < 0 or t.ddr_offset + t.nbytes > program.ddr_size:
+            raise CompileError("invalid_program", f"tensor {t.name} lies outside DDR")
+    for k in program.kernels:
+        for ref in (*k.inputs, *k.outputs):
+            if ref >= n_t or ref < -1:
+                raise CompileError("invalid_program", f"kernel {k.name} names tensor {ref}")
+    for core, stream in enumerate(program.streams):
+        for instr in stream:
+            if isinstance(instr, DmaLoad | DmaStore) and instr.tensor >= n_t:
+                raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
+            if isinstance(instr, RunKernel) and instr.kernel >= n_k:
+                raise CompileError("invalid_program", f"core {core}: kernel {instr.kernel}")
+            if isinstance(instr, SemPost | SemWait) and instr.sem >= program.num_semaphores:
+                raise CompileError("invalid_program", f"core {core}: semaphore {instr.sem}")

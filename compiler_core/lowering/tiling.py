@@ -1,0 +1,167 @@
+"""Cut a kernel's output into tiles that fit VTCM and spread them over the NSP cores.
+
+A tile is a box of output 0; the op's tiling rule says which box of every input it reads.
+Cuts come from two needs: parallelism (`-aic-num-cores` x `-ols` parts, `-mos` capping the
+output-channel cut) and fit (the working set of inputs + output must fit the VTCM budget;
+the output part of one tile is also kept under `-size-split-granularity`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.ops._tiling import broadcast_input_box
+from compiler_core.ops.registry import Box, NodeInfo, OpDef, box_shape, full_box
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TileSpec:
+    out_box: Box
+    in_boxes: tuple[Box | None, ...]
+    """Base-op inputs first, then the epilogue operands."""
+    working_set: int
+    core: int = 0
+
+
+@dataclass(frozen=True)
+class TilingRequest:
+    info: NodeInfo
+    opdef: OpDef
+    extra_shapes: tuple[tuple[int, ...], ...]
+    extra_dtypes: tuple[str, ...]
+    num_cores: int
+    ols: int
+    mos: int | None
+    budget: int
+    granularity: int
+    rotate: int = 0
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(box: Box | None, dtype: str | None) -> int:
+    if box is None or dtype is None:
+        return 0
+    return _aligned(int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize)
+
+
+def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
+
+
+def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
+    info = req.info
+    base = tuple(req.opdef.input_boxes(info, out_box))
+    out_shape = info.out_shapes[0]
+    extras = tuple(broadcast_input_box(s, out_shape, out_box) for s in req.extra_shapes)
+    in_boxes = base + extras
+    dtypes = (*info.in_dtypes, *req.extra_dtypes)
+    ws = sum(_nbytes(b, d) for b, d in zip(in_boxes, dtypes, strict=True))
+    if len(info.out_shapes) == 1:
+        ws += _nbytes(out_box, info.out_dtypes[0])
+    else:
+        ws += sum(_nbytes(full_box(s), d) for s, d in zip(info.out_shapes, info.out_dtypes,
+                                                           strict=True))
+    return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=ws)
+
+
+def _tiles_for(req: TilingRequest, parts: dict[int, int]) -> list[Box]:
+    shape = req.info.out_shapes[0]
+    per_axis = [_ranges(d, parts.get(a, 1)) for a, d in enumerate(shape)]
+    return [tuple(b) for b in itertools.product(*per_axis)]
+
+
+def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
+    """Largest working set and output bytes among representative tiles (first, middle, last)."""
+    shape = req.info.out_shapes[0]
+    picks = []
+    for a, d in enumerate(shape):
+        ranges = _ranges(d, parts.get(a, 1))
+        picks.append(sorted({0, len(ranges) // 2, len(ranges) - 1}))
+    worst_ws = worst_out = 0
+    for combo in itertools.product(*picks):
+        box = tuple(_ranges(d, parts.get(a, 1))[i] for a, (d, i) in enumerate(zip(shape, combo,
+                                                                                 strict=True)))
+        tile = _tile(req, box)
+        worst_ws = max(worst_ws, tile.working_set)
+        worst_out = max(worst_out, _nbytes(box, req.info.out_dtypes[0]))
+    return worst_ws, worst_out
+
+
+def plan_tiles(req: TilingRequest) -> list[TileSpec]:
+    info = req.info
+    single = len(info.out_shapes) == 1 and len(info.out_shapes[0]) > 0
+    axes = [a for a in req.opdef.split_axes(info) if single and info.out_shapes[0][a] > 1]
+    if not axes:
+        tile = _tile(req, full_box(info.out_shapes[0]) if info.out_shapes else ())
+        _check_fits(req, tile.working_set)
+        return [TileSpec(tile.out_box, tile.in_boxes, tile.working_set, req.rotate % req.num_cores)]
+
+    shape = info.out_shapes[0]
+    parts = {a: 1 for a in axes}
+    limit = {a: shape[a] for a in axes}
+    if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
+        limit[1] = min(limit[1], max(1, req.mos))
+
+    want = req.num_cores * max(1, req.ols)
+    for a in axes:
+        have = math.prod(parts.values())
+        if have >= want:
+            break
+        parts[a] = min(limit[a], math.ceil(want / have))
+
+    while True:
+        ws, out_bytes = _probe(req, parts)
+        if ws <= req.budget and out_bytes <= req.granularity:
+            break
+        best: tuple[int, int] | None = None
+        for a in axes:
+            if parts[a] >= shape[a]:
+                continue
+            trial = dict(parts)
+            trial[a] = min(shape[a], parts[a] * 2)
+            trial_ws, _ = _probe(req, trial)
+            if best is None or trial_ws < best[0]:
+                best = (trial_ws, a)
+        if best is None:
+            _check_fits(req, ws)
+            break
+        parts[best[1]] = min(shape[best[1]], parts[best[1]] * 2)
+
+    boxes = _tiles_for(req, parts)
+    tiles = [_tile(req, b) for b in boxes]
+    for t in tiles:
+        _check_fits(req, t.working_set)
+    return _assign_cores(tiles, req.num_cores, req.rotate)
+
+
+def _assign_cores(tiles: Sequence[TileSpec], num_cores: int, rotate: int) -> list[TileSpec]:
+    n = len(tiles)
+    out = []
+    for i, t in enumerate(tiles):
+        core = (i * num_cores // n) if n >= num_cores else (rotate + i) % num_cores
+        out.append(TileSpec(t.out_box, t.in_boxes, t.working_set, core))
+    return out
+
+
+def _check_fits(req: TilingRequest, working_set: int) -> None:
+    if working_set > req.budget:
+        info = req.info
+        raise CompileError(
+            "vtcm_overflow",
+            f"node '{info.name}' ({info.op_type}) needs {working_set:,} bytes of VTCM for its "
+            f"smallest tile, {working_set - req.budget:,} bytes more than the "
+            f"{req.budget:,}-byte budget per core (-vtcm-working-set-limit-ratio)",
+            node=info.name,
+            details={"needed": working_set, "budget": req.budget},
+        )

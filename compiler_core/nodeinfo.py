@@ -1,0 +1,96 @@
+"""Build the IR-independent `NodeInfo` that kernels and tiling rules see, from an onnx_ir node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from compiler_core.errors import CompileError
+from compiler_core.ops.registry import NodeInfo
+
+SMALL_CONST_ELEMENTS = 4096
+"""Constant inputs up to this many elements are handed to tiling rules by value."""
+
+
+def dtype_name(dtype: ir.DataType | None) -> str | None:
+    if dtype is None:
+        return None
+    try:
+        return str(np.dtype(dtype.numpy()))
+    except (TypeError, NotImplementedError):
+        return dtype.name.lower()
+
+
+def static_shape(value: ir.Value) -> tuple[int, ...] | None:
+    shape = value.shape
+    if shape is None or not shape.is_static():
+        return None
+    return tuple(int(d) for d in shape)  # type: ignore[arg-type]
+
+
+def attribute_value(attr: ir.Attr) -> Any:
+    """An attribute as a plain Python value (tensors as numpy arrays, strings as str)."""
+    kind = attr.type
+    if kind == ir.AttributeType.TENSOR:
+        return np.asarray(attr.as_tensor().numpy())
+    if kind == ir.AttributeType.TENSORS:
+        return [np.asarray(t.numpy()) for t in attr.as_tensors()]
+    if kind == ir.AttributeType.STRING:
+        return attr.as_string()
+    if kind == ir.AttributeType.STRINGS:
+        return list(attr.as_strings())
+    if kind == ir.AttributeType.INTS:
+        return [int(v) for v in attr.as_ints()]
+    if kind == ir.AttributeType.FLOATS:
+        return [float(v) for v in attr.as_floats()]
+    if kind == ir.AttributeType.INT:
+        return int(attr.as_int())
+    if kind == ir.AttributeType.FLOAT:
+        return float(attr.as_float())
+    raise CompileError(
+        "unsupported_attribute",
+        f"attribute '{attr.name}' of type {kind.name} is not supported",
+    )
+
+
+def const_value(value: ir.Value | None) -> np.ndarray | None:
+    if value is None or value.const_value is None:
+        return None
+    return np.asarray(value.const_value.numpy())
+
+
+def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInfo:
+    attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+    in_shapes = []
+    in_dtypes = []
+    consts: dict[int, np.ndarray] = {}
+    for index, value in enumerate(node.inputs):
+        if value is None:
+            in_shapes.append(None)
+            in_dtypes.append(None)
+            continue
+        in_shapes.append(static_shape(value))
+        in_dtypes.append(dtype_name(value.dtype))
+        if with_consts and value.const_value is not None:
+            if value.const_value.size <= SMALL_CONST_ELEMENTS:
+                consts[index] = np.asarray(value.const_value.numpy())
+    out_shapes = []
+    out_dtypes = []
+    for value in node.outputs:
+        shape = static_shape(value)
+        out_shapes.append(shape if shape is not None else ())
+        out_dtypes.append(dtype_name(value.dtype) or "float32")
+    return NodeInfo(
+        op_type=node.op_type,
+        name=node.name or node.op_type,
+        attrs=attrs,
+        in_shapes=tuple(in_shapes),
+        in_dtypes=tuple(in_dtypes),
+        out_shapes=tuple(out_shapes),
+        out_dtypes=tuple(out_dtypes),
+        opset=opset,
+        domain=node.domain,
+        consts=consts,
+    )

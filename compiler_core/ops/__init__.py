@@ -1,0 +1,16 @@
+"""Importing this package fills the op registry, family by family."""
+
+from compiler_core.ops import (  # noqa: F401  (imported for their registrations)
+    activation,
+    conv,
+    elementwise,
+    matmul,
+    norm,
+    pool,
+    reduce,
+    resize_pad,
+    tensor,
+)
+from compiler_core.ops.registry import REGISTRY, Box, NodeInfo, OpDef, TileCtx
+
+__all__ = ["REGISTRY", "Box", "NodeInfo", "OpDef", "TileCtx"]

@@ -1,0 +1,425 @@
+"""Conv and ConvTranspose, plus the sliding-window geometry that pooling shares.
+
+Tiles are computed in global coordinates: a kernel reads where its tile sits from the
+`TileCtx` boxes and works out, per spatial axis, which input positions it needs and how much
+of that range is implicit padding. The input it was given may be any box containing what it
+needs (a whole tensor included), so the same code serves whole ops and tiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from compiler_core.errors import CompileError
+from compiler_core.ops.registry import (
+    FLOATS,
+    Box,
+    NodeInfo,
+    Shape,
+    TileCtx,
+    box_shape,
+    full_box,
+    register,
+)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Sliding-window geometry of one spatial axis, in global coordinates."""
+
+    kernel: int
+    stride: int
+    dilation: int
+    pad_begin: int
+    pad_end: int
+    in_size: int
+    out_size: int
+
+    @property
+    def span(self) -> int:
+        return (self.kernel - 1) * self.dilation + 1
+
+    def need(self, o0: int, o1: int) -> tuple[int, int]:
+        """Input range [lo, hi) read by outputs [o0, o1), padding positions included."""
+        lo = o0 * self.stride - self.pad_begin
+        return lo, (o1 - 1) * self.stride - self.pad_begin + self.span
+
+    def clipped(self, o0: int, o1: int) -> tuple[int, int]:
+        lo, hi = self.need(o0, o1)
+        return clip_range(lo, hi, self.in_size)
+
+
+def clip_range(lo: int, hi: int, size: int) -> tuple[int, int]:
+    """Clip [lo, hi) to [0, size), never empty: a tile made only of padding still gets one
+    element, which its kernel then ignores, so that no box is ever empty."""
+    lo, hi = max(lo, 0), min(hi, size)
+    if hi <= lo:
+        lo = min(max(lo, 0), size - 1)
+        hi = lo + 1
+    return lo, hi
+
+
+def ints(node: NodeInfo, name: str, default: Sequence[int]) -> list[int]:
+    value = node.attr(name)
+    return [int(v) for v in (default if value is None else value)]
+
+
+def windows(node: NodeInfo, kernel_shape: Sequence[int], in_spatial: Shape,
+            out_spatial: Shape) -> list[Window]:
+    """Per-axis geometry from strides, dilations, pads and auto_pad (ONNX defaults applied)."""
+    rank = len(kernel_shape)
+    strides = ints(node, "strides", [1] * rank)
+    dilations = ints(node, "dilations", [1] * rank)
+    pads = ints(node, "pads", [0] * (2 * rank))
+    auto_pad = str(node.attr("auto_pad", "NOTSET"))
+    result = []
+    for i in range(rank):
+        k, s, d = int(kernel_shape[i]), strides[i], dilations[i]
+        n_in, n_out = int(in_spatial[i]), int(out_spatial[i])
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(0, (n_out - 1) * s + (k - 1) * d + 1 - n_in)
+            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+            end = total - begin
+        elif auto_pad == "VALID":
+            begin = end = 0
+        else:
+            begin, end = pads[i], pads[i + rank]
+        result.append(Window(k, s, d, begin, end, n_in, n_out))
+    return result
+
+
+def crop_or_pad(x: np.ndarray, axis: int, start: int, stop: int, fill: float) -> np.ndarray:
+    """x[start:stop] along `axis`, with positions outside [0, len) set to `fill`."""
+    n = x.shape[axis]
+    before = max(0, min(stop, 0) - start)
+    after = max(0, stop - max(start, n))
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(max(start, 0), max(min(stop, n), max(start, 0)))
+    part = x[tuple(index)]
+    if before == 0 and after == 0:
+        return part
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (before, after)
+    return np.pad(part, widths, mode="constant", constant_values=fill)
+
+
+def gather_windows(
+    x: np.ndarray,
+    wins: Sequence[Window],
+    out_box: Box,
+    in_box: Box,
+    fill: float,
+    aligned: Sequence[int] = (0,),
+) -> np.ndarray:
+    """Windows of a channels-first tile: shape (N, C, *out tile, *kernel), a strided view.
+
+    `out_box` and `in_box` locate the output tile and the given input in global coordinates;
+    positions outside the input (padding, or past the end under ceil_mode) read `fill`.
+    `aligned` axes index input and output alike (batch; channels too for pooling).
+    """
+    for axis in aligned:
+        shift = in_box[axis][0]
+        x = crop_or_pad(x, axis, out_box[axis][0] - shift, out_box[axis][1] - shift, fill)
+    first = x.ndim - len(wins)
+    for i, win in enumerate(wins):
+        o0, o1 = out_box[first + i]
+        lo, hi = win.need(o0, o1)
+        start = in_box[first + i][0]
+        x = crop_or_pad(x, first + i, lo - start, hi - start, fill)
+    spatial = tuple(range(first, x.ndim))
+    view = sliding_window_view(x, [w.span for w in wins], axis=spatial)
+    index = (
+        [slice(None)] * first
+        + [slice(None, None, w.stride) for w in wins]
+        + [slice(None, None, w.dilation) for w in wins]
+    )
+    return view[tuple(index)]
+
+
+def accumulator(dtype: np.dtype) -> type[np.floating]:
+    """fp16 accumulates in fp32 (as HMX does); fp32 and fp64 stay as they are."""
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def whole_box(node: NodeInfo, index: int) -> Box:
+    shape = node.in_shapes[index]
+    assert shape is not None
+    return full_box(shape)
+
+
+def tile_box(tile: TileCtx, node: NodeInfo, index: int) -> Box:
+    box = tile.in_boxes[index] if index < len(tile.in_boxes) else None
+    return whole_box(node, index) if box is None else box
+
+
+def channel_part(vec: np.ndarray, box: Box, wanted: tuple[int, int], acc: type, rank: int) -> np.ndarray:
+    """The channels `wanted` of a per-channel vector given as `box`, shaped to broadcast
+    over (N, C, *spatial)."""
+    part = vec[wanted[0] - box[0][0] : wanted[1] - box[0][0]]
+    return part.astype(acc, copy=False).reshape((-1,) + (1,) * rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conv
+
+
+def _conv_windows(node: NodeInfo) -> list[Window]:
+    x_shape, w_shape = node.in_shapes[0], node.in_shapes[1]
+    assert x_shape is not None and w_shape is not None
+    kernel = ints(node, "kernel_shape", w_shape[2:])
+    return windows(node, kernel, x_shape[2:], node.out_shapes[0][2:])
+
+
+def _conv_group_geometry(node: NodeInfo) -> tuple[int, int, int]:
+    """(group, input channels per group, output channels per group)."""
+    w_shape = node.in_shapes[1]
+    assert w_shape is not None
+    group = int(node.attr("group", 1))
+    return group, int(w_shape[1]), int(w_shape[0]) // group
+
+
+def conv_split_axes(node: NodeInfo) -> list[int]:
+    group, in_per_group, _ = _conv_group_geometry(node)
+    rank = len(node.out_shapes[0])
+    channels = [1] if group == 1 or in_per_group == 1 else []
+    return [0, *channels, *range(2, rank)]
+
+
+def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    group, in_per_group, out_per_group = _conv_group_geometry(node)
+    (n0, n1), (m0, m1) = out_box[0], out_box[1]
+    spatial = tuple(w.clipped(*out_box[2 + i]) for i, w in enumerate(_conv_windows(node)))
+    if group == 1:
+        channels = whole_box(node, 0)[1]
+    else:
+        g0, g1 = m0 // out_per_group, (m1 - 1) // out_per_group + 1
+        channels = (g0 * in_per_group, g1 * in_per_group)
+    w_shape = node.in_shapes[1]
+    assert w_shape is not None
+    boxes: list[Box | None] = [
+        ((n0, n1), channels, *spatial),
+        ((m0, m1), *full_box(w_shape[1:])),
+    ]
+    if node.has_input(2):
+        boxes.append(((m0, m1),))
+    return boxes
+
+
+def conv_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+    x, w = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    assert x is not None and w is not None
+    out_dtype = np.dtype(node.out_dtypes[0])
+    acc = accumulator(out_dtype)
+    group, in_per_group, out_per_group = _conv_group_geometry(node)
+    wins = _conv_windows(node)
+    x_box = tile_box(tile, node, 0)
+    xw = gather_windows(x.astype(acc, copy=False), wins, tile.out_box, x_box, 0.0)
+    w = w.astype(acc, copy=False)
+    rank = len(wins)
+    out_tile = box_shape(tile.out_box)
+    m0, m1 = tile.out_box[1]
+    w = w[m0 - tile_box(tile, node, 1)[0][0] :][: m1 - m0]
+    if group == 1:
+        axes_x = [1, *range(2 + rank, 2 + 2 * rank)]
+        y = np.tensordot(xw, w, axes=(axes_x, list(range(1, 2 + rank))))
+        y = np.moveaxis(y, -1, 1)
+    else:
+        g0 = m0 // out_per_group
+        first_channel = g0 * in_per_group - x_box[1][0]
+        n_groups = (m1 - 1) // out_per_group + 1 - g0
+        xg = xw[:, first_channel : first_channel + n_groups * in_per_group]
+        xg = xg.reshape(xg.shape[0], n_groups, in_per_group, *xg.shape[2:])
+        y = _grouped_conv(xg, w, m0 - g0 * out_per_group, out_per_group, rank)
+    if bias is not None:
+        y = y + channel_part(bias, tile_box(tile, node, 2), (m0, m1), acc, rank)
+    assert y.shape == out_tile, (y.shape, out_tile)
+    return [y.astype(out_dtype, copy=False)]
+
+
+def _grouped_conv(xg: np.ndarray, w: np.ndarray, first: int, per_group: int, rank: int) -> np.ndarray:
+    """Grouped conv of windows xg (N, G, Cg, *O, *K) with the weights of output channels
+    [first, first + len(w)) counted from the first group present (w: Mt, Cg, *K)."""
+    n, groups, cg = xg.shape[:3]
+    out_sp = xg.shape[3 : 3 + rank]
+    k_sp = xg.shape[3 + rank :]
+    taps = cg * int(np.prod(k_sp, dtype=np.int64))
+    if first == 0 and len(w) == groups * per_group:
+        # Aligned to whole groups: one batched matmul per group.
+        perm = (1, 0, *range(3, 3 + rank), 2, *range(3 + rank, 3 + 2 * rank))
+        cols = xg.transpose(perm).reshape(groups, -1, taps)
+        wg = w.reshape(groups, per_group, taps).transpose(0, 2, 1)
+        y = np.matmul(cols, wg).reshape(groups, n, *out_sp, per_group)
+        y = np.moveaxis(y, 0, -2).reshape(n, *out_sp, groups * per_group)
+        return np.moveaxis(y, -1, 1)
+    group_of = (np.arange(first, first + len(w)) // per_group).astype(np.intp)
+    picked = xg[:, group_of]
+    letters = "abcdefghijkl"[:rank], "opqrstuvwxyz"[:rank]
+    spec = f"nmc{letters[0]}{letters[1]},mc{letters[1]}->nm{letters[0]}"
+    return np.einsum(spec, picked, w, optimize=True)
+
+
+def conv_macs(node: NodeInfo) -> int:
+    w_shape = node.in_shapes[1]
+    assert w_shape is not None
+    per_output = int(np.prod(w_shape[1:], dtype=np.int64))
+    return int(np.prod(node.out_shapes[0], dtype=np.int64)) * per_output
+
+
+register(
+    "Conv",
+    conv_compute,
+    since=1,
+    dtypes=FLOATS,
+    kernel="conv",
+    unit="hmx",
+    split_axes=conv_split_axes,
+    input_boxes=conv_input_boxes,
+    macs=conv_macs,
+    doc="N-d convolution (1-3 spatial dims): pads, auto_pad, strides, dilations, group.",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# ConvTranspose
+
+
+def _transpose_pads(node: NodeInfo) -> list[tuple[int, int]]:
+    """(pad_begin, output_padding) per spatial axis. With auto_pad SAME_* or an explicit
+    output_shape the total padding is derived, the odd element going to the end for
+    SAME_UPPER and to the start otherwise (as the ONNX spec and ONNX Runtime agree)."""
+    x_shape, w_shape = node.in_shapes[0], node.in_shapes[1]
+    assert x_shape is not None and w_shape is not None
+    kernel = ints(node, "kernel_shape", w_shape[2:])
+    rank = len(kernel)
+    strides = ints(node, "strides", [1] * rank)
+    dilations = ints(node, "dilations", [1] * rank)
+    out_pad = ints(node, "output_padding", [0] * rank)
+    pads = node.attr("pads")
+    auto_pad = str(node.attr("auto_pad", "NOTSET"))
+    result = []
+    for i in range(rank):
+        full = (x_shape[2 + i] - 1) * strides[i] + out_pad[i] + (kernel[i] - 1) * dilations[i] + 1
+        if node.attr("output_shape") is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(0, full - node.out_shapes[0][2 + i])
+            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+        elif pads is not None and auto_pad != "VALID":
+            begin = int(pads[i])
+        else:
+            begin = 0
+        result.append((begin, out_pad[i]))
+    return result
+
+
+def _transpose_geometry(node: NodeInfo) -> tuple[list[int], list[int], list[int], list[int]]:
+    w_shape = node.in_shapes[1]
+    assert w_shape is not None
+    kernel = ints(node, "kernel_shape", w_shape[2:])
+    rank = len(kernel)
+    strides = ints(node, "strides", [1] * rank)
+    dilations = ints(node, "dilations", [1] * rank)
+    begins = [b for b, _ in _transpose_pads(node)]
+    return kernel, strides, dilations, begins
+
+
+def conv_transpose_split_axes(node: NodeInfo) -> list[int]:
+    channels = [1] if int(node.attr("group", 1)) == 1 else []
+    return [0, *channels, *range(2, len(node.out_shapes[0]))]
+
+
+def conv_transpose_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    x_shape, w_shape = node.in_shapes[0], node.in_shapes[1]
+    assert x_shape is not None and w_shape is not None
+    kernel, strides, dilations, begins = _transpose_geometry(node)
+    spatial = []
+    for i, (o0, o1) in enumerate(out_box[2:]):
+        # Output o receives input i through tap j when o = i * stride - pad + j * dilation.
+        span = (kernel[i] - 1) * dilations[i]
+        lo = -((-(o0 + begins[i] - span)) // strides[i])
+        hi = (o1 - 1 + begins[i]) // strides[i] + 1
+        spatial.append(clip_range(lo, hi, x_shape[2 + i]))
+    group = int(node.attr("group", 1))
+    channels = out_box[1] if group == 1 else (0, int(w_shape[1]))
+    boxes: list[Box | None] = [
+        (out_box[0], (0, x_shape[1]), *spatial),
+        ((0, w_shape[0]), channels, *full_box(w_shape[2:])),
+    ]
+    if node.has_input(2):
+        boxes.append((out_box[1],))
+    return boxes
+
+
+def conv_transpose_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
+    x, w = inputs[0], inputs[1]
+    bias = inputs[2] if len(inputs) > 2 else None
+    assert x is not None and w is not None
+    out_dtype = np.dtype(node.out_dtypes[0])
+    acc = accumulator(out_dtype)
+    x, w = x.astype(acc, copy=False), w.astype(acc, copy=False)
+    kernel, strides, dilations, begins = _transpose_geometry(node)
+    rank = len(kernel)
+    group = int(node.attr("group", 1))
+    x_box = tile_box(tile, node, 0)
+    n, c = x.shape[:2]
+    out_channels = w.shape[1] * group
+    # Scatter every tap of the given input into a buffer starting at global output `base`.
+    base = [x_box[2 + i][0] * strides[i] - begins[i] for i in range(rank)]
+    size = [(x.shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 for i in range(rank)]
+    buf = np.zeros((n, out_channels, *size), dtype=acc)
+    cg, mg = c // group, w.shape[1]
+    for tap in np.ndindex(*kernel):
+        place = tuple(
+            slice(
+                tap[i] * dilations[i],
+                tap[i] * dilations[i] + (x.shape[2 + i] - 1) * strides[i] + 1,
+                strides[i],
+            )
+            for i in range(rank)
+        )
+        for g in range(group):
+            w_tap = w[(slice(g * cg, (g + 1) * cg), slice(None), *tap)]
+            contrib = np.tensordot(x[:, g * cg : (g + 1) * cg], w_tap, axes=([1], [0]))
+            buf[(slice(None), slice(g * mg, (g + 1) * mg), *place)] += np.moveaxis(contrib, -1, 1)
+    # With group == 1 the weights (hence buf) hold only the channels of their box.
+    first = tile_box(tile, node, 1)[1][0] if group == 1 else 0
+    y = buf[:, tile.out_box[1][0] - first : tile.out_box[1][1] - first]
+    for i in range(rank):
+        o0, o1 = tile.out_box[2 + i]
+        y = crop_or_pad(y, 2 + i, o0 - base[i], o1 - base[i], 0.0)
+    if bias is not None:
+        y = y + channel_part(bias, tile_box(tile, node, 2), tile.out_box[1], acc, rank)
+    return [np.ascontiguousarray(y, dtype=out_dtype)]
+
+
+def conv_transpose_macs(node: NodeInfo) -> int:
+    x_shape, w_shape = node.in_shapes[0], node.in_shapes[1]
+    assert x_shape is not None and w_shape is not None
+    return int(np.prod(x_shape, dtype=np.int64)) * int(np.prod(w_shape[1:], dtype=np.int64))
+
+
+register(
+    "ConvTranspose",
+    conv_transpose_compute,
+    since=1,
+    dtypes=FLOATS,
+    kernel="conv_transpose",
+    unit="hmx",
+    split_axes=conv_transpose_split_axes,
+    input_boxes=conv_transpose_input_boxes,
+    macs=conv_transpose_macs,
+    doc="N-d transposed convolution: pads, auto_pad, output_padding, output_shape, group.",
+)
+
+
+def reject_training(node: NodeInfo, what: str) -> None:
+    raise CompileError(
+        "unsupported_attribute",
+        f"{node.op_type} {what} is not supported (inference only)",
+        node=node.name,
+    )

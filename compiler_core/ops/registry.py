@@ -1,0 +1,169 @@
+"""The op registry: the one place that says which ONNX ops we support and how.
+
+Each entry answers four questions for one op type: which opsets and element types it accepts
+(the importer's check and `-operators-supported`), how its output can be cut into tiles and
+which part of each input a tile needs (lowering), what it costs (the cost model), and what it
+computes (the runtime kernel, which is also what constant folding runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Box = tuple[tuple[int, int], ...]
+"""A rectangular region of a tensor: one half-open [start, stop) range per axis."""
+
+Shape = tuple[int, ...]
+
+FLOATS = frozenset({"float16", "float32", "float64"})
+SIGNED = frozenset({"int8", "int16", "int32", "int64"})
+UNSIGNED = frozenset({"uint8", "uint16", "uint32", "uint64"})
+INTS = SIGNED | UNSIGNED
+NUMERIC = FLOATS | INTS
+BOOL = frozenset({"bool"})
+ALL = NUMERIC | BOOL
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(d)) for d in shape)
+
+
+def box_shape(box: Box) -> Shape:
+    return tuple(stop - start for start, stop in box)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node as kernels see it: attributes as Python values and every static shape and dtype.
+
+    Independent of the IR, so the runtime can rebuild it from a QPC alone.
+    `attrs` holds ints, floats, strings, lists of those and numpy arrays (tensor attributes).
+    A missing optional input has shape and dtype None.
+    """
+
+    op_type: str
+    name: str
+    attrs: dict[str, Any]
+    in_shapes: tuple[Shape | None, ...]
+    in_dtypes: tuple[str | None, ...]
+    out_shapes: tuple[Shape, ...]
+    out_dtypes: tuple[str, ...]
+    opset: int = 17
+    domain: str = ""
+    consts: dict[int, np.ndarray] = field(default_factory=dict)
+    """Values of the small constant inputs (axes, pads, shapes, starts, scales...), by input
+    index, so that tiling rules can use them; kernels still receive them in `inputs` too."""
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    def has_input(self, index: int) -> bool:
+        return index < len(self.in_shapes) and self.in_shapes[index] is not None
+
+
+@dataclass(frozen=True)
+class TileCtx:
+    """Where a tile sits: the output box it produces and the input boxes it was given.
+
+    Kernels that need positions (padding in Conv, windows in pooling) read them from here;
+    pure elementwise kernels ignore it. `in_boxes[i]` is None for an input given whole.
+    """
+
+    out_box: Box
+    in_boxes: tuple[Box | None, ...]
+
+    @staticmethod
+    def whole(node: NodeInfo) -> TileCtx:
+        return TileCtx(
+            out_box=full_box(node.out_shapes[0]),
+            in_boxes=tuple(None if s is None else full_box(s) for s in node.in_shapes),
+        )
+
+
+Compute = Callable[[NodeInfo, list[np.ndarray | None], TileCtx], list[np.ndarray]]
+SplitAxes = Callable[[NodeInfo], list[int]]
+InputBoxes = Callable[[NodeInfo, Box], list[Box | None]]
+Macs = Callable[[NodeInfo], int]
+
+
+def no_split(node: NodeInfo) -> list[int]:
+    return []
+
+
+def whole_inputs(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    return [None if s is None else full_box(s) for s in node.in_shapes]
+
+
+def no_macs(node: NodeInfo) -> int:
+    return 0
+
+
+def output_elements(node: NodeInfo) -> int:
+    return sum(int(np.prod(s, dtype=np.int64)) for s in node.out_shapes)
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One supported op type. `until` is the last opset this definition covers (None: latest)."""
+
+    op_type: str
+    compute: Compute
+    since: int = 1
+    until: int | None = None
+    dtypes: frozenset[str] = FLOATS
+    domain: str = ""
+    kernel: str = ""
+    unit: str = "hvx"
+    split_axes: SplitAxes = no_split
+    input_boxes: InputBoxes = whole_inputs
+    macs: Macs = output_elements
+    alias: bool = False
+    """The output is the input's bytes reinterpreted (Reshape, Squeeze...): no kernel runs."""
+    elementwise: bool = False
+    """Output element i depends only on element i of each (broadcast) input: may be fused as
+    an epilogue of the op that produces its first input."""
+    doc: str = ""
+    tags: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def kernel_name(self) -> str:
+        return self.kernel or self.op_type.lower()
+
+
+class OpRegistry:
+    def __init__(self) -> None:
+        self._ops: dict[tuple[str, str], list[OpDef]] = {}
+
+    def add(self, opdef: OpDef) -> OpDef:
+        self._ops.setdefault((opdef.domain, opdef.op_type), []).append(opdef)
+        return opdef
+
+    def lookup(self, op_type: str, domain: str = "", opset: int | None = None) -> OpDef | None:
+        for opdef in self._ops.get((_norm_domain(domain), op_type), []):
+            if opset is None:
+                return opdef
+            if opdef.since <= opset and (opdef.until is None or opset <= opdef.until):
+                return opdef
+        return None
+
+    def versions(self, op_type: str, domain: str = "") -> list[OpDef]:
+        return list(self._ops.get((_norm_domain(domain), op_type), []))
+
+    def all(self) -> list[OpDef]:
+        return [d for key in sorted(self._ops) for d in self._ops[key]]
+
+
+def _norm_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+REGISTRY = OpRegistry()
+"""Filled once, at import of `compiler_core.ops`, and never changed after."""
+
+
+def register(op_type: str, compute: Compute, **kwargs: Any) -> OpDef:
+    return REGISTRY.add(OpDef(op_type=op_type, compute=compute, **kwargs))

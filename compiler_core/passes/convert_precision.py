@@ -1,0 +1,194 @@
+"""`-convert-to-fp16`: compute in float16 inside, keep the float32 signature outside.
+
+Every float32 constant and intermediate becomes float16; graph inputs and outputs stay float32
+with a Cast at the boundary, so callers feed and read exactly what the ONNX model declares.
+Constants beyond float16's range would become infinities, so they are clipped to +-65504
+and named in one warning (`warnings`), as the vendor compiler does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from compiler_core.passes.base import GraphPass, NameScope
+
+log = logging.getLogger(__name__)
+
+FP16_MAX = 65504.0
+FLOAT = ir.DataType.FLOAT
+FLOAT16 = ir.DataType.FLOAT16
+
+FLOAT32_ONLY_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
+"""(op type, input index) slots whose type the ONNX spec fixes to float32."""
+
+DTYPE_ATTR_OPS = frozenset(
+    {"EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike"}
+)
+
+
+class ConvertToFp16Pass(GraphPass):
+    name = "convert-to-fp16"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warnings: list[str] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = NameScope(graph)
+        self.warnings = []
+        kept_fp32 = _float32_only_initializers(graph)
+        clipped: list[str] = []
+        converted = 0
+        for value in list(graph.initializers.values()):
+            if value.dtype != FLOAT or value.is_graph_input() or value in kept_fp32:
+                continue
+            converted += self._convert_initializer(value, clipped)
+        for node in graph:
+            converted += _convert_node(node, clipped)
+        converted += _insert_input_casts(graph, names)
+        converted += _insert_output_casts(graph, names)
+        converted += _restore_float32_slots(graph, names)
+        if clipped:
+            message = (
+                f"convert-to-fp16: clipped values outside the float16 range (+-{FP16_MAX:g}) "
+                f"in {len(clipped)} constant(s): {', '.join(clipped)}"
+            )
+            self.warnings.append(message)
+            log.warning(message)
+        log.info("convert-to-fp16: converted %d values and attributes", converted)
+        return ir.passes.PassResult(model, modified=converted > 0)
+
+    def _convert_initializer(self, value: ir.Value, clipped: list[str]) -> int:
+        assert value.const_value is not None
+        array = _to_fp16(np.asarray(value.const_value.numpy()), value.name or "?", clipped)
+        value.const_value = ir.tensor(array, name=value.name)
+        value.type = ir.TensorType(FLOAT16)
+        return 1
+
+
+def _to_fp16(array: np.ndarray, name: str, clipped: list[str]) -> np.ndarray:
+    finite = np.isfinite(array)
+    if np.any(finite & (np.abs(array) > FP16_MAX)):
+        clipped.append(name)
+        array = np.where(finite, np.clip(array, -FP16_MAX, FP16_MAX), array)
+    return array.astype(np.float16)
+
+
+def _convert_node(node: ir.Node, clipped: list[str]) -> int:
+    converted = 0
+    for out in node.outputs:
+        if out.dtype == FLOAT:
+            out.type = ir.TensorType(FLOAT16)
+            converted += 1
+    for name, attr in list(node.attributes.items()):
+        if attr.is_ref():
+            continue
+        if attr.type == ir.AttributeType.TENSOR and attr.as_tensor().dtype == FLOAT:
+            label = f"{node.name or node.op_type}.{name}"
+            array = _to_fp16(np.asarray(attr.as_tensor().numpy()), label, clipped)
+            node.attributes[name] = ir.AttrTensor(name, ir.tensor(array))
+            converted += 1
+        elif node.op_type == "Constant" and name in ("value_float", "value_floats"):
+            label = f"{node.name or node.op_type}.{name}"
+            array = _to_fp16(np.asarray(attr.value, dtype=np.float32), label, clipped)
+            node.attributes.pop(name)
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(array))
+            converted += 1
+    to = node.attributes.get("to")
+    if node.op_type == "Cast" and to is not None and to.as_int() == FLOAT.value:
+        node.attributes["to"] = ir.AttrInt64("to", FLOAT16.value)
+        converted += 1
+    dtype = node.attributes.get("dtype")
+    if node.op_type in DTYPE_ATTR_OPS and dtype is not None and dtype.as_int() == FLOAT.value:
+        node.attributes["dtype"] = ir.AttrInt64("dtype", FLOAT16.value)
+        converted += 1
+    return converted
+
+
+def _insert_input_casts(graph: ir.Graph, names: NameScope) -> int:
+    """Readers of a float32 graph input read a float16 copy of it."""
+    inserted = 0
+    for value in graph.inputs:
+        uses = list(value.uses())
+        if value.dtype != FLOAT or not uses:
+            continue
+        half = _cast(value, FLOAT16, names.fresh(f"{value.name}_fp16"), f"{value.name}/to_fp16")
+        for use in uses:
+            use.node.replace_input_with(use.idx, half.outputs[0])
+        _prepend(graph, half)
+        inserted += 1
+    return inserted
+
+
+def _insert_output_casts(graph: ir.Graph, names: NameScope) -> int:
+    """A float32 graph output computed in float16 gets a Cast back, under its own name."""
+    inserted = 0
+    for position, value in enumerate(list(graph.outputs)):
+        if value.dtype != FLOAT16 or value.is_graph_input():
+            continue
+        original_name = value.name
+        value.name = names.fresh(f"{original_name}_fp16")
+        cast = _cast(value, FLOAT, None, f"{original_name}/to_fp32")
+        if value.is_initializer():
+            _prepend(graph, cast)
+        else:
+            graph.append(cast)
+        graph.outputs[position] = cast.outputs[0]
+        cast.outputs[0].name = original_name
+        inserted += 1
+    return inserted
+
+
+def _cast(value: ir.Value, to: ir.DataType, out_name: str | None, node_name: str) -> ir.Node:
+    out = ir.Value(name=out_name, type=ir.TensorType(to), shape=value.shape)
+    return ir.Node(
+        "",
+        "Cast",
+        [value],
+        outputs=[out],
+        attributes=[ir.AttrInt64("to", to.value)],
+        name=node_name,
+    )
+
+
+def _prepend(graph: ir.Graph, node: ir.Node) -> None:
+    first = next(iter(graph), None)
+    if first is None:
+        graph.append(node)
+    else:
+        graph.insert_before(first, node)
+
+
+def _float32_only_initializers(graph: ir.Graph) -> set[ir.Value]:
+    """Initializers read only by slots the spec fixes to float32 (Resize scales)."""
+    kept = set()
+    for value in graph.initializers.values():
+        uses = value.uses()
+        if uses and all((use.node.op_type, use.idx) in FLOAT32_ONLY_INPUTS for use in uses):
+            kept.add(value)
+    return kept
+
+
+def _restore_float32_slots(graph: ir.Graph, names: NameScope) -> int:
+    """A float16 value read by a float32-only slot goes through a Cast back to float32."""
+    inserted = 0
+    for node in list(graph):
+        for index, value in enumerate(node.inputs):
+            if value is None or (node.op_type, index) not in FLOAT32_ONLY_INPUTS:
+                continue
+            if value.dtype != FLOAT16:
+                continue
+            cast = _cast(
+                value,
+                FLOAT,
+                names.fresh(f"{value.name}_fp32"),
+                f"{node.name or node.op_type}/to_fp32_{index}",
+            )
+            graph.insert_before(node, cast)
+            node.replace_input_with(index, cast.outputs[0])
+            inserted += 1
+    return inserted

@@ -1,0 +1,213 @@
+"""Fold inference-mode BatchNormalization (and its expanded Mul/Add form) into Conv weights.
+
+BN after Conv is a per-output-channel affine map y = x * s + t, so it folds exactly into the
+Conv: W' = W * s (per output channel), B' = B * s + t. Exported models also spell BN as
+Mul and Add by per-channel constants ([C,1,1] or [1,C,1,1]); those fold the same way. A BN
+with nothing to fold into becomes Mul + Add, which the epilogue fusion then absorbs.
+New weights are new initializers: the old ones may be shared and are left to dead-code
+elimination.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from compiler_core.passes.base import (
+    GraphPass,
+    NameScope,
+    add_initializer,
+    can_take_output_name,
+    const_array,
+    replace_value,
+    static_dims,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FoldBatchNormIntoConvPass(GraphPass):
+    name = "fold-batchnorm"
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = NameScope(graph)
+        counts = {"bn_into_conv": 0, "bn_to_mul_add": 0, "mul_add_into_conv": 0}
+        changed = True
+        while changed:
+            changed = False
+            for node in list(graph):
+                if node.graph is None or node.domain not in ("", "ai.onnx"):
+                    continue
+                if node.op_type == "BatchNormalization":
+                    if self._fold_bn_into_conv(graph, node, names):
+                        counts["bn_into_conv"] += 1
+                        changed = True
+                    elif self._bn_to_mul_add(graph, node, names):
+                        counts["bn_to_mul_add"] += 1
+                        changed = True
+                elif node.op_type in ("Mul", "Add") and self._fold_affine_into_conv(
+                    graph, node, names
+                ):
+                    counts["mul_add_into_conv"] += 1
+                    changed = True
+        log.info(
+            "fold-batchnorm: %d BatchNormalization into Conv, %d to Mul+Add, "
+            "%d per-channel Mul/Add into Conv",
+            counts["bn_into_conv"],
+            counts["bn_to_mul_add"],
+            counts["mul_add_into_conv"],
+        )
+        return ir.passes.PassResult(model, modified=any(counts.values()))
+
+    def _fold_bn_into_conv(self, graph: ir.Graph, bn: ir.Node, names: NameScope) -> bool:
+        params = _bn_params(bn)
+        source = bn.inputs[0]
+        if params is None or source is None:
+            return False
+        conv = _foldable_conv(source)
+        if conv is None:
+            return False
+        scale, shift = params
+        if not self._rescale_conv(graph, conv, scale, shift, names):
+            return False
+        _bypass(graph, bn, conv.outputs[0])
+        return True
+
+    def _bn_to_mul_add(self, graph: ir.Graph, bn: ir.Node, names: NameScope) -> bool:
+        params = _bn_params(bn)
+        source = bn.inputs[0]
+        dims = static_dims(source)
+        if params is None or source is None or dims is None or len(dims) < 2:
+            return False
+        out = bn.outputs[0]
+        if out.is_graph_output() and not can_take_output_name(source):
+            return False
+        dtype = source.dtype.numpy() if source.dtype is not None else np.float32
+        trailing = (1,) * (len(dims) - 2)
+        scale, shift = params
+        label = bn.name or "BatchNormalization"
+        scale_value = add_initializer(
+            graph, scale.astype(dtype).reshape(-1, *trailing), names.fresh(f"{label}_scale")
+        )
+        shift_value = add_initializer(
+            graph, shift.astype(dtype).reshape(-1, *trailing), names.fresh(f"{label}_shift")
+        )
+        scaled = ir.Value(name=names.fresh(f"{label}/scaled"), type=source.type, shape=source.shape)
+        result = ir.Value(name=names.fresh(f"{label}/out"), type=out.type, shape=out.shape)
+        mul = ir.Node("", "Mul", [source, scale_value], outputs=[scaled], name=f"{label}/mul")
+        add = ir.Node("", "Add", [scaled, shift_value], outputs=[result], name=f"{label}/add")
+        graph.insert_before(bn, [mul, add])
+        replace_value(out, result)
+        graph.remove(bn, safe=True)
+        return True
+
+    def _fold_affine_into_conv(self, graph: ir.Graph, node: ir.Node, names: NameScope) -> bool:
+        """Mul or Add of a Conv output by a per-output-channel constant."""
+        if len(node.inputs) != 2 or node.inputs[0] is None or node.inputs[1] is None:
+            return False
+        for conv_side in (0, 1):
+            source = node.inputs[conv_side]
+            constant = const_array(node.inputs[1 - conv_side])
+            assert source is not None
+            conv = _foldable_conv(source)
+            if conv is None or constant is None:
+                continue
+            channels = _per_channel(constant, static_dims(source))
+            if channels is None:
+                continue
+            if node.op_type == "Mul":
+                scale, shift = channels, np.zeros_like(channels)
+            else:
+                scale, shift = np.ones_like(channels), channels
+            if not self._rescale_conv(graph, conv, scale, shift, names):
+                return False
+            _bypass(graph, node, conv.outputs[0])
+            return True
+        return False
+
+    def _rescale_conv(
+        self,
+        graph: ir.Graph,
+        conv: ir.Node,
+        scale: np.ndarray,
+        shift: np.ndarray,
+        names: NameScope,
+    ) -> bool:
+        """Make `conv` compute conv(x) * scale + shift (per output channel)."""
+        weight = const_array(conv.inputs[1])
+        if weight is None or weight.shape[0] != scale.shape[0] and scale.shape[0] != 1:
+            return False
+        out_channels = weight.shape[0]
+        scale = np.broadcast_to(scale.astype(np.float64), (out_channels,))
+        shift = np.broadcast_to(shift.astype(np.float64), (out_channels,))
+        bias = const_array(conv.inputs[2]) if len(conv.inputs) > 2 else None
+        bias64 = np.zeros(out_channels) if bias is None else bias.astype(np.float64)
+        trailing = (1,) * (weight.ndim - 1)
+        new_weight = (weight.astype(np.float64) * scale.reshape(-1, *trailing)).astype(weight.dtype)
+        new_bias = (bias64 * scale + shift).astype(weight.dtype)
+        label = conv.name or "Conv"
+        weight_value = add_initializer(graph, new_weight, names.fresh(f"{label}_W_folded"))
+        bias_value = add_initializer(graph, new_bias, names.fresh(f"{label}_B_folded"))
+        if len(conv.inputs) < 3:
+            conv.resize_inputs(3)
+        conv.replace_input_with(1, weight_value)
+        conv.replace_input_with(2, bias_value)
+        return True
+
+
+def _foldable_conv(value: ir.Value) -> ir.Node | None:
+    """The Conv producing `value`, if its weights are constant and `value` has one reader."""
+    conv = value.producer()
+    if conv is None or conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx"):
+        return None
+    if value.is_graph_output() or len(value.uses()) != 1:
+        return None
+    if len(conv.inputs) < 2 or const_array(conv.inputs[1]) is None:
+        return None
+    if len(conv.inputs) > 2 and conv.inputs[2] is not None and conv.inputs[2].const_value is None:
+        return None
+    return conv
+
+
+def _bn_params(bn: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """(scale, shift) of an inference-mode BN with constant parameters, in float64."""
+    if len(bn.inputs) != 5:
+        return None
+    training = bn.attributes.get("training_mode")
+    if training is not None and training.as_int() != 0:
+        return None
+    if any(out.uses() or out.is_graph_output() for out in bn.outputs[1:]):
+        return None
+    arrays = [const_array(value) for value in bn.inputs[1:]]
+    if any(array is None for array in arrays):
+        return None
+    gamma, beta, mean, var = (np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays)  # type: ignore[arg-type]
+    eps_attr = bn.attributes.get("epsilon")
+    eps = eps_attr.as_float() if eps_attr is not None else 1e-5
+    scale = gamma / np.sqrt(var + np.float64(np.float32(eps)))
+    return scale, beta - mean * scale
+
+
+def _per_channel(constant: np.ndarray, out_dims: tuple[int, ...] | None) -> np.ndarray | None:
+    """The per-channel vector of a constant that broadcasts along axis 1 of a Conv output
+    (shapes like [C,1,1], [1,C,1,1], [1] or scalar), else None."""
+    if out_dims is None or constant.ndim > len(out_dims):
+        return None
+    padded = (1,) * (len(out_dims) - constant.ndim) + constant.shape
+    channels = out_dims[1]
+    for axis, dim in enumerate(padded):
+        if axis == 1:
+            if dim not in (1, channels):
+                return None
+        elif dim != 1:
+            return None
+    return np.asarray(constant, dtype=np.float64).reshape(-1)
+
+
+def _bypass(graph: ir.Graph, node: ir.Node, conv_out: ir.Value) -> None:
+    """Remove `node` (now folded into the Conv) and let its readers read the Conv output."""
+    replace_value(node.outputs[0], conv_out)
+    graph.remove(node, safe=True)

@@ -1,0 +1,183 @@
+"""Fuse chains of elementwise ops into the kernel that produces their input (epilogues).
+
+Conv -> Add(bias) -> Relu runs as one kernel: the Conv applies each step to its output tile
+while it is still in VTCM, instead of a round trip through DDR per op. The fused node keeps
+its op type; `compiler_core.fusion` describes how the chain is recorded in `node.meta`.
+The result is no longer plain ONNX (the fused node has extra inputs), so this runs last.
+
+A step fuses when (the check; each failure is recorded with its reasons in `refusals`):
+- the producer is a node with a registry kernel that is not an alias (Reshape...) and has
+  one output, which is not a graph output and has exactly one use;
+- that use is an elementwise op (OpDef.elementwise) with one output;
+- the step's output has the producer output's shape and dtype;
+- every other operand has a static shape that broadcasts into that shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from compiler_core.fusion import BASE_INPUTS_KEY, EPILOGUE_KEY, FUSED_NODES_KEY, EpilogueStep
+from compiler_core.nodeinfo import attribute_value
+from compiler_core.ops.registry import REGISTRY
+from compiler_core.passes.base import GraphPass, model_opset, replace_value, static_dims
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FusionRefusal:
+    """Why `consumer` (None: no single consumer) was not fused into `producer`."""
+
+    producer: str
+    consumer: str | None
+    reasons: tuple[str, ...]
+
+
+class FuseEpiloguePass(GraphPass):
+    name = "fuse-epilogue"
+
+    def __init__(self, opset: int | None = None) -> None:
+        super().__init__()
+        self.opset = opset
+        self.refusals: list[FusionRefusal] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = self.opset or model_opset(model)
+        graph = model.graph
+        self.refusals = []
+        fused = 0
+        for producer in list(graph):
+            if producer.graph is None:
+                continue
+            while True:
+                consumer, reasons = check_epilogue(producer, opset)
+                if consumer is None or reasons:
+                    if reasons:
+                        self._refuse(producer, consumer, reasons)
+                    break
+                _fuse(producer, consumer, graph)
+                fused += 1
+        if fused:
+            # A fused node reads the operands of its steps, which may come later in the order.
+            graph.sort()
+        log.info("fuse-epilogue: fused %d elementwise steps, refused %d", fused, len(self.refusals))
+        return ir.passes.PassResult(model, modified=bool(fused))
+
+    def _refuse(self, producer: ir.Node, consumer: ir.Node | None, reasons: list[str]) -> None:
+        refusal = FusionRefusal(
+            producer=producer.name or producer.op_type,
+            consumer=None if consumer is None else consumer.name or consumer.op_type,
+            reasons=tuple(reasons),
+        )
+        self.refusals.append(refusal)
+        log.debug(
+            "fuse-epilogue: not fusing %s into %s: %s",
+            refusal.consumer,
+            refusal.producer,
+            "; ".join(refusal.reasons),
+        )
+
+
+def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[str]]:
+    """The elementwise node that can fuse into `producer` next, or why none can.
+
+    Returns (None, []) when there is nothing to consider (no elementwise reader at all).
+    """
+    if len(producer.outputs) != 1 or producer.op_type == "Constant":
+        return None, []
+    out = producer.outputs[0]
+    readers = [use.node for use in out.uses()]
+    elementwise_readers = [node for node in readers if _elementwise(node, opset)]
+    if not elementwise_readers:
+        return None, []
+    label = producer.name or producer.op_type
+    reasons: list[str] = []
+    base = REGISTRY.lookup(producer.op_type, producer.domain, opset)
+    if base is None:
+        reasons.append(f"{label} ({producer.op_type}) has no kernel")
+    elif base.alias:
+        reasons.append(f"{label} ({producer.op_type}) is an alias and runs no kernel")
+    if out.is_graph_output():
+        reasons.append(f"output of {label} is a graph output")
+    if len(readers) != 1:
+        reasons.append(f"output of {label} has {len(readers)} uses")
+    consumer = elementwise_readers[0] if len(readers) == 1 else None
+    if consumer is None:
+        return None, reasons
+    if len(consumer.outputs) != 1:
+        reasons.append(f"{consumer.op_type} has {len(consumer.outputs)} outputs")
+    step_out = consumer.outputs[0]
+    out_dims, step_dims = static_dims(out), static_dims(step_out)
+    if out_dims is None or step_dims is None:
+        reasons.append("shapes are not static")
+    elif step_dims != out_dims:
+        reasons.append(f"step output shape {list(step_dims)} differs from {list(out_dims)}")
+    if step_out.dtype != out.dtype:
+        reasons.append(f"step output dtype {step_out.dtype} differs from {out.dtype}")
+    for index, operand in enumerate(consumer.inputs):
+        if operand is None or operand is out:
+            continue
+        dims = static_dims(operand)
+        if dims is None:
+            reasons.append(f"operand {index} has no static shape")
+        elif out_dims is not None and not _broadcasts_into(dims, out_dims):
+            reasons.append(f"operand {index} shape {list(dims)} does not broadcast into output")
+    return consumer, reasons
+
+
+def _elementwise(node: ir.Node, opset: int) -> bool:
+    opdef = REGISTRY.lookup(node.op_type, node.domain, opset)
+    return opdef is not None and opdef.elementwise
+
+
+def _broadcasts_into(dims: tuple[int, ...], out_dims: tuple[int, ...]) -> bool:
+    if len(dims) > len(out_dims):
+        return False
+    try:
+        return tuple(np.broadcast_shapes(dims, out_dims)) == out_dims
+    except ValueError:
+        return False
+
+
+def _fuse(producer: ir.Node, consumer: ir.Node, graph: ir.Graph) -> None:
+    out = producer.outputs[0]
+    if BASE_INPUTS_KEY not in producer.meta:
+        producer.meta[BASE_INPUTS_KEY] = len(producer.inputs)
+        producer.meta[FUSED_NODES_KEY] = (producer.name or producer.op_type,)
+        producer.meta[EPILOGUE_KEY] = ()
+    step_inputs: list[int | None] = []
+    for operand in consumer.inputs:
+        if operand is None:
+            step_inputs.append(-1)
+        elif operand is out:
+            step_inputs.append(None)
+        else:
+            step_inputs.append(_input_index(producer, operand))
+    step = EpilogueStep(
+        op_type=consumer.op_type,
+        node_name=consumer.name or consumer.op_type,
+        inputs=tuple(step_inputs),
+        attrs={name: attribute_value(attr) for name, attr in consumer.attributes.items()},
+        domain=consumer.domain,
+    )
+    producer.meta[EPILOGUE_KEY] = (*producer.meta[EPILOGUE_KEY], step)
+    producer.meta[FUSED_NODES_KEY] = (*producer.meta[FUSED_NODES_KEY], step.node_name)
+    step_out = consumer.outputs[0]
+    replace_value(step_out, out)
+    graph.remove(consumer, safe=True)
+
+
+def _input_index(producer: ir.Node, operand: ir.Value) -> int:
+    """The index of `operand` among the producer's inputs, appending it when absent."""
+    for index, value in enumerate(producer.inputs):
+        if value is operand:
+            return index
+    index = len(producer.inputs)
+    producer.resize_inputs(index + 1)
+    producer.replace_input_with(index, operand)
+    return index

@@ -1,0 +1,56 @@
+"""The graph-pass pipeline, in order: clean up, fold, fuse, then optionally lower precision."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from compiler_core.passes.base import GraphPass
+from compiler_core.passes.canonicalize import CanonicalizePass
+from compiler_core.passes.convert_precision import ConvertToFp16Pass
+from compiler_core.passes.eliminate_common_subexpressions import (
+    EliminateCommonSubexpressionsPass,
+)
+from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
+from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
+from compiler_core.passes.fold_constants import FoldConstantsPass
+from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
+
+
+class PipelineOptions(Protocol):
+    """What the pipeline reads from `compiler_core.options.CompileOptions`."""
+
+    convert_to_fp16: bool
+
+
+PASS_NAMES = (
+    CanonicalizePass.name,
+    FoldConstantsPass.name,
+    EliminateDeadCodePass.name,
+    EliminateCommonSubexpressionsPass.name,
+    FoldBatchNormIntoConvPass.name,
+    FuseEpiloguePass.name,
+    ConvertToFp16Pass.name,
+)
+"""Every pass name the pipeline can contain (what may be disabled)."""
+
+
+def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
+    """Fresh pass instances for one compile (passes hold per-run results such as warnings).
+
+    Folding runs again after BatchNorm folding because folding creates new constants; epilogue
+    fusion comes after every rewrite that expects plain ONNX; precision conversion last, so
+    that it sees the final constants (folded weights are clipped once, after folding).
+    """
+    passes: list[GraphPass] = [
+        CanonicalizePass(),
+        FoldConstantsPass(),
+        EliminateDeadCodePass(),
+        EliminateCommonSubexpressionsPass(),
+        FoldBatchNormIntoConvPass(),
+        FoldConstantsPass(),
+        FuseEpiloguePass(),
+    ]
+    if options.convert_to_fp16:
+        passes.append(ConvertToFp16Pass())
+    passes.append(EliminateDeadCodePass())
+    return passes

@@ -1,0 +1,307 @@
+"""`validate_qpc`: container integrity, our segments, and fit on a device; one check per line.
+
+A bad file never raises: each problem is a failing check that says what is wrong. Vendor QPCs
+are checked at container level (layout, checksums, required segments); the checks that read
+our own segment encodings are reported as skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from compiler_core.errors import CompileError
+from compiler_core.qpc.container import CRC_SUFFIX, Qpc, QpcSource, load_qpc
+
+if TYPE_CHECKING:
+    from compiler_core.devices import DeviceProfile
+    from compiler_core.qpc.networkdesc import NetworkDesc
+
+SKIPPED_VENDOR = "not a qpcfarm QPC: skipped"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "message": self.message}
+
+
+@dataclass
+class ValidationReport:
+    ok: bool
+    checks: list[Check] = field(default_factory=list)
+    device: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "device": self.device,
+            "checks": [c.to_dict() for c in self.checks],
+        }
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+
+class _Checks:
+    """Collects checks; a check function returns its message or raises _Fail."""
+
+    def __init__(self) -> None:
+        self.checks: list[Check] = []
+
+    def run(self, name: str, body: Callable[[], str]) -> bool:
+        try:
+            message = body()
+        except _Fail as fail:
+            self.checks.append(Check(name, False, str(fail)))
+            return False
+        except CompileError as exc:
+            self.checks.append(Check(name, False, exc.message))
+            return False
+        self.checks.append(Check(name, True, message))
+        return True
+
+    def skip(self, name: str, message: str) -> None:
+        self.checks.append(Check(name, True, message))
+
+
+class _Fail(Exception):
+    pass
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# --------------------------------------------------------------------------- container checks
+
+
+def _checksums(qpc: Qpc) -> str:
+    problems = qpc.checksum_problems()
+    crcs = [n for n in qpc.segments if n.endswith(CRC_SUFFIX)]
+    if qpc.is_qpcfarm:
+        missing = [
+            n
+            for n in qpc.segments
+            if not n.endswith(CRC_SUFFIX) and n + CRC_SUFFIX not in qpc.segments
+        ]
+        problems += [f"{n} has no {n}{CRC_SUFFIX} segment" for n in missing]
+    if problems:
+        raise _Fail("; ".join(problems))
+    if not crcs:
+        return "no checksum segments (optional in vendor QPCs)"
+    return f"{_plural(len(crcs), 'checksum')} match"
+
+
+def _required_segments(qpc: Qpc) -> str:
+    names = set(qpc.segments)
+    required = (
+        ["networkdesc.bin", "program.bin"]
+        if qpc.is_qpcfarm
+        else [
+            "network.elf",
+            "networkdesc.bin",
+        ]
+    )
+    missing = [n for n in required if n not in names]
+    if missing:
+        raise _Fail(f"missing {', '.join(missing)}")
+    if ("constants.bin" in names) != ("constantsdesc.bin" in names):
+        present = "constants.bin" if "constants.bin" in names else "constantsdesc.bin"
+        raise _Fail(
+            f"{present} present without its partner (constants.bin and "
+            "constantsdesc.bin come together)"
+        )
+    return f"{', '.join(required)} present" + (
+        "; constants.bin with constantsdesc.bin" if "constants.bin" in names else ""
+    )
+
+
+# --------------------------------------------------------------------------------- our checks
+
+
+def _network_descriptor(qpc: Qpc) -> str:
+    net = qpc.network
+    if net is None:
+        raise _Fail("no networkdesc.bin segment")
+    if not net.inputs or not net.outputs:
+        raise _Fail(f"network {net.network_name!r} declares no inputs or no outputs")
+    if net.num_cores < 1 or net.batch_size < 1:
+        raise _Fail(f"num_cores {net.num_cores} and batch_size {net.batch_size} must be >= 1")
+    return (
+        f"network {net.network_name!r}: {_plural(len(net.inputs), 'input')}, "
+        f"{_plural(len(net.outputs), 'output')}, {_plural(net.num_cores, 'core')}, "
+        f"batch {net.batch_size}, compiler {net.compiler_version}"
+    )
+
+
+def _program_decodes(qpc: Qpc, net: NetworkDesc | None) -> str:
+    program = qpc.program()
+    instructions = sum(len(s) for s in program.streams)
+    summary = (
+        f"{_plural(len(program.kernels), 'kernel')}, {_plural(instructions, 'instruction')} "
+        f"on {_plural(program.num_cores, 'core')}"
+    )
+    if net is None:
+        return summary
+    problems = []
+    if program.num_cores != net.num_cores:
+        problems.append(f"program has {program.num_cores} cores, networkdesc says {net.num_cores}")
+    if len(program.inputs) != len(net.inputs) or len(program.outputs) != len(net.outputs):
+        problems.append(
+            f"program has {len(program.inputs)} inputs / {len(program.outputs)} outputs, "
+            f"networkdesc {len(net.inputs)} / {len(net.outputs)}"
+        )
+    req = net.requirements
+    if max(program.vtcm_used, default=0) > req.vtcm_bytes_per_core:
+        problems.append(
+            f"program uses {max(program.vtcm_used)} B of VTCM, networkdesc requires only "
+            f"{req.vtcm_bytes_per_core}"
+        )
+    if program.ddr_size > req.ddr_bytes:
+        problems.append(
+            f"program uses {program.ddr_size} B of DDR, networkdesc requires only {req.ddr_bytes}"
+        )
+    if problems:
+        raise _Fail("; ".join(problems))
+    return summary
+
+
+def _constants_descriptor(qpc: Qpc) -> str:
+    if "constantsdesc.bin" not in qpc.segments:
+        return "no constants"
+    entries = qpc.constants()
+    size = len(qpc.segments.get("constants.bin", b""))
+    for entry in entries:
+        if entry.offset + entry.nbytes > size:
+            raise _Fail(
+                f"constant {entry.name!r} [{entry.offset}, {entry.offset + entry.nbytes}) lies "
+                f"beyond constants.bin ({size} B)"
+            )
+    split = qpc.segment_offsets.get("constants.bin", 0)
+    if split > size:
+        raise _Fail(f"constants.bin static/dynamic split {split} is beyond its size {size}")
+    return f"{_plural(len(entries), 'constant')} in {size} B"
+
+
+# ------------------------------------------------------------------------------ device checks
+
+
+def _device_checks(checks: _Checks, net: NetworkDesc, device: DeviceProfile) -> None:
+    from compiler_core.devices import canonical_hw_version
+
+    req = net.requirements
+    cores = getattr(device, "cores_per_soc", device.num_cores)
+    ddr = getattr(device, "ddr_bytes_per_soc", device.ddr_bytes)
+
+    def hw_version() -> str:
+        wanted = canonical_hw_version(net.hw_version)
+        if wanted != device.hw_version:
+            raise _Fail(f"compiled for {wanted}, {device.display_name} is {device.hw_version}")
+        return f"{wanted} matches {device.display_name}"
+
+    def within(need: int, have: int, unit: str) -> Callable[[], str]:
+        def body() -> str:
+            text = f"needs {need:,} {unit}, {device.display_name} has {have:,}"
+            if need > have:
+                raise _Fail(f"{text} ({need - have:,} too many)")
+            return text
+
+        return body
+
+    def dtypes() -> str:
+        missing = sorted(set(req.dtypes) - set(device.dtypes))
+        if missing:
+            hint = " (bfloat16 needs ai200-class hardware)" if "bfloat16" in missing else ""
+            raise _Fail(f"{device.display_name} does not support {', '.join(missing)}{hint}")
+        return f"{', '.join(req.dtypes) or 'no types'} supported"
+
+    checks.run("device-hw-version", hw_version)
+    checks.run("device-cores", within(req.num_cores, cores, "NSP cores"))
+    checks.run(
+        "device-vtcm",
+        within(req.vtcm_bytes_per_core, device.vtcm_bytes_per_core, "bytes of VTCM per core"),
+    )
+    checks.run("device-ddr", within(req.ddr_bytes, ddr, "bytes of DDR"))
+    checks.run("device-dtypes", dtypes)
+
+
+DEVICE_CHECKS = ("device-hw-version", "device-cores", "device-vtcm", "device-ddr", "device-dtypes")
+OUR_CHECKS = ("network-descriptor", "program-decodes", "constants-descriptor")
+
+
+# -------------------------------------------------------------------------------------- entry
+
+
+def validate_qpc(source: QpcSource | Qpc, device: str | None = None) -> ValidationReport:
+    """Check a QPC (path, bytes or loaded Qpc), optionally against a device profile.
+
+    An unknown device name raises CompileError('unknown_device'); a bad file does not raise.
+    """
+    profile = None
+    if device is not None:
+        from compiler_core.devices import get_device
+
+        profile = get_device(device)
+    checks = _Checks()
+    report = ValidationReport(
+        ok=False, checks=checks.checks, device=profile.name if profile else None
+    )
+
+    loaded: list[Qpc] = []
+
+    def container() -> str:
+        qpc = source if isinstance(source, Qpc) else load_qpc(source)
+        loaded.append(qpc)
+        kind = "qpcfarm" if qpc.is_qpcfarm else "vendor"
+        return (
+            f"{kind} QPC, version {qpc.header.version}, {_plural(len(qpc.segments), 'segment')}, "
+            f"{qpc.total_size:,} bytes"
+        )
+
+    def container_or_unreadable() -> str:
+        try:
+            return container()
+        except OSError as exc:
+            raise _Fail(f"cannot read the QPC: {exc}") from exc
+
+    if not checks.run("container", container_or_unreadable):
+        return report
+    qpc = loaded[0]
+    try:
+        _validate_loaded(checks, qpc, profile)
+    finally:
+        if not isinstance(source, Qpc):
+            qpc.close()
+    report.ok = all(c.ok for c in checks.checks)
+    return report
+
+
+def _validate_loaded(checks: _Checks, qpc: Qpc, profile: DeviceProfile | None) -> None:
+    checks.run("checksums", lambda: _checksums(qpc))
+    checks.run("required-segments", lambda: _required_segments(qpc))
+    if not qpc.is_qpcfarm:
+        for name in OUR_CHECKS + (DEVICE_CHECKS if profile else ()):
+            checks.skip(name, SKIPPED_VENDOR)
+        return
+    net_ok = checks.run("network-descriptor", lambda: _network_descriptor(qpc))
+    net = qpc.network if net_ok else None
+    checks.run("program-decodes", lambda: _program_decodes(qpc, net))
+    checks.run("constants-descriptor", lambda: _constants_descriptor(qpc))
+    if profile is None:
+        return
+    if net is None:
+        for name in DEVICE_CHECKS:
+            checks.checks.append(Check(name, False, "not checked: the network descriptor is bad"))
+        return
+    _device_checks(checks, net, profile)
+
+
+def render_validation(report: ValidationReport) -> str:
+    """One line per check: `PASS name: message` or `FAIL name: message`."""
+    return "\n".join(f"{'PASS' if c.ok else 'FAIL'} {c.name}: {c.message}" for c in report.checks)

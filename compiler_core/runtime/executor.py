@@ -1,0 +1,247 @@
+"""The functional runtime: execute a program's per-core streams over modelled DDR and VTCM.
+
+It is the oracle for lowering, tiling and memory planning, so it is strict: every DMA and
+kernel operand is bounds-checked, constants are read-only, and cores run "until blocked" one
+after another, so that a missing semaphore wait shows up as a wrong answer or a deadlock
+instead of being hidden by a lucky interleaving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.lowering.program import (
+    KIND_INPUT,
+    DmaLoad,
+    DmaStore,
+    KernelDesc,
+    Operand,
+    Program,
+    RunKernel,
+    SemPost,
+    SemWait,
+    TensorDesc,
+)
+from compiler_core.ops import REGISTRY
+from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
+
+
+class RuntimeFault(CompileError):
+    """The program did something the modelled hardware would not allow."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("runtime_fault", message)
+
+
+@dataclass
+class _Kernel:
+    desc: KernelDesc
+    opdef: OpDef
+    steps: list[tuple[OpDef, object]]
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+class Machine:
+    """DDR (constants read-only, backed by the QPC's bytes) plus one VTCM per core."""
+
+    def __init__(self, program: Program, constants: memoryview | bytes, vtcm_bytes: int) -> None:
+        self.program = program
+        if len(constants) < program.constants_size:
+            raise RuntimeFault(
+                f"constants segment has {len(constants):,} bytes, program needs "
+                f"{program.constants_size:,}"
+            )
+        self.constants = np.frombuffer(constants, dtype=np.uint8, count=program.constants_size)
+        self.dynamic = np.zeros(program.ddr_size - program.constants_size, dtype=np.uint8)
+        self.vtcm = [np.zeros(vtcm_bytes, dtype=np.uint8) for _ in range(program.num_cores)]
+        self.vtcm_bytes = vtcm_bytes
+
+    def tensor(self, t: TensorDesc, *, write: bool = False) -> np.ndarray:
+        start, end = t.ddr_offset, t.ddr_offset + t.nbytes
+        if end > self.program.ddr_size or start < 0:
+            raise RuntimeFault(f"tensor {t.name} [{start}, {end}) lies outside DDR")
+        base = self.program.constants_size
+        if end <= base:
+            if write:
+                raise RuntimeFault(f"write to constant tensor {t.name}")
+            raw = self.constants[start:end]
+        elif start >= base:
+            raw = self.dynamic[start - base : end - base]
+        else:
+            raise RuntimeFault(f"tensor {t.name} straddles the constants region")
+        return raw.view(np.dtype(t.dtype)).reshape(t.shape)
+
+    def vtcm_view(self, core: int, offset: int, box: Box, dtype: str) -> np.ndarray:
+        shape = box_shape(box)
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if offset < 0 or offset + size > self.vtcm_bytes:
+            raise RuntimeFault(
+                f"core {core}: VTCM access [{offset}, {offset + size}) beyond {self.vtcm_bytes}"
+            )
+        return self.vtcm[core][offset : offset + size].view(np.dtype(dtype)).reshape(shape)
+
+
+def _lookup(op_type: str, domain: str, opset: int) -> OpDef:
+    opdef = REGISTRY.lookup(op_type, domain, opset)
+    if opdef is None:
+        raise RuntimeFault(f"no runtime kernel for {op_type} opset {opset}")
+    return opdef
+
+
+def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
+    if len(box) != len(shape) or any(
+        a < 0 or b > d or a > b for (a, b), d in zip(box, shape, strict=False)
+    ):
+        raise RuntimeFault(f"{what}: box {box} outside tensor of shape {shape}")
+
+
+class Executor:
+    def __init__(self, program: Program, constants: memoryview | bytes, vtcm_bytes: int) -> None:
+        self.program = program
+        self.machine = Machine(program, constants, vtcm_bytes)
+        self.kernels = [
+            _Kernel(
+                desc=k,
+                opdef=_lookup(k.info.op_type, k.info.domain, k.info.opset),
+                steps=[(_lookup(e.op_type, "", e.opset), e) for e in k.epilogue],
+            )
+            for k in program.kernels
+        ]
+        self.on_kernel: Callable[[int, int, RunKernel], None] | None = None
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        program, machine = self.program, self.machine
+        machine.dynamic[:] = 0
+        for core_mem in machine.vtcm:
+            core_mem[:] = 0
+        expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
+        missing = sorted(set(expected) - set(inputs))
+        unknown = sorted(set(inputs) - set(expected))
+        if missing or unknown:
+            raise CompileError(
+                "bad_inputs",
+                f"inputs missing: {missing or 'none'}; unknown inputs: {unknown or 'none'}; "
+                f"the network takes {sorted(expected)}",
+            )
+        for name, t in expected.items():
+            array = np.asarray(inputs[name])
+            if tuple(array.shape) != t.shape:
+                raise CompileError(
+                    "bad_inputs",
+                    f"input '{name}' has shape {tuple(array.shape)}, the QPC expects {t.shape}",
+                )
+            if array.dtype != np.dtype(t.dtype):
+                if not np.can_cast(array.dtype, t.dtype, casting="same_kind"):
+                    raise CompileError(
+                        "bad_inputs",
+                        f"input '{name}' has dtype {array.dtype}, the QPC expects {t.dtype}",
+                    )
+            assert t.kind == KIND_INPUT
+            machine.tensor(t, write=True)[...] = array
+        self._run_streams()
+        return {
+            program.tensors[t].name: machine.tensor(program.tensors[t]).copy()
+            for t in program.outputs
+        }
+
+    def _run_streams(self) -> None:
+        program = self.program
+        sems = [0] * program.num_semaphores
+        pcs = [0] * program.num_cores
+        while True:
+            progressed = False
+            for core, stream in enumerate(program.streams):
+                while pcs[core] < len(stream):
+                    instr = stream[pcs[core]]
+                    if isinstance(instr, SemWait):
+                        if sems[instr.sem] < instr.count:
+                            break
+                    elif isinstance(instr, SemPost):
+                        sems[instr.sem] += 1
+                    else:
+                        self._execute(core, instr)
+                    pcs[core] += 1
+                    progressed = True
+            if all(pc == len(s) for pc, s in zip(pcs, program.streams, strict=True)):
+                return
+            if not progressed:
+                stuck = [
+                    f"core {c} waits on semaphore {s[pcs[c]].sem}"  # type: ignore[union-attr]
+                    for c, s in enumerate(program.streams)
+                    if pcs[c] < len(s)
+                ]
+                raise RuntimeFault("deadlock: " + "; ".join(stuck))
+
+    def _execute(self, core: int, instr: object) -> None:
+        machine = self.machine
+        if isinstance(instr, DmaLoad):
+            t = self.program.tensors[instr.tensor]
+            _check_box(instr.box, t.shape, f"DMA load of {t.name}")
+            src = machine.tensor(t)[_slices(instr.box)]
+            machine.vtcm_view(core, instr.vtcm, instr.box, t.dtype)[...] = src
+        elif isinstance(instr, DmaStore):
+            t = self.program.tensors[instr.tensor]
+            _check_box(instr.box, t.shape, f"DMA store of {t.name}")
+            dst = machine.tensor(t, write=True)
+            dst[_slices(instr.box)] = machine.vtcm_view(core, instr.vtcm, instr.box, t.dtype)
+        elif isinstance(instr, RunKernel):
+            self._run_kernel(core, instr)
+        else:
+            raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
+
+    def _operand(self, core: int, tensor_id: int, operand: Operand | None) -> np.ndarray | None:
+        if operand is None or tensor_id < 0:
+            return None
+        t = self.program.tensors[tensor_id]
+        return self.machine.vtcm_view(core, operand.vtcm, operand.box, t.dtype)
+
+    def _run_kernel(self, core: int, instr: RunKernel) -> None:
+        kernel = self.kernels[instr.kernel]
+        desc = kernel.desc
+        info = desc.info
+        n_base = len(info.in_shapes)
+        operands = [
+            self._operand(core, tid, op)
+            for tid, op in zip(desc.inputs, instr.inputs, strict=True)
+        ]
+        base_boxes = tuple(op.box if op is not None else None for op in instr.inputs[:n_base])
+        tile = TileCtx(out_box=instr.out_box, in_boxes=base_boxes)
+        results = kernel.opdef.compute(info, operands[:n_base], tile)
+        if kernel.steps:
+            value = results[0]
+            for opdef, step in kernel.steps:
+                step_inputs = [
+                    value if ref is None else (None if ref < 0 else operands[ref])
+                    for ref in step.inputs  # type: ignore[attr-defined]
+                ]
+                step_info = NodeInfo(
+                    op_type=step.op_type,  # type: ignore[attr-defined]
+                    name=step.node_name,  # type: ignore[attr-defined]
+                    attrs=step.attrs,  # type: ignore[attr-defined]
+                    in_shapes=tuple(None if a is None else a.shape for a in step_inputs),
+                    in_dtypes=tuple(None if a is None else str(a.dtype) for a in step_inputs),
+                    out_shapes=(value.shape,),
+                    out_dtypes=(step.out_dtype,),  # type: ignore[attr-defined]
+                    opset=step.opset,  # type: ignore[attr-defined]
+                )
+                value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
+            results = [value, *results[1:]]
+        for position, (tid, operand) in enumerate(zip(desc.outputs, instr.outputs, strict=True)):
+            dst = self._operand(core, tid, operand)
+            assert dst is not None
+            result = np.asarray(results[position])
+            if result.shape != dst.shape:
+                raise RuntimeFault(
+                    f"kernel {desc.name} ({info.op_type}) produced shape {result.shape} for a "
+                    f"tile of shape {dst.shape}"
+                )
+            dst[...] = result
+        if self.on_kernel is not None:
+            self.on_kernel(core, instr.kernel, instr)
