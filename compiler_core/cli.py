@@ -77,7 +77,8 @@ def compile_command(argv: Sequence[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = compile_model(str(model), options)
     for warning in result.warnings:
-        print(render_warning(warning), file=sys.stderr)
+        if warning.get("message") not in options.warnings:  # printed above already
+            print(render_warning(warning), file=sys.stderr)
     if options.aic_perf_metrics:
         sys.stdout.write(render_metrics(result.metrics))
     if options.time_passes:
@@ -276,6 +277,14 @@ def _error_line(message: str) -> None:
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
 
 
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -288,6 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error_line("interrupted")
         return 130
+    except BrokenPipeError:  # `qpcfarm ... | head`: the reader left; say nothing more
+        _silence_stdout()
+        return 1
     except Exception as exc:
         if os.environ.get("QPCFARM_DEBUG") == "1":
             traceback.print_exc()

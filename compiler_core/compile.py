@@ -233,7 +233,7 @@ def _constants(lowered: LoweredGraph, plan: MemoryPlan
             array = np.ascontiguousarray(np.asarray(data.numpy()), dtype=np.dtype(entry.dtype))
             if array.dtype.byteorder == ">":
                 array = array.astype(array.dtype.newbyteorder("<"))
-            yield memoryview(array.reshape(-1)).cast("B")
+            yield memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             cursor = entry.offset + entry.nbytes
         if plan.constants_size > cursor:
             yield memoryview(bytes(plan.constants_size - cursor))

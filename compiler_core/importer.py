@@ -20,6 +20,7 @@ model whose large initializers were turned into typed graph inputs, so a model o
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -41,11 +42,17 @@ from compiler_core.errors import CompileError
 if TYPE_CHECKING:
     from compiler_core.ops.registry import OpRegistry
 
+log = logging.getLogger(__name__)
+
 ModelSource = str | os.PathLike[str] | bytes | bytearray | memoryview | onnx.ModelProto
 
 _LEAN_TENSOR_LIMIT = 1024
 """Initializers up to this many bytes stay in the lean proto given to onnx's C++ APIs: shape
 tensors (Reshape, Slice, ...) must be there for data propagation, weights need not be."""
+
+_DATA_PROP_VECTOR_LIMIT = 65536
+"""Data propagation is skipped for graphs with a 0-D/1-D value larger than this; shape
+tensors are tiny, and onnx's propagation is linear in memory in the vector's length."""
 
 _NAMES_SHOWN = 5
 """How many node names an unsupported-operator entry lists before saying 'and N more'."""
@@ -118,31 +125,61 @@ def import_model(
 
 
 def infer_shapes(model: ir.Model) -> None:
-    """(Re)run ONNX shape inference (strict, with data propagation) and merge it in place.
+    """(Re)run ONNX shape inference (strict) and merge the result into the IR in place.
 
     An inferred shape replaces the IR's one unless it knows less (a static shape is never
-    downgraded), so shapes set by passes for ops onnx does not know survive.
+    downgraded), so shapes set by passes for ops onnx does not know survive. Data
+    propagation (Shape -> Gather -> Concat -> Reshape chains) runs only when plain inference
+    leaves something dynamic, and not when the graph holds large 1-D tensors: onnx's data
+    propagation expands those element by element (gigabytes for a 300 MB vector).
     """
     _set_initializer_types(model.graph)
     with _lean_graph(model):
         lean = ir.serde.serialize_model(model)
+    _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=False))
+    if dynamic_values(model.graph) and not _has_large_vectors(model.graph):
+        _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=True))
+
+
+def _onnx_infer_shapes(proto: onnx.ModelProto, *, data_prop: bool) -> onnx.ModelProto:
     try:
-        inferred = onnx.shape_inference.infer_shapes(
-            lean, check_type=True, strict_mode=True, data_prop=True
+        return onnx.shape_inference.infer_shapes(
+            proto, check_type=True, strict_mode=True, data_prop=data_prop
         )
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as exc:
         text = str(exc).strip()
+        if text.count("Inference error(s)") > 1:
+            # The failure is inside the body of an onnx-defined function op (onnx itself
+            # cannot infer e.g. MeanVarianceNormalization-13 strictly): infer the rest, leave
+            # that node's outputs unresolved for later stages to report.
+            log.warning("strict shape inference failed inside a function op: %s", text)
+            return onnx.shape_inference.infer_shapes(
+                proto, check_type=True, strict_mode=False, data_prop=data_prop
+            )
         match = re.search(r"node name: ([^)]*)\)", text)
         node = match.group(1) if match else None
         where = f" at node '{node}'" if node else ""
         raise CompileError(
             "shape_inference_failed", f"shape inference failed{where}: {text}", node=node
         ) from None
+
+
+def _merge_inferred(graph: ir.Graph, inferred: onnx.ModelProto) -> None:
     infos = {vi.name: vi for vi in (*inferred.graph.value_info, *inferred.graph.output)}
-    for value in _main_values(model.graph):
+    for value in _main_values(graph):
         info = infos.get(value.name or "")
         if info is not None:
             _merge_type(value, info.type)
+
+
+def _has_large_vectors(graph: ir.Graph) -> bool:
+    return any(
+        v.shape is not None
+        and len(v.shape) <= 1
+        and v.shape.is_static()
+        and math.prod(v.shape.numpy()) > _DATA_PROP_VECTOR_LIMIT
+        for v in _main_values(graph)
+    )
 
 
 def dynamic_values(graph: ir.Graph) -> list[ir.Value]:
@@ -216,8 +253,7 @@ def _check_structure(proto: onnx.ModelProto) -> None:
         missing = "graph" if not proto.HasField("graph") else "ir_version"
         raise CompileError(
             "invalid_model",
-            f"not an ONNX model: it has no {missing} (is the file truncated or of another "
-            "format?)",
+            f"not an ONNX model: it has no {missing} (is the file truncated or of another format?)",
         )
 
 
@@ -236,7 +272,9 @@ def _run_checker(model: ir.Model) -> None:
         onnx.checker.check_model(lean, full_check=False)
     except (onnx.checker.ValidationError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompileError("invalid_model", f"the ONNX checker rejects the model: {first}") from None
+        raise CompileError(
+            "invalid_model", f"the ONNX checker rejects the model: {first}"
+        ) from None
 
 
 # --- external data --------------------------------------------------------------------------
@@ -401,10 +439,8 @@ def _check_io_types(graph: ir.Graph) -> None:
 
 
 def _default_opset(model: ir.Model) -> int:
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
-    if opset is None:
-        raise CompileError("invalid_model", "the model imports no default-domain ONNX opset")
-    return opset
+    """The default-domain opset; 0 for a model that uses only other domains (ai.onnx.ml...)."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
 
 
 def _set_initializer_types(graph: ir.Graph) -> None:
@@ -539,7 +575,9 @@ def _bind_input_shapes(
         isinstance(batchsize, bool) or not isinstance(batchsize, int | np.integer) or batchsize < 1
     ):
         raise CompileError(
-            "invalid_option", f"-batchsize={batchsize} must be a positive integer", flag="-batchsize"
+            "invalid_option",
+            f"-batchsize={batchsize} must be a positive integer",
+            flag="-batchsize",
         )
     input_symbols = {
         d.value
@@ -582,7 +620,7 @@ def _apply_batchsize(graph: ir.Graph, symbols: dict[str, int], batchsize: int) -
 
 
 def _bound(dim: int | ir.SymbolicDim, symbols: Mapping[str, int]) -> int | ir.SymbolicDim:
-    if isinstance(dim, ir.SymbolicDim) and dim.value in symbols:
+    if isinstance(dim, ir.SymbolicDim) and dim.value is not None and dim.value in symbols:
         return symbols[dim.value]
     return dim
 

@@ -63,8 +63,8 @@ def const_value(value: ir.Value | None) -> np.ndarray | None:
 
 def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInfo:
     attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
-    in_shapes = []
-    in_dtypes = []
+    in_shapes: list[tuple[int, ...] | None] = []
+    in_dtypes: list[str | None] = []
     consts: dict[int, np.ndarray] = {}
     for index, value in enumerate(node.inputs):
         if value is None:
@@ -76,8 +76,8 @@ def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInf
         if with_consts and value.const_value is not None:
             if value.const_value.size <= SMALL_CONST_ELEMENTS:
                 consts[index] = np.asarray(value.const_value.numpy())
-    out_shapes = []
-    out_dtypes = []
+    out_shapes: list[tuple[int, ...]] = []
+    out_dtypes: list[str] = []
     for value in node.outputs:
         shape = static_shape(value)
         out_shapes.append(shape if shape is not None else ())

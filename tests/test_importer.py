@@ -403,7 +403,10 @@ def test_data_propagation_resolves_shapes_computed_from_shapes() -> None:
         { s = Shape(x) d = Gather(s, i) n = Concat<axis = 0>(d, m1) y = Reshape(x, n) }"""
     )
     proto.graph.initializer.extend(
-        [onh.from_array(np.array([1], np.int64), "i"), onh.from_array(np.array([-1], np.int64), "m1")]
+        [
+            onh.from_array(np.array([1], np.int64), "i"),
+            onh.from_array(np.array([-1], np.int64), "m1"),
+        ]
     )
     imported = load(proto, define_symbols={"N": 3})
     assert shape_of(imported.model, "y") == (6, 3)
@@ -438,10 +441,10 @@ def test_infer_shapes_reruns_in_place_after_a_graph_change() -> None:
     model = imported.model
     x = model.graph.inputs[0]
     x.shape = ir.Shape([7, 4])
-    relu = model.graph.node(0)
-    relu.outputs[0].shape = None
+    for node in model.graph:
+        node.outputs[0].shape = None
     infer_shapes(model)
-    assert shape_of(model, "a") == (7, 4)
+    assert shape_of(model, "a") == (7, 4) and shape_of(model, "y") == (7, 4)
 
 
 # --- operators and names ----------------------------------------------------------------------
@@ -544,7 +547,7 @@ def test_initializer_order_and_values_survive_import(tmp_path: Path) -> None:
     )
     big = np.arange(600, dtype=np.float32)
     proto.graph.initializer.extend(
-        [onh.from_array(big, "big"), onh.from_array(np.float32([2.0]), "small")]
+        [onh.from_array(big, "big"), onh.from_array(np.array([2.0], np.float32), "small")]
     )
     path = tmp_path / "m.onnx"
     onnx.save(proto, path)
@@ -552,3 +555,14 @@ def test_initializer_order_and_values_survive_import(tmp_path: Path) -> None:
     inits = imported.model.graph.initializers
     assert list(inits) == ["big", "small"]
     np.testing.assert_array_equal(np.asarray(inits["big"].const_value), big)
+
+
+def test_model_without_default_domain_ops_reports_its_ops_not_a_bad_file() -> None:
+    proto = parse(
+        """<ir_version: 8, opset_import: ["ai.onnx.ml" : 3]>
+        m (float[2] x) => (float[2] y) { y = ai.onnx.ml.Binarizer(x) }"""
+    )
+    with pytest.raises(CompileError) as err:
+        load(proto)
+    assert err.value.code == "unsupported_operator"
+    assert "ai.onnx.ml::Binarizer (opset 3)" in err.value.message

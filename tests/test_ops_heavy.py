@@ -39,7 +39,9 @@ def attr_value(attr: onnx.AttributeProto) -> Any:
     return value
 
 
-def run_ort(node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int) -> list[np.ndarray]:
+def run_ort(
+    node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int
+) -> list[np.ndarray]:
     graph_inputs = []
     feeds = {}
     for name, value in zip(node.input, inputs, strict=False):
@@ -79,7 +81,7 @@ def node_info(
         out_shapes=tuple(tuple(o.shape) for o in outputs),
         out_dtypes=tuple(str(o.dtype) for o in outputs),
         opset=opset,
-        consts={i: present[i] for i in consts if present[i] is not None},
+        consts={i: v for i, v in enumerate(present) if i in consts and v is not None},
     )
 
 
@@ -92,11 +94,14 @@ def cuts(size: int) -> list[tuple[int, int]]:
 
 def slice_box(value: np.ndarray, box: Box) -> np.ndarray:
     for axis, (lo, hi) in enumerate(box):
-        assert 0 <= lo < hi <= value.shape[axis], f"box {box} outside shape {value.shape}"
+        assert 0 <= lo <= hi <= value.shape[axis], f"box {box} outside shape {value.shape}"
+        assert hi > lo or value.shape[axis] == 0, f"empty box {box}"
     return value[tuple(slice(lo, hi) for lo, hi in box)]
 
 
-def assemble(info: NodeInfo, inputs: Sequence[np.ndarray | None], axes: Sequence[int]) -> np.ndarray:
+def assemble(
+    info: NodeInfo, inputs: Sequence[np.ndarray | None], axes: Sequence[int]
+) -> np.ndarray:
     """Output 0 computed tile by tile, cutting each of `axes` into uneven pieces."""
     opdef = REGISTRY.lookup(info.op_type, opset=info.opset)
     assert opdef is not None
@@ -145,7 +150,9 @@ def check(
     assert bool(axes) == expect_split, axes
     for axis_set in [[a] for a in axes] + ([axes] if len(axes) > 1 else []):
         tiled = assemble(info, inputs, axis_set)
-        np.testing.assert_allclose(tiled, expected[0], rtol=rtol, atol=atol, err_msg=f"split {axis_set}")
+        np.testing.assert_allclose(
+            tiled, expected[0], rtol=rtol, atol=atol, err_msg=f"split {axis_set}"
+        )
     assert opdef.macs(info) > 0
     return info
 
@@ -155,8 +162,13 @@ def check(
 
 
 def test_conv_2d_with_padding_stride_and_dilation_tiles_like_whole():
-    check("Conv", [rand(2, 3, 11, 10), rand(5, 3, 3, 3), rand(5)],
-          pads=[1, 2, 0, 1], strides=[2, 1], dilations=[2, 1])
+    check(
+        "Conv",
+        [rand(2, 3, 11, 10), rand(5, 3, 3, 3), rand(5)],
+        pads=[1, 2, 0, 1],
+        strides=[2, 1],
+        dilations=[2, 1],
+    )
 
 
 def test_conv_depthwise_with_multiplier_splits_channels():
@@ -190,18 +202,33 @@ def test_conv_float16_accumulates_in_float32():
 
 
 def test_conv_transpose_with_stride_pads_and_output_padding():
-    check("ConvTranspose", [rand(2, 3, 5, 4), rand(3, 4, 3, 3), rand(4)],
-          strides=[2, 3], pads=[1, 0, 0, 1], output_padding=[1, 2], dilations=[1, 2])
+    check(
+        "ConvTranspose",
+        [rand(2, 3, 5, 4), rand(3, 4, 3, 3), rand(4)],
+        strides=[2, 3],
+        pads=[1, 0, 0, 1],
+        output_padding=[1, 2],
+        dilations=[1, 2],
+    )
 
 
 def test_conv_transpose_grouped_and_output_shape():
-    check("ConvTranspose", [rand(1, 4, 4, 4), rand(4, 3, 3, 3)], group=2, strides=[2, 2],
-          output_shape=[8, 9])
-    check("ConvTranspose", [rand(1, 2, 5, 5), rand(2, 2, 2, 2)], strides=[2, 2], auto_pad="SAME_UPPER")
+    check(
+        "ConvTranspose",
+        [rand(1, 4, 4, 4), rand(4, 3, 3, 3)],
+        group=2,
+        strides=[2, 2],
+        output_shape=[8, 9],
+    )
+    check(
+        "ConvTranspose", [rand(1, 2, 5, 5), rand(2, 2, 2, 2)], strides=[2, 2], auto_pad="SAME_UPPER"
+    )
 
 
 def test_conv_transpose_same_lower_puts_odd_padding_first():
-    check("ConvTranspose", [rand(1, 2, 4, 4), rand(2, 3, 4, 3)], strides=[2, 2], auto_pad="SAME_LOWER")
+    check(
+        "ConvTranspose", [rand(1, 2, 4, 4), rand(2, 3, 4, 3)], strides=[2, 2], auto_pad="SAME_LOWER"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +236,15 @@ def test_conv_transpose_same_lower_puts_odd_padding_first():
 
 
 def test_max_pool_ceil_mode_with_pads_and_dilation():
-    check("MaxPool", [rand(2, 3, 10, 9)], kernel_shape=[3, 2], strides=[2, 2], pads=[1, 0, 1, 1],
-          ceil_mode=1, dilations=[1, 2])
+    check(
+        "MaxPool",
+        [rand(2, 3, 10, 9)],
+        kernel_shape=[3, 2],
+        strides=[2, 2],
+        pads=[1, 0, 1, 1],
+        ceil_mode=1,
+        dilations=[1, 2],
+    )
 
 
 def test_max_pool_same_upper_and_int8():
@@ -220,16 +254,36 @@ def test_max_pool_same_upper_and_int8():
 
 
 def test_max_pool_indices_output_runs_whole():
-    check("MaxPool", [rand(2, 2, 6, 7)], outputs=2, kernel_shape=[3, 3], strides=[2, 2],
-          pads=[1, 1, 1, 1], expect_split=False)
-    check("MaxPool", [rand(1, 2, 5, 6)], outputs=2, kernel_shape=[2, 2], storage_order=1,
-          expect_split=False)
+    check(
+        "MaxPool",
+        [rand(2, 2, 6, 7)],
+        outputs=2,
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+        pads=[1, 1, 1, 1],
+        expect_split=False,
+    )
+    check(
+        "MaxPool",
+        [rand(1, 2, 5, 6)],
+        outputs=2,
+        kernel_shape=[2, 2],
+        storage_order=1,
+        expect_split=False,
+    )
 
 
 @pytest.mark.parametrize("include_pad", [0, 1])
 def test_average_pool_count_include_pad_with_ceil_mode(include_pad):
-    check("AveragePool", [rand(2, 3, 9, 8)], kernel_shape=[3, 3], strides=[2, 2],
-          pads=[1, 1, 1, 0], count_include_pad=include_pad, ceil_mode=1)
+    check(
+        "AveragePool",
+        [rand(2, 3, 9, 8)],
+        kernel_shape=[3, 3],
+        strides=[2, 2],
+        pads=[1, 1, 1, 0],
+        count_include_pad=include_pad,
+        ceil_mode=1,
+    )
 
 
 def test_average_pool_1d_same_lower_and_3d():
@@ -238,8 +292,15 @@ def test_average_pool_1d_same_lower_and_3d():
 
 
 def test_average_pool_dilations_opset19():
-    check("AveragePool", [rand(1, 2, 9, 9)], opset=19, kernel_shape=[2, 2], dilations=[2, 2],
-          pads=[1, 1, 1, 1], count_include_pad=1)
+    check(
+        "AveragePool",
+        [rand(1, 2, 9, 9)],
+        opset=19,
+        kernel_shape=[2, 2],
+        dilations=[2, 2],
+        pads=[1, 1, 1, 1],
+        count_include_pad=1,
+    )
 
 
 def test_lp_pool():
@@ -270,9 +331,17 @@ def test_matmul_broadcasting(a, b):
 
 
 def test_matmul_int32_and_float16():
-    a, b = RNG.integers(-50, 50, (3, 4, 5)).astype(np.int32), RNG.integers(-50, 50, (5, 2)).astype(np.int32)
+    a, b = (
+        RNG.integers(-50, 50, (3, 4, 5)).astype(np.int32),
+        RNG.integers(-50, 50, (5, 2)).astype(np.int32),
+    )
     check("MatMul", [a, b], rtol=0, atol=0)
-    check("MatMul", [rand(2, 6, 8, dtype=np.float16), rand(8, 5, dtype=np.float16)], rtol=2e-3, atol=2e-3)
+    check(
+        "MatMul",
+        [rand(2, 6, 8, dtype=np.float16), rand(8, 5, dtype=np.float16)],
+        rtol=2e-3,
+        atol=2e-3,
+    )
 
 
 def test_matmul_splits_rows_then_columns_then_batch():
@@ -319,10 +388,23 @@ def test_batch_norm_inference_across_opsets():
     check("BatchNormalization", [rand(4, 6), rand(6), rand(6), rand(6), np.abs(rand(6))], opset=15)
 
 
+def test_batch_norm_per_activation_parameters_when_spatial_is_zero():
+    params = [rand(3, 4, 5), rand(3, 4, 5), rand(3, 4, 5), np.abs(rand(3, 4, 5)) + 0.1]
+    check("BatchNormalization", [rand(2, 3, 4, 5), *params], opset=7, spatial=0)
+
+
 def test_batch_norm_training_mode_is_rejected():
     node = helper.make_node("BatchNormalization", list("xsbmv"), ["y"], training_mode=1)
-    info = NodeInfo("BatchNormalization", "bn", {"training_mode": 1}, ((1, 2, 3, 3), (2,), (2,), (2,), (2,)),
-                    ("float32",) * 5, ((1, 2, 3, 3),), ("float32",), opset=15)
+    info = NodeInfo(
+        "BatchNormalization",
+        "bn",
+        {"training_mode": 1},
+        ((1, 2, 3, 3), (2,), (2,), (2,), (2,)),
+        ("float32",) * 5,
+        ((1, 2, 3, 3),),
+        ("float32",),
+        opset=15,
+    )
     args = [rand(1, 2, 3, 3), rand(2), rand(2), rand(2), rand(2)]
     with pytest.raises(CompileError) as err:
         REGISTRY.lookup(node.op_type, opset=15).compute(info, args, TileCtx.whole(info))
@@ -349,3 +431,219 @@ def test_lp_and_mean_variance_normalization():
     check("LpNormalization", [rand(3, 4, 5)])
     check("MeanVarianceNormalization", [rand(2, 3, 4, 5)])
     check("MeanVarianceNormalization", [rand(2, 3, 4, 5)], axes=[1, 3])
+
+
+# ---------------------------------------------------------------------------------------------
+# Pad, Resize, Upsample
+
+
+def i64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def f32(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge", "wrap"])
+def test_pad_modes_with_pads_input(mode):
+    x = rand(2, 3, 5, 4)
+    value = f32(1.5) if mode == "constant" else None
+    info = check("Pad", [x, i64(0, 1, 2, 0, 0, 0, 1, 3), value], opset=19, consts=[1], mode=mode)
+    split = REGISTRY.lookup("Pad", opset=19).split_axes(info)
+    assert split == ([0, 1, 2, 3] if mode == "constant" else [0])
+
+
+def test_pad_negative_pads_crop_and_axes_input():
+    check("Pad", [rand(3, 6, 5), i64(1, -2, 0, 2, -1, 1)], opset=13, consts=[1])
+    check("Pad", [rand(3, 6, 5), i64(2, 1, 0, 3), None, i64(0, -1)], opset=18, consts=[1, 3])
+
+
+def test_pad_attribute_form_and_unknown_pads_run_whole():
+    check("Pad", [rand(2, 5)], opset=2, pads=[1, 0, 0, 2], value=-1.0)
+    check("Pad", [rand(2, 5), i64(1, 1, 1, 1)], opset=13, expect_split=False)
+    ints = RNG.integers(0, 9, (3, 4)).astype(np.int32)
+    check("Pad", [ints, i64(1, 0, 0, 2), np.array(7, dtype=np.int32)], opset=13, consts=[1])
+
+
+RESIZE_COORDINATES = [
+    "half_pixel",
+    "pytorch_half_pixel",
+    "align_corners",
+    "asymmetric",
+    "tf_half_pixel_for_nn",
+]
+
+
+@pytest.mark.parametrize("coordinates", RESIZE_COORDINATES)
+@pytest.mark.parametrize("nearest", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
+def test_resize_nearest_with_scales(coordinates, nearest):
+    args = [rand(1, 2, 5, 6), None, f32(1, 1, 2.5, 0.6)]
+    check(
+        "Resize",
+        args,
+        opset=13,
+        consts=[2],
+        mode="nearest",
+        coordinate_transformation_mode=coordinates,
+        nearest_mode=nearest,
+    )
+
+
+@pytest.mark.parametrize("coordinates", [*RESIZE_COORDINATES[:4], "half_pixel_symmetric"])
+def test_resize_linear_with_sizes(coordinates):
+    args = [rand(2, 3, 5, 4), None, None, i64(2, 3, 9, 3)]
+    check(
+        "Resize",
+        args,
+        opset=19,
+        consts=[3],
+        mode="linear",
+        coordinate_transformation_mode=coordinates,
+    )
+
+
+@pytest.mark.parametrize("exclude_outside", [0, 1])
+def test_resize_cubic(exclude_outside):
+    args = [rand(1, 2, 6, 5), f32(), f32(1, 1, 1.5, 2.0)]
+    check(
+        "Resize",
+        args,
+        opset=11,
+        consts=[1, 2],
+        mode="cubic",
+        exclude_outside=exclude_outside,
+        cubic_coeff_a=-0.5,
+    )
+
+
+def test_resize_tf_crop_and_resize_extrapolates():
+    roi = f32(0, 0, -0.2, 0.1, 1, 1, 0.9, 1.3)
+    check(
+        "Resize",
+        [rand(1, 2, 6, 7), roi, f32(1, 1, 1.5, 0.8)],
+        opset=13,
+        consts=[1, 2],
+        mode="linear",
+        coordinate_transformation_mode="tf_crop_and_resize",
+        extrapolation_value=-3.0,
+    )
+
+
+def test_resize_axes_and_keep_aspect_ratio_opset18():
+    check(
+        "Resize",
+        [rand(1, 2, 6, 8), None, None, i64(9, 9)],
+        opset=18,
+        consts=[3],
+        axes=[2, 3],
+        keep_aspect_ratio_policy="not_larger",
+        mode="linear",
+    )
+    check(
+        "Resize",
+        [rand(1, 2, 6, 8), None, None, i64(9, 9)],
+        opset=18,
+        consts=[3],
+        axes=[2, 3],
+        keep_aspect_ratio_policy="not_smaller",
+    )
+
+
+def test_resize_opset10_and_upsample_use_asymmetric_coordinates():
+    for mode in ("nearest", "linear"):
+        check("Resize", [rand(1, 2, 4, 5), f32(1, 1, 2, 1.5)], opset=10, consts=[1], mode=mode)
+        check("Upsample", [rand(1, 2, 4, 5), f32(1, 1, 2, 3)], opset=9, consts=[1], mode=mode)
+    check("Upsample", [rand(1, 2, 3, 3)], opset=7, scales=[1.0, 1.0, 2.0, 2.0])
+
+
+def test_resize_with_unknown_scales_runs_whole():
+    check("Resize", [rand(1, 1, 4, 4), None, f32(1, 1, 2, 2)], opset=13, expect_split=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiling rules as specifications
+
+
+def conv_info(**attrs: Any) -> NodeInfo:
+    return NodeInfo(
+        "Conv",
+        "conv",
+        attrs,
+        ((1, 4, 16, 16), (8, 4, 3, 3), (8,)),
+        ("float32",) * 3,
+        ((1, 8, 16, 16),),
+        ("float32",),
+    )
+
+
+def test_conv_row_tile_asks_for_its_halo_clipped_to_the_input():
+    conv = REGISTRY.lookup("Conv")
+    info = conv_info(pads=[1, 1, 1, 1])
+    assert conv.split_axes(info) == [0, 1, 2, 3]
+    assert conv.input_boxes(info, ((0, 1), (0, 8), (4, 8), (0, 16))) == [
+        ((0, 1), (0, 4), (3, 9), (0, 16)),
+        ((0, 8), (0, 4), (0, 3), (0, 3)),
+        ((0, 8),),
+    ]
+    first_rows = conv.input_boxes(info, ((0, 1), (2, 5), (0, 3), (0, 16)))
+    assert first_rows[0] == ((0, 1), (0, 4), (0, 4), (0, 16))
+    assert first_rows[1][0] == (2, 5) and first_rows[2] == ((2, 5),)
+
+
+def test_gemm_boxes_follow_transposes_and_c_broadcast():
+    info = NodeInfo(
+        "Gemm",
+        "gemm",
+        {"transA": 1, "transB": 1},
+        ((7, 5), (6, 7), (1, 6)),
+        ("float32",) * 3,
+        ((5, 6),),
+        ("float32",),
+    )
+    boxes = REGISTRY.lookup("Gemm").input_boxes(info, ((1, 3), (2, 6)))
+    assert boxes == [((0, 7), (1, 3)), ((2, 6), (0, 7)), ((0, 1), (2, 6))]
+
+
+def test_matmul_boxes_broadcast_batch_dims():
+    info = NodeInfo(
+        "MatMul",
+        "mm",
+        {},
+        ((3, 1, 5, 4), (2, 4, 6)),
+        ("float32",) * 2,
+        ((3, 2, 5, 6),),
+        ("float32",),
+    )
+    boxes = REGISTRY.lookup("MatMul").input_boxes(info, ((1, 2), (0, 2), (1, 3), (0, 4)))
+    assert boxes == [((1, 2), (0, 1), (1, 3), (0, 4)), ((0, 2), (0, 4), (0, 4))]
+
+
+def test_every_heavy_op_is_registered_with_its_unit():
+    hmx = {"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum"}
+    for op in [
+        "Conv",
+        "ConvTranspose",
+        "MatMul",
+        "Gemm",
+        "BatchNormalization",
+        "MaxPool",
+        "AveragePool",
+        "GlobalAveragePool",
+        "GlobalMaxPool",
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "InstanceNormalization",
+        "LRN",
+        "Resize",
+        "Upsample",
+        "Pad",
+        "Hardmax",
+        "LpNormalization",
+        "MeanVarianceNormalization",
+        "Einsum",
+    ]:
+        versions = REGISTRY.versions(op)
+        assert versions, op
+        assert all(v.unit == ("hmx" if op in hmx else "hvx") for v in versions), op

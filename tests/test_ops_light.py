@@ -10,6 +10,7 @@ would.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -409,6 +410,13 @@ def test_op_matches_onnxruntime_whole_and_tiled(case: Case) -> None:
     assert len(got) == len(expected)
     for g, e in zip(got, expected, strict=True):
         assert_matches(case, np.asarray(g), e)
+
+    # Unsplit ops still get asked for the input boxes of their whole output, consts or not.
+    for whole_info in (info, dataclasses.replace(info, consts={})):
+        if info.out_shapes[0] and len(expected) == 1:
+            full = full_box(info.out_shapes[0])
+            got_whole = compute_tile(opdef, whole_info, list(case.inputs), full)
+            assert_matches(case, got_whole, expected[0])
 
     split = opdef.split_axes(info)
     assert all(0 <= a < len(info.out_shapes[0]) for a in split)

@@ -105,10 +105,11 @@ class _Builder:
         shape = static_shape(value)
         dtype = dtype_name(value.dtype)
         if shape is None or dtype is None:
+            producer = value.producer()
             raise CompileError(
                 "dynamic_shape",
                 f"value '{value.name}' has no static shape or type after the graph passes",
-                node=value.producer().name if value.producer() is not None else None,
+                node=producer.name if producer is not None else None,
             )
         if value.const_value is not None:
             kind = KIND_CONSTANT

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from compiler_core.errors import CompileError
 from compiler_core.ops.registry import (
     FLOATS,
     Box,
@@ -68,8 +67,9 @@ def ints(node: NodeInfo, name: str, default: Sequence[int]) -> list[int]:
     return [int(v) for v in (default if value is None else value)]
 
 
-def windows(node: NodeInfo, kernel_shape: Sequence[int], in_spatial: Shape,
-            out_spatial: Shape) -> list[Window]:
+def windows(
+    node: NodeInfo, kernel_shape: Sequence[int], in_spatial: Shape, out_spatial: Shape
+) -> list[Window]:
     """Per-axis geometry from strides, dilations, pads and auto_pad (ONNX defaults applied)."""
     rank = len(kernel_shape)
     strides = ints(node, "strides", [1] * rank)
@@ -141,8 +141,13 @@ def gather_windows(
 
 
 def accumulator(dtype: np.dtype) -> type[np.floating]:
-    """fp16 accumulates in fp32 (as HMX does); fp32 and fp64 stay as they are."""
-    return np.float64 if dtype == np.float64 else np.float32
+    """fp16 accumulates in fp32 (as HMX does); fp32 accumulates in fp64.
+
+    fp64 sums rounded once to fp32 do not depend on how the output was cut into tiles (BLAS
+    sums a narrow tile in another order than a wide one), so a QPC's result is the same for
+    any core count and tiling, and at least as accurate as a plain fp32 sum.
+    """
+    return np.float32 if dtype == np.float16 else np.float64
 
 
 def whole_box(node: NodeInfo, index: int) -> Box:
@@ -156,7 +161,9 @@ def tile_box(tile: TileCtx, node: NodeInfo, index: int) -> Box:
     return whole_box(node, index) if box is None else box
 
 
-def channel_part(vec: np.ndarray, box: Box, wanted: tuple[int, int], acc: type, rank: int) -> np.ndarray:
+def channel_part(
+    vec: np.ndarray, box: Box, wanted: tuple[int, int], acc: type, rank: int
+) -> np.ndarray:
     """The channels `wanted` of a per-channel vector given as `box`, shaped to broadcast
     over (N, C, *spatial)."""
     part = vec[wanted[0] - box[0][0] : wanted[1] - box[0][0]]
@@ -209,7 +216,9 @@ def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return boxes
 
 
-def conv_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def conv_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     x, w = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     assert x is not None and w is not None
@@ -241,7 +250,9 @@ def conv_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx)
     return [y.astype(out_dtype, copy=False)]
 
 
-def _grouped_conv(xg: np.ndarray, w: np.ndarray, first: int, per_group: int, rank: int) -> np.ndarray:
+def _grouped_conv(
+    xg: np.ndarray, w: np.ndarray, first: int, per_group: int, rank: int
+) -> np.ndarray:
     """Grouped conv of windows xg (N, G, Cg, *O, *K) with the weights of output channels
     [first, first + len(w)) counted from the first group present (w: Mt, Cg, *K)."""
     n, groups, cg = xg.shape[:3]
@@ -366,11 +377,15 @@ def conv_transpose_compute(
     rank = len(kernel)
     group = int(node.attr("group", 1))
     x_box = tile_box(tile, node, 0)
+    (n0, n1), shift = tile.out_box[0], x_box[0][0]
+    x = x[n0 - shift : n1 - shift]
     n, c = x.shape[:2]
     out_channels = w.shape[1] * group
     # Scatter every tap of the given input into a buffer starting at global output `base`.
     base = [x_box[2 + i][0] * strides[i] - begins[i] for i in range(rank)]
-    size = [(x.shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 for i in range(rank)]
+    size = [
+        (x.shape[2 + i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 for i in range(rank)
+    ]
     buf = np.zeros((n, out_channels, *size), dtype=acc)
     cg, mg = c // group, w.shape[1]
     for tap in np.ndindex(*kernel):
@@ -415,11 +430,3 @@ register(
     macs=conv_transpose_macs,
     doc="N-d transposed convolution: pads, auto_pad, output_padding, output_shape, group.",
 )
-
-
-def reject_training(node: NodeInfo, what: str) -> None:
-    raise CompileError(
-        "unsupported_attribute",
-        f"{node.op_type} {what} is not supported (inference only)",
-        node=node.name,
-    )

@@ -25,9 +25,7 @@ def narrow(x: np.ndarray, given: Box | None, wanted: Box | None) -> np.ndarray:
     """The part `wanted` of an array that holds the part `given` (both in global coordinates)."""
     if given is None or wanted is None or given == wanted:
         return x
-    index = tuple(
-        slice(w0 - g0, w1 - g0) for (g0, _), (w0, w1) in zip(given, wanted, strict=True)
-    )
+    index = tuple(slice(w0 - g0, w1 - g0) for (g0, _), (w0, w1) in zip(given, wanted, strict=True))
     return x[index]
 
 
@@ -47,7 +45,9 @@ def _narrow_inputs(
     node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx, wanted: list[Box | None]
 ) -> list[np.ndarray | None]:
     return [
-        None if x is None else narrow(x, tile.in_boxes[i] if i < len(tile.in_boxes) else None, wanted[i])
+        None
+        if x is None
+        else narrow(x, tile.in_boxes[i] if i < len(tile.in_boxes) else None, wanted[i])
         for i, x in enumerate(inputs)
     ]
 
@@ -83,7 +83,9 @@ def matmul_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return [a_box, b_box]
 
 
-def matmul_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def matmul_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     a, b = _narrow_inputs(node, inputs, tile, matmul_input_boxes(node, tile.out_box))
     assert a is not None and b is not None
     out_dtype = np.dtype(node.out_dtypes[0])
@@ -132,7 +134,9 @@ def gemm_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return boxes
 
 
-def gemm_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def gemm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     narrowed = _narrow_inputs(node, inputs, tile, gemm_input_boxes(node, tile.out_box))
     a, b = narrowed[0], narrowed[1]
     c = narrowed[2] if len(narrowed) > 2 else None
@@ -178,7 +182,9 @@ register(
 # Einsum (whole only)
 
 
-def einsum_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def einsum_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     operands = [x for x in inputs if x is not None]
     out_dtype = np.dtype(node.out_dtypes[0])
     if out_dtype.kind == "f":

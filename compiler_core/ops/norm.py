@@ -41,7 +41,9 @@ def _reduced_box(node: NodeInfo, out_box: Box, reduced: Sequence[int]) -> Box:
     return tuple((0, shape[a]) if a in reduced else out_box[a] for a in range(len(shape)))
 
 
-def _x_tile(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx, reduced: Sequence[int]) -> np.ndarray:
+def _x_tile(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx, reduced: Sequence[int]
+) -> np.ndarray:
     x = inputs[0]
     assert x is not None
     return narrow(x, tile_box(tile, node, 0), _reduced_box(node, tile.out_box, reduced))
@@ -88,7 +90,9 @@ def _softmax_axes(node: NodeInfo) -> list[int]:
     return _softmax_axes_old(node) if node.opset < 13 else _softmax_axes_new(node)
 
 
-def softmax_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def softmax_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     x = _x_tile(node, inputs, tile, _softmax_axes(node))
     axes = tuple(_softmax_axes(node))
     xa = x.astype(accumulator(x.dtype), copy=False)
@@ -96,7 +100,9 @@ def softmax_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileC
     return [(e / e.sum(axis=axes, keepdims=True)).astype(x.dtype, copy=False)]
 
 
-def log_softmax_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def log_softmax_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     x = _x_tile(node, inputs, tile, _softmax_axes(node))
     axes = tuple(_softmax_axes(node))
     xa = x.astype(accumulator(x.dtype), copy=False)
@@ -105,7 +111,9 @@ def log_softmax_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: T
     return [y.astype(x.dtype, copy=False)]
 
 
-def hardmax_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def hardmax_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     x = _x_tile(node, inputs, tile, _softmax_axes(node))
     axes = _softmax_axes(node)
     moved = np.moveaxis(x, axes, list(range(x.ndim - len(axes), x.ndim)))
@@ -169,7 +177,9 @@ def batch_norm_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return [out_box, *(_param_box(s, out_box) for s in node.in_shapes[1:])]
 
 
-def batch_norm_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def batch_norm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     _check_batch_norm(node)
     x = inputs[0]
     assert x is not None
@@ -213,7 +223,9 @@ def instance_norm_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return [_reduced_box(node, out_box, _spatial_axes(node)), (out_box[1],), (out_box[1],)]
 
 
-def instance_norm_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def instance_norm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     axes = _spatial_axes(node)
     x = _x_tile(node, inputs, tile, axes)
     acc = accumulator(x.dtype)
@@ -248,7 +260,9 @@ def _layer_norm_axes(node: NodeInfo) -> list[int]:
     return list(range(_axis(node, -1), len(_x_shape(node))))
 
 
-def layer_norm_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def layer_norm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     axes = tuple(_layer_norm_axes(node))
     x = _x_tile(node, inputs, tile, axes)
     acc = np.float64 if x.dtype == np.float64 else np.float32
@@ -312,12 +326,18 @@ def _lp_axes(node: NodeInfo) -> list[int]:
     return [_axis(node, -1)]
 
 
-def lp_norm_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def lp_norm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     axis = _lp_axes(node)[0]
     x = _x_tile(node, inputs, tile, [axis])
     xa = x.astype(accumulator(x.dtype), copy=False)
     p = int(node.attr("p", 2))
-    norm = np.abs(xa).sum(axis=axis, keepdims=True) if p == 1 else np.sqrt((xa * xa).sum(axis=axis, keepdims=True))
+    norm = (
+        np.abs(xa).sum(axis=axis, keepdims=True)
+        if p == 1
+        else np.sqrt((xa * xa).sum(axis=axis, keepdims=True))
+    )
     return [(xa / norm).astype(x.dtype, copy=False)]
 
 

@@ -76,7 +76,9 @@ def max_pool_compute(
     assert x_shape is not None
     spatial = x_shape[2:]
     grids = np.indices(spatial)
-    order = list(range(rank)) if int(node.attr("storage_order", 0)) == 0 else list(range(rank))[::-1]
+    order = (
+        list(range(rank)) if int(node.attr("storage_order", 0)) == 0 else list(range(rank))[::-1]
+    )
     flat = np.zeros(spatial, dtype=np.int64)
     for axis in order:
         flat = flat * spatial[axis] + grids[axis]
@@ -98,8 +100,9 @@ def average_pool_compute(
     assert x is not None
     acc = accumulator(x.dtype)
     wins = _windows(node)
-    view = gather_windows(x.astype(acc, copy=False), wins, tile.out_box, tile_box(tile, node, 0), 0.0,
-                          aligned=(0, 1))
+    view = gather_windows(
+        x.astype(acc, copy=False), wins, tile.out_box, tile_box(tile, node, 0), 0.0, aligned=(0, 1)
+    )
     rank = len(wins)
     total = view.sum(axis=_window_axes(rank))
     include_pad = int(node.attr("count_include_pad", 0)) == 1
@@ -114,7 +117,9 @@ def average_pool_compute(
     return [(total / count).astype(x.dtype, copy=False)]
 
 
-def lp_pool_compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+def lp_pool_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
     x = inputs[0]
     assert x is not None
     acc = accumulator(x.dtype)

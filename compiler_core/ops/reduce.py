@@ -79,8 +79,10 @@ def reduce_split_axes(node: NodeInfo) -> list[int]:
 
 def reduce_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     in_shape = node.in_shapes[0] or ()
-    _, axes = _static_axes(node)
+    known, axes = _static_axes(node)
     rest: list[Box | None] = [None if s is None else full_box(s) for s in node.in_shapes[1:]]
+    if not known:
+        return [full_box(in_shape), *rest]
     if axes is None:
         return [out_box, *rest]
     box = full_box(in_shape)

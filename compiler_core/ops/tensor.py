@@ -292,7 +292,8 @@ def _slice_split(node: NodeInfo) -> list[int]:
 
 def _slice_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     params = _slice_params(node, node.consts.get)
-    assert params is not None, "Slice tiling needs constant starts, ends, axes and steps"
+    if params is None:  # not constant: only the whole output is ever asked for
+        return _given_whole(node, 0)
     box = tuple(
         _axis_range(first, step, lo, hi)
         for (first, step, _), (lo, hi) in zip(params, out_box, strict=True)

@@ -67,7 +67,8 @@ class NameScope:
 
 def add_initializer(graph: ir.Graph, array: np.ndarray, name: str) -> ir.Value:
     """Register `array` as a new initializer called `name` (already unique) and return it."""
-    array = np.ascontiguousarray(array)
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")
     tensor = ir.tensor(array, name=name)
     value = ir.Value(
         name=name,

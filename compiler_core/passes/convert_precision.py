@@ -98,6 +98,10 @@ def _convert_node(node: ir.Node, clipped: list[str]) -> int:
             node.attributes.pop(name)
             node.attributes["value"] = ir.AttrTensor("value", ir.tensor(array))
             converted += 1
+    if node.op_type == "ConstantOfShape" and "value" not in node.attributes:
+        # The default fill is a float32 zero.
+        node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.zeros(1, np.float16)))
+        converted += 1
     to = node.attributes.get("to")
     if node.op_type == "Cast" and to is not None and to.as_int() == FLOAT.value:
         node.attributes["to"] = ir.AttrInt64("to", FLOAT16.value)

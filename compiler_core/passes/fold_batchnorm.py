@@ -19,7 +19,6 @@ from compiler_core.passes.base import (
     GraphPass,
     NameScope,
     add_initializer,
-    can_take_output_name,
     const_array,
     replace_value,
     static_dims,
@@ -83,8 +82,6 @@ class FoldBatchNormIntoConvPass(GraphPass):
         if params is None or source is None or dims is None or len(dims) < 2:
             return False
         out = bn.outputs[0]
-        if out.is_graph_output() and not can_take_output_name(source):
-            return False
         dtype = source.dtype.numpy() if source.dtype is not None else np.float32
         trailing = (1,) * (len(dims) - 2)
         scale, shift = params
@@ -149,13 +146,27 @@ class FoldBatchNormIntoConvPass(GraphPass):
         new_weight = (weight.astype(np.float64) * scale.reshape(-1, *trailing)).astype(weight.dtype)
         new_bias = (bias64 * scale + shift).astype(weight.dtype)
         label = conv.name or "Conv"
-        weight_value = add_initializer(graph, new_weight, names.fresh(f"{label}_W_folded"))
-        bias_value = add_initializer(graph, new_bias, names.fresh(f"{label}_B_folded"))
+        _set_input(graph, conv, 1, new_weight, names.fresh(f"{label}_W_folded"))
         if len(conv.inputs) < 3:
             conv.resize_inputs(3)
-        conv.replace_input_with(1, weight_value)
-        conv.replace_input_with(2, bias_value)
+        _set_input(graph, conv, 2, new_bias, names.fresh(f"{label}_B_folded"))
         return True
+
+
+def _set_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, name: str) -> None:
+    """Give input `index` of `node` the constant `array`: in place when only this node reads
+    the old initializer (so the old weights are freed at once), else as a new initializer."""
+    old = node.inputs[index]
+    if (
+        old is not None
+        and old.is_initializer()
+        and len(old.uses()) == 1
+        and not (old.is_graph_input() or old.is_graph_output())
+    ):
+        old.const_value = ir.tensor(array, name=old.name)
+        old.shape = ir.Shape(array.shape)
+        return
+    node.replace_input_with(index, add_initializer(graph, array, name))
 
 
 def _foldable_conv(value: ir.Value) -> ir.Node | None:

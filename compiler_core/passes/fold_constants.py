@@ -38,6 +38,10 @@ NONDETERMINISTIC = frozenset(
     }
 )
 
+SHAPE_FROM_DATA = frozenset({"NonZero", "Range", "Compress"})
+"""Ops whose output shape depends on input values: their kernels need no output shape, so they
+fold even while inference cannot give one."""
+
 InferShapes = Callable[[ir.Model], None]
 
 
@@ -119,6 +123,8 @@ class FoldConstantsPass(GraphPass):
         if any(value.const_value is None for value in present):
             return False
         # Kernels read output shapes from the node; unknown ones fold after the next inference.
+        if node.op_type in SHAPE_FROM_DATA:
+            return True
         return all(static_dims(out) is not None for out in node.outputs)
 
     def _fold_shape(self, node: ir.Node) -> list[np.ndarray] | None:

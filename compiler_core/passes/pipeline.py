@@ -19,7 +19,8 @@ from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
 class PipelineOptions(Protocol):
     """What the pipeline reads from `compiler_core.options.CompileOptions`."""
 
-    convert_to_fp16: bool
+    @property
+    def convert_to_fp16(self) -> bool: ...
 
 
 PASS_NAMES = (

@@ -110,6 +110,10 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _io_line(io: dict[str, Any]) -> str:
     dims = "x".join(str(d) for d in io["dims"]) or "scalar"
     return f"    {io['name']}: {io['dtype']} [{dims}] {io['layout']}"
@@ -143,19 +147,23 @@ def render_inspect(d: dict[str, Any]) -> str:
             f"types {', '.join(req['dtypes']) or '-'}",
         ]
         if d["options"]:
-            opts = " ".join(f"{k}={v}" for k, v in sorted(d["options"].items()))
+            opts = " ".join(
+                f"-{k}={v}" for k, v in sorted(d["options"].items()) if v not in (None, [], {})
+            )
             lines.append(f"  options: {opts}")
         if d["specializations"]:
             lines.append(f"  specializations: {len(d['specializations'])}")
+    count = d.get("constants_count")
     lines.append(
         f"Constants: {_size(d['constants_size'])}"
-        + (f" in {d['constants_count']} tensors" if "constants_count" in d else "")
+        + ("" if count is None else f" in {_count(count, 'tensor')}")
     )
     if "program" in d:
         prog = d["program"]
         lines.append(
-            f"Program: {prog['kernel_count']} kernels, {prog['tensor_count']} tensors, "
-            f"{prog['num_semaphores']} semaphores, DDR {_size(prog['ddr_size'])}"
+            f"Program: {_count(prog['kernel_count'], 'kernel')}, "
+            f"{_count(prog['tensor_count'], 'tensor')}, "
+            f"{_count(prog['num_semaphores'], 'semaphore')}, DDR {_size(prog['ddr_size'])}"
         )
         ops = ", ".join(f"{k} {v}" for k, v in prog["op_type_counts"].items())
         lines.append(f"  ops: {ops or '-'}")

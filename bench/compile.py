@@ -1,0 +1,510 @@
+"""Compile speed and memory of `qpcfarm compile`, as ratios against peers measured in this run.
+
+Peers (DESIGN.md, Targets): ONNX Runtime's offline optimisation (a session with ORT_ENABLE_ALL
+and `optimized_model_filepath`) and a plain `onnx.load` + `onnx.save`. Every whole-process
+figure is a fresh child process; its wall time is measured around spawn-to-reap and its peak RSS
+is the kernel's exact `ru_maxrss` from `os.wait4`. A second, polled figure (RssAnon from
+/proc every few ms) shows the anonymous part, since `ru_maxrss` also counts pages of memory-
+mapped weight files. Runs are interleaved (round robin over the repeats), so a busy machine
+slows every row alike, and the median wall time is reported.
+
+    python bench/compile.py [--quick] [--repeat 3] [--cores 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import (  # noqa: E402  (the generators live beside this script)
+    MLP_BIG,
+    MLP_QUICK,
+    RESNET50,
+    RESNET_QUICK,
+    model_size,
+    write_mlp,
+    write_resnet,
+)
+
+MIB = 1 << 20
+POLL_SECONDS = 0.005
+
+BASELINE_CODE = "import compiler_core.compile, compiler_core.cli"
+ORT_CODE = """
+import sys
+import onnxruntime as ort
+ort.set_default_logger_severity(3)
+so = ort.SessionOptions()
+so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+so.optimized_model_filepath = sys.argv[2]
+ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+"""
+LOAD_SAVE_CODE = """
+import sys
+import onnx
+onnx.save(onnx.load(sys.argv[1]), sys.argv[2])
+"""
+
+
+# --- one child process ------------------------------------------------------------------------
+
+
+@dataclass
+class ProcessRun:
+    wall_s: float
+    peak_rss_mib: float
+    """`ru_maxrss` of the child (exact, includes touched pages of mapped files)."""
+    peak_anon_mib: float | None
+    """Largest RssAnon seen while polling /proc; None if the child ended before a sample."""
+    returncode: int
+    error: str | None = None
+
+
+def run_process(argv: Sequence[str], timeout_s: float) -> ProcessRun:
+    """Run `argv` to completion; time it and take its peak memory from the kernel."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        done = threading.Event()
+        peak_anon: list[int] = []
+        poller = threading.Thread(
+            target=_poll_anon, args=(proc.pid, done, peak_anon, start + timeout_s), daemon=True
+        )
+        poller.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        done.set()
+        poller.join()
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        error = None
+        if proc.returncode != 0:
+            err.seek(0)
+            error = _last_line(err.read().decode(errors="replace")) or "(no output)"
+            if proc.returncode == -signal.SIGKILL:
+                error = f"killed (timeout {timeout_s:.0f} s or out of memory): {error}"
+    return ProcessRun(
+        wall_s=wall,
+        peak_rss_mib=usage.ru_maxrss * 1024 / MIB,  # Linux reports KiB
+        peak_anon_mib=peak_anon[0] / MIB if peak_anon else None,
+        returncode=proc.returncode,
+        error=error,
+    )
+
+
+def _poll_anon(pid: int, done: threading.Event, peak: list[int], deadline: float) -> None:
+    status = Path(f"/proc/{pid}/status")
+    while not done.wait(POLL_SECONDS):
+        if time.perf_counter() > deadline:
+            os.kill(pid, signal.SIGKILL)  # our own child only
+            return
+        try:
+            text = status.read_text()
+        except OSError:
+            return
+        for line in text.splitlines():
+            if line.startswith("RssAnon:"):
+                value = int(line.split()[1]) * 1024
+                if not peak or value > peak[0]:
+                    peak[:] = [value]
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+# --- repeated measurements --------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    label: str
+    argv: list[str]
+    runs: list[ProcessRun] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs) and all(r.returncode == 0 for r in self.runs)
+
+    @property
+    def error(self) -> str | None:
+        return next((r.error for r in self.runs if r.error), None)
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(r.wall_s for r in self.runs)
+
+    @property
+    def peak_rss_mib(self) -> float:
+        return statistics.median(r.peak_rss_mib for r in self.runs)
+
+    @property
+    def peak_anon_mib(self) -> float | None:
+        values = [r.peak_anon_mib for r in self.runs if r.peak_anon_mib is not None]
+        return statistics.median(values) if values else None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "argv": self.argv,
+            "ok": self.ok,
+            "error": self.error,
+            "wall_s_median": self.wall_s if self.runs else None,
+            "peak_rss_mib_median": self.peak_rss_mib if self.runs else None,
+            "peak_anon_mib_median": self.peak_anon_mib if self.runs else None,
+            "runs": [asdict(r) for r in self.runs],
+        }
+
+
+def measure_round_robin(measurements: Sequence[Measurement], repeat: int,
+                        timeout_s: float) -> None:
+    """Run every measurement once per round; a failed one is not retried."""
+    for round_no in range(repeat):
+        for m in measurements:
+            if m.runs and not m.ok:
+                continue
+            run = run_process(m.argv, timeout_s)
+            m.runs.append(run)
+            state = "ok" if run.returncode == 0 else f"FAILED: {run.error}"
+            print(
+                f"  [{round_no + 1}/{repeat}] {m.label:<40} {run.wall_s:7.2f} s "
+                f"{run.peak_rss_mib:8.1f} MiB  {state}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def compile_argv(model: Path, out_dir: Path, cores: int) -> list[str]:
+    flags = [f"-m={model}", f"-aic-binary-dir={out_dir}", f"-aic-num-cores={cores}"]
+    script = Path(sys.executable).with_name("qpcfarm")
+    if script.exists():
+        return [str(script), "compile", *flags]
+    found = shutil.which("qpcfarm")
+    if found:
+        return [found, "compile", *flags]
+    return [sys.executable, "-m", "compiler_core.cli", "compile", *flags]
+
+
+def python_argv(code: str, *args: Path) -> list[str]:
+    return [sys.executable, "-c", code, *(str(a) for a in args)]
+
+
+# --- in-process, warm -------------------------------------------------------------------------
+
+
+def warm_in_process(model: Path, out_dir: Path, cores: int, repeat: int) -> dict[str, Any]:
+    """Median of `repeat` compiles and ORT offline optimisations in this process, after one
+    warm-up each (imports, lazy initialisation and the page cache are then paid for)."""
+    import onnxruntime as ort
+
+    from compiler_core import compile_model
+
+    flags = [f"-aic-num-cores={cores}", f"-aic-binary-dir={out_dir / 'qpc-warm'}"]
+
+    def compile_once() -> dict[str, float]:
+        return compile_model(str(model), flags).pass_times
+
+    def ort_once() -> None:
+        ort.set_default_logger_severity(3)  # not the NCHWc "hardware specific" notice
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(out_dir / "ort-warm.onnx")
+        ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+
+    pass_times = compile_once()
+    ort_once()
+    compile_s: list[float] = []
+    ort_s: list[float] = []
+    for _ in range(repeat):
+        compile_s.append(_timed(compile_once))
+        ort_s.append(_timed(ort_once))
+    return {
+        "cores": cores,
+        "compile_s": compile_s,
+        "ort_s": ort_s,
+        "compile_s_median": statistics.median(compile_s),
+        "ort_s_median": statistics.median(ort_s),
+        "pass_times": pass_times,
+    }
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Ratio:
+    name: str
+    value: float | None
+    target: float | None
+    note: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if self.value is None:
+            return "NOT MET" if self.target is not None else "n/a"
+        if self.target is None:
+            return "info"
+        return "met" if self.value <= self.target else "NOT MET"
+
+    def line(self) -> str:
+        value = "-" if self.value is None else f"{self.value:6.2f}x"
+        target = "" if self.target is None else f"<= {self.target:.1f}x"
+        note = f"  ({self.note})" if self.note else ""
+        return f"  {self.name:<56} {value:>8}  {target:>8}  {self.verdict}{note}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "target": self.target,
+                "verdict": self.verdict, "note": self.note}
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def memory_ratio(name: str, compile_m: Measurement, baseline: Measurement,
+                 size_bytes: int) -> Ratio:
+    if not compile_m.ok:
+        return Ratio(name, None, 1.5, f"did not compile: {compile_m.error}")
+    above = compile_m.peak_rss_mib - baseline.peak_rss_mib
+    return Ratio(name, above / (size_bytes / MIB), 1.5, f"{above:.0f} MiB above baseline")
+
+
+def anon_ratio(name: str, compile_m: Measurement, baseline: Measurement,
+               size_bytes: int) -> Ratio:
+    if not compile_m.ok or compile_m.peak_anon_mib is None or baseline.peak_anon_mib is None:
+        return Ratio(name, None, None)
+    above = compile_m.peak_anon_mib - baseline.peak_anon_mib
+    return Ratio(name, above / (size_bytes / MIB), None, "anonymous memory only, polled")
+
+
+def wall_ratio(name: str, a: Measurement, b: Measurement, target: float | None) -> Ratio:
+    if not a.ok or not b.ok:
+        failed = a if not a.ok else b
+        return Ratio(name, None, target, f"{failed.label} failed: {failed.error}")
+    return Ratio(name, a.wall_s / b.wall_s, target)
+
+
+def table(rows: Sequence[Measurement]) -> list[str]:
+    lines = [f"  {'':<40} {'wall s':>8} {'peak RSS MiB':>13} {'peak anon MiB':>14}"]
+    for m in rows:
+        if not m.runs:
+            continue
+        anon = "-" if m.peak_anon_mib is None else f"{m.peak_anon_mib:.1f}"
+        tail = "" if m.ok else f"  FAILED: {m.error}"
+        lines.append(
+            f"  {m.label:<40} {m.wall_s:8.2f} {m.peak_rss_mib:13.1f} {anon:>14}{tail}"
+        )
+    return lines
+
+
+# --- main -------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    resnet_spec = RESNET_QUICK if args.quick else RESNET50
+    mlp_spec = MLP_QUICK if args.quick else MLP_BIG
+
+    print(f"generating models in {work} (reused when present) ...", file=sys.stderr, flush=True)
+    resnet = write_resnet(resnet_spec, work, regenerate=args.regenerate)
+    resnet_size = model_size(resnet)
+    big = None if args.skip_big else write_mlp(mlp_spec, work, regenerate=args.regenerate)
+    big_size = model_size(big) if big else 0
+
+    cores = args.cores
+    baseline = Measurement("baseline (import compile + cli)", python_argv(BASELINE_CODE))
+    compile_1 = Measurement("qpcfarm compile, 1 core", compile_argv(resnet, work / "qpc-1", 1))
+    compile_n = Measurement(
+        f"qpcfarm compile, {cores} cores", compile_argv(resnet, work / f"qpc-{cores}", cores)
+    )
+    ort_m = Measurement(
+        "ORT offline optimisation (ENABLE_ALL)",
+        python_argv(ORT_CODE, resnet, work / f"{resnet.stem}.ort.onnx"),
+    )
+    load_save = Measurement(
+        "onnx.load + onnx.save", python_argv(LOAD_SAVE_CODE, resnet, work / "resaved.onnx")
+    )
+    resnet_rows = [baseline, compile_1, compile_n, ort_m, load_save]
+    print(f"measuring {resnet.name}: {args.repeat} round(s)", file=sys.stderr, flush=True)
+    measure_round_robin(resnet_rows, args.repeat, args.timeout)
+
+    big_compile = None
+    if big is not None:
+        big_compile = Measurement(
+            f"qpcfarm compile, {cores} cores", compile_argv(big, work / "qpc-big", cores)
+        )
+        print(f"measuring {big.name}: {args.big_repeat} round(s)", file=sys.stderr, flush=True)
+        measure_round_robin([big_compile], args.big_repeat, args.timeout)
+
+    print("in-process warm measurement ...", file=sys.stderr, flush=True)
+    warm: dict[str, Any] | None
+    try:
+        warm = warm_in_process(resnet, work, cores, args.repeat)
+    except Exception as exc:  # a compiler failure is a figure here, not a crash
+        warm = {"error": f"{type(exc).__name__}: {exc}"}
+
+    ratios = [
+        _warm_ratio(warm),
+        wall_ratio(f"compile process ({cores} cores) / ORT process, wall", compile_n, ort_m, 1.5),
+        wall_ratio("compile process (1 core) / ORT process, wall", compile_1, ort_m, 1.5),
+        _minus_baseline_ratio(compile_n, baseline, ort_m),
+        wall_ratio(f"compile process ({cores} cores) / load+save process, wall", compile_n,
+                   load_save, None),
+        wall_ratio("compile process (1 core) / load+save process, wall", compile_1, load_save,
+                   None),
+        memory_ratio(f"(compile {cores} cores peak - baseline) / model size", compile_n,
+                     baseline, resnet_size),
+        memory_ratio("(compile 1 core peak - baseline) / model size", compile_1, baseline,
+                     resnet_size),
+        anon_ratio(f"(compile {cores} cores anon peak - baseline) / model size", compile_n,
+                   baseline, resnet_size),
+    ]
+    big_ratios: list[Ratio] = []
+    if big_compile is not None:
+        big_ratios = [
+            memory_ratio(f"(compile {cores} cores peak - baseline) / total size", big_compile,
+                         baseline, big_size),
+            anon_ratio(f"(compile {cores} cores anon peak - baseline) / total size",
+                       big_compile, baseline, big_size),
+        ]
+
+    lines = _report(args, resnet, resnet_size, resnet_rows, warm, ratios, big, big_size,
+                    big_compile, big_ratios)
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(_json(
+            args, resnet, resnet_size, resnet_rows, warm, ratios, big, big_size, big_compile,
+            big_ratios), indent=2) + "\n")
+    return 0
+
+
+def _minus_baseline_ratio(compile_m: Measurement, baseline: Measurement,
+                          ort_m: Measurement) -> Ratio:
+    """How far the compile is from the target once the cost of importing it is taken off."""
+    name = "(compile process - import baseline) / ORT process, wall"
+    if not (compile_m.ok and baseline.ok and ort_m.ok):
+        return Ratio(name, None, None)
+    return Ratio(name, (compile_m.wall_s - baseline.wall_s) / ort_m.wall_s, None,
+                 f"{baseline.wall_s:.2f} s of the compile is importing")
+
+
+def _warm_ratio(warm: dict[str, Any] | None) -> Ratio:
+    name = "compile in-process warm / ORT in-process warm"
+    if warm is None or "error" in warm:
+        return Ratio(name, None, 1.0, f"failed: {warm and warm['error']}")
+    return Ratio(name, warm["compile_s_median"] / warm["ort_s_median"], 1.0,
+                 f"{warm['cores']} cores")
+
+
+def _report(args: argparse.Namespace, resnet: Path, resnet_size: int,
+            rows: Sequence[Measurement], warm: dict[str, Any] | None, ratios: Sequence[Ratio],
+            big: Path | None, big_size: int, big_compile: Measurement | None,
+            big_ratios: Sequence[Ratio]) -> list[str]:
+    load = os.getloadavg()
+    lines = [
+        "",
+        f"qpcfarm compile benchmark: median of {args.repeat} run(s); peak RSS = exact ru_maxrss "
+        f"of the child; {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f}",
+        "",
+        f"model: {resnet.name}  {resnet_size / MIB:.1f} MiB",
+        *table(rows),
+    ]
+    if warm is not None and "error" not in warm:
+        lines += [
+            f"  {'in-process warm: compile_model, ' + str(warm['cores']) + ' cores':<40} "
+            f"{warm['compile_s_median']:8.2f}",
+            f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f}",
+        ]
+        top = sorted(warm["pass_times"].items(), key=lambda kv: -kv[1])[:6]
+        lines.append("  compile stages (warm-up run): "
+                     + ", ".join(f"{k} {v:.2f}s" for k, v in top))
+    lines += ["", "ratios", *(r.line() for r in ratios)]
+    if big is not None and big_compile is not None:
+        data_mib = (big_size - big.stat().st_size) / MIB
+        state = "compiled" if big_compile.ok else f"DID NOT COMPILE: {big_compile.error}"
+        lines += [
+            "",
+            f"> 2 GiB model: {big.name}  {big_size / MIB:.1f} MiB "
+            f"(file {big.stat().st_size / MIB:.1f} MiB + external data {data_mib:.1f} MiB), "
+            f"median of {args.big_repeat} run(s): {state}",
+            *table([big_compile]),
+            *(r.line() for r in big_ratios),
+        ]
+    verdicts = [r for r in [*ratios, *big_ratios] if r.target is not None]
+    met = sum(r.verdict == "met" for r in verdicts)
+    lines += ["", f"targets met: {met}/{len(verdicts)}"]
+    lines += [f"  NOT MET: {r.name}" for r in verdicts if r.verdict != "met"]
+    return lines
+
+
+def _json(args: argparse.Namespace, resnet: Path, resnet_size: int,
+          rows: Sequence[Measurement], warm: dict[str, Any] | None, ratios: Sequence[Ratio],
+          big: Path | None, big_size: int, big_compile: Measurement | None,
+          big_ratios: Sequence[Ratio]) -> dict[str, Any]:
+    return {
+        "repeat": args.repeat,
+        "cores": args.cores,
+        "quick": args.quick,
+        "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "model": {"path": str(resnet), "bytes": resnet_size},
+        "processes": [m.summary() for m in rows],
+        "in_process_warm": warm,
+        "ratios": [r.as_dict() for r in ratios],
+        "big_model": None if big is None or big_compile is None else {
+            "path": str(big),
+            "bytes_total": big_size,
+            "bytes_file": big.stat().st_size,
+            "compiled": big_compile.ok,
+            "compile": big_compile.summary(),
+            "ratios": [r.as_dict() for r in big_ratios],
+        },
+    }
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    here = Path(__file__).resolve().parent
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true",
+                   help="small ResNet and a ~320 MiB external-data model (smoke test)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
+    p.add_argument("--big-repeat", type=int, default=1,
+                   help="compile runs of the > 2 GiB model (RSS is exact per run)")
+    p.add_argument("--cores", type=int, default=4, help="-aic-num-cores of the N-core rows")
+    p.add_argument("--work-dir", default=str(here / "out"), help="models and QPCs go here")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument("--skip-big", action="store_true", help="skip the external-data model")
+    p.add_argument("--regenerate", action="store_true", help="rewrite the models")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds before a child process is killed")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.big_repeat < 1:
+        p.error("--repeat and --big-repeat must be >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Small test models built in code, shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
+LIGHT_MODELS = sorted(f[: -len(".onnx")] for f in os.listdir(LIGHT_DIR) if f.endswith(".onnx"))
+
+
+def light_model_path(name: str) -> str:
+    return os.path.join(LIGHT_DIR, name + ".onnx")
+
+
+def light_model_input(shape: tuple[int, ...]) -> np.ndarray:
+    """The input the ONNX backend tests feed these models: arange(n) / n."""
+    n = int(np.prod(shape))
+    return (np.arange(n).reshape(shape) / n).astype(np.float32)
+
+
+def transformer_encoder(
+    batch: int = 2, seq: int = 16, hidden: int = 64, heads: int = 4, ffn: int = 128, seed: int = 0
+) -> onnx.ModelProto:
+    """One pre-norm transformer encoder layer: attention + GELU feed-forward, opset 17."""
+    rng = np.random.default_rng(seed)
+    head = hidden // heads
+    inits: list[onnx.TensorProto] = []
+
+    def weight(name: str, shape: tuple[int, ...], scale: float = 0.1) -> str:
+        inits.append(
+            numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+        )
+        return name
+
+    def const(name: str, values: list[int] | list[float], dtype: type = np.int64) -> str:
+        inits.append(numpy_helper.from_array(np.array(values, dtype=dtype), name))
+        return name
+
+    n = helper.make_node
+    nodes = [
+        n("LayerNormalization", ["x", weight("ln1_g", (hidden,)), weight("ln1_b", (hidden,))],
+          ["h"], axis=-1, epsilon=1e-5, name="ln1"),
+        n("MatMul", ["h", weight("wq", (hidden, hidden))], ["q0"], name="q_proj"),
+        n("Add", ["q0", weight("bq", (hidden,))], ["q1"], name="q_bias"),
+        n("MatMul", ["h", weight("wk", (hidden, hidden))], ["k0"], name="k_proj"),
+        n("MatMul", ["h", weight("wv", (hidden, hidden))], ["v0"], name="v_proj"),
+        n("Reshape", ["q1", const("heads_shape", [batch, seq, heads, head])], ["q2"],
+          name="q_split"),
+        n("Transpose", ["q2"], ["q"], perm=[0, 2, 1, 3], name="q_t"),
+        n("Reshape", ["k0", "heads_shape"], ["k2"], name="k_split"),
+        n("Transpose", ["k2"], ["kt"], perm=[0, 2, 3, 1], name="k_t"),
+        n("Reshape", ["v0", "heads_shape"], ["v2"], name="v_split"),
+        n("Transpose", ["v2"], ["v"], perm=[0, 2, 1, 3], name="v_t"),
+        n("MatMul", ["q", "kt"], ["s0"], name="scores"),
+        n("Div", ["s0", const("scale", [float(np.sqrt(head))], np.float32)], ["s1"],
+          name="scale"),
+        n("Softmax", ["s1"], ["p"], axis=-1, name="softmax"),
+        n("MatMul", ["p", "v"], ["a0"], name="attend"),
+        n("Transpose", ["a0"], ["a1"], perm=[0, 2, 1, 3], name="merge_t"),
+        n("Reshape", ["a1", const("merge_shape", [batch, seq, hidden])], ["a2"], name="merge"),
+        n("MatMul", ["a2", weight("wo", (hidden, hidden))], ["o0"], name="o_proj"),
+        n("Add", ["o0", weight("bo", (hidden,))], ["o1"], name="o_bias"),
+        n("Add", ["x", "o1"], ["r1"], name="residual1"),
+        n("LayerNormalization", ["r1", weight("ln2_g", (hidden,)), weight("ln2_b", (hidden,))],
+          ["h2"], axis=-1, epsilon=1e-5, name="ln2"),
+        n("MatMul", ["h2", weight("w1", (hidden, ffn))], ["f0"], name="ffn_up"),
+        n("Add", ["f0", weight("b1", (ffn,))], ["f1"], name="ffn_bias"),
+        n("Div", ["f1", const("sqrt2", [float(np.sqrt(2.0))], np.float32)], ["g0"],
+          name="gelu_div"),
+        n("Erf", ["g0"], ["g1"], name="gelu_erf"),
+        n("Add", ["g1", const("one", [1.0], np.float32)], ["g2"], name="gelu_add"),
+        n("Mul", ["f1", "g2"], ["g3"], name="gelu_mul"),
+        n("Mul", ["g3", const("half", [0.5], np.float32)], ["g4"], name="gelu_half"),
+        n("MatMul", ["g4", weight("w2", (ffn, hidden))], ["f2"], name="ffn_down"),
+        n("Add", ["r1", "f2"], ["y"], name="residual2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "encoder",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
