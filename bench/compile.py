@@ -171,8 +171,7 @@ class Measurement:
         }
 
 
-def measure_round_robin(measurements: Sequence[Measurement], repeat: int,
-                        timeout_s: float) -> None:
+def measure_round_robin(measurements: Sequence[Measurement], repeat: int, timeout_s: float) -> None:
     """Run every measurement once per round; a failed one is not retried."""
     for round_no in range(repeat):
         for m in measurements:
@@ -212,7 +211,7 @@ def warm_in_process(model: Path, out_dir: Path, cores: int, repeat: int) -> dict
     warm-up each (imports, lazy initialisation and the page cache are then paid for)."""
     import onnxruntime as ort
 
-    from compiler_core import compile_model
+    from compiler_core.compile import compile_model
 
     flags = [f"-aic-num-cores={cores}", f"-aic-binary-dir={out_dir / 'qpc-warm'}"]
 
@@ -274,31 +273,36 @@ class Ratio:
         return f"  {self.name:<56} {value:>8}  {target:>8}  {self.verdict}{note}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "target": self.target,
-                "verdict": self.verdict, "note": self.note}
+        return {
+            "name": self.name,
+            "value": self.value,
+            "target": self.target,
+            "verdict": self.verdict,
+            "note": self.note,
+        }
 
 
 def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def memory_ratio(name: str, compile_m: Measurement, baseline: Measurement,
-                 size_bytes: int) -> Ratio:
+def memory_ratio(
+    name: str, compile_m: Measurement, baseline: Measurement, size_bytes: int
+) -> Ratio:
     if not compile_m.ok:
         return Ratio(name, None, 1.5, f"did not compile: {compile_m.error}")
     above = compile_m.peak_rss_mib - baseline.peak_rss_mib
     return Ratio(name, above / (size_bytes / MIB), 1.5, f"{above:.0f} MiB above baseline")
 
 
-def anon_ratio(name: str, compile_m: Measurement, baseline: Measurement,
-               size_bytes: int) -> Ratio:
+def anon_ratio(name: str, compile_m: Measurement, baseline: Measurement, size_bytes: int) -> Ratio:
     if not compile_m.ok or compile_m.peak_anon_mib is None or baseline.peak_anon_mib is None:
         return Ratio(name, None, None)
     above = compile_m.peak_anon_mib - baseline.peak_anon_mib
     return Ratio(name, above / (size_bytes / MIB), None, "anonymous memory only, polled")
 
 
-def wall_ratio(name: str, a: Measurement, b: Measurement, target: float | None) -> Ratio:
+def wall_ratio(name: str, a: Measurement, b: Measurement, target: float | None = None) -> Ratio:
     if not a.ok or not b.ok:
         failed = a if not a.ok else b
         return Ratio(name, None, target, f"{failed.label} failed: {failed.error}")
@@ -312,34 +316,122 @@ def table(rows: Sequence[Measurement]) -> list[str]:
             continue
         anon = "-" if m.peak_anon_mib is None else f"{m.peak_anon_mib:.1f}"
         tail = "" if m.ok else f"  FAILED: {m.error}"
-        lines.append(
-            f"  {m.label:<40} {m.wall_s:8.2f} {m.peak_rss_mib:13.1f} {anon:>14}{tail}"
-        )
+        lines.append(f"  {m.label:<40} {m.wall_s:8.2f} {m.peak_rss_mib:13.1f} {anon:>14}{tail}")
     return lines
 
 
 # --- main -------------------------------------------------------------------------------------
 
 
+@dataclass
+class Results:
+    """Everything one run measured, for the printed report and for `--json`."""
+
+    args: argparse.Namespace
+    model: Path
+    model_bytes: int
+    processes: list[Measurement]
+    warm: dict[str, Any]
+    ratios: list[Ratio]
+    big: Path | None = None
+    big_bytes: int = 0
+    big_compile: Measurement | None = None
+    big_ratios: list[Ratio] = field(default_factory=list)
+    load_average: tuple[float, float, float] = field(default_factory=os.getloadavg)
+
+    def report(self) -> list[str]:
+        load = self.load_average
+        lines = [
+            "",
+            f"qpcfarm compile benchmark: median of {self.args.repeat} run(s); peak RSS = exact "
+            f"ru_maxrss of the child; {os.cpu_count()} CPUs, load average at the start "
+            f"{load[0]:.2f} {load[1]:.2f}",
+            "",
+            f"model: {self.model.name}  {self.model_bytes / MIB:.1f} MiB",
+            *table(self.processes),
+            *self._warm_lines(),
+            "",
+            "ratios",
+            *(r.line() for r in self.ratios),
+            *self._big_lines(),
+        ]
+        verdicts = [r for r in [*self.ratios, *self.big_ratios] if r.target is not None]
+        met = sum(r.verdict == "met" for r in verdicts)
+        lines += ["", f"targets met: {met}/{len(verdicts)}"]
+        lines += [f"  NOT MET: {r.name}" for r in verdicts if r.verdict != "met"]
+        return lines
+
+    def _warm_lines(self) -> list[str]:
+        warm = self.warm
+        if "error" in warm:
+            return [f"  in-process warm: FAILED: {warm['error']}"]
+        top = sorted(warm["pass_times"].items(), key=lambda kv: -kv[1])[:6]
+        return [
+            f"  {'in-process warm: compile_model, ' + str(warm['cores']) + ' cores':<40} "
+            f"{warm['compile_s_median']:8.2f}",
+            f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f}",
+            "  compile stages (warm-up run): " + ", ".join(f"{k} {v:.2f}s" for k, v in top),
+        ]
+
+    def _big_lines(self) -> list[str]:
+        if self.big is None or self.big_compile is None:
+            return []
+        file_bytes = self.big.stat().st_size
+        data_mib = (self.big_bytes - file_bytes) / MIB
+        ok = self.big_compile.ok
+        state = "compiled" if ok else f"DID NOT COMPILE: {self.big_compile.error}"
+        return [
+            "",
+            f"external-data model: {self.big.name}  {self.big_bytes / MIB:.1f} MiB (file "
+            f"{file_bytes / MIB:.1f} MiB + external data {data_mib:.1f} MiB), median of "
+            f"{self.args.big_repeat} run(s): {state}",
+            *table([self.big_compile]),
+            *(r.line() for r in self.big_ratios),
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        big: dict[str, Any] | None = None
+        if self.big is not None and self.big_compile is not None:
+            big = {
+                "path": str(self.big),
+                "bytes_total": self.big_bytes,
+                "bytes_file": self.big.stat().st_size,
+                "compiled": self.big_compile.ok,
+                "compile": self.big_compile.summary(),
+                "ratios": [r.as_dict() for r in self.big_ratios],
+            }
+        return {
+            "repeat": self.args.repeat,
+            "big_repeat": self.args.big_repeat,
+            "cores": self.args.cores,
+            "quick": self.args.quick,
+            "cpu_count": os.cpu_count(),
+            "load_average": self.load_average,
+            "model": {"path": str(self.model), "bytes": self.model_bytes},
+            "processes": [m.summary() for m in self.processes],
+            "in_process_warm": self.warm,
+            "ratios": [r.as_dict() for r in self.ratios],
+            "big_model": big,
+        }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    load_average = os.getloadavg()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     resnet_spec = RESNET_QUICK if args.quick else RESNET50
     mlp_spec = MLP_QUICK if args.quick else MLP_BIG
 
-    print(f"generating models in {work} (reused when present) ...", file=sys.stderr, flush=True)
+    _progress(f"generating models in {work} (reused when present) ...")
     resnet = write_resnet(resnet_spec, work, regenerate=args.regenerate)
-    resnet_size = model_size(resnet)
+    resnet_bytes = model_size(resnet)
     big = None if args.skip_big else write_mlp(mlp_spec, work, regenerate=args.regenerate)
-    big_size = model_size(big) if big else 0
 
-    cores = args.cores
+    n = args.cores
     baseline = Measurement("baseline (import compile + cli)", python_argv(BASELINE_CODE))
     compile_1 = Measurement("qpcfarm compile, 1 core", compile_argv(resnet, work / "qpc-1", 1))
-    compile_n = Measurement(
-        f"qpcfarm compile, {cores} cores", compile_argv(resnet, work / f"qpc-{cores}", cores)
-    )
+    compile_n = Measurement(f"qpcfarm compile, {n} cores", compile_argv(resnet, work / "qpc-n", n))
     ort_m = Measurement(
         "ORT offline optimisation (ENABLE_ALL)",
         python_argv(ORT_CODE, resnet, work / f"{resnet.stem}.ort.onnx"),
@@ -347,159 +439,125 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_save = Measurement(
         "onnx.load + onnx.save", python_argv(LOAD_SAVE_CODE, resnet, work / "resaved.onnx")
     )
-    resnet_rows = [baseline, compile_1, compile_n, ort_m, load_save]
-    print(f"measuring {resnet.name}: {args.repeat} round(s)", file=sys.stderr, flush=True)
-    measure_round_robin(resnet_rows, args.repeat, args.timeout)
+    processes = [baseline, compile_1, compile_n, ort_m, load_save]
+    _progress(f"measuring {resnet.name}: {args.repeat} round(s)")
+    measure_round_robin(processes, args.repeat, args.timeout)
 
-    big_compile = None
-    if big is not None:
-        big_compile = Measurement(
-            f"qpcfarm compile, {cores} cores", compile_argv(big, work / "qpc-big", cores)
-        )
-        print(f"measuring {big.name}: {args.big_repeat} round(s)", file=sys.stderr, flush=True)
-        measure_round_robin([big_compile], args.big_repeat, args.timeout)
-
-    print("in-process warm measurement ...", file=sys.stderr, flush=True)
-    warm: dict[str, Any] | None
+    _progress("in-process warm measurement ...")
     try:
-        warm = warm_in_process(resnet, work, cores, args.repeat)
+        warm = warm_in_process(resnet, work, n, args.repeat)
     except Exception as exc:  # a compiler failure is a figure here, not a crash
         warm = {"error": f"{type(exc).__name__}: {exc}"}
 
-    ratios = [
-        _warm_ratio(warm),
-        wall_ratio(f"compile process ({cores} cores) / ORT process, wall", compile_n, ort_m, 1.5),
-        wall_ratio("compile process (1 core) / ORT process, wall", compile_1, ort_m, 1.5),
-        _minus_baseline_ratio(compile_n, baseline, ort_m),
-        wall_ratio(f"compile process ({cores} cores) / load+save process, wall", compile_n,
-                   load_save, None),
-        wall_ratio("compile process (1 core) / load+save process, wall", compile_1, load_save,
-                   None),
-        memory_ratio(f"(compile {cores} cores peak - baseline) / model size", compile_n,
-                     baseline, resnet_size),
-        memory_ratio("(compile 1 core peak - baseline) / model size", compile_1, baseline,
-                     resnet_size),
-        anon_ratio(f"(compile {cores} cores anon peak - baseline) / model size", compile_n,
-                   baseline, resnet_size),
-    ]
-    big_ratios: list[Ratio] = []
-    if big_compile is not None:
-        big_ratios = [
-            memory_ratio(f"(compile {cores} cores peak - baseline) / total size", big_compile,
-                         baseline, big_size),
-            anon_ratio(f"(compile {cores} cores anon peak - baseline) / total size",
-                       big_compile, baseline, big_size),
+    size = "model size"
+    results = Results(
+        args=args,
+        model=resnet,
+        model_bytes=resnet_bytes,
+        processes=processes,
+        warm=warm,
+        load_average=load_average,
+        ratios=[
+            _warm_ratio(warm),
+            wall_ratio(f"compile process ({n} cores) / ORT process, wall", compile_n, ort_m, 1.5),
+            wall_ratio("compile process (1 core) / ORT process, wall", compile_1, ort_m, 1.5),
+            _minus_baseline_ratio(compile_n, baseline, ort_m),
+            wall_ratio(f"compile process ({n} cores) / load+save process", compile_n, load_save),
+            wall_ratio("compile process (1 core) / load+save process", compile_1, load_save),
+            memory_ratio(
+                f"(compile {n} cores peak - baseline) / {size}", compile_n, baseline, resnet_bytes
+            ),
+            memory_ratio(
+                f"(compile 1 core peak - baseline) / {size}", compile_1, baseline, resnet_bytes
+            ),
+            anon_ratio(
+                f"(compile {n} cores anon peak - baseline) / {size}",
+                compile_n,
+                baseline,
+                resnet_bytes,
+            ),
+        ],
+    )
+    if big is not None:
+        results.big, results.big_bytes = big, model_size(big)
+        big_compile = Measurement(
+            f"qpcfarm compile, {n} cores", compile_argv(big, work / "qpc-big", n)
+        )
+        _progress(f"measuring {big.name}: {args.big_repeat} round(s)")
+        measure_round_robin([big_compile], args.big_repeat, args.timeout)
+        results.big_compile = big_compile
+        results.big_ratios = [
+            memory_ratio(
+                f"(compile {n} cores peak - baseline) / total size",
+                big_compile,
+                baseline,
+                results.big_bytes,
+            ),
+            anon_ratio(
+                f"(compile {n} cores anon peak - baseline) / total size",
+                big_compile,
+                baseline,
+                results.big_bytes,
+            ),
         ]
 
-    lines = _report(args, resnet, resnet_size, resnet_rows, warm, ratios, big, big_size,
-                    big_compile, big_ratios)
-    print("\n".join(lines))
+    print("\n".join(results.report()))
     if args.json:
-        Path(args.json).write_text(json.dumps(_json(
-            args, resnet, resnet_size, resnet_rows, warm, ratios, big, big_size, big_compile,
-            big_ratios), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(results.to_json(), indent=2) + "\n")
     return 0
 
 
-def _minus_baseline_ratio(compile_m: Measurement, baseline: Measurement,
-                          ort_m: Measurement) -> Ratio:
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _minus_baseline_ratio(
+    compile_m: Measurement, baseline: Measurement, ort_m: Measurement
+) -> Ratio:
     """How far the compile is from the target once the cost of importing it is taken off."""
     name = "(compile process - import baseline) / ORT process, wall"
     if not (compile_m.ok and baseline.ok and ort_m.ok):
         return Ratio(name, None, None)
-    return Ratio(name, (compile_m.wall_s - baseline.wall_s) / ort_m.wall_s, None,
-                 f"{baseline.wall_s:.2f} s of the compile is importing")
+    return Ratio(
+        name,
+        (compile_m.wall_s - baseline.wall_s) / ort_m.wall_s,
+        None,
+        f"{baseline.wall_s:.2f} s of the compile is importing",
+    )
 
 
-def _warm_ratio(warm: dict[str, Any] | None) -> Ratio:
+def _warm_ratio(warm: dict[str, Any]) -> Ratio:
     name = "compile in-process warm / ORT in-process warm"
-    if warm is None or "error" in warm:
-        return Ratio(name, None, 1.0, f"failed: {warm and warm['error']}")
-    return Ratio(name, warm["compile_s_median"] / warm["ort_s_median"], 1.0,
-                 f"{warm['cores']} cores")
-
-
-def _report(args: argparse.Namespace, resnet: Path, resnet_size: int,
-            rows: Sequence[Measurement], warm: dict[str, Any] | None, ratios: Sequence[Ratio],
-            big: Path | None, big_size: int, big_compile: Measurement | None,
-            big_ratios: Sequence[Ratio]) -> list[str]:
-    load = os.getloadavg()
-    lines = [
-        "",
-        f"qpcfarm compile benchmark: median of {args.repeat} run(s); peak RSS = exact ru_maxrss "
-        f"of the child; {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f}",
-        "",
-        f"model: {resnet.name}  {resnet_size / MIB:.1f} MiB",
-        *table(rows),
-    ]
-    if warm is not None and "error" not in warm:
-        lines += [
-            f"  {'in-process warm: compile_model, ' + str(warm['cores']) + ' cores':<40} "
-            f"{warm['compile_s_median']:8.2f}",
-            f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f}",
-        ]
-        top = sorted(warm["pass_times"].items(), key=lambda kv: -kv[1])[:6]
-        lines.append("  compile stages (warm-up run): "
-                     + ", ".join(f"{k} {v:.2f}s" for k, v in top))
-    lines += ["", "ratios", *(r.line() for r in ratios)]
-    if big is not None and big_compile is not None:
-        data_mib = (big_size - big.stat().st_size) / MIB
-        state = "compiled" if big_compile.ok else f"DID NOT COMPILE: {big_compile.error}"
-        lines += [
-            "",
-            f"> 2 GiB model: {big.name}  {big_size / MIB:.1f} MiB "
-            f"(file {big.stat().st_size / MIB:.1f} MiB + external data {data_mib:.1f} MiB), "
-            f"median of {args.big_repeat} run(s): {state}",
-            *table([big_compile]),
-            *(r.line() for r in big_ratios),
-        ]
-    verdicts = [r for r in [*ratios, *big_ratios] if r.target is not None]
-    met = sum(r.verdict == "met" for r in verdicts)
-    lines += ["", f"targets met: {met}/{len(verdicts)}"]
-    lines += [f"  NOT MET: {r.name}" for r in verdicts if r.verdict != "met"]
-    return lines
-
-
-def _json(args: argparse.Namespace, resnet: Path, resnet_size: int,
-          rows: Sequence[Measurement], warm: dict[str, Any] | None, ratios: Sequence[Ratio],
-          big: Path | None, big_size: int, big_compile: Measurement | None,
-          big_ratios: Sequence[Ratio]) -> dict[str, Any]:
-    return {
-        "repeat": args.repeat,
-        "cores": args.cores,
-        "quick": args.quick,
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "model": {"path": str(resnet), "bytes": resnet_size},
-        "processes": [m.summary() for m in rows],
-        "in_process_warm": warm,
-        "ratios": [r.as_dict() for r in ratios],
-        "big_model": None if big is None or big_compile is None else {
-            "path": str(big),
-            "bytes_total": big_size,
-            "bytes_file": big.stat().st_size,
-            "compiled": big_compile.ok,
-            "compile": big_compile.summary(),
-            "ratios": [r.as_dict() for r in big_ratios],
-        },
-    }
+    if "error" in warm:
+        return Ratio(name, None, 1.0, f"failed: {warm['error']}")
+    return Ratio(
+        name, warm["compile_s_median"] / warm["ort_s_median"], 1.0, f"{warm['cores']} cores"
+    )
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     here = Path(__file__).resolve().parent
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true",
-                   help="small ResNet and a ~320 MiB external-data model (smoke test)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small ResNet and a ~320 MiB external-data model (smoke test)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs per figure (median)")
-    p.add_argument("--big-repeat", type=int, default=1,
-                   help="compile runs of the > 2 GiB model (RSS is exact per run)")
+    p.add_argument(
+        "--big-repeat",
+        type=int,
+        default=1,
+        help="compile runs of the > 2 GiB model (RSS is exact per run)",
+    )
     p.add_argument("--cores", type=int, default=4, help="-aic-num-cores of the N-core rows")
     p.add_argument("--work-dir", default=str(here / "out"), help="models and QPCs go here")
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--skip-big", action="store_true", help="skip the external-data model")
     p.add_argument("--regenerate", action="store_true", help="rewrite the models")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds before a child process is killed")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before a child process is killed"
+    )
     args = p.parse_args(argv)
     if args.repeat < 1 or args.big_repeat < 1:
         p.error("--repeat and --big-repeat must be >= 1")

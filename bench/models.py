@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -70,7 +71,7 @@ def model_size(path: Path) -> int:
 
 def _external_locations(path: Path) -> set[str]:
     proto = onnx.load(os.fspath(path), load_external_data=False)
-    locations = set()
+    locations: set[str] = set()
     for tensor in proto.graph.initializer:
         if tensor.data_location == TensorProto.EXTERNAL:
             locations.update(e.value for e in tensor.external_data if e.key == "location")
@@ -95,7 +96,7 @@ class _GraphBuilder:
         self.initializers.append(numpy_helper.from_array(array.astype(np.float32), name))
         return name
 
-    def node(self, op: str, inputs: list[str], stem: str, **attrs: object) -> str:
+    def node(self, op: str, inputs: list[str], stem: str, **attrs: Any) -> str:
         out = self.fresh(stem)
         self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
@@ -145,14 +146,15 @@ def resnet(spec: ResNetSpec) -> onnx.ModelProto:
             x = g.bottleneck(x, cin, width, 2 if stage > 0 and i == 0 else 1)
             cin = width * 4
     x = g.node("Flatten", [g.node("GlobalAveragePool", [x], "gap")], "flatten", axis=1)
-    fc_w = g.rng.standard_normal((spec.classes, cin), dtype=np.float32) / np.float32(
-        math.sqrt(cin)
-    )
+    fc_w = g.rng.standard_normal((spec.classes, cin), dtype=np.float32) / np.float32(math.sqrt(cin))
     fc_b = np.zeros(spec.classes, np.float32)
     g.nodes.append(
         helper.make_node(
-            "Gemm", [x, g.weight("fc.weight", fc_w), g.weight("fc.bias", fc_b)], ["logits"],
-            name="fc", transB=1,
+            "Gemm",
+            [x, g.weight("fc.weight", fc_w), g.weight("fc.bias", fc_b)],
+            ["logits"],
+            name="fc",
+            transB=1,
         )
     )
     graph = helper.make_graph(
@@ -235,8 +237,9 @@ def write_mlp(spec: MlpSpec, out_dir: Path, *, regenerate: bool = False) -> Path
     return path
 
 
-def _external_tensor(name: str, dims: list[int], location: str, offset: int,
-                     length: int) -> TensorProto:
+def _external_tensor(
+    name: str, dims: list[int], location: str, offset: int, length: int
+) -> TensorProto:
     tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims)
     tensor.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", offset), ("length", length)):

@@ -31,8 +31,7 @@ def test_light_cnn_matches_onnxruntime(name: str, cores: int) -> None:
     program = result.program
     assert program.num_cores == cores
     feeds = {
-        program.tensors[t].name: light_model_input(program.tensors[t].shape)
-        for t in program.inputs
+        program.tensors[t].name: light_model_input(program.tensors[t].shape) for t in program.inputs
     }
     ours = run_qpc(result.qpc_path, feeds)
     expected = _ort(path, feeds)

@@ -1,0 +1,287 @@
+"""Lowering, tiling, memory planning and the runtime that proves them right."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from compiler_core import CompileError, compile_model, run_qpc
+from compiler_core.lowering.memory import plan_memory
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    DmaLoad,
+    DmaStore,
+    Program,
+    RunKernel,
+    SemWait,
+    decode_program,
+    encode_program,
+)
+from compiler_core.ops.registry import full_box
+from compiler_core.qpc.container import load_qpc
+from compiler_core.runtime.executor import Executor, RuntimeFault
+from tests.models import transformer_encoder
+
+VTCM = 8_323_072
+
+
+def _cnn(batch: int = 1, channels: int = 32, size: int = 32, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+
+    def w(name: str, shape: tuple[int, ...]) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node(
+            "Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2], name="conv2"
+        ),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1], name="conv3"),
+        helper.make_node(
+            "MaxPool", ["r2"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="pool"
+        ),
+        helper.make_node("Add", ["c3", "p"], ["s"], name="residual"),
+        helper.make_node("GlobalAveragePool", ["s"], ["g"], name="gap"),
+        helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "wf", "bf"], ["y"], transB=1, name="fc"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 10])],
+        [
+            w("w1", (channels, 3, 3, 3)),
+            w("b1", (channels,)),
+            w("w2", (channels, channels, 3, 3)),
+            w("w3", (channels, channels, 3, 3)),
+            w("wf", (10, channels)),
+            w("bf", (10,)),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _reference(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+
+
+def _input(batch: int = 1, size: int = 32) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((batch, 3, size, size)).astype(np.float32)
+
+
+def _program(result) -> tuple[Program, memoryview]:  # type: ignore[no-untyped-def]
+    qpc = load_qpc(result.qpc_path)
+    return qpc.program(), qpc.segments["constants.bin"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["-aic-num-cores=1"],
+        ["-aic-num-cores=4"],
+        ["-aic-num-cores=16"],
+        ["-aic-num-cores=4", "-ols=2"],
+        ["-aic-num-cores=4", "-mos=1"],
+        ["-aic-num-cores=2", "-vtcm-working-set-limit-ratio=0.02"],
+        ["-aic-num-cores=3", "-size-split-granularity=512", "-allocator-dealloc-delay=2"],
+    ],
+)
+def test_every_split_policy_computes_what_onnxruntime_computes(flags: list[str]) -> None:
+    model = _cnn(batch=2)
+    x = _input(batch=2)
+    result = compile_model(model, flags)
+    np.testing.assert_allclose(
+        run_qpc(result.qpc_path, {"x": x})["y"], _reference(model, {"x": x}), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_a_small_vtcm_budget_cuts_kernels_into_more_tiles_that_fit_it() -> None:
+    model = _cnn()
+    roomy = compile_model(model, ["-aic-num-cores=1"]).program
+    tight = compile_model(model, ["-aic-num-cores=1", "-vtcm-working-set-limit-ratio=0.01"]).program
+    budget = int(VTCM * 0.01)
+    assert max(tight.vtcm_used) <= budget < max(roomy.vtcm_used)
+
+    def tiles(p: Program) -> int:
+        return sum(isinstance(i, RunKernel) for s in p.streams for i in s)
+
+    assert tiles(tight) > tiles(roomy)
+
+
+def test_mos_caps_the_output_channel_split() -> None:
+    model = _cnn(channels=64)
+    program = compile_model(model, ["-aic-num-cores=8", "-mos=2"]).program
+    conv = next(k for k in program.kernels if k.name == "conv1")
+    boxes = {
+        i.out_box[1]
+        for s in program.streams
+        for i in s
+        if isinstance(i, RunKernel) and i.kernel == conv.id
+    }
+    assert len(boxes) <= 2
+
+
+def test_activations_alive_at_the_same_time_never_share_ddr() -> None:
+    result = compile_model(transformer_encoder(), ["-aic-num-cores=2"])
+    program = result.program
+    acts = [t for t in program.tensors if t.kind == KIND_ACTIVATION]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for k in program.kernels:
+        for t in (*k.inputs, *k.outputs):
+            if t >= 0:
+                first.setdefault(t, k.id)
+                last[t] = k.id
+    by_range: dict[tuple[int, int], list] = {}
+    for t in acts:
+        by_range.setdefault((t.ddr_offset, t.nbytes), []).append(t)
+    roots = [group[0] for group in by_range.values()]
+    for t in program.tensors:
+        assert 0 <= t.ddr_offset and t.ddr_offset + t.nbytes <= program.ddr_size
+    for i, a in enumerate(roots):
+        for b in roots[i + 1 :]:
+            overlap = (
+                a.ddr_offset < b.ddr_offset + b.nbytes and b.ddr_offset < a.ddr_offset + a.nbytes
+            )
+            if not overlap or a.id not in first or b.id not in first:
+                continue
+            assert last[a.id] < first[b.id] or last[b.id] < first[a.id], (a.name, b.name)
+    assert program.constants_size <= min(t.ddr_offset for t in acts)
+
+
+def test_liveness_reuse_makes_activation_memory_smaller_than_their_sum() -> None:
+    result = compile_model(transformer_encoder(), ["-aic-num-cores=1"])
+    metrics = result.metrics
+    acts = sum(t.nbytes for t in result.program.tensors if t.kind == KIND_ACTIVATION)
+    assert metrics["static_shared_ddr_size"] < acts
+
+
+def test_a_graph_larger_than_device_ddr_fails_naming_the_shortfall() -> None:
+    from compiler_core.devices import get_device
+    from compiler_core.importer import import_model
+    from compiler_core.lowering.lower import config_from, lower_graph
+    from compiler_core.options import CompileOptions
+
+    imported = import_model(_cnn())
+    opts = CompileOptions()
+    lowered = lower_graph(
+        imported.model.graph, imported.opset, config_from(opts, get_device("aic100-pro"))
+    )
+    with pytest.raises(CompileError) as info:
+        plan_memory(lowered, ddr_capacity=100_000)
+    assert info.value.code == "ddr_overflow"
+    assert "bytes more than the device's 100,000" in info.value.message
+
+
+def test_an_op_that_cannot_be_cut_to_fit_vtcm_fails_naming_node_and_bytes() -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["y"], axis=1, name="wide_softmax")],
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3_000_000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3_000_000])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(CompileError) as info:
+        compile_model(model)
+    assert info.value.code == "vtcm_overflow"
+    assert info.value.node == "wide_softmax"
+    assert "needs 24,000,000 bytes" in info.value.message
+    assert "15,676,928 bytes more than the 8,323,072-byte budget" in info.value.message
+
+
+def test_the_runtime_honours_semaphores_without_them_the_answer_is_wrong() -> None:
+    model = _cnn(batch=2)
+    x = _input(batch=2)
+    result = compile_model(model, ["-aic-num-cores=4"])
+    program, constants = _program(result)
+    assert any(isinstance(i, SemWait) for s in program.streams for i in s)
+    stripped = dataclasses.replace(
+        program, streams=[[i for i in s if not isinstance(i, SemWait)] for s in program.streams]
+    )
+    good = Executor(program, constants, VTCM).run({"x": x})["y"]
+    bad = Executor(stripped, constants, VTCM).run({"x": x})["y"]
+    want = _reference(model, {"x": x})
+    np.testing.assert_allclose(good, want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(bad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_runtime_detects_a_deadlock() -> None:
+    result = compile_model(_cnn(), ["-aic-num-cores=2"])
+    program, constants = _program(result)
+    streams = [list(s) for s in program.streams]
+    streams[0].insert(0, SemWait(sem=program.num_semaphores - 1, count=99))
+    with pytest.raises(RuntimeFault, match="deadlock"):
+        Executor(dataclasses.replace(program, streams=streams), constants, VTCM).run(
+            {"x": _input()}
+        )
+
+
+def test_the_runtime_rejects_a_dma_outside_vtcm() -> None:
+    result = compile_model(_cnn(), ["-aic-num-cores=1"])
+    program, constants = _program(result)
+    streams = [list(s) for s in program.streams]
+    index = next(i for i, instr in enumerate(streams[0]) if isinstance(instr, DmaLoad))
+    load = streams[0][index]
+    assert isinstance(load, DmaLoad)
+    streams[0][index] = DmaLoad(load.tensor, load.box, VTCM - 4)
+    with pytest.raises(RuntimeFault, match="VTCM access"):
+        Executor(dataclasses.replace(program, streams=streams), constants, VTCM).run(
+            {"x": _input()}
+        )
+
+
+def test_the_runtime_rejects_a_write_into_constants() -> None:
+    result = compile_model(_cnn(), ["-aic-num-cores=1"])
+    program, constants = _program(result)
+    const = next(t for t in program.tensors if t.kind == "constant")
+    streams = [list(s) for s in program.streams]
+    index = next(i for i, instr in enumerate(streams[0]) if isinstance(instr, DmaStore))
+    streams[0][index] = DmaStore(const.id, full_box(const.shape), 0)
+    with pytest.raises(RuntimeFault, match="write to constant"):
+        Executor(dataclasses.replace(program, streams=streams), constants, VTCM).run(
+            {"x": _input()}
+        )
+
+
+def test_program_encoding_round_trips() -> None:
+    program = compile_model(transformer_encoder(), ["-aic-num-cores=3"]).program
+    decoded = decode_program(encode_program(program))
+    assert encode_program(decoded) == encode_program(program)
+    assert decoded.streams == program.streams
+
+
+def test_identical_inputs_give_byte_identical_qpcs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = _cnn()
+    a = compile_model(model, ["-aic-num-cores=4", f"-aic-binary-dir={tmp_path / 'a'}"])
+    b = compile_model(
+        model.SerializeToString(), ["-aic-num-cores=4", f"-aic-binary-dir={tmp_path / 'b'}"]
+    )
+    assert a.qpc == b.qpc
+    c = compile_model(model, ["-aic-num-cores=2", f"-aic-binary-dir={tmp_path / 'c'}"])
+    assert c.qpc != a.qpc
+
+
+def test_fp16_mode_stays_within_its_documented_tolerance_of_onnxruntime() -> None:
+    model = transformer_encoder()
+    x = np.random.default_rng(3).standard_normal((2, 16, 64)).astype(np.float32)
+    result = compile_model(model, ["-convert-to-fp16", "-aic-num-cores=2"])
+    ours = run_qpc(result.qpc_path, {"x": x})["y"]
+    assert ours.dtype == np.float32
+    assert "float16" in {d for k in result.program.kernels for d in k.info.out_dtypes}
+    np.testing.assert_allclose(ours, _reference(model, {"x": x}), rtol=1e-2, atol=1e-2)
+
+
+def test_run_qpc_names_missing_and_misshapen_inputs() -> None:
+    result = compile_model(_cnn())
+    with pytest.raises(CompileError, match="missing"):
+        run_qpc(result.qpc_path, {})
+    with pytest.raises(CompileError, match="shape"):
+        run_qpc(result.qpc_path, {"x": np.zeros((1, 3, 8, 8), np.float32)})
