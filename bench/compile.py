@@ -75,46 +75,83 @@ class ProcessRun:
     error: str | None = None
 
 
+LAUNCHER_CODE = """
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+wall = time.perf_counter() - start
+with open(sys.argv[1], "w") as f:
+    f.write(f"{usage.ru_maxrss} {wall!r}")
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+"""Forks and reaps the measured process. Linux's exec records the old address space's high-water
+RSS in the new program's ru_maxrss, so a child spawned straight from this (large) benchmark
+process would report at least the benchmark's own peak. Spawned from this `python -S` launcher
+(~8 MiB), it reports its own peak."""
+
+
 def run_process(argv: Sequence[str], timeout_s: float) -> ProcessRun:
-    """Run `argv` to completion; time it and take its peak memory from the kernel."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run `argv` to completion through the launcher; time it and take its exact peak RSS."""
+    program = shutil.which(argv[0]) or argv[0]
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r", suffix=".rusage") as result,
+    ):
+        launcher = [sys.executable, "-S", "-c", LAUNCHER_CODE, result.name, program, *argv[1:]]
         start = time.perf_counter()
-        proc = subprocess.Popen(list(argv), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(launcher, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         done = threading.Event()
         peak_anon: list[int] = []
         poller = threading.Thread(
             target=_poll_anon, args=(proc.pid, done, peak_anon, start + timeout_s), daemon=True
         )
         poller.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
+        returncode = proc.wait()
         done.set()
         poller.join()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        error = None
-        if proc.returncode != 0:
-            err.seek(0)
-            error = _last_line(err.read().decode(errors="replace")) or "(no output)"
-            if proc.returncode == -signal.SIGKILL:
-                error = f"killed (timeout {timeout_s:.0f} s or out of memory): {error}"
+        fields = result.read().split()
+        err.seek(0)
+        last_line = _last_line(err.read().decode(errors="replace")) or "(no output)"
+    if len(fields) != 2:
+        raise RuntimeError(f"the launcher failed (exit {returncode}): {last_line}")
+    error = None
+    if returncode != 0:
+        error = last_line
+        if returncode == 128 + signal.SIGKILL:
+            error = f"killed (timeout {timeout_s:.0f} s or out of memory): {error}"
     return ProcessRun(
-        wall_s=wall,
-        peak_rss_mib=usage.ru_maxrss * 1024 / MIB,  # Linux reports KiB
+        wall_s=float(fields[1]),
+        peak_rss_mib=int(fields[0]) * 1024 / MIB,  # Linux reports KiB
         peak_anon_mib=peak_anon[0] / MIB if peak_anon else None,
-        returncode=proc.returncode,
+        returncode=returncode,
         error=error,
     )
 
 
-def _poll_anon(pid: int, done: threading.Event, peak: list[int], deadline: float) -> None:
-    status = Path(f"/proc/{pid}/status")
+def _poll_anon(launcher: int, done: threading.Event, peak: list[int], deadline: float) -> None:
+    """Track the measured process's RssAnon; kill it (only it) past the deadline."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children")
+    pid = None
     while not done.wait(POLL_SECONDS):
-        if time.perf_counter() > deadline:
-            os.kill(pid, signal.SIGKILL)  # our own child only
-            return
         try:
-            text = status.read_text()
-        except OSError:
+            if pid is None:
+                found = children.read_text().split()
+                if not found:
+                    continue
+                pid = int(found[0])
+            if time.perf_counter() > deadline:
+                os.kill(pid, signal.SIGKILL)  # the process we started, by its id
+                return
+            text = Path(f"/proc/{pid}/status").read_text()
+        except (OSError, ValueError):
             return
         for line in text.splitlines():
             if line.startswith("RssAnon:"):

@@ -88,6 +88,15 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
 
     deps = _dependencies(graph, plan)
     cores_of = [sorted({tile.core for tile in k.tiles}) for k in graph.kernels]
+    # Everything a kernel waited for is complete once it posts: waiting for it implies them.
+    implied: list[set[int]] = []
+    for index in range(len(graph.kernels)):
+        closure: set[int] = set()
+        for dep in deps[index]:
+            closure.add(dep)
+            closure |= implied[dep]
+        implied.append(closure)
+    known: list[set[int]] = [set() for _ in range(graph.num_cores)]
     streams: list[list[Instr]] = [[] for _ in range(graph.num_cores)]
     vtcm_used = [0] * graph.num_cores
     kernels = []
@@ -112,9 +121,13 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
             by_core[tile.core].append(tile)
         for core in cores_of[index]:
             stream = streams[core]
-            for dep in sorted(deps[index]):
+            for dep in sorted(deps[index], reverse=True):
+                if dep in known[core]:
+                    continue
                 if cores_of[dep] != [core]:
                     stream.append(SemWait(sem=dep, count=len(cores_of[dep])))
+                known[core].add(dep)
+                known[core] |= implied[dep]
             for tile in by_core[core]:
                 cursor = 0
                 in_ops: list[Operand | None] = []
@@ -140,6 +153,8 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
                     stream.append(DmaStore(tensor=tid, box=operand.box, vtcm=operand.vtcm))
                 vtcm_used[core] = max(vtcm_used[core], cursor)
             stream.append(SemPost(sem=index))
+            if cores_of[index] == [core]:
+                known[core].add(index)
 
     return Program(
         tensors=tensors,
