@@ -2,8 +2,8 @@
 
 Peers (DESIGN.md, Targets): ONNX Runtime's offline optimisation (a session with ORT_ENABLE_ALL
 and `optimized_model_filepath`) and a plain `onnx.load` + `onnx.save`. Every whole-process
-figure is a fresh child process; its wall time is measured around spawn-to-reap and its peak RSS
-is the kernel's exact `ru_maxrss` from `os.wait4`. A second, polled figure (RssAnon from
+figure is a fresh child process; its wall time is measured from fork to reap and its peak RSS is
+the kernel's exact `ru_maxrss` from `os.wait4` (see `LAUNCHER_CODE` for why a launcher forks it). A second, polled figure (RssAnon from
 /proc every few ms) shows the anonymous part, since `ru_maxrss` also counts pages of memory-
 mapped weight files. Runs are interleaved (round robin over the repeats), so a busy machine
 slows every row alike, and the median wall time is reported.
@@ -82,8 +82,9 @@ pid = os.fork()
 if pid == 0:
     try:
         os.execv(sys.argv[2], sys.argv[2:])
-    finally:
-        os._exit(127)
+    except OSError as exc:
+        sys.stderr.write(f"cannot run {sys.argv[2]}: {exc}\\n")
+    os._exit(127)
 _, status, usage = os.wait4(pid, 0)
 wall = time.perf_counter() - start
 with open(sys.argv[1], "w") as f:

@@ -288,6 +288,9 @@ def encode_program(program: Program) -> bytes:
     return b"".join(parts)
 
 
+_BOX_FORMATS = [f"<{2 * rank}q" for rank in range(256)]
+
+
 class _Reader:
     def __init__(self, data: bytes | memoryview) -> None:
         self.data = memoryview(data)
@@ -303,7 +306,8 @@ class _Reader:
 
     def box(self) -> Box:
         (rank,) = self.take("<B")
-        return tuple(self.take("<qq") for _ in range(rank))  # type: ignore[misc]
+        flat = self.take(_BOX_FORMATS[rank])
+        return tuple(zip(flat[0::2], flat[1::2], strict=True))
 
     def operand(self) -> Operand | None:
         (present,) = self.take("<B")
