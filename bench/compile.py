@@ -3,10 +3,10 @@
 Peers (DESIGN.md, Targets): ONNX Runtime's offline optimisation (a session with ORT_ENABLE_ALL
 and `optimized_model_filepath`) and a plain `onnx.load` + `onnx.save`. Every whole-process
 figure is a fresh child process; its wall time is measured from fork to reap and its peak RSS is
-the kernel's exact `ru_maxrss` from `os.wait4` (see `LAUNCHER_CODE` for why a launcher forks it). A second, polled figure (RssAnon from
-/proc every few ms) shows the anonymous part, since `ru_maxrss` also counts pages of memory-
-mapped weight files. Runs are interleaved (round robin over the repeats), so a busy machine
-slows every row alike, and the median wall time is reported.
+the kernel's exact `ru_maxrss` from `os.wait4` (`LAUNCHER_CODE` says why a launcher forks it).
+A second, polled figure (RssAnon from /proc every few ms) shows the anonymous part, since
+`ru_maxrss` also counts pages of memory-mapped weight files. Runs are interleaved (round robin
+over the repeats), so a busy machine slows every row alike, and the median is reported.
 
     python bench/compile.py [--quick] [--repeat 3] [--cores 4] [--json out.json]
 """

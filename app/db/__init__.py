@@ -1,0 +1,1 @@
+"""The farm's database: ORM models, engine/session factories, migrations entry points."""

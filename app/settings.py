@@ -1,0 +1,65 @@
+"""Service configuration, read from `QPCFARM_*` environment variables.
+
+No variable is needed for the embedded default (SQLite and a blob directory under
+`./qpcfarm-data`, in-process worker). Setting `QPCFARM_DATABASE_URL` and `QPCFARM_BROKER_URL`
+turns the same code into the farm (PostgreSQL, Redis, Celery workers, blobs in the database).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GiB = 1 << 30
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QPCFARM_", extra="ignore")
+
+    data_dir: Path = Path("./qpcfarm-data")
+    """The embedded mode's home: the SQLite file and the filesystem blob store live here."""
+    database_url: str = ""
+    """SQLAlchemy URL; empty means `sqlite:///<data_dir>/qpcfarm.db`."""
+    broker_url: str | None = None
+    """Celery broker (e.g. `redis://host:6379/0`); None runs jobs in an in-process worker."""
+    blob_store: Literal["filesystem", "database"] | None = None
+    """None picks filesystem for SQLite (one machine) and database otherwise (no shared disk)."""
+    max_upload_bytes: int = 8 * GiB
+    worker_concurrency: int = 1
+    job_time_limit_s: int = 3600
+    """Hard limit of one compile; the broker's visibility timeout must be longer."""
+    heartbeat_s: float = 5.0
+    """How often a running job touches its heartbeat."""
+    stale_after_s: float = 60.0
+    """A running job whose heartbeat is older than this is presumed dead and re-claimed."""
+    requeue_after_s: float = 300.0
+    """A job still queued this long after its last enqueue is enqueued again (lost message)."""
+    require_auth: bool = True
+    environment: Literal["development", "production"] = "development"
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'qpcfarm.db'}"
+        if self.blob_store is None:
+            self.blob_store = "filesystem" if self.is_sqlite else "database"
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def embedded_worker(self) -> bool:
+        """True when jobs run in the API process (no broker configured)."""
+        return self.broker_url is None
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, built on first use (never at import) and then shared."""
+    return Settings()
