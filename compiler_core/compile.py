@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource, import_model, require_static_shapes
@@ -28,6 +29,7 @@ from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passe
 from compiler_core.passes.pipeline import graph_pipeline
 from compiler_core.qpc.container import ConstantEntry, Segment, encode_constantsdesc, write_qpc
 from compiler_core.qpc.networkdesc import IODesc, NetworkDesc, Requirements
+from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
 Progress = Callable[[str, float], None]
@@ -230,13 +232,41 @@ def _constants(lowered: LoweredGraph, plan: MemoryPlan
                 yield memoryview(bytes(entry.offset - cursor))
             data = lowered.tensors[tid].data
             assert data is not None
-            array = np.ascontiguousarray(np.asarray(data.numpy()), dtype=np.dtype(entry.dtype))
-            if array.dtype.byteorder == ">":
-                array = array.astype(array.dtype.newbyteorder("<"))
-            yield memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            yield from _tensor_bytes(data, np.dtype(entry.dtype))
             cursor = entry.offset + entry.nbytes
         if plan.constants_size > cursor:
             yield memoryview(bytes(plan.constants_size - cursor))
 
     return chunks(), entries
 
+
+
+_COPY_CHUNK = 8 << 20
+
+
+def _tensor_bytes(data: ir.TensorProtocol, dtype: np.dtype) -> Iterator[memoryview]:
+    """A constant's little-endian bytes, holding at most one tensor (or one file chunk).
+
+    Weights still on disk (external data, or inline data the importer left in the model
+    file) are copied from the file in chunks; everything else is computed, yielded and let go,
+    and memory-mapped sources are unmapped once read.
+    """
+    if isinstance(data, ir.ExternalTensor) and data.raw is None and data.dtype.numpy() == dtype:
+        remaining = data.nbytes
+        with open(data.path, "rb") as source:
+            source.seek(data.offset or 0)
+            while remaining > 0:
+                chunk = source.read(min(_COPY_CHUNK, remaining))
+                if not chunk:
+                    raise CompileError("external_data_missing",
+                                       f"{data.path} ends before tensor {data.name!r} does")
+                remaining -= len(chunk)
+                yield memoryview(chunk)
+        return
+    mapped = isinstance(data, ir.ExternalTensor)
+    array = np.array(data.numpy(), dtype=dtype, order="C", copy=mapped or None)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if mapped:
+        release_mapping(data)
+    yield memoryview(array.reshape(-1).view(np.uint8))  # type: ignore[arg-type]

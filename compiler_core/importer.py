@@ -38,6 +38,8 @@ import onnx_ir.passes.common as common_passes
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
+from compiler_core.onnx_wire import WireError, strip_inline_weights
+from compiler_core.tensors import load_small_external
 
 if TYPE_CHECKING:
     from compiler_core.ops.registry import OpRegistry
@@ -94,6 +96,7 @@ def import_model(
     model = _deserialize(proto)
     if base_dir is not None:
         ir.external_data.set_base_dir(model.graph, os.fspath(base_dir))
+        load_small_external(model.graph)
 
     _set_initializer_types(model.graph)
     _run_checker(model)
@@ -228,9 +231,13 @@ def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
     if path.stat().st_size == 0:
         raise CompileError("invalid_model", f"model file '{path}' is empty (0 bytes)")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        # Parsing from the mapped file avoids holding the file's bytes and the proto at once.
         with memoryview(mapped) as view:
-            proto = _parse(view, f"'{path}'")
+            try:
+                # Weights stay in the file: large raw_data become references into it.
+                stripped = strip_inline_weights(view, path.name)
+            except WireError:
+                stripped = None
+            proto = _parse(view if stripped is None else stripped, f"'{path}'")
     return proto, path.resolve()
 
 

@@ -1,0 +1,19 @@
+"""Content-addressed blob storage (sha256 -> bytes), streamed both ways."""
+
+from app.blobs.base import (
+    BlobNotFound,
+    BlobRef,
+    BlobStore,
+    BlobTooLarge,
+    blob_store_from_settings,
+    local_path,
+)
+
+__all__ = [
+    "BlobNotFound",
+    "BlobRef",
+    "BlobStore",
+    "BlobTooLarge",
+    "blob_store_from_settings",
+    "local_path",
+]

@@ -1,0 +1,172 @@
+"""The blob store interface, shared helpers, and the factory that picks a store from settings.
+
+Blobs are named by the sha256 of their bytes, so writing the same content twice stores it
+once and a reader can trust a name for its content. Every operation streams in bounded chunks:
+a multi-GB model never sits whole in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from app.settings import Settings
+
+CHUNK_SIZE = 1 << 20
+"""Streaming granularity, and the row size of the database store."""
+
+Source = BinaryIO | Iterable[bytes]
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    sha256: str
+    size: int
+
+
+class BlobTooLarge(Exception):
+    """The stream passed `max_bytes`; the store kept nothing of it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"blob exceeds the limit of {max_bytes:,} bytes")
+        self.max_bytes = max_bytes
+
+
+class BlobNotFound(KeyError):
+    def __init__(self, sha256: str) -> None:
+        super().__init__(sha256)
+        self.sha256 = sha256
+
+    def __str__(self) -> str:
+        return f"no blob {self.sha256}"
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
+        """Store a stream while hashing it; raises BlobTooLarge as soon as `max_bytes` is
+        passed, leaving nothing behind. Idempotent: known content is not stored again."""
+        ...
+
+    def open(self, sha256: str) -> BinaryIO:
+        """A readable, seekable binary stream of the blob (BlobNotFound if absent)."""
+        ...
+
+    def read_range(self, sha256: str, start: int, length: int) -> Iterator[bytes]:
+        """Bytes [start, start + length) in chunks, clipped at the end (HTTP Range)."""
+        ...
+
+    def exists(self, sha256: str) -> bool: ...
+
+    def size(self, sha256: str) -> int:
+        """The blob's size in bytes (BlobNotFound if absent)."""
+        ...
+
+    def delete(self, sha256: str) -> bool:
+        """Remove the blob; False if there was none."""
+        ...
+
+    def path_hint(self, sha256: str) -> Path | None:
+        """A local file holding the blob, for readers that want a path (the compiler), or
+        None when the store has no such file and the caller must spill (`local_path`)."""
+        ...
+
+
+def iter_chunks(data: Source, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
+    """Chunks of a binary stream or of an iterable of bytes (empty chunks skipped)."""
+    read = getattr(data, "read", None)
+    if callable(read):
+        while True:
+            chunk = read(chunk_size)
+            if not chunk:
+                return
+            yield bytes(chunk) if not isinstance(chunk, bytes) else chunk
+    else:
+        for chunk in data:  # type: ignore[union-attr]
+            if chunk:
+                yield bytes(chunk)
+
+
+class HashingCounter:
+    """sha256 and size of what passed through, enforcing an optional size limit."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._hash = hashlib.sha256()
+
+    def update(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.max_bytes is not None and self.size > self.max_bytes:
+            raise BlobTooLarge(self.max_bytes)
+        self._hash.update(chunk)
+
+    def ref(self) -> BlobRef:
+        return BlobRef(self._hash.hexdigest(), self.size)
+
+
+def check_sha256(sha256: str) -> str:
+    """Reject anything but 64 lowercase hex digits (names become paths and keys)."""
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise BlobNotFound(sha256)
+    return sha256
+
+
+def check_range(start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise ValueError(f"bad range: start {start}, length {length}")
+
+
+def spill(store: BlobStore, sha256: str, dest: Path) -> Path:
+    """Copy a blob into the file `dest`, streaming."""
+    with store.open(sha256) as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, CHUNK_SIZE)
+    return dest
+
+
+@contextmanager
+def local_path(store: BlobStore, sha256: str, tmp_dir: Path, name: str = "blob") -> Iterator[Path]:
+    """The store's own file for a blob, or a copy spilled into `tmp_dir` (removed after)."""
+    hint = store.path_hint(sha256)
+    if hint is not None:
+        yield hint
+        return
+    dest = spill(store, sha256, tmp_dir / name)
+    try:
+        yield dest
+    finally:
+        dest.unlink(missing_ok=True)
+
+
+def blob_store_from_settings(
+    settings: Settings, session_factory: sessionmaker[Session] | Callable[[], Session]
+) -> BlobStore:
+    """The configured store: a directory under `data_dir`, or the database's blob tables."""
+    if settings.blob_store == "filesystem":
+        from app.blobs.filesystem import FilesystemBlobStore
+
+        return FilesystemBlobStore(Path(settings.data_dir) / "blobs")
+    from app.blobs.database import DatabaseBlobStore
+
+    return DatabaseBlobStore(session_factory)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,106 @@
+"""Blobs as files `<root>/ab/cdef...` (the embedded default): the compiler reads them in place."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from app.blobs.base import (
+    CHUNK_SIZE,
+    BlobNotFound,
+    BlobRef,
+    HashingCounter,
+    Source,
+    check_range,
+    check_sha256,
+    fsync_dir,
+    iter_chunks,
+)
+
+
+class FilesystemBlobStore:
+    """Writes go to `<root>/tmp/` while hashing, then are renamed into place atomically, so a
+    reader never sees a partial blob and a crash leaves only a temp file."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._tmp = self.root / "tmp"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sha256: str) -> Path:
+        check_sha256(sha256)
+        return self.root / sha256[:2] / sha256[2:]
+
+    def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
+        counter = HashingCounter(max_bytes)
+        tmp = self._tmp / f"{uuid.uuid4().hex}.part"
+        try:
+            with open(tmp, "wb") as out:
+                for chunk in iter_chunks(data):
+                    counter.update(chunk)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            ref = counter.ref()
+            final = self._path(ref.sha256)
+            if final.exists():
+                tmp.unlink()
+            else:
+                final.parent.mkdir(exist_ok=True)
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return ref
+
+    def open(self, sha256: str) -> BinaryIO:
+        try:
+            return open(self._path(sha256), "rb")
+        except FileNotFoundError:
+            raise BlobNotFound(sha256) from None
+
+    def read_range(self, sha256: str, start: int, length: int) -> Iterator[bytes]:
+        check_range(start, length)
+        handle = self.open(sha256)  # opened now, so a missing blob raises before iteration
+        return _file_range(handle, start, length)
+
+    def exists(self, sha256: str) -> bool:
+        try:
+            return self._path(sha256).is_file()
+        except BlobNotFound:
+            return False
+
+    def size(self, sha256: str) -> int:
+        try:
+            return self._path(sha256).stat().st_size
+        except FileNotFoundError:
+            raise BlobNotFound(sha256) from None
+
+    def delete(self, sha256: str) -> bool:
+        try:
+            self._path(sha256).unlink()
+        except (FileNotFoundError, BlobNotFound):
+            return False
+        return True
+
+    def path_hint(self, sha256: str) -> Path | None:
+        path = self._path(sha256)
+        if not path.is_file():
+            raise BlobNotFound(sha256)
+        return path
+
+
+def _file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:
+    with handle:
+        handle.seek(start)
+        left = length
+        while left > 0:
+            chunk = handle.read(min(CHUNK_SIZE, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield chunk

@@ -1,0 +1,40 @@
+"""Portable statements the ORM lacks: INSERT ... ON CONFLICT DO NOTHING on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, Result
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from app.db.base import Base
+
+
+def insert_or_ignore(
+    session: Session, entity: type[Base], values: dict[str, Any], conflict: list[str]
+) -> bool:
+    """Insert one row unless one with the same `conflict` columns exists (also one being
+    inserted concurrently: PostgreSQL waits for it). True if this call inserted it.
+
+    Get-or-create without savepoints: two workers storing the same QPC both succeed.
+    """
+    dialect = session.get_bind().dialect.name
+    stmt: postgresql.Insert | sqlite.Insert
+    if dialect == "postgresql":
+        stmt = postgresql.insert(entity).values(**values)
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(entity).values(**values)
+    else:
+        raise NotImplementedError(f"insert_or_ignore: unsupported database {dialect!r}")
+    # RETURNING, not rowcount: the ORM-level execute does not report rowcount reliably here.
+    key = entity.__table__.c[conflict[0]]
+    returned = session.execute(
+        stmt.on_conflict_do_nothing(index_elements=conflict).returning(key)
+    ).first()
+    return returned is not None
+
+
+def rowcount(result: Result[Any]) -> int:
+    """Rows matched by an INSERT/UPDATE/DELETE (the conditional updates' "did I win")."""
+    return cast(CursorResult[Any], result).rowcount

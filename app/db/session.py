@@ -1,0 +1,129 @@
+"""Engines, sessions and schema upgrades, built from settings on first use (never at import)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.settings import get_settings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine for `url`. SQLite gets WAL, foreign keys, a busy timeout and cross-thread use
+    (API threads and the in-process worker share the file); its folder is created."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        kwargs.setdefault("pool_pre_ping", True)
+        return create_engine(url, **kwargs)
+
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S}
+    connect_args.update(kwargs.pop("connect_args", {}))
+    engine = create_engine(url, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    # expire_on_commit=False: rows stay readable after the worker's commits and in responses.
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@lru_cache
+def get_engine() -> Engine:
+    """The process's engine for the configured database."""
+    return make_engine(get_settings().database_url)
+
+
+@lru_cache
+def get_session_factory() -> sessionmaker[Session]:
+    return make_session_factory(get_engine())
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
+    """A session that commits when the block ends normally and rolls back when it raises."""
+    session = (factory or get_session_factory())()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def wait_for_database(url: str, timeout: float = 30.0, interval: float = 0.5) -> None:
+    """Block until the database answers `SELECT 1` (start-up in compose waits for postgres).
+
+    Raises the last connection error once `timeout` seconds have passed.
+    """
+    engine = make_engine(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                with engine.connect() as conn:
+                    conn.execute(text("SELECT 1"))
+                return
+            except OperationalError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(interval)
+    finally:
+        engine.dispose()
+
+
+def alembic_config(url: str | None = None) -> Any:
+    """The Alembic config of the repository's `migrations/`, aimed at `url` if given."""
+    from alembic.config import Config
+
+    config = Config(str(REPO_ROOT / "alembic.ini"))
+    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    if url is not None:
+        config.attributes["database_url"] = url
+    return config
+
+
+def upgrade_database(target: str | Engine, revision: str = "head") -> None:
+    """Run Alembic migrations up to `revision` on a URL or an engine (start-up and
+    `qpcfarm db upgrade`)."""
+    if isinstance(target, str):
+        engine = make_engine(target)
+        try:
+            _upgrade(engine, revision)
+        finally:
+            engine.dispose()
+    else:
+        _upgrade(target, revision)
+
+
+def _upgrade(engine: Engine, revision: str) -> None:
+    from alembic import command
+
+    config = alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)

@@ -1,0 +1,169 @@
+"""Model uploads: stream to the blob store, check with the compiler's importer, record."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import onnx
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.blobs import BlobStore, BlobTooLarge, local_path
+from app.blobs.base import Source
+from app.db.models import Model, Team
+from app.services.archives import bad_archive, extract_archive, is_archive_name, sniff_kind
+from app.services.errors import ServiceError, from_compile_error, not_found
+from app.services.pages import Page, paginate
+from compiler_core import CompileError
+from compiler_core.importer import import_model
+
+KIND_ONNX = "onnx"
+KIND_ARCHIVE = "archive"
+EXTRACT_LIMIT = 1 << 40
+"""Extraction bound when a stored archive is unpacked again for a compile: the upload already
+enforced the real limit, this only keeps a corrupted blob from filling the disk."""
+
+
+def too_large(exc: BlobTooLarge) -> ServiceError:
+    return ServiceError("too_large", str(exc), 413, {"max_bytes": exc.max_bytes})
+
+
+def store_model(
+    session: Session,
+    store: BlobStore,
+    team: Team,
+    stream: Source,
+    filename: str | None = None,
+    *,
+    max_bytes: int,
+) -> Model:
+    """Store an uploaded `.onnx`, or a `.zip`/`.tar`/`.tar.gz` of one `.onnx` with its
+    external data, after checking it with the importer. The caller commits.
+
+    The blob is stored as uploaded (archives too: the worker extracts again), so the bytes
+    the client sent are the bytes the cache key names. The kind is decided by content; a
+    name that says archive over content that is not one is a `bad_archive`.
+    """
+    try:
+        ref = store.put(stream, max_bytes=max_bytes)
+    except BlobTooLarge as exc:
+        raise too_large(exc) from None
+    with tempfile.TemporaryDirectory(prefix="qpcfarm-upload-") as tmp:
+        work = Path(tmp)
+        with local_path(store, ref.sha256, work, "upload") as path:
+            with open(path, "rb") as handle:
+                kind = sniff_kind(handle.read(512))
+            if kind == KIND_ONNX:
+                if is_archive_name(filename):
+                    raise bad_archive(f"{filename!r} is not a .zip, .tar or .tar.gz archive")
+                empty = work / "no-external-data"
+                empty.mkdir()
+                # A bare .onnx may not reference external files: resolving them next to the
+                # stored blob would read other blobs.
+                described = describe_model(path, base_dir=empty)
+            else:
+                onnx_path = extract_archive(path, work / "archive", max_bytes=max_bytes)
+                described = describe_model(onnx_path)
+    opset, inputs, outputs = described
+    model = Model(
+        team_id=team.id,
+        sha256=ref.sha256,
+        size=ref.size,
+        name=_display_name(filename, ref.sha256),
+        kind=KIND_ONNX if kind == KIND_ONNX else KIND_ARCHIVE,
+        opset=opset,
+        inputs=inputs,
+        outputs=outputs,
+    )
+    session.add(model)
+    session.flush()
+    return model
+
+
+def get_model(session: Session, team: Team, model_id: uuid.UUID) -> Model:
+    model = session.get(Model, model_id)
+    if model is None or model.team_id != team.id:
+        raise not_found("model", model_id)
+    return model
+
+
+def list_models(session: Session, team: Team, *, limit: int = 50, offset: int = 0) -> Page[Model]:
+    query = (
+        select(Model).where(Model.team_id == team.id).order_by(Model.created_at.desc(), Model.id)
+    )
+    return paginate(session, query, limit, offset)
+
+
+def materialize_model(store: BlobStore, model: Model, work: Path) -> Path:
+    """A local path of the model's .onnx for the compiler, inside `work` (a private temp
+    folder) so that external data resolves only against the model's own files."""
+    if model.kind == KIND_ARCHIVE:
+        with local_path(store, model.sha256, work, "archive") as archive:
+            return extract_archive(archive, work / "model", max_bytes=EXTRACT_LIMIT)
+    target = work / "model.onnx"
+    hint = store.path_hint(model.sha256)
+    if hint is None:
+        with store.open(model.sha256) as src, open(target, "wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
+        return target
+    try:
+        os.link(hint, target)  # same filesystem: no copy
+    except OSError:
+        return hint  # checked at upload to reference no external data, so safe in place
+    return target
+
+
+def describe_model(
+    path: Path, base_dir: Path | None = None
+) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(opset, inputs, outputs) of a model the importer accepts.
+
+    Symbolic dims are fine at upload (they are bound per compile with -batchsize or
+    -onnx-define-symbol), so a `dynamic_shape` refusal falls back to the declared I/O.
+    """
+    try:
+        imported = import_model(path, base_dir=base_dir)
+    except CompileError as exc:
+        if exc.code != "dynamic_shape":
+            raise from_compile_error(exc) from None
+        return _declared_io(path)
+    graph = imported.model.graph
+    return imported.opset, [_ir_io(v) for v in graph.inputs], [_ir_io(v) for v in graph.outputs]
+
+
+def _ir_io(value: Any) -> dict[str, Any]:
+    shape = None
+    if value.shape is not None:
+        shape = [d if isinstance(d, int) else (d.value or None) for d in value.shape]
+    dtype = value.dtype.name.lower() if value.dtype is not None else None
+    return {"name": value.name, "dtype": dtype, "shape": shape}
+
+
+def _declared_io(path: Path) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
+    proto = onnx.load(str(path), load_external_data=False)
+    initializers = {t.name for t in proto.graph.initializer}
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    inputs = [_proto_io(v) for v in proto.graph.input if v.name not in initializers]
+    return opset, inputs, [_proto_io(v) for v in proto.graph.output]
+
+
+def _proto_io(value: onnx.ValueInfoProto) -> dict[str, Any]:
+    tensor = value.type.tensor_type
+    shape = None
+    if tensor.HasField("shape"):
+        shape = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in tensor.shape.dim
+        ]
+    dtype = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
+    return {"name": value.name, "dtype": dtype, "shape": shape}
+
+
+def _display_name(filename: str | None, sha256: str) -> str:
+    name = os.path.basename((filename or "").replace("\\", "/")).strip()
+    return (name or f"model-{sha256[:12]}")[:255]

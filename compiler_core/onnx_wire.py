@@ -1,0 +1,151 @@
+"""Read a single-file ONNX model without copying its weights into memory.
+
+Protobuf parsing copies every `raw_data` field into the parsed message, so a 100 MB model
+costs 100 MB more than the file. Instead we walk the protobuf wire format of the memory-mapped
+file and re-encode the model with each large `raw_data` turned into an external-data reference
+to its own bytes *inside the model file* (location = the file, offset = where the bytes are).
+The IR then memory-maps them like any external data: the weights are read from the file once,
+when the QPC's constants are written, and never held twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Field numbers from onnx.proto.
+_MODEL_GRAPH = 7
+_GRAPH_NODE, _GRAPH_INITIALIZER = 1, 5
+_NODE_ATTRIBUTE = 5
+_ATTRIBUTE_TENSOR = 5
+_TENSOR_RAW_DATA, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 9, 13, 14
+_EXTERNAL = 1
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+
+
+class WireError(ValueError):
+    """The bytes are not a protobuf message we can walk; the caller parses them normally."""
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise WireError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return _encode_varint(field << 3 | wire)
+
+
+def _len_field(field: int, payload: bytes) -> bytes:
+    return _key(field, _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _fields(buf: memoryview, start: int, end: int):  # type: ignore[no-untyped-def]
+    """Yield (field, wire, field_start, value_start, value_end) for a message's fields."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if field == 0:
+            raise WireError("field number 0")
+        if wire == _VARINT:
+            _, value_end = _varint(buf, pos)
+            yield field, wire, field_start, pos, value_end
+            pos = value_end
+        elif wire == _I64:
+            yield field, wire, field_start, pos, pos + 8
+            pos += 8
+        elif wire == _I32:
+            yield field, wire, field_start, pos, pos + 4
+            pos += 4
+        elif wire == _LEN:
+            length, value_start = _varint(buf, pos)
+            value_end = value_start + length
+            if value_end > end:
+                raise WireError("length-delimited field runs past its message")
+            yield field, wire, field_start, value_start, value_end
+            pos = value_end
+        else:
+            raise WireError(f"unsupported wire type {wire}")
+    if pos != end:
+        raise WireError("message overruns its length")
+
+
+Rewriter = Callable[[memoryview, int, int], bytes | None]
+
+
+def _rewrite(buf: memoryview, start: int, end: int, children: dict[int, Rewriter]) -> bytes | None:
+    """Re-encode a message, rewriting the sub-messages of `children`; None if nothing changed."""
+    out: list[bytes] = []
+    changed = False
+    for field, wire, field_start, value_start, value_end in _fields(buf, start, end):
+        rewrite = children.get(field) if wire == _LEN else None
+        new = rewrite(buf, value_start, value_end) if rewrite else None
+        if new is None:
+            out.append(bytes(buf[field_start:value_end]))
+        else:
+            out.append(_len_field(field, new))
+            changed = True
+    return b"".join(out) if changed else None
+
+
+def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024) -> bytes:
+    """The model's bytes with every `raw_data` of at least `threshold` bytes (initializers
+    and Constant-node tensors) replaced by an external reference into `location`.
+
+    Raises WireError when the bytes are not a well-formed message; nothing is copied until
+    the whole walk succeeded.
+    """
+
+    def tensor(buf: memoryview, start: int, end: int) -> bytes | None:
+        keep: list[bytes] = []
+        moved: tuple[int, int] | None = None
+        for field, wire, field_start, value_start, value_end in _fields(buf, start, end):
+            if field == _TENSOR_RAW_DATA and wire == _LEN and value_end - value_start >= threshold:
+                moved = (value_start, value_end - value_start)
+            elif field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
+                return None  # already external: leave it as it is
+            else:
+                keep.append(bytes(buf[field_start:value_end]))
+        if moved is None:
+            return None
+        offset, length = moved
+        for key, value in (("location", location), ("offset", str(offset)),
+                           ("length", str(length))):
+            entry = _len_field(1, key.encode()) + _len_field(2, value.encode())
+            keep.append(_len_field(_TENSOR_EXTERNAL_DATA, entry))
+        keep.append(_key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_EXTERNAL))
+        return b"".join(keep)
+
+    def attribute(buf: memoryview, start: int, end: int) -> bytes | None:
+        return _rewrite(buf, start, end, {_ATTRIBUTE_TENSOR: tensor})
+
+    def node(buf: memoryview, start: int, end: int) -> bytes | None:
+        return _rewrite(buf, start, end, {_NODE_ATTRIBUTE: attribute})
+
+    def graph(buf: memoryview, start: int, end: int) -> bytes | None:
+        return _rewrite(buf, start, end, {_GRAPH_INITIALIZER: tensor, _GRAPH_NODE: node})
+
+    result = _rewrite(data, 0, len(data), {_MODEL_GRAPH: graph})
+    return bytes(data) if result is None else result
