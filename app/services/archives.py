@@ -117,10 +117,11 @@ def _extract_zip(path: Path, dest: Path, budget: _Budget) -> None:
         targets = []
         for info in infos:
             target = _safe_target(dest, info.filename)
-            mode = info.external_attr >> 16
-            if stat.S_ISLNK(mode):
+            # Unix file type bits, when the creator recorded them (0: a plain file).
+            file_type = stat.S_IFMT(info.external_attr >> 16)
+            if file_type == stat.S_IFLNK:
                 raise bad_archive(f"member {info.filename!r} is a symbolic link")
-            if mode and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            if file_type not in (0, stat.S_IFREG, stat.S_IFDIR):
                 raise bad_archive(f"member {info.filename!r} is not a regular file")
             declared += info.file_size
             targets.append((info, target))

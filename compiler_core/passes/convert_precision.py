@@ -8,12 +8,14 @@ and named in one warning (`warnings`), as the vendor compiler does.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
 import onnx_ir as ir
 
 from compiler_core.passes.base import GraphPass, NameScope
+from compiler_core.tensors import SMALL_TENSOR_BYTES, release_mapping
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +65,46 @@ class ConvertToFp16Pass(GraphPass):
         return ir.passes.PassResult(model, modified=converted > 0)
 
     def _convert_initializer(self, value: ir.Value, clipped: list[str]) -> int:
-        assert value.const_value is not None
-        array = _to_fp16(np.asarray(value.const_value.numpy()), value.name or "?", clipped)
-        value.const_value = ir.tensor(array, name=value.name)
+        tensor = value.const_value
+        assert tensor is not None
+        name = value.name or "?"
+        if tensor.nbytes <= SMALL_TENSOR_BYTES:
+            value.const_value = ir.tensor(
+                _to_fp16(np.asarray(tensor.numpy()), name, clipped), name=value.name
+            )
+        else:
+            # Large weights: look for out-of-range values now (for the warning), convert only
+            # when the constants are written, so fp32 and fp16 copies never coexist.
+            source = np.asarray(tensor.numpy())
+            if _out_of_range(source):
+                clipped.append(name)
+            del source
+            release_mapping(tensor)
+            value.const_value = ir.LazyTensor(
+                functools.partial(_lazy_fp16, tensor),
+                dtype=FLOAT16,
+                shape=ir.Shape(tensor.shape.numpy()),
+            )
         value.type = ir.TensorType(FLOAT16)
         return 1
 
 
+def _out_of_range(array: np.ndarray) -> bool:
+    return bool(np.any(np.isfinite(array) & (np.abs(array) > FP16_MAX)))
+
+
+def _lazy_fp16(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    source = np.asarray(tensor.numpy())
+    result = _to_fp16(source, "", [])
+    del source
+    release_mapping(tensor)
+    return ir.tensor(result)
+
+
 def _to_fp16(array: np.ndarray, name: str, clipped: list[str]) -> np.ndarray:
-    finite = np.isfinite(array)
-    if np.any(finite & (np.abs(array) > FP16_MAX)):
+    if _out_of_range(array):
         clipped.append(name)
-        array = np.where(finite, np.clip(array, -FP16_MAX, FP16_MAX), array)
+        array = np.where(np.isfinite(array), np.clip(array, -FP16_MAX, FP16_MAX), array)
     return array.astype(np.float16)
 
 
