@@ -117,6 +117,7 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    _reject_unimplemented(opts)
     device = opts.device
     stages = _Stages(progress)
 
@@ -159,6 +160,7 @@ def compile_model(
         )
 
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
+    warnings += _option_notes(opts)
     warnings += [_warning("import", w) for w in imported.warnings]
     warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
     warnings += perf_warnings(program, lowered, opts, device)
@@ -172,6 +174,38 @@ def compile_model(
         program=program,
         _tmpdir=tmpdir,
     )
+
+
+_NOT_YET = {
+    "mxfp6_matmul": "-mxfp6-matmul",
+    "retained_state": "-retained-state",
+    "network_specialization_config": "-network-specialization-config",
+    "custom_io_list_file": "-custom-IO-list-file",
+    "node_precision_info": "-node-precision-info",
+}
+_NO_EFFECT = {
+    "multicast_weights": "-multicast-weights",
+    "aic_enable_depth_first": "-aic-enable-depth-first",
+}
+
+
+def _reject_unimplemented(opts: CompileOptions) -> None:
+    """Options the schema knows but this compiler does not implement yet fail loudly rather
+    than produce a QPC that silently ignores them."""
+    for attr, flag in _NOT_YET.items():
+        if getattr(opts, attr):
+            raise CompileError(
+                "unsupported_option", f"{flag} is not supported by this compiler yet", flag=flag
+            )
+
+
+def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:
+    return [
+        _warning("option_without_effect",
+                 f"{flag} is accepted but changes nothing in this compiler's device model")
+        for attr, flag in _NO_EFFECT.items()
+        if getattr(opts, attr)
+    ]
 
 
 def _warning(code: str, message: str) -> dict[str, Any]:

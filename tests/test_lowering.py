@@ -285,3 +285,19 @@ def test_run_qpc_names_missing_and_misshapen_inputs() -> None:
         run_qpc(result.qpc_path, {})
     with pytest.raises(CompileError, match="shape"):
         run_qpc(result.qpc_path, {"x": np.zeros((1, 3, 8, 8), np.float32)})
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["-mxfp6-matmul", "-retained-state", "-network-specialization-config=spec.json"],
+)
+def test_options_not_implemented_yet_fail_loudly_naming_the_flag(flag: str) -> None:
+    with pytest.raises(CompileError) as info:
+        compile_model(_cnn(), [flag])
+    assert info.value.code == "unsupported_option"
+    assert info.value.flag == flag.split("=")[0]
+
+
+def test_hint_options_without_effect_say_so_in_the_warnings() -> None:
+    result = compile_model(_cnn(), ["-multicast-weights"])
+    assert any(w["code"] == "option_without_effect" for w in result.warnings)
