@@ -13,14 +13,14 @@ import tarfile
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import func, inspect, select, text
+from sqlalchemy import func, inspect, select
 from sqlalchemy.orm import Session
 
 from app.blobs import BlobRef
@@ -76,6 +76,11 @@ def compiled_job(farm: Farm, session: Session, team: Team) -> CompileJob:
     done = jobs.run_compile(session, farm.store, claimed)
     assert done.status == JobStatus.succeeded, (done.error_code, done.error_message)
     return done
+
+
+def qpc_id_of(job: CompileJob) -> uuid.UUID:
+    assert job.qpc_id is not None, "the job has no QPC"
+    return job.qpc_id
 
 
 def count(session: Session, entity: type[Base]) -> int:
@@ -258,7 +263,7 @@ def test_an_oversize_upload_is_refused_and_leaves_no_blob(
     assert not farm.store.exists(sha256(data).hexdigest())
 
 
-def _zip(members: dict[str, bytes | Path]) -> bytes:
+def _zip(members: Mapping[str, bytes | Path]) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
         for name, content in members.items():
@@ -319,26 +324,28 @@ def _special_tar(kind: bytes, name: str = "weights.bin") -> bytes:
     return _tar([("model.onnx", tiny_model_bytes()), info])
 
 
-HOSTILE_ARCHIVES: dict[str, Callable[[], bytes]] = {
-    "zip-absolute-path": lambda: _zip({"/tmp/evil.onnx": tiny_model_bytes()}),
-    "zip-dot-dot": lambda: _zip({"../evil.onnx": tiny_model_bytes()}),
-    "zip-backslash-dot-dot": lambda: _zip({"a\\..\\..\\evil.onnx": tiny_model_bytes()}),
-    "zip-symlink": _symlink_zip,
-    "zip-too-many-members": lambda: _zip({f"f{i}.txt": b"" for i in range(1001)}),
-    "zip-bomb": lambda: _zip({"model.onnx": tiny_model_bytes(), "pad.bin": bytes(2 << 20)}),
-    "zip-no-model": lambda: _zip({"readme.txt": b"hello"}),
-    "zip-two-models": lambda: _zip({"a.onnx": tiny_model_bytes(), "b.onnx": tiny_model_bytes()}),
-    "tar-absolute-path": lambda: _tar([("/tmp/evil.onnx", tiny_model_bytes())]),
-    "tar-dot-dot": lambda: _tar([("x/../../evil.onnx", tiny_model_bytes())]),
-    "tar-symlink": lambda: _special_tar(tarfile.SYMTYPE),
-    "tar-hardlink": lambda: _special_tar(tarfile.LNKTYPE),
-    "tar-device": lambda: _special_tar(tarfile.CHRTYPE),
-    "tar-fifo": lambda: _special_tar(tarfile.FIFOTYPE),
-    "tar-gz-bomb": lambda: _tar(
-        [("model.onnx", tiny_model_bytes()), ("pad", bytes(2 << 20))], "w:gz"
-    ),
-    "tar-too-many-members": lambda: _tar([(f"f{i}", b"") for i in range(1001)]),
-    "not-an-archive": lambda: tiny_model_bytes(),
+ONNX = tiny_model_bytes()
+PAD = bytes(2 << 20)  # 2 MiB of zeros: compresses to almost nothing, over the 1 MiB limit
+
+# name -> (archive bytes, what the refusal says)
+HOSTILE_ARCHIVES: dict[str, tuple[Callable[[], bytes], str]] = {
+    "zip-absolute-path": (lambda: _zip({"/tmp/evil.onnx": ONNX}), "absolute path"),
+    "zip-dot-dot": (lambda: _zip({"../evil.onnx": ONNX}), "'..'"),
+    "zip-backslash-dot-dot": (lambda: _zip({"a\\..\\..\\evil.onnx": ONNX}), "'..'"),
+    "zip-symlink": (_symlink_zip, "symbolic link"),
+    "zip-too-many-members": (lambda: _zip({f"f{i}": b"" for i in range(1001)}), "1000 members"),
+    "zip-bomb": (lambda: _zip({"model.onnx": ONNX, "pad.bin": PAD}), "upload limit"),
+    "zip-no-model": (lambda: _zip({"readme.txt": b"hello"}), "no .onnx"),
+    "zip-two-models": (lambda: _zip({"a.onnx": ONNX, "b.onnx": ONNX}), "expected one"),
+    "tar-absolute-path": (lambda: _tar([("/tmp/evil.onnx", ONNX)]), "absolute path"),
+    "tar-dot-dot": (lambda: _tar([("x/../../evil.onnx", ONNX)]), "'..'"),
+    "tar-symlink": (lambda: _special_tar(tarfile.SYMTYPE), "is a link"),
+    "tar-hardlink": (lambda: _special_tar(tarfile.LNKTYPE), "is a link"),
+    "tar-device": (lambda: _special_tar(tarfile.CHRTYPE), "not a regular file"),
+    "tar-fifo": (lambda: _special_tar(tarfile.FIFOTYPE), "not a regular file"),
+    "tar-gz-bomb": (lambda: _tar([("model.onnx", ONNX), ("pad", PAD)], "w:gz"), "upload limit"),
+    "tar-too-many-members": (lambda: _tar([(f"f{i}", b"") for i in range(1001)]), "1000 members"),
+    "named-zip-but-onnx": (lambda: ONNX, "not a .zip"),
 }
 
 
@@ -346,13 +353,15 @@ HOSTILE_ARCHIVES: dict[str, Callable[[], bytes]] = {
 def test_a_hostile_archive_is_refused_as_bad_archive(
     farm: Farm, session: Session, team: Team, name: str
 ) -> None:
-    data = HOSTILE_ARCHIVES[name]()
-    filename = "upload.zip" if name.startswith(("zip", "not")) else "upload.tar.gz"
-    raises_service_error("bad_archive", 422)(
+    build, reason = HOSTILE_ARCHIVES[name]
+    data = build()
+    filename = "upload.tar.gz" if name.startswith("tar") else "upload.zip"
+    error = raises_service_error("bad_archive", 422)(
         lambda: models.store_model(
             session, farm.store, team, io.BytesIO(data), filename, max_bytes=1 << 20
         )
     )
+    assert reason in error.message
     assert count(session, Model) == 0
 
 
@@ -427,7 +436,7 @@ def test_an_identical_compile_after_success_is_a_cache_hit(
     assert created and hit.id != done.id
     assert hit.status == JobStatus.succeeded and hit.cache_hit and hit.qpc_id == done.qpc_id
     assert hit.progress == 1.0 and hit.finished_at is not None
-    assert qpcs.get_qpc(session, other, done.qpc_id).id == done.qpc_id  # now theirs too
+    assert qpcs.get_qpc(session, other, qpc_id_of(done)).id == done.qpc_id  # now theirs too
 
 
 def test_claim_makes_a_queued_job_running_once(farm: Farm, session: Session, team: Team) -> None:
@@ -440,32 +449,35 @@ def test_claim_makes_a_queued_job_running_once(farm: Farm, session: Session, tea
     assert jobs.claim(session, uuid.uuid4(), "worker-b") is None
 
 
-def test_of_two_concurrent_claims_exactly_one_wins(
-    farm: Farm, session: Session, team: Team
-) -> None:
-    for _ in range(3):
-        job = queued_job(farm, session, team, CompileOptions.from_json({"aic-num-cores": _ + 1}))
-        barrier = threading.Barrier(2)
-        winners: list[str] = []
-        errors: list[BaseException] = []
+def race_to_claim(farm: Farm, job_id: uuid.UUID, workers: tuple[str, ...]) -> list[str]:
+    """Claim one job from several threads at once, each with its own session; the winners."""
+    barrier = threading.Barrier(len(workers))
+    winners: list[str] = []
+    errors: list[BaseException] = []
 
-        def contend(
-            name: str, job_id: uuid.UUID = job.id, barrier: threading.Barrier = barrier
-        ) -> None:
-            with farm.session() as own:
-                try:
-                    barrier.wait()
-                    if jobs.claim(own, job_id, name) is not None:
-                        winners.append(name)
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    errors.append(exc)
+    def contend(name: str) -> None:
+        with farm.session() as own:
+            try:
+                barrier.wait()
+                if jobs.claim(own, job_id, name) is not None:
+                    winners.append(name)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
 
-        threads = [threading.Thread(target=contend, args=(n,)) for n in ("a", "b")]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert errors == [] and len(winners) == 1
+    threads = [threading.Thread(target=contend, args=(name,)) for name in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    return winners
+
+
+def test_of_concurrent_claims_exactly_one_wins(farm: Farm, session: Session, team: Team) -> None:
+    for cores in (1, 2, 3):
+        job = queued_job(farm, session, team, CompileOptions.from_json({"aic-num-cores": cores}))
+        winners = race_to_claim(farm, job.id, ("a", "b", "c"))
+        assert len(winners) == 1
         session.expire_all()
         row = session.get(CompileJob, job.id)
         assert row is not None and (row.worker, row.attempts) == (winners[0], 1)
@@ -501,10 +513,31 @@ def test_report_progress_records_stage_and_progress_and_says_when_to_stop(
     with farm.session() as api:
         row = api.get(CompileJob, job.id)
         assert row is not None and (row.stage, row.progress) == ("graph-passes", 0.3)
-        jobs.cancel(api, api.get(Team, team.id), row)  # type: ignore[arg-type]
+        owner = api.get(Team, team.id)
+        assert owner is not None
+        jobs.cancel(api, owner, row)
         api.commit()
         assert row.status == JobStatus.running and row.cancel_requested
     assert jobs.report_progress(session, claimed, "lower", 0.6) is True
+
+
+def test_a_heartbeat_thread_keeps_a_job_fresh_and_notices_a_cancel(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    job = queued_job(farm, session, team)
+    claimed = jobs.claim(session, job.id, "w")
+    assert claimed is not None and claimed.heartbeat_at is not None
+    first_beat = claimed.heartbeat_at
+    with jobs.Heartbeat(farm.db.sessions, job.id, "w", interval_s=0.02) as heartbeat:
+        while heartbeat.beats < 2:
+            threading.Event().wait(0.01)
+        assert not heartbeat.stop_requested()
+        jobs.cancel(session, team, claimed)
+        session.commit()
+        while not heartbeat.stop_requested():
+            threading.Event().wait(0.01)
+    session.refresh(claimed)
+    assert claimed.heartbeat_at is not None and claimed.heartbeat_at > first_beat
 
 
 def test_cancelling_a_queued_job_ends_it_at_once(farm: Farm, session: Session, team: Team) -> None:
@@ -605,7 +638,7 @@ def test_run_compile_stores_a_qpc_that_validates_and_its_report(
     assert done.finished_at is not None and done.error_code is None
     assert [s for s, _ in seen][0] == "import" and seen[-1] == ("write-qpc", 1.0)
 
-    qpc = qpcs.get_qpc(session, team, done.qpc_id)  # type: ignore[arg-type]
+    qpc = qpcs.get_qpc(session, team, qpc_id_of(done))
     assert farm.store.size(qpc.sha256) == qpc.size
     assert qpc.requirements["num_cores"] >= 1 and qpc.options_key == job.options_key
     report = qpcs.get_report(session, qpc)
@@ -725,7 +758,8 @@ def test_jobs_are_listed_per_team_newest_first_and_filtered_by_status(
 def test_a_team_cannot_see_another_teams_qpc(farm: Farm, session: Session, team: Team) -> None:
     done = compiled_job(farm, session, team)
     other = make_team(session)
-    raises_service_error("not_found", 404)(lambda: qpcs.get_qpc(session, other, done.qpc_id))  # type: ignore[arg-type]
+    qpc_id = qpc_id_of(done)
+    raises_service_error("not_found", 404)(lambda: qpcs.get_qpc(session, other, qpc_id))
     qpc = session.get(Qpc, done.qpc_id)
     assert qpc is not None
     raises_service_error("not_found", 404)(
@@ -773,9 +807,3 @@ def test_an_uploaded_qpc_is_validated_and_recorded(
     raises_service_error("not_found", 404)(
         lambda: validations.get_validation(session, other, bad.id)
     )
-
-
-def test_the_database_speaks_utc_on_postgresql(farm: Farm, session: Session) -> None:
-    if farm.mode != "farm":
-        pytest.skip("PostgreSQL only")
-    assert session.execute(text("SELECT current_setting('TimeZone')")).scalar_one()

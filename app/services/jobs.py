@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 import logging
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -283,27 +284,88 @@ def report_progress(
         values["stage"] = stage[:64]
     if progress is not None:
         values["progress"] = max(0.0, min(1.0, progress))
+    assert job.worker is not None, "report_progress needs a claimed job"
+    mine, cancel_requested = _touch(session, job.id, job.worker, values)
+    if mine:
+        for name, value in values.items():
+            setattr(job, name, value)
+        job.cancel_requested = cancel_requested
+    return not mine or cancel_requested
+
+
+def _touch(
+    session: Session, job_id: uuid.UUID, worker: str, values: dict[str, Any]
+) -> tuple[bool, bool]:
+    """Update a running job of `worker`; (still ours, cancel requested). Commits."""
     mine = rowcount(
         session.execute(
             update(CompileJob)
             .where(
-                CompileJob.id == job.id,
+                CompileJob.id == job_id,
                 CompileJob.status == JobStatus.running,
-                CompileJob.worker == job.worker,
+                CompileJob.worker == worker,
             )
             .values(**values),
             execution_options={"synchronize_session": False},
         )
     )
     cancel_requested = session.execute(
-        select(CompileJob.cancel_requested).where(CompileJob.id == job.id)
+        select(CompileJob.cancel_requested).where(CompileJob.id == job_id)
     ).scalar_one_or_none()
     session.commit()
-    if mine:
-        for name, value in values.items():
-            setattr(job, name, value)
-        job.cancel_requested = bool(cancel_requested)
-    return not mine or bool(cancel_requested)
+    return bool(mine), bool(cancel_requested)
+
+
+class Heartbeat:
+    """A thread that keeps a claimed job's heartbeat fresh while its compile is inside one
+    long stage (no progress callbacks), on its own session. `stop_requested()` turns True
+    once the job is cancelled or taken over; pass it to run_compile as `should_cancel`.
+
+        with jobs.Heartbeat(session_factory, job.id, job.worker, settings.heartbeat_s) as hb:
+            jobs.run_compile(session, store, job, should_cancel=hb.stop_requested)
+    """
+
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        job_id: uuid.UUID,
+        worker: str,
+        interval_s: float = DEFAULT_HEARTBEAT_S,
+    ) -> None:
+        self._sessions = session_factory
+        self._job_id = job_id
+        self._worker = worker
+        self._interval = interval_s
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            try:
+                with self._sessions() as session:
+                    mine, cancel = _touch(
+                        session, self._job_id, self._worker, {"heartbeat_at": utcnow()}
+                    )
+            except Exception:  # a database hiccup: try again at the next beat
+                log.warning("heartbeat of job %s failed", self._job_id, exc_info=True)
+                continue
+            self.beats += 1
+            if not mine or cancel:
+                self._stop.set()
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 @dataclass
