@@ -564,7 +564,12 @@ def run_compile(
             except ServiceError as exc:
                 raise CompileError(exc.code, exc.message) from None
             progress.note(f"compiling {model.name} ({model.size:,} bytes) on {job.worker}")
-            result = _compile(model_path, options.with_(aic_binary_dir=str(work / "out")), progress)
+            # The farm's report always carries perf metrics and warnings: they are outputs of
+            # the compile, not choices that change the QPC (and not part of the cache key).
+            farm_options = options.with_(
+                aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
+            )
+            result = _compile(model_path, farm_options, progress)
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
