@@ -130,7 +130,11 @@ def describe_model(
         imported = import_model(path, base_dir=base_dir)
     except CompileError as exc:
         if exc.code != "dynamic_shape":
-            raise from_compile_error(exc) from None
+            error = from_compile_error(exc)
+            # The path is a blob or temp file of the server: not the client's business.
+            error.message = error.message.replace(repr(str(path)), "the model")
+            error.message = error.message.replace(str(path), "the model")
+            raise error from None
         return _declared_io(path)
     graph = imported.model.graph
     return imported.opset, [_ir_io(v) for v in graph.inputs], [_ir_io(v) for v in graph.outputs]

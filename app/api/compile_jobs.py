@@ -1,0 +1,122 @@
+"""`/v1/compile-jobs`: submit (options checked before anything is queued), read, cancel.
+
+Submitting commits the job row first and enqueues its id after, so a worker never receives
+an id it cannot read. Identical model bytes + canonical options + compiler version reuse the
+stored QPC (200, `cache_hit: true`, `status: succeeded`) or attach to the team's job already
+queued or running for it (202, `attached: true`); otherwise a new job is queued (202).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, TeamJob
+from app.api.models import Limit, Offset
+from app.api.schemas import JobCreate, JobList, JobOut
+from app.db.models import CompileJob, CompileReport, JobStatus
+from app.services import jobs, models
+from compiler_core import CompileError, CompileOptions
+from compiler_core.options import spec_for
+
+router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
+
+SERVER_SIDE_OPTIONS = {
+    "model": "the model is the upload named by `model_id`",
+    "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
+    "operators_supported": "see GET /v1/operators",
+    "custom_io_list_file": "it names a file on the server",
+    "network_specialization_config": "it names a file on the server",
+    "node_precision_info": "it names a file on the server",
+}
+"""Options that name paths on the machine running the compile: refused over HTTP."""
+
+
+def parse_options(body: JobCreate) -> CompileOptions:
+    """The request's options, validated by the compiler's schema (CompileError -> 422)."""
+    if body.flags is not None:
+        options = CompileOptions.from_flags(body.flags)
+    else:
+        options = CompileOptions.from_json(body.options or {})
+    for attr, why in SERVER_SIDE_OPTIONS.items():
+        if getattr(options, attr):
+            flag = spec_for(attr).flag
+            raise CompileError(
+                "invalid_option", f"{flag} is not accepted by the farm: {why}", flag=flag
+            )
+    return options
+
+
+def reports_by_qpc(session: Session, job_list: list[CompileJob]) -> dict[uuid.UUID, CompileReport]:
+    qpc_ids = {job.qpc_id for job in job_list if job.qpc_id is not None}
+    if not qpc_ids:
+        return {}
+    rows = session.execute(select(CompileReport).where(CompileReport.qpc_id.in_(qpc_ids)))
+    return {report.qpc_id: report for report in rows.scalars()}
+
+
+def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> JobOut:
+    report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None
+    return JobOut.of(job, report, attached=attached)
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses={
+        200: {"model": JobOut, "description": "Cache hit: the QPC exists (`cache_hit: true`)."},
+        202: {"description": "Queued, or attached to the identical job already queued/running."},
+        404: {"description": "`not_found`: no such model for this team"},
+        422: {"description": "`invalid_option`, `unknown_option` (with `flag`), ..."},
+    },
+)
+def submit_job(
+    body: JobCreate, response: Response, session: SessionDep, team: CurrentTeam, queue: QueueDep
+) -> JobOut:
+    options = parse_options(body)
+    model = models.get_model(session, team, body.model_id)
+    job, created = jobs.submit_job(session, team, model, options)
+    session.commit()
+    if created and job.status == JobStatus.queued:
+        queue.enqueue(job.id)
+    if job.cache_hit:
+        response.status_code = 200
+    response.headers["Location"] = f"/v1/compile-jobs/{job.id}"
+    return job_out(session, job, attached=not created)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    session: SessionDep,
+    team: CurrentTeam,
+    limit: Limit = 50,
+    offset: Offset = 0,
+    status: Annotated[JobStatus | None, Query()] = None,
+) -> JobList:
+    page = jobs.list_jobs(session, team, limit=limit, offset=offset, status=status)
+    reports = reports_by_qpc(session, page.items)
+    items = [JobOut.of(j, reports.get(j.qpc_id) if j.qpc_id else None) for j in page.items]
+    return JobList(items=items, count=page.total, limit=page.limit, offset=page.offset)
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def read_job(job: TeamJob, session: SessionDep) -> JobOut:
+    return job_out(session, job)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobOut,
+    responses={409: {"description": "`not_cancellable`: the job has already finished"}},
+)
+def cancel_job(job: TeamJob, session: SessionDep, team: CurrentTeam) -> JobOut:
+    """Cancel a queued job at once; a running one stops at its next progress report
+    (`cancel_requested: true` until then)."""
+    job = jobs.cancel(session, team, job)
+    session.commit()
+    return job_out(session, job)

@@ -1,0 +1,124 @@
+"""Every error the API answers is JSON `{"code", "message", ...}` with a stable `code`.
+
+Routes and services raise `ServiceError` (or `ApiError`, which adds response headers); the
+handlers here turn those, request validation failures, compiler errors and unknown routes
+into that one shape, so clients switch on `code` and never parse prose.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.blobs import BlobNotFound
+from app.services.errors import ServiceError, from_compile_error
+from compiler_core import CompileError
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    406: "not_acceptable",
+    413: "upload_too_large",
+    415: "unsupported_media_type",
+}
+
+
+class ApiError(ServiceError):
+    """A ServiceError raised by the HTTP layer itself, optionally with response headers."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int = 400,
+        detail: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(code, message, status, detail)
+        self.headers = headers or {}
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError("unauthorized", message, 401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def invalid_request(message: str, **detail: Any) -> ApiError:
+    return ApiError("invalid_request", message, 422, detail)
+
+
+def upload_too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        "upload_too_large",
+        f"the upload exceeds the limit of {max_bytes:,} bytes",
+        413,
+        {"max_bytes": max_bytes},
+    )
+
+
+def error_response(exc: ServiceError) -> JSONResponse:
+    headers = dict(getattr(exc, "headers", {}) or {})
+    if exc.status == 401:
+        headers.setdefault("WWW-Authenticate", "Bearer")
+    return JSONResponse(jsonable_encoder(exc.to_dict()), exc.status, headers=headers or None)
+
+
+async def _service_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
+    return error_response(exc)
+
+
+async def _compile_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CompileError)
+    return error_response(from_compile_error(exc))
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in exc.errors()
+    ]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(p) for p in first["loc"] if p != "body")
+    message = f"{where}: {first['msg']}" if where else str(first["msg"])
+    return error_response(invalid_request(message, errors=errors))
+
+
+async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(ApiError(code, message, exc.status_code, headers=headers))
+
+
+async def _blob_missing(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("blob missing from the store: %s", exc)
+    return error_response(
+        ServiceError("blob_missing", "stored content is missing from the blob store", 500)
+    )
+
+
+async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(ServiceError("internal_error", "internal server error", 500))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(CompileError, _compile_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(BlobNotFound, _blob_missing)
+    app.add_exception_handler(Exception, _internal_error)

@@ -1,0 +1,82 @@
+"""`/v1/models`: upload (streamed into the blob store while hashing) and read models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep, TeamModel
+from app.api.schemas import ModelList, ModelOut
+from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
+from app.db.models import Model
+from app.services import models
+from app.services.pages import MAX_LIMIT
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+Offset = Annotated[int, Query(ge=0)]
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=ModelOut,
+    openapi_extra={"requestBody": UPLOAD_BODY_DOC},
+    responses={
+        413: {"description": "`upload_too_large`: over `QPCFARM_MAX_UPLOAD_BYTES`"},
+        422: {"description": "`invalid_model`, `unsupported_operator`, `bad_archive`, ..."},
+    },
+)
+async def upload_model(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    team: CurrentTeam,
+    store: StoreDep,
+    settings: SettingsDep,
+    filename: Annotated[
+        str | None, Query(description="The model's file name, for a raw (octet-stream) body")
+    ] = None,
+) -> ModelOut:
+    """Upload an `.onnx` file, or a `.zip`/`.tar`/`.tar.gz` holding one `.onnx` with its
+    external data, as the multipart field `file` or as the raw body. It is checked with the
+    compiler's importer; the answer's `id` is what compile jobs name."""
+
+    def consume(upload: Upload, chunks: Iterator[bytes]) -> Model:
+        return models.store_model(
+            session,
+            store,
+            team,
+            chunks,
+            upload.filename or filename,
+            max_bytes=settings.max_upload_bytes,
+        )
+
+    model = await receive_upload(
+        request, consume, max_bytes=settings.max_upload_bytes, filename=filename
+    )
+    await run_in_threadpool(session.commit)
+    response.headers["Location"] = f"/v1/models/{model.id}"
+    return ModelOut.model_validate(model)
+
+
+@router.get("", response_model=ModelList)
+def list_models(
+    session: SessionDep, team: CurrentTeam, limit: Limit = 50, offset: Offset = 0
+) -> ModelList:
+    page = models.list_models(session, team, limit=limit, offset=offset)
+    return ModelList(
+        items=[ModelOut.model_validate(m) for m in page.items],
+        count=page.total,
+        limit=page.limit,
+        offset=page.offset,
+    )
+
+
+@router.get("/{model_id}", response_model=ModelOut)
+def read_model(model: TeamModel) -> ModelOut:
+    return ModelOut.model_validate(model)

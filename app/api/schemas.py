@@ -1,0 +1,254 @@
+"""The API's JSON shapes (pydantic), separate from the ORM rows they are built from.
+
+Families: `XCreate` (request), `XOut` (one resource), `XList{items, count}` (a page; `count`
+is the total number of matching rows, not the page length).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+
+from app.db.models import CompileJob, CompileReport, JobStatus, Qpc, Validation
+
+OPTIONS_SCHEMA_NAME = "CompileOptions"
+"""Component name of `compiler_core.options.options_json_schema()` in the OpenAPI document."""
+
+OptionsJSON = Annotated[
+    dict[str, Any], WithJsonSchema({"$ref": f"#/components/schemas/{OPTIONS_SCHEMA_NAME}"})
+]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class TensorOut(BaseModel):
+    name: str
+    dtype: str | None
+    shape: list[int | str | None] | None = Field(
+        description="Dims; a symbolic dim is its name (bind it with -onnx-define-symbol)."
+    )
+
+
+class ModelOut(_Out):
+    id: uuid.UUID
+    sha256: str
+    size: int
+    name: str
+    kind: str = Field(description='"onnx" or "archive" (a model with its external data)')
+    opset: int
+    inputs: list[TensorOut]
+    outputs: list[TensorOut]
+    created_at: dt.datetime
+
+
+class ModelList(BaseModel):
+    items: list[ModelOut]
+    count: int
+    limit: int
+    offset: int
+
+
+class JobCreate(BaseModel):
+    """Options as a JSON object (keys are flag names) or as `qaic-compile` flag strings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: uuid.UUID
+    options: OptionsJSON | None = Field(
+        default=None, examples=[{"aic-num-cores": 4, "convert-to-fp16": True}]
+    )
+    flags: list[str] | None = Field(
+        default=None, examples=[["-aic-num-cores=4", "-convert-to-fp16"]]
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> JobCreate:
+        if self.options is not None and self.flags is not None:
+            raise ValueError("give either `options` or `flags`, not both")
+        return self
+
+
+class JobError(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    code: str
+    message: str
+
+
+class JobOut(BaseModel):
+    id: uuid.UUID
+    model_id: uuid.UUID
+    status: JobStatus
+    stage: str | None
+    progress: float
+    error: JobError | None
+    options: dict[str, Any] = Field(description="The canonical options the compile runs with.")
+    device: str
+    qpc_id: uuid.UUID | None
+    cache_hit: bool = Field(description="The QPC was reused from an identical earlier compile.")
+    attached: bool = Field(
+        default=False,
+        description="This answer is an identical job that was already queued or running.",
+    )
+    cancel_requested: bool
+    attempts: int
+    metrics: dict[str, Any] | None = None
+    warnings: list[dict[str, Any]] = Field(default_factory=list)
+    pass_times: dict[str, float] = Field(default_factory=dict)
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, job: CompileJob, report: CompileReport | None, *, attached: bool = False) -> JobOut:
+        error = None
+        if job.error_code is not None:
+            error = JobError(
+                **{
+                    **(job.error_detail or {}),
+                    "code": job.error_code,
+                    "message": job.error_message or "",
+                }
+            )
+        return cls(
+            id=job.id,
+            model_id=job.model_id,
+            status=job.status,
+            stage=job.stage,
+            progress=job.progress,
+            error=error,
+            options=job.options,
+            device=job.device,
+            qpc_id=job.qpc_id,
+            cache_hit=job.cache_hit,
+            attached=attached,
+            cancel_requested=job.cancel_requested,
+            attempts=job.attempts,
+            metrics=report.metrics if report else None,
+            warnings=report.warnings if report else [],
+            pass_times=report.pass_times if report else {},
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+        )
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    count: int
+    limit: int
+    offset: int
+
+
+class ReportOut(_Out):
+    metrics: dict[str, Any]
+    warnings: list[dict[str, Any]]
+    pass_times: dict[str, float]
+    log: str
+
+
+class QpcOut(BaseModel):
+    id: uuid.UUID
+    sha256: str
+    size: int
+    compiler_version: str
+    device: str
+    requirements: dict[str, Any]
+    created_at: dt.datetime
+    report: ReportOut | None
+    download_url: str
+
+    @classmethod
+    def of(cls, qpc: Qpc, report: CompileReport | None) -> QpcOut:
+        return cls(
+            id=qpc.id,
+            sha256=qpc.sha256,
+            size=qpc.size,
+            compiler_version=qpc.compiler_version,
+            device=qpc.device,
+            requirements=qpc.requirements,
+            created_at=qpc.created_at,
+            report=ReportOut.model_validate(report) if report else None,
+            download_url=f"/v1/qpcs/{qpc.id}/download",
+        )
+
+
+class ValidateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str | None = Field(
+        default=None,
+        description="A device profile name (GET /v1/devices); null checks the container only.",
+        examples=["aic100-standard"],
+    )
+
+
+class CheckOut(BaseModel):
+    name: str
+    ok: bool
+    message: str
+
+
+class ValidationOut(BaseModel):
+    id: uuid.UUID
+    ok: bool
+    device: str | None
+    checks: list[CheckOut]
+    qpc_id: uuid.UUID | None
+    qpc_sha256: str
+    created_at: dt.datetime
+
+    @classmethod
+    def of(cls, row: Validation) -> ValidationOut:
+        return cls(
+            id=row.id,
+            ok=row.ok,
+            device=row.device,
+            checks=[CheckOut(**c) for c in row.checks],
+            qpc_id=row.qpc_id,
+            qpc_sha256=row.qpc_sha256,
+            created_at=row.created_at,
+        )
+
+
+class ValidationList(BaseModel):
+    items: list[ValidationOut]
+    count: int
+    limit: int
+    offset: int
+
+
+class DeviceOut(BaseModel):
+    name: str
+    display_name: str
+    hw_version: str
+    num_cores: int
+    socs: int
+    cores_per_soc: int
+    vtcm_bytes: int = Field(description="Usable VTCM per NSP core.")
+    l2_bytes: int
+    ddr_bytes: int
+    ddr_bandwidth_bytes_per_s: float = Field(description="Per SoC.")
+    clock_hz: int
+    fp16_tflops: float
+    dtypes: list[str]
+    pci_device_id: int | None
+    modelled: bool = Field(description="True when even the headline figures are modelled.")
+
+
+class OperatorOut(BaseModel):
+    op: str
+    domain: str
+    since: int
+    until: int | None
+    dtypes: list[str]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, str] = Field(default_factory=dict)

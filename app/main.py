@@ -1,0 +1,122 @@
+"""The FastAPI application: `create_app()` wires settings, database, blob store and job queue.
+
+Nothing is built at import. The lifespan waits for the database, upgrades it with Alembic,
+builds the blob store and the job queue (`app.queue.queue_from_settings`: an in-process worker
+in the embedded mode, Celery when a broker is configured) and keeps them on `app.state`
+(`settings`, `engine`, `session_factory`, `store`, `queue`); on shutdown it closes the queue
+it built and disposes of the engine. A queue passed in is the caller's to close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from app.api import compile_jobs, meta, models, qpcs, validations
+from app.api.errors import install_error_handlers
+from app.api.schemas import OPTIONS_SCHEMA_NAME
+from app.settings import Settings, get_settings
+from app.web import router as web_router
+from compiler_core.version import COMPILER_VERSION
+
+if TYPE_CHECKING:
+    from app.queue import JobQueue
+
+DESCRIPTION = """\
+An ONNX -> QPC compile farm. Upload a model, submit a compile job with `qaic-compile` options
+(as JSON or as flags), poll it, download the QPC and validate it against a device profile.
+
+Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
+`{"code", "message", ...}` with a stable `code`.
+"""
+
+
+def create_app(settings: Settings | None = None, *, queue: JobQueue | None = None) -> FastAPI:
+    """The API app. `settings` default to the environment's (`get_settings()`, read at
+    start-up); `queue` replaces the one built from settings (tests, embedding)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        resolved = settings or get_settings()
+        await anyio.to_thread.run_sync(_start, app, resolved, queue)
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(_stop, app, queue is None)
+
+    app = FastAPI(
+        title="qpcfarm",
+        version=COMPILER_VERSION,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for router in (
+        models.router,
+        compile_jobs.router,
+        qpcs.router,
+        validations.router,
+        meta.router,
+        meta.health_router,
+        web_router,
+    ):
+        app.include_router(router)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
+    from app.blobs import blob_store_from_settings
+    from app.db.session import (
+        make_engine,
+        make_session_factory,
+        upgrade_database,
+        wait_for_database,
+    )
+
+    wait_for_database(settings.database_url)
+    engine = make_engine(settings.database_url)
+    upgrade_database(engine)
+    session_factory = make_session_factory(engine)
+    store = blob_store_from_settings(settings, session_factory)
+    if queue is None:
+        from app.queue import queue_from_settings
+
+        queue = queue_from_settings(settings, session_factory, store)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory
+    app.state.store = store
+    app.state.queue = queue
+
+
+def _stop(app: FastAPI, owns_queue: bool) -> None:
+    try:
+        if owns_queue:
+            app.state.queue.close()
+    finally:
+        app.state.engine.dispose()
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The generated schema plus the compiler's options schema, which `JobCreate.options`
+    references as `#/components/schemas/CompileOptions`."""
+    if app.openapi_schema is None:
+        from compiler_core.options import options_json_schema
+
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {})[OPTIONS_SCHEMA_NAME] = (
+            options_json_schema()
+        )
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,347 @@
+"""The server-rendered pages at `/`: sign in, upload and compile, watch jobs, read a job's
+report, download its QPC and validate it against a device.
+
+Routes stay thin: the work is done by the same service functions the JSON API calls, and a
+refusal is shown on the page as its stable code and message.
+"""
+
+from __future__ import annotations
+
+import shlex
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from sqlalchemy.orm import Session
+
+from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
+from app.db.models import CompileJob, JobStatus, Team
+from app.services import jobs, models, qpcs, teams, validations
+from app.services.errors import ServiceError
+from app.web import auth, views
+from compiler_core import CompileError, CompileOptions
+from compiler_core.devices import list_devices
+
+HERE = Path(__file__).resolve().parent
+STATIC_DIR = HERE / "static"
+JOB_LIST_LIMIT = 50
+POLL_DONE_HEADER = "X-Poll-Done"
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+templates.env.filters.update(views.FILTERS)
+
+router = APIRouter(include_in_schema=False)
+
+FormStr = Annotated[str, Form()]
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def render(
+    request: Request, name: str, context: dict[str, Any], status_code: int = 200
+) -> HTMLResponse:
+    full = {"csrf": auth.csrf_token(request), "team": None, **context}
+    response = templates.TemplateResponse(request, name, full, status_code=status_code)
+    auth.remember_csrf(request, response)
+    return response
+
+
+def problem(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"code": code, "message": message, **extra}
+
+
+def csrf_refused() -> dict[str, Any]:
+    return problem(
+        "csrf_failed", "the form's security token did not match; reload the page and try again"
+    )
+
+
+def parse_uuid(text: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        return None
+
+
+def find_job(session: Session, team: Team, job_id: str) -> CompileJob | None:
+    """The team's job of that id; None for a malformed id, a missing or another team's job."""
+    ident = parse_uuid(job_id)
+    if ident is None:
+        return None
+    try:
+        return jobs.get_job(session, team, ident)
+    except ServiceError:
+        return None
+
+
+def not_found_page(request: Request, team: Team, what: str, ident: str) -> HTMLResponse:
+    error = problem("not_found", f"{what} {ident} not found")
+    return render(request, "error.html", {"team": team, "error": error}, 404)
+
+
+def team_jobs(session: Session, team: Team) -> list[CompileJob]:
+    return jobs.list_jobs(session, team, limit=JOB_LIST_LIMIT).items
+
+
+def compile_flags(flags: str, cores: str, fp16: bool, device: str) -> list[str]:
+    """The form as qaic-compile flags: the free text first, then the common fields."""
+    try:
+        argv = shlex.split(flags)
+    except ValueError as exc:
+        raise CompileError("invalid_option", f"cannot split the flags: {exc}") from None
+    if cores.strip():
+        argv.append(f"-aic-num-cores={cores.strip()}")
+    if fp16:
+        argv.append("-convert-to-fp16")
+    if device.strip():
+        argv.append(f"-aic-device={device.strip()}")
+    return argv
+
+
+def dashboard_context(session: Session, team: Team, **extra: Any) -> dict[str, Any]:
+    return {
+        "team": team,
+        "jobs": team_jobs(session, team),
+        "devices": list_devices(),
+        "form": {"flags": "", "cores": "", "fp16": False, "device": ""},
+        **extra,
+    }
+
+
+# -------------------------------------------------------------------------- sign in/out
+
+
+@router.get("/sign-in", response_class=HTMLResponse)
+def sign_in_page(request: Request, next: str = "/") -> HTMLResponse:
+    return render(request, "sign_in.html", {"next": auth.safe_next(next)})
+
+
+@router.post("/sign-in", response_model=None)
+def sign_in(
+    request: Request,
+    session: SessionDep,
+    api_key: FormStr = "",
+    csrf: FormStr = "",
+    next: FormStr = "/",
+) -> Response:
+    target = auth.safe_next(next)
+    if not auth.csrf_ok(request, csrf):
+        context = {"next": target, "error": csrf_refused()}
+        return render(request, "sign_in.html", context, 403)
+    team = teams.team_for_key(session, api_key.strip())
+    session.commit()
+    if team is None:
+        error = problem("unauthorized", "the API key is unknown or revoked")
+        return render(request, "sign_in.html", {"next": target, "error": error}, 401)
+    response = RedirectResponse(target, status_code=303)
+    auth.set_key_cookie(response, api_key.strip())
+    return response
+
+
+@router.post("/sign-out", response_model=None)
+def sign_out(request: Request, csrf: FormStr = "") -> Response:
+    if not auth.csrf_ok(request, csrf):
+        return render(request, "error.html", {"error": csrf_refused()}, 403)
+    response = RedirectResponse("/sign-in", status_code=303)
+    response.delete_cookie(auth.KEY_COOKIE, path="/")
+    return response
+
+
+# ---------------------------------------------------------------------------- dashboard
+
+
+@router.get("/", response_model=None)
+def dashboard(
+    request: Request, session: SessionDep, settings: SettingsDep, submitted: str | None = None
+) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    context = dashboard_context(session, team, submitted=submitted)
+    return render(request, "dashboard.html", context)
+
+
+@router.get("/jobs/rows", response_model=None)
+def job_rows(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    """The job list's rows alone, polled by the dashboard for live status."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return Response(status_code=401)
+    context = {"team": team, "jobs": team_jobs(session, team)}
+    return render(request, "_job_rows.html", context)
+
+
+@router.post("/", response_model=None)
+def submit(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    queue: QueueDep,
+    model: Annotated[UploadFile | None, File()] = None,
+    flags: FormStr = "",
+    cores: FormStr = "",
+    fp16: FormStr = "",
+    device: FormStr = "",
+    csrf: FormStr = "",
+) -> Response:
+    """Upload a model and submit its compile, as `POST /v1/models` + `/v1/compile-jobs`."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    form = {
+        "flags": flags,
+        "cores": cores,
+        "fp16": bool(fp16),
+        "device": device,
+    }
+    if not auth.csrf_ok(request, csrf):
+        context = dashboard_context(session, team, form=form, error=csrf_refused())
+        return render(request, "dashboard.html", context, 403)
+    try:
+        options = CompileOptions.from_flags(compile_flags(flags, cores, bool(fp16), device))
+        if model is None or not model.filename:
+            raise ServiceError("no_file", "choose an .onnx model (or a .zip/.tar of one)", 422)
+        row = models.store_model(
+            session, store, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
+        )
+        job, created = jobs.submit_job(session, team, row, options)
+        session.commit()
+    except (CompileError, ServiceError) as exc:
+        session.rollback()
+        status = exc.status if isinstance(exc, ServiceError) else 422
+        context = dashboard_context(session, team, form=form, error=exc.to_dict())
+        return render(request, "dashboard.html", context, status)
+    if created and job.status == JobStatus.queued:
+        queue.enqueue(job.id)
+    return RedirectResponse(f"/?submitted={job.id}", status_code=303)
+
+
+# ------------------------------------------------------------------------------ a job
+
+
+def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]:
+    qpc = report = None
+    if job.qpc_id is not None:
+        qpc = qpcs.get_qpc(session, team, job.qpc_id)
+        report = qpcs.get_report(session, qpc)
+    return {
+        "team": team,
+        "job": job,
+        "qpc": qpc,
+        "report": report,
+        "metrics": views.split_metrics(report.metrics) if report else views.Metrics(),
+        "flags": CompileOptions.from_json(job.options).to_flags(),
+        "devices": list_devices(),
+    }
+
+
+@router.get("/jobs/{job_id}", response_model=None)
+def job_page(
+    request: Request,
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    validation: str | None = None,
+) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return not_found_page(request, team, "job", job_id)
+    context = job_context(session, team, job)
+    shown = parse_uuid(validation or "")
+    if shown is not None:
+        try:
+            context["validation"] = validations.get_validation(session, team, shown)
+        except ServiceError:
+            pass
+    return render(request, "job.html", context)
+
+
+@router.get("/jobs/{job_id}/live", response_model=None)
+def job_live(request: Request, job_id: str, session: SessionDep, settings: SettingsDep) -> Response:
+    """The job page's changing part, polled while the job is queued or running."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return Response(status_code=401)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return Response(status_code=404)
+    response = render(request, "_job_body.html", job_context(session, team, job))
+    if not job.status.is_active:
+        response.headers[POLL_DONE_HEADER] = "1"
+    return response
+
+
+@router.post("/jobs/{job_id}/validate", response_model=None)
+def validate(
+    request: Request,
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    device: FormStr = "",
+    csrf: FormStr = "",
+) -> Response:
+    """Validate the job's QPC against a device; the result is shown on the job page."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return not_found_page(request, team, "job", job_id)
+    if not auth.csrf_ok(request, csrf):
+        context = {**job_context(session, team, job), "error": csrf_refused()}
+        return render(request, "job.html", context, 403)
+    try:
+        if job.qpc_id is None:
+            raise ServiceError("no_qpc", f"job {job.id} has no QPC to validate yet", 409)
+        qpc = qpcs.get_qpc(session, team, job.qpc_id)
+        row = validations.validate_stored_qpc(session, store, team, qpc, device.strip() or None)
+        session.commit()
+    except ServiceError as exc:
+        session.rollback()
+        context = {**job_context(session, team, job), "error": exc.to_dict()}
+        return render(request, "job.html", context, exc.status)
+    return RedirectResponse(f"/jobs/{job.id}?validation={row.id}#validation", status_code=303)
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=None)
+def cancel(
+    request: Request, job_id: str, session: SessionDep, settings: SettingsDep, csrf: FormStr = ""
+) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return not_found_page(request, team, "job", job_id)
+    if not auth.csrf_ok(request, csrf):
+        context = {**job_context(session, team, job), "error": csrf_refused()}
+        return render(request, "job.html", context, 403)
+    try:
+        jobs.cancel(session, team, job)
+        session.commit()
+    except ServiceError as exc:
+        session.rollback()
+        context = {**job_context(session, team, job), "error": exc.to_dict()}
+        return render(request, "job.html", context, exc.status)
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+# ------------------------------------------------------------------------------ static
+
+
+@router.get("/web/static/{name}", response_model=None)
+def static(name: str) -> Response:
+    """The pages' stylesheet (served by a route, so including the router is all it takes)."""
+    files = {p.name: p for p in STATIC_DIR.iterdir() if p.is_file()}
+    if name not in files:
+        return Response(status_code=404)
+    return FileResponse(files[name], headers={"Cache-Control": "public, max-age=300"})

@@ -1,0 +1,325 @@
+"""The web pages, driven in headless Chromium: what a person does by hand works in a browser.
+
+The real app runs under uvicorn on a free port (embedded mode: SQLite and the filesystem store
+in tmp_path); jobs are run by the in-process worker of `app.queue.queue_from_settings`, behind
+a gate the test opens, so the page is seen showing a job queued and then, without a reload,
+succeeded. Needs Debian's chromium and chromium-driver (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import tiny_model
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+QPC_MAGIC = 0x00A1CD7C
+WAIT_S = 60.0
+"""How long a wait for the page may take before the test fails rather than hangs."""
+
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+    reason="headless browser tests need /usr/bin/chromium and /usr/bin/chromedriver "
+    "(apt-get install chromium chromium-driver)",
+)
+
+
+class GatedQueue:
+    """A JobQueue that holds job ids until `open()`, then hands them to the real queue."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+        self._held: list[uuid.UUID] = []
+        self._open = False
+        self._lock = threading.Lock()
+
+    def enqueue(self, job_id: uuid.UUID) -> None:
+        with self._lock:
+            if not self._open:
+                self._held.append(job_id)
+                return
+        self.inner.enqueue(job_id)
+
+    def open(self) -> None:
+        with self._lock:
+            self._open, held, self._held = True, self._held, []
+        for job_id in held:
+            self.inner.enqueue(job_id)
+
+    def ping(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+@dataclass
+class Server:
+    url: str
+    key: str
+    gate: GatedQueue
+    app: Any
+    workdir: Path
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    import uvicorn
+
+    from app.main import create_app
+    from app.queue import queue_from_settings
+    from app.services import teams
+    from app.settings import Settings
+
+    data = tmp_path_factory.mktemp("web-data")
+    settings = Settings(
+        data_dir=data,
+        database_url=f"sqlite:///{data / 'qpcfarm.db'}",
+        broker_url=None,
+        blob_store="filesystem",
+        require_auth=True,
+    )
+    gate = GatedQueue()
+    app = create_app(settings, queue=gate)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    # The real in-process worker, on the app's own database and store (ready once started).
+    gate.inner = queue_from_settings(settings, app.state.session_factory, app.state.store)
+    with app.state.session_factory() as session:
+        team = teams.create_team(session, "web-team")
+        key, _ = teams.create_api_key(session, team)
+        session.commit()
+    try:
+        yield Server(f"http://127.0.0.1:{port}", key, gate, app, data)
+    finally:
+        uv.should_exit = True
+        thread.join(WAIT_S)
+        gate.close()
+        sock.close()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--window-size=1280,1500",
+    ):
+        options.add_argument(arg)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    options.add_experimental_option(
+        "prefs",
+        {"download.default_directory": str(downloads), "download.prompt_for_download": False},
+    )
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.downloads = downloads  # type: ignore[attr-defined]
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def wait_for(driver: Any, condition: Any, message: str) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message)
+
+
+def css(driver: Any, selector: str) -> Any:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, selector)
+
+
+def css_all(driver: Any, selector: str) -> list[Any]:
+    from selenium.webdriver.common.by import By
+
+    return list(driver.find_elements(By.CSS_SELECTOR, selector))
+
+
+def sign_in(driver: Any, server: Server, path: str = "/") -> None:
+    driver.get(server.url + path)
+    assert "/sign-in" in driver.current_url
+    css(driver, "#api_key").send_keys(server.key)
+    css(driver, "#sign-in").click()
+    wait_for(driver, lambda d: "/sign-in" not in d.current_url, "sign-in did not leave the form")
+
+
+def upload(driver: Any, model_path: Path, flags: str = "") -> None:
+    css(driver, "#model").send_keys(str(model_path))
+    if flags:
+        css(driver, "#flags").send_keys(flags)
+    css(driver, "#submit").click()
+
+
+def job_id_from_url(url: str) -> str:
+    return url.split("submitted=")[1].split("&")[0]
+
+
+# -------------------------------------------------------------------------------- tests
+
+
+def test_a_page_without_the_cookie_redirects_to_sign_in_and_back(
+    server: Server, browser: Any
+) -> None:
+    browser.get(server.url + "/")
+    assert browser.current_url.startswith(server.url + "/sign-in")
+    css(browser, "#api_key").send_keys("qpf_not-a-key")
+    css(browser, "#sign-in").click()
+    assert "unauthorized" in css(browser, "#error").text
+    assert browser.get_cookie("qpcfarm_key") is None
+
+    sign_in(browser, server, "/")
+    assert browser.current_url == server.url + "/"
+    cookie = browser.get_cookie("qpcfarm_key")
+    assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert "web-team" in css(browser, "header").text
+
+    css(browser, "#sign-out").click()
+    wait_for(browser, lambda d: "/sign-in" in d.current_url, "sign-out did not go to sign-in")
+    browser.get(server.url + "/")
+    assert "/sign-in" in browser.current_url
+
+
+def test_upload_compile_watch_live_open_report_download_and_validate(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    import onnx
+
+    model_path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_model(scale=0.37), str(model_path))
+    sign_in(browser, server)
+    upload(browser, model_path, "-aic-num-cores=2")
+
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    job_id = job_id_from_url(browser.current_url)
+    row = f"#job-{job_id}"
+    assert css(browser, row).get_attribute("data-status") == "queued"
+    assert "tiny.onnx" in css(browser, row).text
+    # A marker that a reload would wipe: the status must change under it.
+    browser.execute_script("window.__sameDocument = true;")
+    server.gate.open()
+    wait_for(
+        browser,
+        lambda d: css(d, row).get_attribute("data-status") in ("succeeded", "failed"),
+        "the job list never showed the job finished",
+    )
+    assert css(browser, f"{row} .badge").text == "succeeded"
+    assert browser.execute_script("return window.__sameDocument === true;")
+
+    css(browser, f"{row} a.job-link").click()
+    wait_for(browser, lambda d: f"/jobs/{job_id}" in d.current_url, "job page did not open")
+    assert css(browser, "#job-status").text == "succeeded"
+    assert "-aic-num-cores=2" in css(browser, "dl.facts").text
+    metrics = {
+        r.get_attribute("data-metric"): r.find_element("css selector", "td").text
+        for r in css_all(browser, "#metrics tr.metric")
+    }
+    assert metrics["num_cores"] == "2"
+    assert int(metrics["estimated_cycles"].replace(",", "")) > 0
+    assert "import" in css(browser, "#pass-times").text
+    assert "c01" in css(browser, "#metric-tables").text  # per-core figures of both cores
+
+    # The link downloads the QPC with the browser's own (HttpOnly) cookie.
+    href = css(browser, "#download").get_attribute("href")
+    fetched = browser.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        fetch(arguments[0]).then(async r => {
+            const bytes = new Uint8Array(await r.arrayBuffer());
+            done({status: r.status, size: bytes.length, head: Array.from(bytes.slice(0, 4))});
+        }).catch(e => done({status: -1, error: String(e)}));
+        """,
+        href,
+    )
+    assert fetched["status"] == 200
+    assert int.from_bytes(bytes(fetched["head"]), "little") == QPC_MAGIC
+    css(browser, "#download").click()
+    saved = browser.downloads / "programqpc.bin"
+    wait_for(browser, lambda d: saved.exists() and saved.stat().st_size > 0, "no download")
+    wait_for(
+        browser,
+        lambda d: saved.stat().st_size == fetched["size"],
+        "the download did not complete",
+    )
+    assert int.from_bytes(saved.read_bytes()[:4], "little") == QPC_MAGIC
+
+    from selenium.webdriver.support.ui import Select
+
+    Select(css(browser, "#validate-device")).select_by_value("aic100-standard")
+    css(browser, "#validate").click()
+    wait_for(browser, lambda d: "validation=" in d.current_url, "validation did not run")
+    assert "aic100-standard" in css(browser, "#validation h2").text
+    checks = css_all(browser, "#validation li.check")
+    assert checks, "no check lines shown"
+    names = {c.get_attribute("data-check") for c in checks}
+    assert {"container", "checksums"} <= names
+    assert all("PASS" in c.text for c in checks)
+
+    browser.set_window_size(1280, 3200)  # the whole page in one picture, to look at
+    browser.execute_script("window.scrollTo(0, 0);")
+    shot = tmp_path / "job-page.png"
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+
+
+def test_a_bad_upload_shows_its_error_on_the_page(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("these are not the weights you are looking for\n")
+    sign_in(browser, server)
+    upload(browser, text_file, "-aic-num-cores=2")
+    error = css(browser, "#error")
+    assert css(browser, "#error .code").text == "invalid_model"
+    assert "not an ONNX model" in error.text
+    # The form keeps what was typed, so the user only fixes the file.
+    assert css(browser, "#flags").get_attribute("value") == "-aic-num-cores=2"
+
+
+def test_a_bad_flag_is_named_on_the_page(server: Server, browser: Any, tmp_path: Path) -> None:
+    import onnx
+
+    model_path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_model(scale=0.5), str(model_path))
+    sign_in(browser, server)
+    upload(browser, model_path, "-aic-num-corez=2")
+    assert css(browser, "#error .code").text == "unknown_option"
+    assert "-aic-num-corez" in css(browser, "#error").text
