@@ -163,6 +163,14 @@ def _configure_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("qpc", metavar="QPC", help="programqpc.bin, or the directory holding it")
     parser.add_argument("--inputs", metavar="IN.npz", help="inputs by name (numpy .npz)")
     parser.add_argument("--outputs", metavar="OUT.npz", help="write the outputs here (.npz)")
+    parser.add_argument(
+        "--profiling-out-dir",
+        metavar="DIR",
+        help="write each inference's raw stats buffer here (stats-inf-<n>.bin, for opstats)",
+    )
+    parser.add_argument(
+        "-n", "--iterations", type=int, default=1, metavar="N", help="inferences to run"
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -177,7 +185,9 @@ def run_command(args: argparse.Namespace) -> int:
             raise CompileError("file_not_found", f"inputs file not found: {args.inputs}")
         with np.load(args.inputs, allow_pickle=False) as archive:
             inputs = {name: archive[name] for name in archive.files}
-    outputs = run_qpc(str(path), inputs)
+    outputs = run_qpc(
+        str(path), inputs, profiling_out_dir=args.profiling_out_dir, iterations=args.iterations
+    )
     if args.outputs is not None:
         arrays: dict[str, Any] = {name: np.asarray(v) for name, v in outputs.items()}
         np.savez(args.outputs, **arrays)
@@ -223,6 +233,39 @@ def inspect_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_opstats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--qpc",
+        required=True,
+        metavar="QPC",
+        help="programqpc.bin (compiled with -stats-level=70 or more)",
+    )
+    parser.add_argument(
+        "--input-dir",
+        required=True,
+        metavar="DIR",
+        help="raw stats written by `qpcfarm run --profiling-out-dir`",
+    )
+    parser.add_argument("--output-dir", required=True, metavar="DIR", help="where to write")
+    parser.add_argument(
+        "--summary", action="store_true", help="per-operator summary: opstats-summary.txt and .csv"
+    )
+    parser.add_argument("--trace", action="store_true", help="Chrome/Perfetto timeline: trace.json")
+
+
+def opstats_command(args: argparse.Namespace) -> int:
+    from compiler_core.profiling.opstats import write_opstats
+
+    summary, trace = args.summary, args.trace
+    if not summary and not trace:
+        summary = trace = True
+    for path in write_opstats(
+        qpc_path(args.qpc), args.input_dir, args.output_dir, summary=summary, trace=trace
+    ):
+        print(path)
+    return 0
+
+
 def _qpc_dispatch(args: argparse.Namespace) -> int:
     handler: Callable[[argparse.Namespace], int] = args.run
     return handler(args)
@@ -231,6 +274,12 @@ def _qpc_dispatch(args: argparse.Namespace) -> int:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("run", "run a QPC on the functional runtime", _configure_run, run_command),
     Subcommand("qpc", "validate or inspect a QPC", _configure_qpc, _qpc_dispatch),
+    Subcommand(
+        "opstats",
+        "per-operator summary and trace from a QPC's raw stats",
+        _configure_opstats,
+        opstats_command,
+    ),
 )
 """argparse subcommands, in `-h` order. Service commands add entries here whose `run`
 imports `app`/`worker` inside the handler."""

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from compiler_core.costmodel import build_timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource, import_model, require_static_shapes
 from compiler_core.lowering.emit import emit_program
@@ -27,6 +28,7 @@ from compiler_core.metrics import perf_metrics, perf_warnings
 from compiler_core.options import CompileOptions
 from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
 from compiler_core.passes.pipeline import graph_pipeline
+from compiler_core.profiling.stats_layout import build_layout
 from compiler_core.qpc.container import ConstantEntry, Segment, encode_constantsdesc, write_qpc
 from compiler_core.qpc.networkdesc import IODesc, NetworkDesc, Requirements
 from compiler_core.tensors import release_mapping
@@ -135,12 +137,15 @@ def compile_model(
 
     with stages.stage("lower"):
         lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, device))
+    stats_layout = build_layout(opts, lowered)
     with stages.stage("plan-memory"):
         plan = plan_memory(
             lowered,
             dealloc_delay=opts.allocator_dealloc_delay,
             ddr_capacity=device.ddr_bytes_per_soc,
+            extra_bytes=stats_layout.size,
         )
+    stats_layout = stats_layout.at(plan.ddr_size - stats_layout.size)
     with stages.stage("emit-program"):
         program = emit_program(lowered, plan)
         program_bytes = encode_program(program)
@@ -156,6 +161,7 @@ def compile_model(
                 Segment("program.bin", program_bytes),
                 Segment("constants.bin", constants, offset_field=None),
                 Segment("constantsdesc.bin", encode_constantsdesc(entries)),
+                Segment("statsdesc.bin", stats_layout.to_bytes()),
             ],
         )
 
@@ -163,8 +169,9 @@ def compile_model(
     warnings += _option_notes(opts)
     warnings += [_warning("import", w) for w in imported.warnings]
     warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
-    warnings += perf_warnings(program, lowered, opts, device)
-    metrics = perf_metrics(program, lowered, plan, opts, device)
+    timeline = build_timeline(program, device)
+    warnings += perf_warnings(program, lowered, opts, device, timeline)
+    metrics = perf_metrics(program, lowered, plan, opts, device, timeline)
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",
         metrics=metrics,

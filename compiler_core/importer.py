@@ -81,6 +81,7 @@ def import_model(
     batchsize: int | None = None,
     base_dir: str | os.PathLike[str] | None = None,
     registry: OpRegistry | None = None,
+    allow_external_data: bool = True,
 ) -> ImportedModel:
     """Load, check and statically shape an ONNX model.
 
@@ -88,7 +89,13 @@ def import_model(
     against the model file's folder, or `base_dir` for bytes and protos. `registry` defaults
     to the compiler's op registry (`compiler_core.ops.REGISTRY`).
     """
-    proto, source_path = _read_model(source)
+    proto, source_path, has_external = _read_model(source)
+    if has_external and not allow_external_data:
+        raise CompileError(
+            "external_data_not_allowed",
+            "the model references external data files; send the model and its data files "
+            "together in a .zip or .tar archive",
+        )
     if base_dir is None and source_path is not None:
         base_dir = source_path.parent
     _check_structure(proto)
@@ -216,13 +223,15 @@ def require_static_shapes(model: ir.Model) -> None:
 # --- reading ------------------------------------------------------------------------------
 
 
-def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
+def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, bool]:
+    """The parsed model, its path, and whether it references external data files."""
     if isinstance(source, onnx.ModelProto):
-        return source, None
+        return source, None, any(True for _ in _external_tensor_protos(source))
     if isinstance(source, bytes | bytearray | memoryview):
         if len(source) == 0:
             raise CompileError("invalid_model", "the model is empty (0 bytes)")
-        return _parse(source, "the given bytes"), None
+        proto = _parse(source, "the given bytes")
+        return proto, None, any(True for _ in _external_tensor_protos(proto))
     path = Path(source)
     if not path.exists():
         raise CompileError("model_not_found", f"model file '{path}' does not exist")
@@ -237,8 +246,14 @@ def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
                 stripped = strip_inline_weights(view, path.name)
             except WireError:
                 stripped = None
-            proto = _parse(view if stripped is None else stripped, f"'{path}'")
-    return proto, path.resolve()
+            proto = _parse(view if stripped is None else stripped.data, f"'{path}'")
+    if stripped is not None and stripped.had_external:
+        own_external = True
+    elif stripped is None:
+        own_external = any(True for _ in _external_tensor_protos(proto))
+    else:
+        own_external = False
+    return proto, path.resolve(), own_external
 
 
 def _parse(data: bytes | bytearray | memoryview, what: str) -> onnx.ModelProto:

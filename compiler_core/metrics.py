@@ -1,27 +1,33 @@
 """Perf metrics (`-aic-perf-metrics`) and perf warnings (`-aic-perf-warnings`) of a program.
 
 Field names follow what the vendor compiler prints; every figure comes from the program and
-the cost model's timeline, and the whole report is marked estimated.
+the cost model's timeline, and the whole report is marked estimated. Warnings are specific:
+each has a stable code, the ONNX nodes concerned and the flag or change that would help.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from compiler_core.costmodel import Timeline, build_timeline
+from compiler_core.costmodel import THREADS, Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.lower import LoweredGraph
 from compiler_core.lowering.memory import MemoryPlan
-from compiler_core.lowering.program import Program, SemWait
+from compiler_core.lowering.program import KIND_CONSTANT, KernelDesc, Program, SemWait
 from compiler_core.options import CompileOptions
 
 IDLE_SHARE = 0.5
 """A core busy less than this share of the busiest core's time is reported idle."""
 IMBALANCE = 1.5
 """A kernel whose busiest core works this many times the mean is reported unbalanced."""
+HEAVY_SHARE = 0.02
+"""Kernels below this share of the estimated inference time are not worth a warning."""
+MAX_NODES = 8
+"""Nodes named per warning (the heaviest first)."""
 
 
 def _histogram(program: Program) -> list[dict[str, Any]]:
@@ -32,9 +38,8 @@ def _histogram(program: Program) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     bound, done = 1, 0
     while done < len(sizes):
-        count = sum(1 for s in sizes if bound // 4 < s <= bound) if bound > 1 else sum(
-            1 for s in sizes if s <= 1
-        )
+        low = bound // 4 if bound > 1 else -1
+        count = sum(1 for s in sizes if low < s <= bound)
         done += count
         if count:
             rows.append(
@@ -52,6 +57,23 @@ def _core_key(core: int) -> str:
     return f"c{core:02d}"
 
 
+def _base_macs(kernel: KernelDesc) -> int:
+    """MACs of the base op: `macs` also counts one operation per element per epilogue step."""
+    out = int(np.prod(kernel.info.out_shapes[0], dtype=np.int64)) if kernel.info.out_shapes else 0
+    return max(0, kernel.macs - out * len(kernel.epilogue))
+
+
+def _batch(program: Program) -> int:
+    if program.inputs:
+        shape = program.tensors[program.inputs[0]].shape
+        return int(shape[0]) if shape else 1
+    return 1
+
+
+def _percent(part: float, whole: float) -> float:
+    return round(100.0 * part / whole, 1) if whole else 0.0
+
+
 def perf_metrics(
     program: Program,
     lowered: LoweredGraph,
@@ -60,62 +82,166 @@ def perf_metrics(
     device: DeviceProfile,
     timeline: Timeline | None = None,
 ) -> dict[str, Any]:
+    """The vendor's perf-metrics figures plus latency and throughput, all estimated."""
     timeline = timeline or build_timeline(program, device)
-    hmx = sum(k.macs for k in program.kernels if k.unit == "hmx")
-    non_hmx = sum(k.macs for k in program.kernels if k.unit != "hmx")
-    traffic = {
-        _core_key(c): {
-            "ddr_read_bytes": timeline.ddr_read[c],
-            "ddr_read_constant_only_bytes": timeline.ddr_read_constant[c],
-            "ddr_write_bytes": timeline.ddr_write[c],
-        }
-        for c in range(program.num_cores)
-    }
+    hmx = sum(_base_macs(k) for k in program.kernels if k.unit == "hmx")
+    total_macs = sum(k.macs for k in program.kernels)
+    cores = program.num_cores
     barriers = [sum(isinstance(i, SemWait) for i in s) for s in program.streams]
     latency = timeline.latency_seconds
-    batch = 1
-    if program.inputs:
-        shape = program.tensors[program.inputs[0]].shape
-        batch = int(shape[0]) if shape else 1
+    total = max(1, timeline.total_cycles)
+    busy, waited = timeline.core_busy, timeline.core_wait
+    per_core: list[dict[str, Any]] = []
+    unit_busy: dict[str, int] = dict.fromkeys(("hmx", "hvx", "dma"), 0)
+    for c in range(cores):
+        threads = timeline.thread_busy(c)
+        hvx = max(threads[t] for t in THREADS[:4])
+        unit_busy["hmx"] += threads["hmx"]
+        unit_busy["hvx"] += hvx
+        unit_busy["dma"] += threads["dma"]
+        per_core.append(
+            {
+                "core": _core_key(c),
+                "vtcm_bytes": program.vtcm_used[c],
+                "barriers": barriers[c],
+                "instructions": len(program.streams[c]),
+                "busy_cycles": busy[c],
+                "wait_cycles": waited[c],
+                "hmx_busy_%": _percent(threads["hmx"], total),
+                "hvx_busy_%": _percent(hvx, total),
+                "dma_busy_%": _percent(threads["dma"], total),
+            }
+        )
+    traffic_rows = [
+        {
+            "core": _core_key(c),
+            "ddr_read_bytes": timeline.ddr_read[c],
+            "constant_only_bytes": timeline.ddr_read_constant[c],
+            "activation_read_bytes": timeline.ddr_read[c] - timeline.ddr_read_constant[c],
+            "ddr_write_bytes": timeline.ddr_write[c],
+            "multicast_bytes": 0,
+        }
+        for c in range(cores)
+    ]
+    ports = _port_traffic(program)
+    stats_size = plan.ddr_size - plan.constants_size - plan.io_size - plan.activations_size
+    by_unit = Counter(k.unit for k in program.kernels)
     return {
         "estimated": True,
         "device": device.name,
-        "num_cores": program.num_cores,
-        "original_mac_estimate": hmx + non_hmx,
+        "num_cores": cores,
+        "clock_mhz": round(device.clock_hz / 1e6, 1),
+        "original_mac_estimate": total_macs,
         "aic_hmx_mac_estimate": hmx,
-        "aic_non_hmx_mac_estimate": non_hmx,
+        "aic_non_hmx_mac_estimate": total_macs - hmx,
         "operation_size_histogram": _histogram(program),
         "constants_size_before_layout_conversion": plan.constants_size,
         "constants_size_after_layout_conversion": plan.constants_size,
         "final_constants_size": plan.constants_size,
-        "vtcm_size_per_core": {_core_key(c): v for c, v in enumerate(program.vtcm_used)},
         "vtcm_max_size": device.vtcm_bytes_per_core,
+        "vtcm_max_used": max(program.vtcm_used, default=0),
         "static_shared_ddr_size": plan.io_size + plan.activations_size,
         "dynamic_shared_ddr_size": 0,
         "static_constants_size": plan.constants_size,
         "dynamic_constants_size": 0,
+        "multicast_static_va_size_max": 0,
+        "stats_buffer_size": stats_size,
         "ddr_size": program.ddr_size,
         "memory_traffic": {
-            "per_core": traffic,
+            "per_port": ports,
+            "per_core": traffic_rows,
             "total": {
                 "ddr_read_bytes": sum(timeline.ddr_read),
                 "ddr_read_constant_only_bytes": sum(timeline.ddr_read_constant),
+                "activation_spill_read_bytes": sum(timeline.ddr_read)
+                - sum(timeline.ddr_read_constant),
                 "ddr_write_bytes": sum(timeline.ddr_write),
+                "multicast_bytes": 0,
             },
         },
-        "barriers_per_core": {_core_key(c): b for c, b in enumerate(barriers)},
+        "per_core": per_core,
         "kernels": len(program.kernels),
+        "kernels_hmx": by_unit.get("hmx", 0),
+        "kernels_hvx": by_unit.get("hvx", 0),
+        "kernels_fused_nodes": sum(len(k.nodes) for k in program.kernels),
         "specialized_kernels": len({k.kernel for k in program.kernels}),
-        "instructions_per_core": {_core_key(c): len(s) for c, s in enumerate(program.streams)},
-        "core_busy_cycles": {_core_key(c): b for c, b in enumerate(timeline.core_busy)},
+        "unit_busy_percent": {u: _percent(b, total * cores) for u, b in unit_busy.items()},
         "estimated_cycles": timeline.total_cycles,
         "estimated_latency_us": round(latency * 1e6, 3),
-        "estimated_inferences_per_second": round(batch / latency, 2) if latency else None,
+        "estimated_inferences_per_second": round(_batch(program) / latency, 2) if latency else None,
     }
+
+
+def _port_traffic(program: Program) -> list[dict[str, Any]]:
+    """Host ports: bytes the host moves per inference and DDR bytes the cores move for them."""
+    rows = []
+    for direction, ids in (("in", program.inputs), ("out", program.outputs)):
+        for tid in ids:
+            t = program.tensors[tid]
+            rows.append(
+                {
+                    "port": t.name,
+                    "direction": direction,
+                    "host_bytes": t.nbytes,
+                    "ddr_read_bytes": t.nbytes if direction == "in" else 0,
+                    "ddr_write_bytes": t.nbytes if direction == "out" else 0,
+                }
+            )
+    return rows
 
 
 def _warning(code: str, message: str, nodes: list[str], suggestion: str) -> dict[str, Any]:
     return {"code": code, "message": message, "nodes": nodes, "suggestion": suggestion}
+
+
+def pmu_warnings(options: CompileOptions) -> list[dict[str, Any]]:
+    """Events outside the modelled catalogue are accepted but count nothing: say so always."""
+    from compiler_core.profiling.pmu import unknown_events
+
+    unknown = unknown_events(options.aic_pmu_events)
+    if not unknown:
+        return []
+    return [
+        _warning(
+            "pmu_event_not_modelled",
+            f"PMU event(s) {', '.join('0x' + e for e in unknown)} are not in the modelled NSP's "
+            "catalogue: accepted, but they count zero on this device model",
+            [],
+            "use ids from docs/profiling.md (PMU catalogue) or -aic-pmu-recipe=KernelUtil",
+        )
+    ]
+
+
+@dataclass
+class _Facts:
+    """What the warnings look at: the program, its timeline and per-kernel totals."""
+
+    program: Program
+    lowered: LoweredGraph
+    options: CompileOptions
+    device: DeviceProfile
+    timeline: Timeline
+    per_kernel: dict[int, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
+    dma: Counter[int] = field(default_factory=Counter)
+    compute: Counter[int] = field(default_factory=Counter)
+    act_read: Counter[int] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        for run in self.timeline.runs:
+            self.per_kernel[run.kernel][run.core] += run.cycles
+            self.dma[run.kernel] += run.dma_cycles
+            self.compute[run.kernel] += run.compute_cycles
+            self.act_read[run.kernel] += run.read_bytes - run.read_constant_bytes
+        self.span = {k: max(v.values()) for k, v in self.per_kernel.items()}
+        self.total = max(1, self.timeline.total_cycles)
+
+    def nodes_of(self, kernels: list[int]) -> list[str]:
+        """ONNX nodes of the kernels, heaviest kernel first."""
+        ordered = sorted(kernels, key=lambda k: -self.span.get(k, 0))
+        return [n for k in ordered for n in self.program.kernels[k].nodes][:MAX_NODES]
+
+    def share(self, kernels: list[int]) -> float:
+        return 100.0 * sum(self.span.get(k, 0) for k in kernels) / self.total
 
 
 def perf_warnings(
@@ -125,57 +251,194 @@ def perf_warnings(
     device: DeviceProfile,
     timeline: Timeline | None = None,
 ) -> list[dict[str, Any]]:
-    """Specific, actionable warnings; only computed when `-aic-perf-warnings` is given."""
+    """Specific, actionable warnings; computed only when `-aic-perf-warnings` is given (the
+    PMU note always)."""
+    out = pmu_warnings(options)
     if not options.aic_perf_warnings:
+        return out
+    facts = _Facts(program, lowered, options, device, timeline or build_timeline(program, device))
+    out += _fp32(facts)
+    out += _spill(facts)
+    out += _vtcm_split(facts)
+    out += _idle(facts)
+    out += _unbalanced(program, facts.per_kernel, facts.total)
+    out += _weights_reread(lowered)
+    return out
+
+
+def _fp32(f: _Facts) -> list[dict[str, Any]]:
+    program, options, span, nodes_of, share = f.program, f.options, f.span, f.nodes_of, f.share
+    fp32 = [
+        k.id
+        for k in program.kernels
+        if "float32" in k.info.out_dtypes and (k.unit == "hmx" or k.macs > 0)
+    ]
+    fp32 = [k for k in fp32 if span.get(k, 0) > 0]
+    if not fp32 or options.convert_to_fp16:
         return []
-    timeline = timeline or build_timeline(program, device)
-    out: list[dict[str, Any]] = []
-    fp32 = [k for k in program.kernels if k.unit == "hmx" and "float32" in k.info.out_dtypes]
-    if fp32:
-        out.append(
-            _warning(
-                "fp32_compute",
-                f"{len(fp32)} HMX kernel(s) compute in fp32, which the tensor unit does not "
-                "support natively (estimated 16x slower than fp16)",
-                [n for k in fp32[:5] for n in k.nodes],
-                "compile with -convert-to-fp16",
-            )
+    hmx = [k for k in fp32 if program.kernels[k].unit == "hmx"]
+    return [
+        _warning(
+            "fp32_compute",
+            f"{len(fp32)} kernel(s) compute in fp32 ({len(hmx)} on HMX, which has no fp32 path: "
+            f"estimated 16x slower than fp16); they take an estimated {share(fp32):.0f}% of the "
+            "inference",
+            nodes_of(fp32),
+            "compile with -convert-to-fp16 (or keep only sensitive nodes in fp32)",
         )
-    busiest = max(timeline.core_busy, default=0)
-    idle = [c for c, b in enumerate(timeline.core_busy) if busiest and b < IDLE_SHARE * busiest]
+    ]
+
+
+def _spill(f: _Facts) -> list[dict[str, Any]]:
+    program, span, total, nodes_of, share = f.program, f.span, f.total, f.nodes_of, f.share
+    dma, compute, act_read = f.dma, f.compute, f.act_read
+    bound = [
+        k
+        for k in span
+        if dma[k] > compute[k]
+        and act_read[k] > 0
+        and span[k] > HEAVY_SHARE * total
+        and act_read[k] * 2
+        > sum(program.tensors[t].nbytes for t in program.kernels[k].inputs if t >= 0)
+    ]
+    if not bound:
+        return []
+    spilled = sum(act_read[k] for k in bound)
+
+    def reread(k: int) -> float:
+        once = sum(
+            program.tensors[t].nbytes
+            for t in set(program.kernels[k].inputs)
+            if t >= 0 and program.tensors[t].kind != KIND_CONSTANT
+        )
+        return act_read[k] / once if once else 1.0
+
+    factor = max(reread(k) for k in bound)
+    cores = program.num_cores
+    if factor > 2 and cores > 1:
+        hint = (
+            f"inputs are read up to {factor:.1f}x over because each output-channel tile re-reads "
+            f"the whole input: a smaller channel split (-mos={max(1, cores // 2)}) or fewer cores "
+            f"(-aic-num-cores={max(1, cores // 2)}) re-reads less (-mos=1 re-reads the weights "
+            "on every core instead)"
+        )
+    elif any("float32" in program.kernels[k].info.out_dtypes for k in bound):
+        hint = "-convert-to-fp16 halves the bytes moved"
+    else:
+        hint = "activations stay in DDR between kernels here; fewer, larger kernels move less"
+    return [
+        _warning(
+            "spill_to_ddr",
+            f"{len(bound)} kernel(s) wait on DMA more than they compute, reading "
+            f"{spilled / 2**20:.1f} MiB of activations back from DDR per inference (estimated "
+            f"{share(bound):.0f}% of the inference)",
+            nodes_of(bound),
+            hint,
+        )
+    ]
+
+
+def _vtcm_split(f: _Facts) -> list[dict[str, Any]]:
+    lowered, options, device, nodes_of = f.lowered, f.options, f.device, f.nodes_of
+    budget = int(device.vtcm_bytes_per_core * options.vtcm_working_set_limit_ratio)
+    parallel = options.aic_num_cores * max(1, options.ols)
+    cut = []
+    worst = 0
+    for index, lk in enumerate(lowered.kernels):
+        whole = sum(
+            lowered.tensors[t].nbytes for t in (*lk.desc.inputs, *lk.desc.outputs) if t >= 0
+        )
+        if whole > budget and len(lk.tiles) > parallel:
+            cut.append(index)
+            worst = max(worst, whole)
+    if not cut:
+        return []
+    if options.vtcm_working_set_limit_ratio < 1.0:
+        hint = (
+            "raise -vtcm-working-set-limit-ratio (now "
+            f"{options.vtcm_working_set_limit_ratio:g}) so fewer, larger tiles are needed"
+        )
+    elif not options.convert_to_fp16:
+        hint = "-convert-to-fp16 halves the working set, so fewer tiles are needed"
+    else:
+        hint = "spread the kernel over more cores (-aic-num-cores) or reduce its tensor sizes"
+    return [
+        _warning(
+            "vtcm_overflow_split",
+            f"{len(cut)} kernel(s) do not fit VTCM ({budget / 2**20:.1f} MiB per core) whole; "
+            f"the largest needs {worst / 2**20:.1f} MiB and each is cut into more tiles than "
+            f"cores ({parallel}), re-loading shared operands per tile",
+            nodes_of(cut),
+            hint,
+        )
+    ]
+
+
+def _idle(f: _Facts) -> list[dict[str, Any]]:
+    program, timeline, per_kernel = f.program, f.timeline, f.per_kernel
+    span, total, nodes_of = f.span, f.total, f.nodes_of
+    out = []
+    busy = timeline.core_busy
+    busiest = max(busy, default=0)
+    idle = [c for c, b in enumerate(busy) if busiest and b < IDLE_SHARE * busiest]
+    serial = [
+        k
+        for k, by_core in per_kernel.items()
+        if program.num_cores > 1 and len(by_core) == 1 and span[k] > HEAVY_SHARE * total
+    ]
     if idle:
         out.append(
             _warning(
                 "idle_cores",
                 f"core(s) {', '.join(_core_key(c) for c in idle)} are busy less than "
-                f"{int(IDLE_SHARE * 100)}% of the busiest core's time",
-                [],
+                f"{int(IDLE_SHARE * 100)}% of the busiest core's estimated time",
+                nodes_of(serial),
                 f"compile for fewer cores (-aic-num-cores={max(1, program.num_cores - len(idle))})"
                 " or split finer (-ols=2)",
             )
         )
-    per_kernel: dict[int, Counter[int]] = {}
-    for span in timeline.spans:
-        per_kernel.setdefault(span.kernel, Counter())[span.core] += span.end - span.start
-    total = max(1, timeline.total_cycles)
+    if serial:
+        kinds = sorted({program.kernels[k].op_types[0] for k in serial})
+        out.append(
+            _warning(
+                "serial_kernel",
+                f"{len(serial)} kernel(s) ({', '.join(kinds)}) run on a single core while "
+                f"{program.num_cores - 1} others wait; estimated "
+                f"{100.0 * sum(span[k] for k in serial) / total:.0f}% of the inference",
+                nodes_of(serial),
+                "these ops have no split axis in this compiler; fuse or replace them, or "
+                "accept the serial step",
+            )
+        )
+    return out
+
+
+def _unbalanced(
+    program: Program, per_kernel: dict[int, Counter[int]], total: int
+) -> list[dict[str, Any]]:
+    out = []
     for kid, by_core in sorted(per_kernel.items()):
         if program.num_cores < 2 or len(by_core) < 2:
             continue
         values = list(by_core.values())
-        mean = sum(values) / program.num_cores
-        heavy = max(values) > total * 0.02
-        if heavy and mean and max(values) > IMBALANCE * mean:
+        mean = sum(values) / len(values)
+        if max(values) > total * HEAVY_SHARE and mean and max(values) > IMBALANCE * mean:
             k = program.kernels[kid]
             out.append(
                 _warning(
                     "unbalanced_split",
-                    f"kernel {k.name} ({k.op_types[0]}) runs {len(by_core)} of "
-                    f"{program.num_cores} cores with the busiest at "
-                    f"{max(values) / mean:.1f}x the mean",
+                    f"kernel {k.name} ({k.op_types[0]}) runs on {len(by_core)} of "
+                    f"{program.num_cores} cores with the busiest at {max(values) / mean:.1f}x "
+                    "the mean (estimated)",
                     list(k.nodes),
-                    "try -ols=2 or a different -mos",
+                    "try -ols=2 (more, smaller tiles) or a different -mos",
                 )
             )
+    return out
+
+
+def _weights_reread(lowered: LoweredGraph) -> list[dict[str, Any]]:
+    out = []
     for lk in lowered.kernels:
         reread = sum(
             int(np.prod([b - a for a, b in box], dtype=np.int64))

@@ -11,6 +11,7 @@ when the QPC's constants are written, and never held twice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Field numbers from onnx.proto.
 _MODEL_GRAPH = 7
@@ -110,13 +111,24 @@ def _rewrite(buf: memoryview, start: int, end: int, children: dict[int, Rewriter
     return b"".join(out) if changed else None
 
 
-def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024) -> bytes:
+@dataclass
+class Stripped:
+    data: bytes
+    moved: int
+    """How many raw_data fields now point into the model file."""
+    had_external: bool
+    """The model already referenced external data files of its own."""
+
+
+def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024) -> Stripped:
     """The model's bytes with every `raw_data` of at least `threshold` bytes (initializers
     and Constant-node tensors) replaced by an external reference into `location`.
 
     Raises WireError when the bytes are not a well-formed message; nothing is copied until
     the whole walk succeeded.
     """
+
+    counts = {"moved": 0, "external": 0}
 
     def tensor(buf: memoryview, start: int, end: int) -> bytes | None:
         keep: list[bytes] = []
@@ -125,12 +137,15 @@ def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024)
             if field == _TENSOR_RAW_DATA and wire == _LEN and value_end - value_start >= threshold:
                 moved = (value_start, value_end - value_start)
             elif field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
+                if field == _TENSOR_EXTERNAL_DATA:
+                    counts["external"] += 1
                 return None  # already external: leave it as it is
             else:
                 keep.append(bytes(buf[field_start:value_end]))
         if moved is None:
             return None
         offset, length = moved
+        counts["moved"] += 1
         for key, value in (("location", location), ("offset", str(offset)),
                            ("length", str(length))):
             entry = _len_field(1, key.encode()) + _len_field(2, value.encode())
@@ -148,4 +163,8 @@ def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024)
         return _rewrite(buf, start, end, {_GRAPH_INITIALIZER: tensor, _GRAPH_NODE: node})
 
     result = _rewrite(data, 0, len(data), {_MODEL_GRAPH: graph})
-    return bytes(data) if result is None else result
+    return Stripped(
+        data=bytes(data) if result is None else result,
+        moved=counts["moved"],
+        had_external=counts["external"] > 0,
+    )

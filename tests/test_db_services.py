@@ -243,10 +243,10 @@ def test_a_bare_onnx_may_not_reach_for_files_beside_it(
 ) -> None:
     # Its external data would otherwise resolve next to the stored blob (other blobs).
     path = external_data_model_dir(tmp_path / "m")
-    error = raises_service_error("external_data_missing", 422)(
+    error = raises_service_error("external_data_not_allowed", 422)(
         lambda: add_model(farm, session, team, path.read_bytes())
     )
-    assert "weights.bin" in error.message
+    assert "archive" in error.message
 
 
 def test_an_oversize_upload_is_refused_and_leaves_no_blob(
@@ -807,3 +807,22 @@ def test_an_uploaded_qpc_is_validated_and_recorded(
     raises_service_error("not_found", 404)(
         lambda: validations.get_validation(session, other, bad.id)
     )
+
+
+def test_a_bare_onnx_with_large_inline_weights_is_accepted(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    stored = add_model(farm, session, team, model.SerializeToString())
+    assert stored.inputs[0]["name"] == "x"

@@ -128,9 +128,10 @@ def test_default_registry_is_the_compilers_op_registry() -> None:
 def test_external_data_saved_by_onnx_is_mapped_lazily(tmp_path: Path) -> None:
     proto = parse(
         """<ir_version: 8, opset_import: ["" : 17]>
-        m (float[2, 64] x) => (float[2, 32] y) { y = MatMul(x, w) }"""
+        m (float[2, 256] x) => (float[2, 128] y) { y = MatMul(x, w) }"""
     )
-    weight = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    # Larger than the 64 KiB below which external tensors are read, not mapped.
+    weight = np.arange(256 * 128, dtype=np.float32).reshape(256, 128)
     proto.graph.initializer.append(onh.from_array(weight, "w"))
     onnx.save(proto, tmp_path / "m.onnx", save_as_external_data=True, location="m.data")
     assert (tmp_path / "m.data").stat().st_size == weight.nbytes
@@ -138,8 +139,8 @@ def test_external_data_saved_by_onnx_is_mapped_lazily(tmp_path: Path) -> None:
     imported = load(tmp_path / "m.onnx")
     tensor = imported.model.graph.initializers["w"].const_value
     assert isinstance(tensor, ir.ExternalTensor)
-    assert shape_of(imported.model, "w") == (64, 32)
-    assert shape_of(imported.model, "y") == (2, 32)
+    assert shape_of(imported.model, "w") == (256, 128)
+    assert shape_of(imported.model, "y") == (2, 128)
     np.testing.assert_array_equal(tensor.numpy(), weight)
 
 

@@ -301,3 +301,55 @@ def test_options_not_implemented_yet_fail_loudly_naming_the_flag(flag: str) -> N
 def test_hint_options_without_effect_say_so_in_the_warnings() -> None:
     result = compile_model(_cnn(), ["-multicast-weights"])
     assert any(w["code"] == "option_without_effect" for w in result.warnings)
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+def test_an_epilogue_reading_the_base_ops_own_input_gets_its_own_tile(cores: int) -> None:
+    rng = np.random.default_rng(5)
+    weight = numpy_helper.from_array(
+        (rng.standard_normal((8, 8, 3, 3)) * 0.2).astype(np.float32), "w"
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+            helper.make_node("Add", ["c", "x"], ["y"], name="residual"),
+        ],
+        "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 16, 16])],
+        [weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+    result = compile_model(model, [f"-aic-num-cores={cores}"])
+    assert [k.op_types for k in result.program.kernels] == [("Conv", "Add")]
+    assert result.program.kernels[0].nodes == ("conv", "residual")
+    np.testing.assert_allclose(
+        run_qpc(result.qpc_path, {"x": x})["y"], _reference(model, {"x": x}), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_constants_folded_into_a_conv_keep_their_node_names() -> None:
+    rng = np.random.default_rng(6)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+            helper.make_node("Mul", ["c", "s"], ["m"], name="scale"),
+            helper.make_node("Add", ["m", "b"], ["y"], name="shift"),
+        ],
+        "affine",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [
+            numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.standard_normal((4, 1, 1)).astype(np.float32), "s"),
+            numpy_helper.from_array(rng.standard_normal((4, 1, 1)).astype(np.float32), "b"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = compile_model(model)
+    assert [k.nodes for k in result.program.kernels] == [("conv", "scale", "shift")]
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        run_qpc(result.qpc_path, {"x": x})["y"], _reference(model, {"x": x}), rtol=1e-4, atol=1e-5
+    )

@@ -60,11 +60,9 @@ def store_model(
             if kind == KIND_ONNX:
                 if is_archive_name(filename):
                     raise bad_archive(f"{filename!r} is not a .zip, .tar or .tar.gz archive")
-                empty = work / "no-external-data"
-                empty.mkdir()
                 # A bare .onnx may not reference external files: resolving them next to the
                 # stored blob would read other blobs.
-                described = describe_model(path, base_dir=empty)
+                described = describe_model(path, allow_external_data=False)
             else:
                 onnx_path = extract_archive(path, work / "archive", max_bytes=max_bytes)
                 described = describe_model(onnx_path)
@@ -119,7 +117,7 @@ def materialize_model(store: BlobStore, model: Model, work: Path) -> Path:
 
 
 def describe_model(
-    path: Path, base_dir: Path | None = None
+    path: Path, *, allow_external_data: bool = True
 ) -> tuple[int, list[dict[str, Any]], list[dict[str, Any]]]:
     """(opset, inputs, outputs) of a model the importer accepts.
 
@@ -127,7 +125,7 @@ def describe_model(
     -onnx-define-symbol), so a `dynamic_shape` refusal falls back to the declared I/O.
     """
     try:
-        imported = import_model(path, base_dir=base_dir)
+        imported = import_model(path, allow_external_data=allow_external_data)
     except CompileError as exc:
         if exc.code != "dynamic_shape":
             error = from_compile_error(exc)

@@ -221,7 +221,7 @@ class _Builder:
             EpilogueDesc(
                 op_type=s.op_type,
                 node_name=s.node_name,
-                inputs=s.inputs,
+                inputs=self._epilogue_refs(s.inputs, inputs, n_base),
                 attrs=dict(s.attrs),
                 opset=self.opset,
                 out_dtype=out_dtype,
@@ -231,6 +231,24 @@ class _Builder:
         names = fused_node_names(node)
         op_types = (node.op_type, *(s.op_type for s in steps))
         self.add_kernel(info, inputs, outputs, descs, names, op_types)
+
+    @staticmethod
+    def _epilogue_refs(
+        refs: tuple[int | None, ...], inputs: list[int], n_base: int
+    ) -> tuple[int | None, ...]:
+        """Point every epilogue operand at an operand slot of its own.
+
+        A step may read one of the base op's inputs (`Conv(x) + x`); the base op's slot holds
+        the box the base op needs (a halo, every channel), not the output tile's box, so the
+        step gets a separate slot whose box follows the output tile.
+        """
+        out: list[int | None] = []
+        for ref in refs:
+            if ref is not None and 0 <= ref < n_base:
+                inputs.append(inputs[ref])
+                ref = len(inputs) - 1
+            out.append(ref)
+        return tuple(out)
 
     def copy_kernel(self, src: int, dst: int) -> None:
         t = self.tensors[dst]

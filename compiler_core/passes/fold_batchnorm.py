@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from compiler_core.fusion import FUSED_NODES_KEY, fused_node_names
 from compiler_core.passes.base import (
     GraphPass,
     NameScope,
@@ -253,6 +254,11 @@ def _per_channel(constant: np.ndarray, out_dims: tuple[int, ...] | None) -> np.n
 
 
 def _bypass(graph: ir.Graph, node: ir.Node, conv_out: ir.Value) -> None:
-    """Remove `node` (now folded into the Conv) and let its readers read the Conv output."""
+    """Remove `node` (now folded into the Conv) and let its readers read the Conv output.
+
+    The Conv keeps the folded node's name, so reports and opstats still trace it."""
+    conv = conv_out.producer()
+    if conv is not None:
+        conv.meta[FUSED_NODES_KEY] = (*fused_node_names(conv), node.name or node.op_type)
     replace_value(node.outputs[0], conv_out)
     graph.remove(node, safe=True)

@@ -148,7 +148,7 @@ def _fuse(producer: ir.Node, consumer: ir.Node, graph: ir.Graph) -> None:
     out = producer.outputs[0]
     if BASE_INPUTS_KEY not in producer.meta:
         producer.meta[BASE_INPUTS_KEY] = len(producer.inputs)
-        producer.meta[FUSED_NODES_KEY] = (producer.name or producer.op_type,)
+        producer.meta.setdefault(FUSED_NODES_KEY, (producer.name or producer.op_type,))
         producer.meta[EPILOGUE_KEY] = ()
     step_inputs: list[int | None] = []
     for operand in consumer.inputs:

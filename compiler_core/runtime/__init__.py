@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -16,20 +17,49 @@ __all__ = ["Executor", "RuntimeFault", "run_qpc"]
 def run_qpc(
     qpc: str | os.PathLike[str] | bytes | bytearray | memoryview,
     inputs: Mapping[str, np.ndarray],
+    *,
+    profiling_out_dir: str | os.PathLike[str] | None = None,
+    iterations: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Run one inference of a qpcfarm QPC; every graph output is returned by name."""
-    from compiler_core.devices import get_device
+    """Run `iterations` inferences of a qpcfarm QPC; the last one's outputs are returned by name.
+
+    With `profiling_out_dir`, the stats buffer the QPC carries is filled for every inference
+    (from the cost model's timeline, see compiler_core.profiling) and written there as
+    `stats-inf-<n>.bin`, the input of `qpcfarm opstats`.
+    """
     from compiler_core.qpc.container import load_qpc
 
+    if iterations < 1:
+        raise CompileError("invalid_arguments", f"iterations must be at least 1, not {iterations}")
     with load_qpc(qpc) as container:
         network = container.network
         if network is None:
             raise CompileError(
                 "unsupported_qpc", "only qpcfarm QPCs can be run on the functional runtime"
             )
-        device_name = network.options.get("aic-device") or network.options.get("aic_device")
-        vtcm = get_device(device_name).vtcm_bytes_per_core if device_name else None
+        from compiler_core.profiling.stats_writer import (
+            StatsRecorder,
+            device_for,
+            write_stats_file,
+        )
+
         program = container.program()
-        vtcm = vtcm or max(max(program.vtcm_used, default=0), 8_323_072)
+        device_name = network.options.get("aic-device") or network.options.get("aic_device")
+        if device_name:
+            vtcm = device_for(network).vtcm_bytes_per_core
+        else:
+            vtcm = max(max(program.vtcm_used, default=0), 8_323_072)
         executor = Executor(program, container.segments["constants.bin"], vtcm)
-        return executor.run(inputs)
+        recorder = None
+        if profiling_out_dir is not None:
+            recorder = StatsRecorder.for_qpc(
+                container.segments.get("statsdesc.bin"), network, executor
+            )
+        outputs: dict[str, np.ndarray] = {}
+        for inference in range(iterations):
+            if recorder is not None:
+                recorder.start()
+            outputs = executor.run(inputs)
+            if recorder is not None and profiling_out_dir is not None:
+                write_stats_file(Path(profiling_out_dir), inference, recorder.finish(inference))
+        return outputs

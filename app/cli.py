@@ -1,0 +1,351 @@
+"""`qpcfarm`: the console script. Service commands live here; the compiler's own commands
+(`compile`, `run`, `qpc`, `opstats`, ...) go to `compiler_core.cli.main` unchanged.
+
+Service commands (each parses its own arguments, so clients may take qaic-compile flags):
+  serve    the HTTP API; with no configuration the embedded mode (SQLite and blobs under
+           `./qpcfarm-data`, in-process worker), creating team `local` and its key on first start
+  worker   a Celery worker for `QPCFARM_BROKER_URL` (farm mode)
+  admin    create-team NAME | create-key --team NAME
+  db       upgrade
+  submit   (slot) the HTTP client: add `"submit": (help, handler)` to SERVICE_COMMANDS
+
+Only argparse is imported at start: fastapi, celery, sqlalchemy and the compiler are imported
+inside the handlers, so `qpcfarm compile` starts as fast as the compiler alone. Errors print
+one line, `qpcfarm: error: ...`, and exit non-zero (`QPCFARM_DEBUG=1` shows tracebacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from app.submit import submit_command
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+PROG = "qpcfarm"
+LOCAL_TEAM = "local"
+API_KEY_FILE = "api-key"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+Handler = Callable[[list[str]], int]
+
+
+class CliError(Exception):
+    """A user-facing failure of a service command: printed as one line, exit 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{self.prog}: {message}")
+
+
+# ---------------------------------------------------------------------------------- serve
+
+
+def serve_command(argv: list[str]) -> int:
+    parser = _Parser(prog=f"{PROG} serve", description="Run the qpcfarm HTTP API.")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from app.db.session import upgrade_database, wait_for_database
+    from app.settings import get_settings
+
+    settings = get_settings()
+    if not settings.is_sqlite:
+        wait_for_database(settings.database_url, timeout=60.0)
+    upgrade_database(settings.database_url)
+    if settings.is_sqlite and settings.embedded_worker:
+        _announce_local_key(settings)
+    if settings.broker_url:
+        _start_farm_sweeper(settings)
+    uvicorn.run(
+        "app.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+def _start_farm_sweeper(settings: Settings) -> None:
+    """Farm mode: re-enqueue the jobs of dead workers and lost messages from this API process
+    too (workers sweep as well; more sweepers are harmless). In the embedded mode the
+    in-process queue sweeps for itself."""
+    from app.db.session import make_engine, make_session_factory
+    from app.queue import CeleryQueue
+    from worker.sweep import start_sweeper
+
+    sessions = make_session_factory(make_engine(settings.database_url))
+    start_sweeper(sessions, CeleryQueue(settings), settings)
+
+
+def _announce_local_key(settings: Settings) -> None:
+    """Embedded mode: on the first start (no team yet) create team `local` and a key, print
+    the key on its own line and save it to `<data_dir>/api-key` (mode 0600) for local
+    clients; on later starts say where the key is."""
+    key = ensure_local_key(settings)
+    key_file = Path(settings.data_dir) / API_KEY_FILE
+    if key is not None:
+        print(
+            f"{PROG}: created team {LOCAL_TEAM!r}; its API key (saved to {key_file}):",
+            file=sys.stderr,
+        )
+        print(key, flush=True)
+    elif key_file.exists():
+        print(f"{PROG}: the local API key is in {key_file}", file=sys.stderr)
+
+
+def ensure_local_key(settings: Settings) -> str | None:
+    """Create team `local` and a key when the (migrated) database has no team; returns the
+    key, or None when there were teams already."""
+    from sqlalchemy import func, select
+
+    from app.db.models import Team
+    from app.db.session import make_engine, make_session_factory, session_scope
+    from app.services import teams
+
+    engine = make_engine(settings.database_url)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            if session.execute(select(func.count()).select_from(Team)).scalar_one():
+                return None
+            team = teams.create_team(session, LOCAL_TEAM)
+            key, _ = teams.create_api_key(session, team, name="created by qpcfarm serve")
+            # Written before the commit: if the key cannot be saved, no team is created.
+            write_secret(Path(settings.data_dir) / API_KEY_FILE, key + "\n")
+        return key
+    finally:
+        engine.dispose()
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only (mode 0600 from the start)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------- worker
+
+
+def worker_command(argv: list[str]) -> int:
+    from app.settings import get_settings
+
+    settings = get_settings()
+    parser = _Parser(prog=f"{PROG} worker", description="Run a Celery compile worker.")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=settings.worker_concurrency,
+        help="compiles at a time (default: QPCFARM_WORKER_CONCURRENCY)",
+    )
+    parser.add_argument("--loglevel", default="INFO", help="default INFO")
+    parser.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="do not re-enqueue the jobs of dead workers from this process",
+    )
+    parser.add_argument(
+        "--ping",
+        action="store_true",
+        help="exit 0 if a worker on this host answers over the broker (a health check)",
+    )
+    args = parser.parse_args(argv)
+    if not settings.broker_url:
+        raise CliError(
+            "no broker configured: set QPCFARM_BROKER_URL (e.g. redis://localhost:6379/0); "
+            "without one, `qpcfarm serve` runs jobs in process"
+        )
+    if args.concurrency < 1:
+        raise CliError(f"--concurrency must be at least 1, not {args.concurrency}")
+
+    from app.db.session import make_engine, make_session_factory, wait_for_database
+    from worker.celery_app import make_celery_app
+    from worker.tasks import register_tasks
+
+    if args.ping:
+        return ping_local_worker(settings)
+
+    wait_for_database(settings.database_url, timeout=60.0)
+    celery = make_celery_app(settings)
+    register_tasks(celery, settings)
+    if not args.no_sweep:
+        from app.queue import CeleryQueue
+        from worker.sweep import start_sweeper
+
+        # In the main process, before the pool forks: children build their own engines.
+        sessions = make_session_factory(make_engine(settings.database_url))
+        start_sweeper(sessions, CeleryQueue(settings), settings)
+    try:
+        celery.worker_main(
+            [
+                "worker",
+                f"--concurrency={args.concurrency}",
+                f"--loglevel={args.loglevel}",
+                f"--hostname=qpcfarm-{os.getpid()}@%h",
+                "--without-gossip",
+                "--without-mingle",
+            ]
+        )
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 0
+    return 0
+
+
+def ping_local_worker(settings: Settings, timeout: float = 2.0) -> int:
+    """`worker --ping`: 0 when a worker of this host answers a broadcast ping."""
+    import socket
+
+    from worker.celery_app import make_celery_app
+
+    celery = make_celery_app(settings)
+    try:
+        replies = celery.control.ping(timeout=timeout) or []
+    finally:
+        celery.close()
+    host = socket.gethostname()
+    if any(name.endswith(f"@{host}") for reply in replies for name in reply):
+        return 0
+    raise CliError(f"no worker on {host} answered a ping within {timeout:g} s")
+
+
+# --------------------------------------------------------------------------------- admin, db
+
+
+def admin_command(argv: list[str]) -> int:
+    parser = _Parser(prog=f"{PROG} admin", description="Manage teams and API keys.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    team = actions.add_parser("create-team", help="create a team")
+    team.add_argument("name", metavar="NAME")
+    key = actions.add_parser("create-key", help="create an API key; prints it on its own line")
+    key.add_argument("--team", required=True, metavar="NAME")
+    key.add_argument("--name", metavar="LABEL", help="a label to tell keys apart")
+    args = parser.parse_args(argv)
+
+    from app.db.session import make_engine, make_session_factory, session_scope, upgrade_database
+    from app.services import teams
+    from app.settings import get_settings
+
+    settings = get_settings()
+    upgrade_database(settings.database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            if args.action == "create-team":
+                made = teams.create_team(session, args.name)
+                print(f"{PROG}: created team {made.name!r}", file=sys.stderr)
+                return 0
+            found = teams.get_team_by_name(session, args.team)
+            if found is None:
+                raise CliError(f"no team named {args.team!r} (qpcfarm admin create-team NAME)")
+            secret, _ = teams.create_api_key(session, found, name=args.name)
+        print(f"{PROG}: created an API key for team {args.team!r}:", file=sys.stderr)
+        print(secret, flush=True)
+        return 0
+    finally:
+        engine.dispose()
+
+
+def db_command(argv: list[str]) -> int:
+    parser = _Parser(prog=f"{PROG} db", description="Database schema.")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    upgrade = actions.add_parser("upgrade", help="apply the migrations (idempotent)")
+    upgrade.add_argument("--revision", default="head", help="default head")
+    args = parser.parse_args(argv)
+
+    from app.db.session import upgrade_database
+    from app.settings import get_settings
+
+    upgrade_database(get_settings().database_url, args.revision)
+    print(f"{PROG}: database upgraded to {args.revision}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------- dispatch
+
+SERVICE_COMMANDS: dict[str, tuple[str, Handler]] = {
+    "serve": ("run the HTTP API (embedded mode with no configuration)", serve_command),
+    "worker": ("run a Celery compile worker (farm mode: QPCFARM_BROKER_URL)", worker_command),
+    "admin": ("create teams and API keys", admin_command),
+    "db": ("apply database migrations", db_command),
+    "submit": ("compile on a farm, like compile (the same flags)", submit_command),
+}
+"""Service commands: name -> (help, handler(argv) -> exit code)."""
+
+
+def service_help() -> str:
+    width = max(len(name) for name in SERVICE_COMMANDS)
+    lines = [f"    {name:<{width}}  {text}" for name, (text, _) in SERVICE_COMMANDS.items()]
+    return "\nservice commands:\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SERVICE_COMMANDS:
+        return _run_service(SERVICE_COMMANDS[args[0]][1], args[1:])
+
+    from compiler_core import cli as core_cli
+
+    if not args or args[0] in ("-h", "--help"):
+        text = core_cli.build_parser().format_help() + service_help()
+        (sys.stdout if args else sys.stderr).write(text)
+        return 0 if args else 1
+    return core_cli.main(args)
+
+
+def _run_service(handler: Handler, argv: list[str]) -> int:
+    try:
+        return handler(argv)
+    except SystemExit as exc:  # argparse's -h
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        _error_line("interrupted")
+        return 130
+    except CliError as exc:
+        _error_line(str(exc))
+        return 1
+    except Exception as exc:
+        if os.environ.get("QPCFARM_DEBUG") == "1":
+            traceback.print_exc()
+        _error_line(_describe(exc))
+        return 1 if _is_user_error(exc) else 2
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from app.services.errors import ServiceError
+
+    return isinstance(exc, ServiceError)
+
+
+def _describe(exc: Exception) -> str:
+    from app.services.errors import ServiceError
+
+    if isinstance(exc, ServiceError):
+        return exc.message
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first} (QPCFARM_DEBUG=1 for details)"
+
+
+def _error_line(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,699 @@
+"""Service figures of the farm against the DESIGN targets, measured in one run over loopback.
+
+    python bench/service.py [--quick] [--farm] [--json out.json]
+
+Starts its own farm (`qpcfarm serve` in a temporary data directory: SQLite, filesystem blobs,
+in-process worker; with `--farm` also a PostgreSQL database of its own, Redis and a separate
+`qpcfarm worker` process) on a free loopback port, and measures:
+
+- **upload throughput**: `POST /v1/models` of a generated ~500 MiB ONNX model (one initializer),
+  timed from the first byte sent to the 201 (so the server's hashing, store and model check are
+  in it), against a plain copy of the same file in the same run (`shutil.copyfile`, and the
+  copy followed by an fsync, since the blob store fsyncs what it keeps). Each repeat changes a
+  trailing `doc_string` of the file, so no upload is a deduplicated one. Target >= 0.8x.
+- **submit latency**: 50 concurrent clients (asyncio, one keep-alive connection each, started
+  together) submit compile jobs, each (model, options) new, so every answer is a queued job and
+  the worker compiles them meanwhile. p50/p99 from the client's send to its answer. Target
+  p99 < 50 ms.
+- **cache-hit answer**: once the queue drained, the same submits again: each answer is a
+  stored QPC (`cache_hit: true`). p50 of one client on an idle farm (the target, < 20 ms), and
+  with 50 concurrent clients; the peer is a compile of a new job, submit to `succeeded`.
+
+Loops are bounded; the farm is stopped (and the database dropped) at the end, also on failure.
+Nothing asserts on time: the script prints figures and says which targets are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from app.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
+
+MIB = 1 << 20
+START_ATTEMPTS = 900  # x 0.1 s
+DRAIN_LIMIT_S = 900.0
+TRAILER_BYTES = 16
+DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/13"
+
+
+@dataclass(frozen=True)
+class Plan:
+    upload_mib: int
+    upload_repeats: int
+    clients: int
+    submits_per_client: int
+    sequential_hits: int
+    compiles: int
+
+
+FULL = Plan(
+    upload_mib=512,
+    upload_repeats=3,
+    clients=50,
+    submits_per_client=10,
+    sequential_hits=200,
+    compiles=10,
+)
+QUICK = Plan(
+    upload_mib=64,
+    upload_repeats=3,
+    clients=50,
+    submits_per_client=3,
+    sequential_hits=50,
+    compiles=3,
+)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between the closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100.0
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1e3 for s in seconds]
+    return {
+        "n": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms) if ms else float("nan"),
+        "mean_ms": statistics.fmean(ms) if ms else float("nan"),
+    }
+
+
+# -------------------------------------------------------------------------------- models
+
+
+def tiny_model(seed: int) -> bytes:
+    """y = Relu(x @ W + b) with seed-dependent weights: distinct bytes, a fast compile."""
+    rng = np.random.default_rng(seed)
+    weights = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")
+    bias = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["h"]),
+            helper.make_node("Add", ["h", "b"], ["z"]),
+            helper.make_node("Relu", ["z"], ["y"]),
+        ],
+        f"tiny{seed}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])],
+        [weights, bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def write_big_model(path: Path, mib: int) -> int:
+    """A MatMul model whose one float32 initializer is about `mib` MiB, in a single file,
+    ending with a fixed-size `doc_string` field that `set_variant` rewrites in place."""
+    cols = 1024
+    rows = max(1, mib * MIB // (4 * cols))
+    weights = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    tensor = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[rows, cols])
+    tensor.raw_data = weights.tobytes()
+    del weights
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
+        [tensor],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    data = model.SerializeToString()
+    del model, graph, tensor
+    # ModelProto.doc_string is field 6 (length-delimited); a later occurrence wins.
+    trailer = bytes([6 << 3 | 2, TRAILER_BYTES]) + b"0" * TRAILER_BYTES
+    with open(path, "wb") as out:
+        out.write(data)
+        out.write(trailer)
+    return path.stat().st_size
+
+
+def set_variant(path: Path, index: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(-TRAILER_BYTES, os.SEEK_END)
+        handle.write(f"{index:0{TRAILER_BYTES}x}".encode())
+
+
+# ------------------------------------------------------------------------------ the farm
+
+
+@dataclass
+class Farm:
+    mode: str
+    url: str
+    api_key: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+
+    def log_tail(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-1500:] for p in self.logs if p.exists())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _qpcfarm(*args: str) -> list[str]:
+    return [sys.executable, "-m", "app.cli", *args]
+
+
+def _base_env(data_dir: Path, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QPCFARM_")}
+    env["QPCFARM_DATA_DIR"] = str(data_dir)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Iterator[Farm]:
+    """A farm on a free loopback port for the duration of the block, then stopped."""
+    data_dir = work / "data"
+    extra: dict[str, str] = {}
+    database: str | None = None
+    if farm_mode:
+        database = f"qpcfarm_bench_{uuid.uuid4().hex[:10]}"
+        _admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
+        extra = {
+            "QPCFARM_DATABASE_URL": args.postgres.rsplit("/", 1)[0] + "/" + database,
+            "QPCFARM_BROKER_URL": args.redis,
+        }
+    env = _base_env(data_dir, extra)
+    port = _free_port()
+    farm = Farm("farm" if farm_mode else "embedded", f"http://127.0.0.1:{port}", "")
+    try:
+        if farm_mode:
+            subprocess.run(_qpcfarm("db", "upgrade"), env=env, check=True, capture_output=True)
+            subprocess.run(
+                _qpcfarm("admin", "create-team", "bench"), env=env, check=True, capture_output=True
+            )
+            made = subprocess.run(
+                _qpcfarm("admin", "create-key", "--team", "bench"),
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            farm.api_key = made.stdout.strip().splitlines()[-1]
+            _spawn(
+                farm,
+                work,
+                "worker",
+                _qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"),
+                env,
+            )
+        _spawn(
+            farm,
+            work,
+            "serve",
+            _qpcfarm("serve", "--port", str(port), "--log-level", "warning"),
+            env,
+        )
+        _wait_healthy(farm)
+        if not farm_mode:
+            farm.api_key = (data_dir / "api-key").read_text().strip()
+        yield farm
+    finally:
+        for proc in reversed(farm.procs):
+            _stop(proc)
+        if database is not None:
+            _admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def _spawn(farm: Farm, work: Path, name: str, cmd: list[str], env: dict[str, str]) -> None:
+    log = work / f"{name}.log"
+    with open(log, "wb") as handle:
+        farm.procs.append(
+            subprocess.Popen(cmd, cwd=work, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        )
+    farm.logs.append(log)
+
+
+def _wait_healthy(farm: Farm) -> None:
+    for _ in range(START_ATTEMPTS):
+        if any(p.poll() is not None for p in farm.procs):
+            raise RuntimeError(f"the farm exited during start-up:\n{farm.log_tail()}")
+        try:
+            if httpx.get(f"{farm.url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the farm did not answer /healthz:\n{farm.log_tail()}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _admin_sql(url: str, statement: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------------------- uploads
+
+
+def _timed_copy(src: Path, dst: Path, fsync: bool) -> float:
+    dst.unlink(missing_ok=True)
+    start = time.perf_counter()
+    shutil.copyfile(src, dst)
+    if fsync:
+        fd = os.open(dst, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    elapsed = time.perf_counter() - start
+    dst.unlink()
+    return elapsed
+
+
+def _zip_of(model: Path, dest: Path) -> Path:
+    import zipfile
+
+    dest.unlink(missing_ok=True)
+    with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_STORED) as zf:
+        zf.write(model, model.name)
+    return dest
+
+
+def measure_uploads(farm: Farm, work: Path, plan: Plan) -> dict[str, Any]:
+    """Uploads of the big model as `.onnx`; if the server refuses that (see `refused`), as a
+    stored `.zip` of it, the form `qpcfarm submit` uses for external data."""
+    model = work / "big.onnx"
+    print(f"  generating a {plan.upload_mib} MiB model ...", flush=True)
+    write_big_model(model, plan.upload_mib)
+    copies: list[float] = []
+    synced: list[float] = []
+    raw: list[float] = []
+    multipart: list[float] = []
+    kind, refused = "onnx", None
+    with FarmClient(farm.url, farm.api_key, timeout=600.0) as client:
+        set_variant(model, 1 << 40)  # a warm-up upload, also telling whether .onnx is taken
+        try:
+            client.upload_model(model, model.name)
+        except FarmError as exc:
+            kind, refused = "zip", exc.message
+            print(
+                f"  the server refused the .onnx upload ({exc.message}); measuring a .zip "
+                "of the same model instead",
+                flush=True,
+            )
+
+        def prepare(variant: int) -> Path:
+            set_variant(model, variant)
+            return model if kind == "onnx" else _zip_of(model, work / "big.zip")
+
+        # Interleaved, so a busy disk or page cache slows every row alike.
+        for i in range(plan.upload_repeats):
+            for rows, multi, variant in ((raw, False, 2 * i), (multipart, True, 2 * i + 1)):
+                path = prepare(variant)
+                if not multi:
+                    copies.append(_timed_copy(path, work / "copy.bin", fsync=False))
+                    synced.append(_timed_copy(path, work / "copy.bin", fsync=True))
+                start = time.perf_counter()
+                client.upload_model(path, path.name, multipart=multi)
+                rows.append(time.perf_counter() - start)
+        size = path.stat().st_size
+    model.unlink()
+    (work / "big.zip").unlink(missing_ok=True)
+
+    def rate(seconds: list[float]) -> float:
+        return size / MIB / statistics.median(seconds)
+
+    return {
+        "kind": kind,
+        "onnx_refused": refused,
+        "bytes": size,
+        "copy_s": copies,
+        "copy_fsync_s": synced,
+        "upload_raw_s": raw,
+        "upload_multipart_s": multipart,
+        "copy_mib_s": rate(copies),
+        "copy_fsync_mib_s": rate(synced),
+        "upload_raw_mib_s": rate(raw),
+        "upload_multipart_mib_s": rate(multipart),
+        "ratio_vs_copy": rate(raw) / rate(copies),
+        "ratio_vs_copy_fsync": rate(raw) / rate(synced),
+    }
+
+
+# ------------------------------------------------------------------------------- submits
+
+
+def _flags(j: int) -> list[str]:
+    """Distinct canonical options per j (so distinct cache keys), all cheap to compile."""
+    return [f"-vtcm-working-set-limit-ratio={1.0 - (j + 1) / 4096:.6f}"]
+
+
+async def _client_run(
+    url: str,
+    key: str,
+    model_id: str,
+    jobs: Sequence[int],
+    start: asyncio.Event,
+    ready: list[int],
+) -> tuple[list[float], list[str], list[dict[str, Any]]]:
+    latencies: list[float] = []
+    errors: list[str] = []
+    answers: list[dict[str, Any]] = []
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120.0) as client:
+        await client.get("/healthz")  # open the connection before the clock starts
+        ready.append(1)
+        await start.wait()
+        for j in jobs:
+            body = {"model_id": model_id, "flags": _flags(j)}
+            t0 = time.perf_counter()
+            try:
+                response = await client.post("/v1/compile-jobs", json=body)
+            except httpx.HTTPError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            latencies.append(time.perf_counter() - t0)
+            if response.status_code >= 400:
+                errors.append(f"HTTP {response.status_code}: {response.text[:200]}")
+            else:
+                answers.append(response.json())
+    return latencies, errors, answers
+
+
+async def _concurrent_submits(
+    farm: Farm, model_ids: Sequence[str], jobs_per_client: int
+) -> tuple[list[float], list[str], list[dict[str, Any]]]:
+    start = asyncio.Event()
+    ready: list[int] = []
+    tasks = [
+        asyncio.create_task(
+            _client_run(farm.url, farm.api_key, mid, range(jobs_per_client), start, ready)
+        )
+        for mid in model_ids
+    ]
+    for _ in range(6000):  # bounded: every client connected (or failed)
+        if len(ready) == len(tasks) or any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    start.set()
+    latencies: list[float] = []
+    errors: list[str] = []
+    answers: list[dict[str, Any]] = []
+    for lat, err, ans in await asyncio.gather(*tasks):
+        latencies += lat
+        errors += err
+        answers += ans
+    return latencies, errors, answers
+
+
+def _active_jobs(client: httpx.Client) -> int:
+    total = 0
+    for status in ("queued", "running"):
+        body = client.get("/v1/compile-jobs", params={"status": status, "limit": 1}).json()
+        total += int(body["count"])
+    return total
+
+
+def _wait_drained(client: httpx.Client) -> tuple[bool, float]:
+    start = time.perf_counter()
+    while time.perf_counter() - start < DRAIN_LIMIT_S:
+        if _active_jobs(client) == 0:
+            return True, time.perf_counter() - start
+        time.sleep(0.2)
+    return False, time.perf_counter() - start
+
+
+def _job_statuses(client: httpx.Client) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for status in ("succeeded", "failed", "cancelled", "queued", "running"):
+        body = client.get("/v1/compile-jobs", params={"status": status, "limit": 1}).json()
+        out[status] = int(body["count"])
+    return out
+
+
+def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {farm.api_key}"}
+    http = httpx.Client(base_url=farm.url, headers=headers, timeout=120.0)
+    api = FarmClient(farm.url, farm.api_key, timeout=120.0)
+    try:
+        model_ids: list[str] = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for seed in range(plan.clients):
+                path = Path(tmp) / f"tiny{seed}.onnx"
+                path.write_bytes(tiny_model(seed))
+                model_ids.append(str(api.upload_model(path)["id"]))
+
+        print(f"  {plan.clients} clients x {plan.submits_per_client} new jobs ...", flush=True)
+        began = time.perf_counter()
+        miss_lat, miss_err, miss_ans = asyncio.run(
+            _concurrent_submits(farm, model_ids, plan.submits_per_client)
+        )
+        submit_wall = time.perf_counter() - began
+        queued = sum(1 for a in miss_ans if not a.get("cache_hit"))
+        drained, drain_s = _wait_drained(http)
+        statuses = _job_statuses(http)
+        compiled = statuses["succeeded"]
+
+        print(f"  {plan.sequential_hits} cache hits, one client ...", flush=True)
+        seq_hits: list[float] = []
+        seq_hit_flags: list[bool] = []
+        for i in range(plan.sequential_hits):
+            body = {
+                "model_id": model_ids[i % len(model_ids)],
+                "flags": _flags(i % plan.submits_per_client),
+            }
+            t0 = time.perf_counter()
+            answer = http.post("/v1/compile-jobs", json=body)
+            seq_hits.append(time.perf_counter() - t0)
+            seq_hit_flags.append(answer.status_code < 400 and bool(answer.json().get("cache_hit")))
+
+        print(f"  {plan.clients} clients x {plan.submits_per_client} cache hits ...", flush=True)
+        hit_lat, hit_err, hit_ans = asyncio.run(
+            _concurrent_submits(farm, model_ids, plan.submits_per_client)
+        )
+        concurrent_hits = sum(1 for a in hit_ans if a.get("cache_hit"))
+
+        print(f"  {plan.compiles} compiles of new jobs, submit to succeeded ...", flush=True)
+        compile_s: list[float] = []
+        for i in range(plan.compiles):
+            body = {
+                "model_id": model_ids[i % len(model_ids)],
+                "flags": _flags(plan.submits_per_client + 1 + i),
+            }
+            t0 = time.perf_counter()
+            job = http.post("/v1/compile-jobs", json=body).json()
+            for _ in range(60000):  # bounded poll, 1 ms apart
+                if job.get("status") in ("succeeded", "failed", "cancelled"):
+                    break
+                time.sleep(0.001)
+                job = http.get(f"/v1/compile-jobs/{job['id']}").json()
+            if job.get("status") == "succeeded":
+                compile_s.append(time.perf_counter() - t0)
+    finally:
+        http.close()
+        api.close()
+
+    return {
+        "submit_miss": summary_ms(miss_lat),
+        "submit_miss_errors": miss_err[:10],
+        "submit_miss_error_count": len(miss_err),
+        "submit_miss_queued": queued,
+        "submit_wall_s": submit_wall,
+        "submits_per_s": len(miss_lat) / submit_wall if submit_wall else float("nan"),
+        "drained": drained,
+        "drain_s": drain_s,
+        "job_statuses": statuses,
+        "jobs_compiled": compiled,
+        "cache_hit_sequential": summary_ms(seq_hits),
+        "cache_hit_sequential_hits": sum(seq_hit_flags),
+        "cache_hit_concurrent": summary_ms(hit_lat),
+        "cache_hit_concurrent_hits": concurrent_hits,
+        "cache_hit_concurrent_errors": hit_err[:10],
+        "compile": summary_ms(compile_s),
+    }
+
+
+# ------------------------------------------------------------------------------- report
+
+
+def verdicts(upload: dict[str, Any], submit: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "target": "upload throughput >= 0.8x a plain file copy",
+            "value": upload["ratio_vs_copy"],
+            "met": upload["ratio_vs_copy"] >= 0.8,
+        },
+        {
+            "target": "upload throughput >= 0.8x a copy + fsync (the store's durability)",
+            "value": upload["ratio_vs_copy_fsync"],
+            "met": upload["ratio_vs_copy_fsync"] >= 0.8,
+        },
+        {
+            "target": "submit latency p99 < 50 ms, 50 concurrent clients",
+            "value": submit["submit_miss"]["p99_ms"],
+            "met": submit["submit_miss"]["p99_ms"] < 50.0 and not submit["submit_miss_errors"],
+        },
+        {
+            "target": "cache-hit answer p50 < 20 ms",
+            "value": submit["cache_hit_sequential"]["p50_ms"],
+            "met": submit["cache_hit_sequential"]["p50_ms"] < 20.0
+            and submit["cache_hit_sequential_hits"] == submit["cache_hit_sequential"]["n"],
+        },
+    ]
+
+
+def _row(name: str, s: dict[str, float]) -> str:
+    return (
+        f"  {name:<38} n={s['n']:<4} p50 {s['p50_ms']:7.2f} ms  p90 {s['p90_ms']:7.2f}  "
+        f"p99 {s['p99_ms']:7.2f}  max {s['max_ms']:7.2f}"
+    )
+
+
+def render(mode: str, upload: dict[str, Any], submit: dict[str, Any]) -> str:
+    mib = upload["bytes"] / MIB
+    lines = [
+        f"== qpcfarm service benchmark ({mode} mode, loopback, {os.cpu_count()} CPUs) ==",
+        f"upload of a {mib:.0f} MiB model as .{upload['kind']} (median of "
+        f"{len(upload['copy_s'])}):",
+        f"  plain file copy        {upload['copy_mib_s']:8.0f} MiB/s",
+        f"  copy + fsync           {upload['copy_fsync_mib_s']:8.0f} MiB/s",
+        f"  POST /v1/models raw    {upload['upload_raw_mib_s']:8.0f} MiB/s"
+        f"  = {upload['ratio_vs_copy']:.2f}x copy, {upload['ratio_vs_copy_fsync']:.2f}x "
+        "copy+fsync",
+        f"  POST /v1/models form   {upload['upload_multipart_mib_s']:8.0f} MiB/s (multipart)",
+        *(
+            [f"  NOTE: the server refused the .onnx upload: {upload['onnx_refused']}"]
+            if upload["onnx_refused"]
+            else []
+        ),
+        "submit latency, client send -> answer:",
+        _row("new jobs, 50 concurrent clients", submit["submit_miss"]),
+        f"    {submit['submit_miss_queued']} queued, {submit['submit_miss_error_count']} errors,"
+        f" {submit['submits_per_s']:.0f} submits/s; queue drained in {submit['drain_s']:.1f} s"
+        f" ({'yes' if submit['drained'] else 'NO'}); jobs: {submit['job_statuses']}",
+        _row("cache hits, one client, idle farm", submit["cache_hit_sequential"]),
+        f"    {submit['cache_hit_sequential_hits']} answered cache_hit: true",
+        _row("cache hits, 50 concurrent clients", submit["cache_hit_concurrent"]),
+        f"    {submit['cache_hit_concurrent_hits']} answered cache_hit: true",
+        _row("a compile (peer): submit -> succeeded", submit["compile"]),
+    ]
+    compile_p50 = submit["compile"]["p50_ms"]
+    hit_p50 = submit["cache_hit_sequential"]["p50_ms"]
+    if compile_p50 == compile_p50 and hit_p50 > 0:
+        lines.append(f"    cache hit p50 = {hit_p50 / compile_p50:.2f}x a compile's p50")
+    lines.append("targets:")
+    for v in verdicts(upload, submit):
+        lines.append(f"  [{'MET' if v['met'] else 'NOT MET'}] {v['target']}: {v['value']:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def run(mode_farm: bool, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="qpcfarm-bench-", dir=args.work_dir) as tmp:
+        work = Path(tmp)
+        with farm_running(work, mode_farm, args) as farm:
+            print(f"farm ({farm.mode}) at {farm.url}", flush=True)
+            print("uploads:", flush=True)
+            upload = measure_uploads(farm, work, plan)
+            print("submits:", flush=True)
+            submit = measure_submits(farm, plan)
+    text = render(farm.mode, upload, submit)
+    sys.stdout.write(text)
+    return {
+        "mode": farm.mode,
+        "plan": plan.__dict__,
+        "upload": upload,
+        "submit": submit,
+        "verdicts": verdicts(upload, submit),
+        "report": text,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p.add_argument("--quick", action="store_true", help="64 MiB upload, fewer submits")
+    p.add_argument(
+        "--farm",
+        action="store_true",
+        help="also run the farm mode: PostgreSQL + Redis + a worker process",
+    )
+    p.add_argument("--only-farm", action="store_true", help="run the farm mode only")
+    p.add_argument(
+        "--postgres",
+        default=DEFAULT_POSTGRES,
+        help="an admin URL of a PostgreSQL server (a database is created and dropped)",
+    )
+    p.add_argument("--redis", default=DEFAULT_REDIS, help="the Celery broker of --farm")
+    p.add_argument("--work-dir", default=None, help="temporary files go here (default: $TMPDIR)")
+    p.add_argument("--json", help="write every figure to this JSON file")
+    args = p.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    modes = [True] if args.only_farm else ([False, True] if args.farm else [False])
+    results: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for mode in modes:
+        try:
+            results.append(run(mode, plan, args))
+        except Exception as exc:  # noqa: BLE001 - report the mode's failure, keep the others
+            name = "farm" if mode else "embedded"
+            failed.append(name)
+            print(f"{name} mode failed: {type(exc).__name__}: {exc}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    met = not failed and all(v["met"] for r in results for v in r["verdicts"])
+    print("all targets met" if met else "some targets are not met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The embedded mode's worker: a few threads in the API process consuming job ids.
+
+It is the same `process_job` the Celery workers run, fed from a `queue.Queue` instead of a
+broker. The queue lives in memory, so on start it re-enqueues from the database every job that
+is queued, and every running job whose heartbeat went stale (the process that ran it died):
+a restart loses nothing. With `sweep_interval_s` it also sweeps for itself (only it can run
+the embedded mode's jobs), re-taking jobs whose message was lost or whose thread died.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.blobs import BlobStore
+from app.db.models import CompileJob, JobStatus
+from app.db.session import session_scope
+from app.services import jobs
+from worker.runner import default_worker_name, process_job
+from worker.sweep import Sweeper
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+"""Sentinel put once per thread by `close`."""
+
+
+class InProcessQueue:
+    """A `JobQueue` (see app.queue) run by `concurrency` daemon threads of this process."""
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        store: BlobStore,
+        *,
+        concurrency: int = 1,
+        heartbeat_s: float = jobs.DEFAULT_HEARTBEAT_S,
+        stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
+        requeue_after_s: float = jobs.DEFAULT_REQUEUE_AFTER_S,
+        sweep_interval_s: float | None = None,
+    ) -> None:
+        self._sessions = session_factory
+        self._store = store
+        self._concurrency = max(1, concurrency)
+        self._heartbeat_s = heartbeat_s
+        self._stale_after_s = stale_after_s
+        self._requeue_after_s = requeue_after_s
+        self._ids: queue.Queue[object] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._sweep_interval_s = sweep_interval_s
+        self._sweeper: Sweeper | None = None
+
+    def start(self) -> InProcessQueue:
+        """Re-enqueue what the database says is pending, then start the threads."""
+        if self._threads:
+            return self
+        for job_id in self.recover():
+            self._ids.put(job_id)
+        for index in range(self._concurrency):
+            thread = threading.Thread(
+                target=self._run,
+                args=(default_worker_name(f"inproc-{index}"),),
+                name=f"qpcfarm-worker-{index}",
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+        if self._sweep_interval_s is not None:
+            self._sweeper = Sweeper(
+                self._sessions,
+                self,
+                self._sweep_interval_s,
+                stale_after_s=self._stale_after_s,
+                requeue_after_s=self._requeue_after_s,
+            ).start()
+        return self
+
+    def recover(self) -> list[uuid.UUID]:
+        """Ids of the jobs to run after a restart: all queued ones (oldest first), then the
+        running ones presumed dead (`jobs.stale_jobs`)."""
+        with session_scope(self._sessions) as session:
+            queued = list(
+                session.execute(
+                    select(CompileJob.id)
+                    .where(CompileJob.status == JobStatus.queued)
+                    .order_by(CompileJob.created_at)
+                ).scalars()
+            )
+            stale = jobs.stale_jobs(
+                session,
+                stale_after_s=self._stale_after_s,
+                requeue_after_s=self._requeue_after_s,
+            )
+        seen = set(queued)
+        return queued + [job_id for job_id in stale if job_id not in seen]
+
+    def enqueue(self, job_id: uuid.UUID) -> None:
+        if self._closed:
+            raise RuntimeError("the in-process job queue is closed")
+        self._ids.put(job_id)
+
+    def ping(self) -> bool:
+        """True while every worker thread is alive."""
+        return (
+            not self._closed
+            and bool(self._threads)
+            and all(thread.is_alive() for thread in self._threads)
+        )
+
+    def pending(self) -> int:
+        """Job ids waiting for a thread (approximate)."""
+        return self._ids.qsize()
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop taking jobs and wait up to `timeout` s for running compiles. A compile still
+        running then is left to its daemon thread; its job is picked up again after a restart
+        (its heartbeat goes stale)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.stop()
+        for _ in self._threads:
+            self._ids.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def _run(self, worker_name: str) -> None:
+        while True:
+            item = self._ids.get()
+            if item is _STOP or self._closed:  # left queued in the database for a restart
+                return
+            assert isinstance(item, uuid.UUID)
+            try:
+                process_job(
+                    item,
+                    session_factory=self._sessions,
+                    store=self._store,
+                    worker_name=worker_name,
+                    heartbeat_s=self._heartbeat_s,
+                    stale_after_s=self._stale_after_s,
+                )
+            except Exception:  # a database outage: the sweep re-enqueues the job later
+                log.exception("job %s: worker error; the sweep will retry it", item)

@@ -1,0 +1,101 @@
+"""The `qpcfarm.compile` Celery task: a job id in, `worker.runner.process_job` on it.
+
+The message carries only the id; the task re-reads the row and the logic lives in the
+runner. Only named transient database errors are retried (with backoff); any other error of
+a compile is stored on the job by the runner. Database engines and the blob store are built
+per process on first use (a prefork child never reuses its parent's connections).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from worker.celery_app import TASK_NAME
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from sqlalchemy.orm import Session
+
+    from app.blobs import BlobStore
+    from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (OperationalError, PoolTimeoutError)
+"""Database errors worth retrying: the server restarting, a dropped connection, a full pool."""
+
+
+@dataclass
+class _Resources:
+    pid: int
+    session_factory: Callable[[], Session]
+    store: BlobStore
+
+
+class ProcessResources:
+    """The database session factory and blob store of the current process, rebuilt after a
+    fork (Celery's prefork children each get their own connections)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._current: _Resources | None = None
+
+    def get(self) -> _Resources:
+        with self._lock:
+            pid = os.getpid()
+            if self._current is None or self._current.pid != pid:
+                self._current = self._build(pid)
+            return self._current
+
+    def _build(self, pid: int) -> _Resources:
+        from app.blobs import blob_store_from_settings
+        from app.db.session import make_engine, make_session_factory
+
+        factory = make_session_factory(make_engine(self._settings.database_url))
+        return _Resources(pid, factory, blob_store_from_settings(self._settings, factory))
+
+
+def register_tasks(app: Celery, settings: Settings) -> Any:
+    """Add the compile task to `app`; returns the task."""
+    from worker.runner import default_worker_name, process_job
+
+    resources = ProcessResources(settings)
+
+    @app.task(
+        name=TASK_NAME,
+        acks_late=True,
+        ignore_result=True,
+        autoretry_for=TRANSIENT_ERRORS,
+        retry_backoff=True,
+        retry_backoff_max=60,
+        retry_jitter=True,
+        max_retries=5,
+    )
+    def compile_job(job_id: str) -> str | None:
+        try:
+            parsed = uuid.UUID(job_id)
+        except (ValueError, TypeError):
+            log.error("ignoring a message with a malformed job id %r", job_id)
+            return None
+        current = resources.get()
+        status = process_job(
+            parsed,
+            session_factory=current.session_factory,
+            store=current.store,
+            worker_name=default_worker_name("celery"),
+            heartbeat_s=settings.heartbeat_s,
+            stale_after_s=settings.stale_after_s,
+        )
+        return None if status is None else status.value
+
+    return compile_job
