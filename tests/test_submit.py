@@ -177,13 +177,6 @@ def test_a_model_with_external_data_is_uploaded_as_a_zip_and_compiles_the_same(
     assert (tmp_path / "remote" / "programqpc.bin").read_bytes() == local_qpc
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server bug: a bare .onnx whose weights the importer maps from the file itself "
-    "(raw_data >= 1 KiB) is refused at upload (app/services/models.py checks it with an empty "
-    "base_dir) and would be refused at compile (materialize_model hard-links the blob; the "
-    "importer refuses hard-linked external data)",
-)
 def test_a_model_with_kilobytes_of_inline_weights_compiles_the_same(
     server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -24,7 +24,7 @@ from tests.conftest import tiny_model
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 QPC_MAGIC = 0x00A1CD7C
-WAIT_S = 60.0
+WAIT_S = 30.0  # generous: CI machines are shared and slow at times
 """How long a wait for the page may take before the test fails rather than hangs."""
 
 pytestmark = pytest.mark.skipif(
@@ -163,9 +163,13 @@ def wait_for(driver: Any, condition: Any, message: str) -> Any:
 
 
 def css(driver: Any, selector: str) -> Any:
+    """The element, waiting for it: after a click the next page may still be loading."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
 
-    return driver.find_element(By.CSS_SELECTOR, selector)
+    return wait_for(
+        driver, ec.presence_of_element_located((By.CSS_SELECTOR, selector)), f"no {selector}"
+    )
 
 
 def css_all(driver: Any, selector: str) -> list[Any]:
