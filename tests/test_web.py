@@ -24,7 +24,7 @@ from tests.conftest import tiny_model
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 QPC_MAGIC = 0x00A1CD7C
-WAIT_S = 30.0  # generous: CI machines are shared and slow at times
+WAIT_S = 60.0  # generous: CI machines are shared and slow at times
 """How long a wait for the page may take before the test fails rather than hangs."""
 
 pytestmark = pytest.mark.skipif(
