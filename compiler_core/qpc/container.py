@@ -179,7 +179,9 @@ def write_qpc(path: str | os.PathLike[str], segments: Sequence[Segment]) -> int:
     """Write a QPC atomically (temp file in the same directory, then rename).
 
     Adds `<name>.crc` (zlib CRC32 of the data, u32 LE) for every segment. Deterministic: the
-    same segments give a byte-identical file. Returns the total size in bytes.
+    same segments give a byte-identical file. Returns the total size in bytes. Readers never
+    see a partial file; durability across a power cut is the blob store's job (it fsyncs what
+    it keeps), so the compile itself does not wait for the disk, as the vendor tool does not.
     """
     target = Path(path)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -187,7 +189,6 @@ def write_qpc(path: str | os.PathLike[str], segments: Sequence[Segment]) -> int:
         with os.fdopen(fd, "wb") as out:
             total = _write_stream(out, segments)
             out.flush()
-            os.fsync(out.fileno())
         os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, target)
     except BaseException:
