@@ -6,6 +6,7 @@ farm's worker forwards to the job row.
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -120,6 +121,29 @@ def compile_model(
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
     _reject_unimplemented(opts)
+    with _gc_paused():
+        return _compile(source, opts, progress)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for the compile.
+
+    The IR allocates hundreds of thousands of small objects that live until the compile ends;
+    CPython's collector keeps rescanning them (a fifth of the compile time of a ResNet-50).
+    Reference counting still frees everything acyclic at once; cycles wait for the end.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | None
+             ) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
 
