@@ -34,6 +34,7 @@ LOCAL_TEAM = "local"
 API_KEY_FILE = "api-key"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+SWITCH_INTERVAL_S = 0.001
 
 Handler = Callable[[list[str]], int]
 
@@ -70,6 +71,10 @@ def serve_command(argv: list[str]) -> int:
         _announce_local_key(settings)
     if settings.broker_url:
         _start_farm_sweeper(settings)
+    # Compiles run in threads of this process in the embedded mode: a CPU-bound thread keeps
+    # the GIL for a whole switch interval (5 ms by default) each time a request's thread
+    # gives it up for I/O, and a request gives it up a dozen times. 1 ms bounds that wait.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
         "app.main:create_app",
         factory=True,

@@ -17,7 +17,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.api import compile_jobs, meta, models, qpcs, validations
+from app.api import compile_jobs, meta, models, profiles, qpcs, validations
 from app.api.errors import install_error_handlers
 from app.api.schemas import OPTIONS_SCHEMA_NAME
 from app.settings import Settings, get_settings
@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 DESCRIPTION = """\
 An ONNX -> QPC compile farm. Upload a model, submit a compile job with `qaic-compile` options
-(as JSON or as flags), poll it, download the QPC and validate it against a device profile.
+(as JSON or as flags), poll it, download the QPC, validate it against a device profile and
+profile it on the runtime (opstats summary and trace).
 
 Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
 `{"code", "message", ...}` with a stable `code`.
@@ -60,6 +61,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         models.router,
         compile_jobs.router,
         qpcs.router,
+        profiles.router,
         validations.router,
         meta.router,
         meta.health_router,

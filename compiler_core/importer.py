@@ -124,6 +124,7 @@ def import_model(
     _clear_node_output_shapes(model.graph)
     infer_shapes(model)
     _raise_unsupported(_unsupported_dtypes(model, registry))
+    _check_value_types(model.graph)
 
     unresolved = [v.name or "" for v in dynamic_values(model.graph)]
     if unresolved:
@@ -451,12 +452,43 @@ def _check_io_types(graph: ir.Graph) -> None:
                 problems.append(f"{kind} '{value.name}' is a {value.type}")
             elif value.dtype == ir.DataType.STRING:
                 problems.append(f"{kind} '{value.name}' is a string tensor")
+            elif value.dtype is not None and _dtype_name(value.dtype) not in _ELEMENT_TYPES:
+                problems.append(
+                    f"{kind} '{value.name}' has element type {_dtype_name(value.dtype)}"
+                )
             elif kind == "input" and value.dtype is None:
                 problems.append(f"{kind} '{value.name}' has no element type")
     if problems:
         raise CompileError(
             "unsupported_type",
             "only numeric tensors can be graph inputs and outputs: " + "; ".join(problems),
+        )
+
+
+_ELEMENT_TYPES = frozenset(
+    {"float16", "float32", "float64", "bool"}
+    | {f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)}
+)
+"""Element types a QPC can hold (bfloat16, 8/4/2-bit floats and ints have no kernels)."""
+
+
+def _check_value_types(graph: ir.Graph) -> None:
+    """Reject intermediate values of element types no kernel handles (Cast to float8...)."""
+    problems: dict[str, list[str]] = {}
+    for node in graph:
+        for value in node.outputs:
+            if value.dtype is None or value.dtype == ir.DataType.STRING:
+                continue
+            name = _dtype_name(value.dtype)
+            if name not in _ELEMENT_TYPES:
+                problems.setdefault(f"{node.op_type} producing {name}", []).append(node.name or "")
+    if problems:
+        first = next(iter(problems.values()))[0]
+        raise CompileError(
+            "unsupported_type",
+            "element types without kernels: "
+            + "; ".join(f"{what} at {_first_few(nodes)}" for what, nodes in problems.items()),
+            node=first,
         )
 
 

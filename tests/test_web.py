@@ -327,3 +327,53 @@ def test_a_bad_flag_is_named_on_the_page(server: Server, browser: Any, tmp_path:
     upload(browser, model_path, "-aic-num-corez=2")
     assert css(browser, "#error .code").text == "unknown_option"
     assert "-aic-num-corez" in css(browser, "#error").text
+
+
+def test_profiling_a_jobs_qpc_shows_the_per_operator_chart_and_the_timeline(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    import onnx
+
+    model_path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_model(scale=0.61), str(model_path))
+    sign_in(browser, server)
+    upload(browser, model_path, "-aic-num-cores=2 -stats-level=70")
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    job_id = job_id_from_url(browser.current_url)
+    server.gate.open()
+    browser.get(f"{server.url}/jobs/{job_id}")
+    wait_for(browser, lambda d: css(d, "#job-status").text == "succeeded", "the compile")
+
+    iterations = css(browser, "#profile-iterations")
+    iterations.clear()
+    iterations.send_keys("2")
+    css(browser, "#profile").click()
+    wait_for(browser, lambda d: "/profiles/" in d.current_url, "the profile page did not open")
+    wait_for(
+        browser,
+        lambda d: css(d, "#profile-status").text in ("succeeded", "failed"),
+        "the profile never finished on the page",
+    )
+    assert css(browser, "#profile-status").text == "succeeded"
+
+    # The chart: one bar per operator (the tiny model fuses into one kernel of its 3 nodes).
+    bars = css_all(browser, "#op-chart tr.op-row")
+    assert [b.get_attribute("data-op") for b in bars] == ["MatMul_0"]
+    assert "MatMul+Add+Relu" in bars[0].text
+    assert "%" in bars[0].find_element("css selector", ".pct").text
+    # The timeline: lanes of both cores, spans drawn as SVG rectangles with their names.
+    labels = {e.text for e in css_all(browser, "#timeline text.lane-label")}
+    assert {"c00 ops", "c01 ops", "c00 hmx", "c01 dma"} <= labels
+    spans = css_all(browser, "#timeline rect.span-op")
+    assert len(spans) == 2  # the kernel on each core, first inference only
+    assert all(float(s.get_attribute("width")) > 0 for s in spans)
+    assert "MatMul_0" in spans[0].find_element("css selector", "title").get_attribute("textContent")
+    for link in ("#download-summary", "#download-csv", "#download-trace"):
+        assert "/v1/profiles/" in css(browser, link).get_attribute("href")
+    shot = tmp_path / "profile-page.png"  # to look at
+    browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+
+    css(browser, "#job-link").click()
+    wait_for(browser, lambda d: f"/jobs/{job_id}" in d.current_url, "back to the job")
+    assert "succeeded" in css(browser, "#profiles").text

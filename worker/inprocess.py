@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.blobs import BlobStore
 from app.db.models import CompileJob, JobStatus
 from app.db.session import session_scope
-from app.services import jobs
+from app.services import jobs, profiles
 from worker.runner import default_worker_name, process_job
 from worker.sweep import Sweeper
 
@@ -82,8 +82,9 @@ class InProcessQueue:
         return self
 
     def recover(self) -> list[uuid.UUID]:
-        """Ids of the jobs to run after a restart: all queued ones (oldest first), then the
-        running ones presumed dead (`jobs.stale_jobs`)."""
+        """Ids of the jobs to run after a restart: all queued compiles (oldest first) and
+        profiles, then the running ones presumed dead (`jobs.stale_jobs`,
+        `profiles.pending_ids`)."""
         with session_scope(self._sessions) as session:
             queued = list(
                 session.execute(
@@ -92,7 +93,13 @@ class InProcessQueue:
                     .order_by(CompileJob.created_at)
                 ).scalars()
             )
+            queued += profiles.queued_ids(session)
             stale = jobs.stale_jobs(
+                session,
+                stale_after_s=self._stale_after_s,
+                requeue_after_s=self._requeue_after_s,
+            )
+            stale += profiles.pending_ids(
                 session,
                 stale_after_s=self._stale_after_s,
                 requeue_after_s=self._requeue_after_s,

@@ -9,6 +9,9 @@ most every `progress_interval_s`); a cancel, or losing the job to another worker
 compile at its next progress report or heartbeat (`jobs.run_compile` raises its private stop
 exception from the progress callback, a BaseException no `except Exception` in the compiler
 swallows). The QPC is stored by sha256, so a job run twice stores one QPC.
+
+Profile jobs share the queue and the task: a message carries an id, and the id's table says
+the kind (`profiles.is_profile`), so `process_job` hands a profile id to `process_profile`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from app.blobs import BlobStore
 from app.db.models import JobStatus
-from app.services import jobs
+from app.services import jobs, profiles
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,17 @@ def process_job(
     """
     session = session_factory()
     try:
+        if profiles.is_profile(session, job_id):
+            return process_profile(
+                session,
+                job_id,
+                session_factory=session_factory,
+                store=store,
+                worker_name=worker_name,
+                heartbeat_s=heartbeat_s,
+                stale_after_s=stale_after_s,
+                max_attempts=max_attempts,
+            )
         job = jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
         if job is None:
             log.info("job %s: not claimable (finished, cancelled or taken); skipped", job_id)
@@ -89,3 +103,35 @@ def process_job(
         return job.status
     finally:
         session.close()
+
+
+def process_profile(
+    session: Session,
+    job_id: uuid.UUID,
+    *,
+    session_factory: Callable[[], Session],
+    store: BlobStore,
+    worker_name: str,
+    heartbeat_s: float = jobs.DEFAULT_HEARTBEAT_S,
+    stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
+    max_attempts: int = MAX_ATTEMPTS,
+) -> JobStatus | None:
+    """Claim and run profile job `job_id` on `session`, as `process_job` does a compile."""
+    job = profiles.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
+    if job is None:
+        log.info("profile %s: not claimable (finished or taken); skipped", job_id)
+        return None
+    if job.attempts > max_attempts:
+        profiles.fail(
+            session,
+            job,
+            "worker_lost",
+            f"the profile's worker stopped {job.attempts - 1} times while running it; giving up",
+            {"attempts": job.attempts - 1},
+        )
+        return job.status
+    log.info("profile %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
+    with profiles.Heartbeat(session_factory, job, heartbeat_s):
+        profiles.run_profile(session, store, job)
+    log.info("profile %s: %s", job_id, job.status.value)
+    return job.status

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.db.session import session_scope
-from app.services import jobs
+from app.services import jobs, profiles
 
 if TYPE_CHECKING:
     from app.queue import JobQueue
@@ -41,9 +41,13 @@ def sweep_once(
     stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
     requeue_after_s: float = jobs.DEFAULT_REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
-    """Enqueue the stale jobs again (committed first, then enqueued); returns their ids."""
+    """Enqueue the stale jobs (compiles and profiles) again, committed first, then enqueued;
+    returns their ids."""
     with session_scope(session_factory) as session:
         ids = jobs.stale_jobs(
+            session, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
+        )
+        ids += profiles.pending_ids(
             session, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
         )
     for job_id in ids:

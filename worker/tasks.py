@@ -1,4 +1,5 @@
-"""The `qpcfarm.compile` Celery task: a job id in, `worker.runner.process_job` on it.
+"""The `qpcfarm.compile` Celery task: a job id in, `worker.runner.process_job` on it (a
+compile job's id, or a profile job's: the runner tells them apart by the id's table).
 
 The message carries only the id; the task re-reads the row and the logic lives in the
 runner. Only named transient database errors are retried (with backoff); any other error of

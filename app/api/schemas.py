@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from app.db.models import CompileJob, CompileReport, JobStatus, Qpc, Validation
+from app.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
 
 OPTIONS_SCHEMA_NAME = "CompileOptions"
 """Component name of `compiler_core.options.options_json_schema()` in the OpenAPI document."""
@@ -221,6 +221,70 @@ class ValidationList(BaseModel):
     count: int
     limit: int
     offset: int
+
+
+class ProfileCreate(BaseModel):
+    """A profile run's settings (JSON body; or form fields before the `inputs` file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: int = Field(default=1, ge=1, le=100, description="Inferences to run.")
+
+
+class ProfileOut(BaseModel):
+    """A profile job: the QPC run on the functional runtime with stats, then opstats.
+    `summary` (estimated, per inference) is set once it succeeded."""
+
+    id: uuid.UUID
+    qpc_id: uuid.UUID
+    status: JobStatus
+    iterations: int
+    inputs: Literal["uploaded", "random"]
+    inputs_sha256: str | None
+    error: JobError | None
+    summary: dict[str, Any] | None = Field(
+        description="`operators` (operator_totals: op, type, unit, cores, cycles, "
+        "share_percent, output_bytes, nodes), `op_types`, `cores`, `ports`, "
+        "`inference_cycles`, `inference_us`, `stats_level`, `estimated: true`."
+    )
+    summary_txt_url: str | None
+    summary_csv_url: str | None
+    trace_url: str | None
+    attempts: int
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, job: ProfileJob) -> ProfileOut:
+        error = None
+        if job.error_code is not None:
+            error = JobError(
+                **{
+                    **(job.error_detail or {}),
+                    "code": job.error_code,
+                    "message": job.error_message or "",
+                }
+            )
+        base = f"/v1/profiles/{job.id}"
+        done = job.status == JobStatus.succeeded
+        return cls(
+            id=job.id,
+            qpc_id=job.qpc_id,
+            status=job.status,
+            iterations=job.iterations,
+            inputs="uploaded" if job.inputs_sha256 else "random",
+            inputs_sha256=job.inputs_sha256,
+            error=error,
+            summary=job.summary,
+            summary_txt_url=f"{base}/summary.txt" if done else None,
+            summary_csv_url=f"{base}/summary.csv" if done else None,
+            trace_url=f"{base}/trace.json" if job.trace_sha256 else None,
+            attempts=job.attempts,
+            created_at=job.created_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+        )
 
 
 class DeviceOut(BaseModel):

@@ -198,6 +198,46 @@ class Validation(Base):
     created_at: Mapped[dt.datetime] = _created()
 
 
+class ProfileJob(Base):
+    """A run of a stored QPC on the functional runtime with stats, post-processed by opstats.
+
+    Queued and claimed like a compile job (the worker tells the kinds apart by the id's
+    table). The results are the opstats summary as JSON (`operator_totals`, per-core and port
+    figures), text and CSV, and the Chrome trace as a blob (it can be large)."""
+
+    __tablename__ = "profile_jobs"
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    qpc_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("qpcs.id", ondelete="CASCADE"), index=True)
+    status: Mapped[JobStatus] = mapped_column(
+        Enum(JobStatus, native_enum=False, length=16, validate_strings=True),
+        default=JobStatus.queued,
+        index=True,
+    )
+    iterations: Mapped[int] = mapped_column(Integer, default=1)
+    inputs_sha256: Mapped[str | None] = mapped_column(String(SHA256_LEN))
+    """The uploaded `.npz` of inputs; None: random inputs of the QPC's dtypes and shapes."""
+    error_code: Mapped[str | None] = mapped_column(String(64))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    summary_text: Mapped[str | None] = mapped_column(Text)
+    summary_csv: Mapped[str | None] = mapped_column(Text)
+    trace_sha256: Mapped[str | None] = mapped_column(String(SHA256_LEN))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[dt.datetime] = _created()
+    enqueued_at: Mapped[dt.datetime | None] = mapped_column()
+    started_at: Mapped[dt.datetime | None] = mapped_column()
+    finished_at: Mapped[dt.datetime | None] = mapped_column()
+    heartbeat_at: Mapped[dt.datetime | None] = mapped_column()
+
+    qpc: Mapped[Qpc] = relationship()
+
+
 class Blob(Base):
     """A complete blob of the database blob store; its row is written last, so it exists only
     once every chunk is in."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,19 +20,31 @@ from app.settings import get_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SQLITE_BUSY_TIMEOUT_S = 30.0
+SQLITE_POOL_SIZE = 32
+"""SQLite connections kept open: as many as API threads that use one at a time, so a burst
+never opens (and PRAGMA-configures) connections that are thrown away on return."""
+_WRITE_KEYWORDS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER")
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for `url`. SQLite gets WAL, foreign keys, a busy timeout and cross-thread use
-    (API threads and the in-process worker share the file); its folder is created."""
+    (API threads and the in-process worker share the file), and the engine's writers take
+    turns on a lock of its own (`_serialized_writes`); its folder is created."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         kwargs.setdefault("pool_pre_ping", True)
         return create_engine(url, **kwargs)
 
-    if parsed.database and parsed.database != ":memory:":
+    file_backed = bool(parsed.database) and parsed.database != ":memory:"
+    if file_backed:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    connect_args = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S}
+        kwargs.setdefault("pool_size", SQLITE_POOL_SIZE)
+        kwargs.setdefault("max_overflow", SQLITE_POOL_SIZE)
+    connect_args: dict[str, Any] = {
+        "check_same_thread": False,
+        "timeout": SQLITE_BUSY_TIMEOUT_S,
+        "factory": _serialized_writes(threading.Lock()),
+    }
     connect_args.update(kwargs.pop("connect_args", {}))
     engine = create_engine(url, connect_args=connect_args, **kwargs)
 
@@ -43,6 +57,75 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         cursor.close()
 
     return engine
+
+
+def _serialized_writes(lock: threading.Lock) -> type[sqlite3.Connection]:
+    """A sqlite3 connection class whose write transactions hold `lock` (one per engine) from
+    their first write statement to their commit or rollback.
+
+    SQLite admits one writer at a time; a second one waits in SQLite's busy handler, which
+    polls with sleeps of up to 100 ms, so under a burst of submits most of the latency was
+    sleeping on a lock that had long been free. Taking turns on a Python lock hands the write
+    over the moment the previous one ends. Other processes on the same file (a second
+    `serve --workers` process, the CLI) still meet SQLite's own lock and busy timeout, and a
+    writer that waited `SQLITE_BUSY_TIMEOUT_S` for the lock goes on to SQLite's.
+    """
+
+    class SerializedWritesConnection(sqlite3.Connection):
+        _holding = False
+
+        def cursor(self, factory: Any = None) -> Any:
+            return super().cursor(factory or SerializedWritesCursor)
+
+        def before_statement(self, sql: str) -> None:
+            if not self._holding and sql.lstrip()[:7].upper().startswith(_WRITE_KEYWORDS):
+                self._holding = lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_S)
+
+        def after_statement(self) -> None:
+            if self._holding and not self.in_transaction:  # autocommitted (DDL, PRAGMA)
+                self._release()
+
+        def _release(self) -> None:
+            if self._holding:
+                self._holding = False
+                lock.release()
+
+        def commit(self) -> None:
+            try:
+                super().commit()
+            finally:
+                self._release()
+
+        def rollback(self) -> None:
+            try:
+                super().rollback()
+            finally:
+                self._release()
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                self._release()
+
+    class SerializedWritesCursor(sqlite3.Cursor):
+        connection: SerializedWritesConnection
+
+        def execute(self, sql: str, parameters: Any = (), /) -> Any:
+            self.connection.before_statement(sql)
+            try:
+                return super().execute(sql, parameters)
+            finally:
+                self.connection.after_statement()
+
+        def executemany(self, sql: str, parameters: Any, /) -> Any:
+            self.connection.before_statement(sql)
+            try:
+                return super().executemany(sql, parameters)
+            finally:
+                self.connection.after_statement()
+
+    return SerializedWritesConnection
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

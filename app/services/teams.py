@@ -54,7 +54,8 @@ def team_for_key(session: Session, key: str) -> Team | None:
     """The team a bearer key belongs to, or None for an unknown, malformed or revoked key."""
     if not key.startswith(KEY_PREFIX) or len(key) > 200:
         return None
-    row = session.execute(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+    return session.execute(
+        select(Team)
+        .join(ApiKey, ApiKey.team_id == Team.id)
+        .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
     ).scalar_one_or_none()
-    return None if row is None else row.team

@@ -1,5 +1,6 @@
 """The server-rendered pages at `/`: sign in, upload and compile, watch jobs, read a job's
-report, download its QPC and validate it against a device.
+report, download its QPC, validate it against a device and profile it (per-operator chart and
+timeline).
 
 Routes stay thin: the work is done by the same service functions the JSON API calls, and a
 refusal is shown on the page as its stable code and message.
@@ -7,6 +8,7 @@ refusal is shown on the page as its stable code and message.
 
 from __future__ import annotations
 
+import json
 import shlex
 import uuid
 from pathlib import Path
@@ -15,13 +17,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
-from app.db.models import CompileJob, JobStatus, Team
-from app.services import jobs, models, qpcs, teams, validations
+from app.blobs import BlobStore
+from app.db.models import CompileJob, JobStatus, ProfileJob, Team
+from app.services import jobs, models, profiles, qpcs, teams, validations
 from app.services.errors import ServiceError
-from app.web import auth, views
+from app.web import auth, profile_views, views
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import list_devices
 
@@ -234,6 +238,7 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
         "job": job,
         "qpc": qpc,
         "report": report,
+        "profiles": profiles.profiles_of_qpc(session, team, qpc.id) if qpc else [],
         "metrics": views.split_metrics(report.metrics) if report else views.Metrics(),
         "flags": CompileOptions.from_json(job.options).to_flags(),
         "devices": list_devices(),
@@ -333,6 +338,112 @@ def cancel(
         context = {**job_context(session, team, job), "error": exc.to_dict()}
         return render(request, "job.html", context, exc.status)
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+# ---------------------------------------------------------------------------- profiles
+
+
+@router.post("/jobs/{job_id}/profile", response_model=None)
+def start_profile(
+    request: Request,
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    queue: QueueDep,
+    iterations: FormStr = "1",
+    csrf: FormStr = "",
+) -> Response:
+    """Profile the job's QPC on the runtime (random inputs), as `POST /v1/qpcs/{id}/profile`."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return not_found_page(request, team, "job", job_id)
+    if not auth.csrf_ok(request, csrf):
+        context = {**job_context(session, team, job), "error": csrf_refused()}
+        return render(request, "job.html", context, 403)
+    try:
+        if job.qpc_id is None:
+            raise ServiceError("no_qpc", f"job {job.id} has no QPC to profile yet", 409)
+        try:
+            count = int(iterations.strip() or "1")
+        except ValueError:
+            raise ServiceError(
+                "invalid_iterations", f"iterations must be a number, not {iterations!r}", 422
+            ) from None
+        qpc = qpcs.get_qpc(session, team, job.qpc_id)
+        row = profiles.submit(session, team, qpc, iterations=count)
+        session.commit()
+    except ServiceError as exc:
+        session.rollback()
+        context = {**job_context(session, team, job), "error": exc.to_dict()}
+        return render(request, "job.html", context, exc.status)
+    queue.enqueue(row.id)
+    return RedirectResponse(f"/profiles/{row.id}", status_code=303)
+
+
+def find_profile(session: Session, team: Team, profile_id: str) -> ProfileJob | None:
+    ident = parse_uuid(profile_id)
+    if ident is None:
+        return None
+    try:
+        return profiles.get_profile(session, team, ident)
+    except ServiceError:
+        return None
+
+
+def profile_context(
+    session: Session, store: BlobStore, team: Team, profile: ProfileJob
+) -> dict[str, Any]:
+    trace = None
+    if profile.trace_sha256 is not None:
+        trace = json.loads(profiles.trace_bytes(store, profile))
+    compile_job = session.execute(
+        select(CompileJob.id)
+        .where(CompileJob.team_id == team.id, CompileJob.qpc_id == profile.qpc_id)
+        .order_by(CompileJob.created_at)
+        .limit(1)
+    ).scalar_one_or_none()
+    return {
+        "team": team,
+        "profile": profile,
+        "compile_job_id": compile_job,
+        "summary": profile.summary or {},
+        "chart": profile_views.operator_chart(profile.summary),
+        "timeline": profile_views.timeline(trace),
+    }
+
+
+@router.get("/profiles/{profile_id}", response_model=None)
+def profile_page(
+    request: Request, profile_id: str, session: SessionDep, settings: SettingsDep, store: StoreDep
+) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    profile = find_profile(session, team, profile_id)
+    if profile is None:
+        return not_found_page(request, team, "profile", profile_id)
+    return render(request, "profile.html", profile_context(session, store, team, profile))
+
+
+@router.get("/profiles/{profile_id}/live", response_model=None)
+def profile_live(
+    request: Request, profile_id: str, session: SessionDep, settings: SettingsDep, store: StoreDep
+) -> Response:
+    """The profile page's body, polled while the profile is queued or running."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return Response(status_code=401)
+    profile = find_profile(session, team, profile_id)
+    if profile is None:
+        return Response(status_code=404)
+    context = profile_context(session, store, team, profile)
+    response = render(request, "_profile_body.html", context)
+    if not profile.status.is_active:
+        response.headers[POLL_DONE_HEADER] = "1"
+    return response
 
 
 # ------------------------------------------------------------------------------ static

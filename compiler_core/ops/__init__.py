@@ -4,6 +4,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     activation,
     conv,
     elementwise,
+    loss,
     matmul,
     norm,
     pool,

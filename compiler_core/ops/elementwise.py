@@ -24,7 +24,6 @@ from compiler_core.ops.registry import (
     INTS,
     NUMERIC,
     SIGNED,
-    UNSIGNED,
     Box,
     NodeInfo,
     OpDef,
@@ -138,8 +137,10 @@ def _mod(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Arra
     a, b = _required(node, inputs, 0), _required(node, inputs, 1)
     fmod = int(node.attr("fmod", 0))
     with np.errstate(all="ignore"):
-        if fmod or a.dtype.kind == "f":
+        if fmod:
             result = np.fmod(widen(a), widen(b))
+        elif a.dtype.kind == "f":
+            result = np.mod(widen(a), widen(b))  # the sign of the divisor, as Python's %
         else:
             result = np.mod(a, b)
     return [np.asarray(result).astype(out_dtype(node), copy=False)]
@@ -210,6 +211,9 @@ def _bit_shift(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> lis
     safe = np.where(too_far, 0, b).astype(a.dtype)
     if node.attr("direction") == "LEFT":
         shifted = np.left_shift(a, safe)
+    elif node.attr("direction") == "RIGHT" and a.dtype.kind == "i":
+        # Arithmetic shift: by the width or more, only the sign is left (0 or -1).
+        return [np.right_shift(a, np.minimum(b, bits - 1).astype(a.dtype)).astype(out_dtype(node))]
     elif node.attr("direction") == "RIGHT":
         shifted = np.right_shift(a, safe)
     else:
@@ -279,7 +283,7 @@ register_elementwise("Cast", _cast, since=6, dtypes=ALL)
 register_elementwise("CastLike", _cast, since=15, dtypes=ALL, input_boxes=_first_input_box)
 register_elementwise("IsNaN", _is_nan, since=9)
 register_elementwise("IsInf", _is_inf, since=10)
-register_elementwise("BitShift", _bit_shift, since=11, dtypes=UNSIGNED)
+register_elementwise("BitShift", _bit_shift, since=11, dtypes=INTS)
 register_binary("BitwiseAnd", np.bitwise_and, since=18, dtypes=INTS)
 register_binary("BitwiseOr", np.bitwise_or, since=18, dtypes=INTS)
 register_binary("BitwiseXor", np.bitwise_xor, since=18, dtypes=INTS)

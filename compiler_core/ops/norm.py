@@ -282,7 +282,32 @@ def layer_norm_compute(
     return outputs
 
 
+def rms_norm_compute(
+    node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
+) -> list[np.ndarray]:
+    """x / sqrt(mean(x^2) + epsilon) * scale over the axes from `axis` on."""
+    axes = tuple(_layer_norm_axes(node))
+    x = _x_tile(node, inputs, tile, axes)
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    xa = x.astype(acc, copy=False)
+    rms = np.sqrt(np.square(xa).mean(axis=axes, keepdims=True) + acc(node.attr("epsilon", 1e-5)))
+    scale = inputs[1]
+    assert scale is not None
+    y = xa / rms * scale.astype(acc, copy=False)
+    return [y.astype(np.dtype(node.out_dtypes[0]), copy=False)]
+
+
 _ln_split, _ln_boxes = _along(_layer_norm_axes)
+register(
+    "RMSNormalization",
+    rms_norm_compute,
+    since=23,
+    kernel="rms_norm",
+    split_axes=_ln_split,
+    input_boxes=_ln_boxes,
+    macs=_input_elements,
+    doc="Root-mean-square normalisation over the axes from axis on, times scale.",
+)
 register(
     "LayerNormalization",
     layer_norm_compute,

@@ -236,10 +236,14 @@ def _cumsum(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[A
     work = widen(x)
     if int(node.attr("reverse", 0)):
         work = np.flip(work, axis=axis)
-    total = np.cumsum(work, axis=axis, dtype=work.dtype)
+    product = node.op_type == "CumProd"
+    accumulate = np.cumprod if product else np.cumsum
+    total = accumulate(work, axis=axis, dtype=work.dtype)
     if int(node.attr("exclusive", 0)):
+        first = np.take(total, [0], axis=axis)
+        identity = np.ones_like(first) if product else np.zeros_like(first)
         total = np.concatenate(
-            [np.zeros_like(np.take(total, [0], axis=axis)), np.delete(total, -1, axis=axis)],
+            [identity, np.delete(total, -1, axis=axis)],
             axis=axis,
         )
     if int(node.attr("reverse", 0)):
@@ -247,11 +251,12 @@ def _cumsum(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[A
     return [np.ascontiguousarray(total).astype(out_dtype(node), copy=False)]
 
 
-register(
-    "CumSum",
-    _cumsum,
-    since=11,
-    dtypes=NUMERIC,
-    split_axes=_cumsum_split_axes,
-    input_boxes=_cumsum_input_boxes,
-)
+for _name, _since in (("CumSum", 11), ("CumProd", 26)):
+    register(
+        _name,
+        _cumsum,
+        since=_since,
+        dtypes=NUMERIC,
+        split_axes=_cumsum_split_axes,
+        input_boxes=_cumsum_input_boxes,
+    )

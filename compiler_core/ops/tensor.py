@@ -639,7 +639,8 @@ def _space_to_depth(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -
     x = _x(node, inputs)
     b = int(node.attr("blocksize"))
     n, c, h, w = x.shape
-    y = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+    order = (0, 1, 3, 5, 2, 4) if node.attr("mode", "DCR") == "CRD" else (0, 3, 5, 1, 2, 4)
+    y = x.reshape(n, c, h // b, b, w // b, b).transpose(order)
     return [np.ascontiguousarray(y).reshape(n, c * b * b, h // b, w // b)]
 
 

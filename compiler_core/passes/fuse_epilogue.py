@@ -9,6 +9,7 @@ A step fuses when (the check; each failure is recorded with its reasons in `refu
 - the producer is a node with a registry kernel that is not an alias (Reshape...) and has
   one output, which is not a graph output and has exactly one use;
 - that use is an elementwise op (OpDef.elementwise) with one output;
+- that use is not itself a fused kernel (it would lose its own epilogue);
 - the step's output has the producer output's shape and dtype;
 - every other operand has a static shape that broadcasts into that shape.
 """
@@ -111,6 +112,9 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
         return None, reasons
     if len(consumer.outputs) != 1:
         reasons.append(f"{consumer.op_type} has {len(consumer.outputs)} outputs")
+    if EPILOGUE_KEY in consumer.meta:
+        # Already a fused kernel: as a step it would lose its own epilogue and extra inputs.
+        reasons.append(f"{consumer.op_type} already carries an epilogue")
     step_out = consumer.outputs[0]
     out_dims, step_dims = static_dims(out), static_dims(step_out)
     if out_dims is None or step_dims is None:
