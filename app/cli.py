@@ -56,7 +56,17 @@ def serve_command(argv: list[str]) -> int:
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"default {DEFAULT_HOST}")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="API processes (default 1). Each embedded-mode process also runs its own job "
+        "threads (QPCFARM_WORKER_CONCURRENCY each): safe, since a job is claimed by one "
+        "conditional UPDATE, but N processes compile up to N x that many jobs at once",
+    )
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        raise CliError("--workers must be at least 1")
 
     import uvicorn
 
@@ -81,6 +91,7 @@ def serve_command(argv: list[str]) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        workers=args.workers,
     )
     return 0
 

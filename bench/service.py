@@ -246,7 +246,15 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
             farm,
             work,
             "serve",
-            _qpcfarm("serve", "--port", str(port), "--log-level", "warning"),
+            _qpcfarm(
+                "serve",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--workers",
+                str(args.workers),
+            ),
             env,
         )
         _wait_healthy(farm)
@@ -600,10 +608,11 @@ def _row(name: str, s: dict[str, float]) -> str:
     )
 
 
-def render(mode: str, upload: dict[str, Any], submit: dict[str, Any]) -> str:
+def render(mode: str, upload: dict[str, Any], submit: dict[str, Any], workers: int = 1) -> str:
     mib = upload["bytes"] / MIB
     lines = [
-        f"== qpcfarm service benchmark ({mode} mode, loopback, {os.cpu_count()} CPUs) ==",
+        f"== qpcfarm service benchmark ({mode} mode, loopback, {os.cpu_count()} CPUs, "
+        f"{workers} API process{'es' if workers > 1 else ''}) ==",
         f"upload of a {mib:.0f} MiB model as .{upload['kind']} (median of "
         f"{len(upload['copy_s'])}):",
         f"  plain file copy        {upload['copy_mib_s']:8.0f} MiB/s",
@@ -647,7 +656,7 @@ def run(mode_farm: bool, plan: Plan, args: argparse.Namespace) -> dict[str, Any]
             upload = measure_uploads(farm, work, plan)
             print("submits:", flush=True)
             submit = measure_submits(farm, plan)
-    text = render(farm.mode, upload, submit)
+    text = render(farm.mode, upload, submit, args.workers)
     sys.stdout.write(text)
     return {
         "mode": farm.mode,
@@ -674,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="an admin URL of a PostgreSQL server (a database is created and dropped)",
     )
     p.add_argument("--redis", default=DEFAULT_REDIS, help="the Celery broker of --farm")
+    p.add_argument("--workers", type=int, default=1, help="API processes (`serve --workers`)")
     p.add_argument("--work-dir", default=None, help="temporary files go here (default: $TMPDIR)")
     p.add_argument("--json", help="write every figure to this JSON file")
     args = p.parse_args(argv)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,6 +114,54 @@ class HashingCounter:
 
     def ref(self) -> BlobRef:
         return BlobRef(self._hash.hexdigest(), self.size)
+
+
+class BackgroundHashingCounter(HashingCounter):
+    """A HashingCounter whose sha256 runs in a thread of its own from the second chunk on,
+    so that hashing (~1.7 GB/s here) overlaps the caller's writes instead of adding to them;
+    hashlib releases the GIL on large buffers. Size and limit are still checked at once, in
+    the caller's thread. Use as a context manager: leaving it stops the thread."""
+
+    QUEUED_CHUNKS = 8
+
+    def __init__(self, max_bytes: int | None) -> None:
+        super().__init__(max_bytes)
+        self._chunks: queue.Queue[bytes | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def update(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.max_bytes is not None and self.size > self.max_bytes:
+            raise BlobTooLarge(self.max_bytes)
+        if self._chunks is None:
+            if self.size == len(chunk):  # the first chunk: a small blob needs no thread
+                self._hash.update(chunk)
+                return
+            self._chunks = queue.Queue(self.QUEUED_CHUNKS)
+            self._thread = threading.Thread(target=self._run, name="blob-hash", daemon=True)
+            self._thread.start()
+        self._chunks.put(chunk)
+
+    def _run(self) -> None:
+        assert self._chunks is not None
+        while (chunk := self._chunks.get()) is not None:
+            self._hash.update(chunk)
+
+    def _join(self) -> None:
+        if self._chunks is not None and self._thread is not None:
+            self._chunks.put(None)
+            self._thread.join()
+            self._chunks = self._thread = None
+
+    def ref(self) -> BlobRef:
+        self._join()
+        return super().ref()
+
+    def __enter__(self) -> BackgroundHashingCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._join()
 
 
 def check_sha256(sha256: str) -> str:

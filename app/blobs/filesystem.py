@@ -10,9 +10,9 @@ from typing import BinaryIO
 
 from app.blobs.base import (
     CHUNK_SIZE,
+    BackgroundHashingCounter,
     BlobNotFound,
     BlobRef,
-    HashingCounter,
     Source,
     check_range,
     check_sha256,
@@ -35,16 +35,15 @@ class FilesystemBlobStore:
         return self.root / sha256[:2] / sha256[2:]
 
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
-        counter = HashingCounter(max_bytes)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         try:
-            with open(tmp, "wb") as out:
+            # Unbuffered: chunks are large, so a buffer would only add a copy.
+            with BackgroundHashingCounter(max_bytes) as counter, open(tmp, "wb", 0) as out:
                 for chunk in iter_chunks(data):
                     counter.update(chunk)
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            ref = counter.ref()
+                    _write_all(out, chunk)
+                os.fsync(out.fileno())  # once, at the end
+                ref = counter.ref()
             final = self._path(ref.sha256)
             if final.exists():
                 tmp.unlink()
@@ -92,6 +91,14 @@ class FilesystemBlobStore:
         if not path.is_file():
             raise BlobNotFound(sha256)
         return path
+
+
+def _write_all(out: BinaryIO, chunk: bytes) -> None:
+    """An unbuffered file may write less than asked; write the rest."""
+    view = memoryview(chunk)
+    while view:
+        written = out.write(view)
+        view = view[written or 0 :]
 
 
 def _file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:

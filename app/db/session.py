@@ -35,8 +35,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         kwargs.setdefault("pool_pre_ping", True)
         return create_engine(url, **kwargs)
 
-    file_backed = bool(parsed.database) and parsed.database != ":memory:"
-    if file_backed:
+    if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("pool_size", SQLITE_POOL_SIZE)
         kwargs.setdefault("max_overflow", SQLITE_POOL_SIZE)
