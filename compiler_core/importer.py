@@ -305,6 +305,7 @@ def _run_checker(model: ir.Model) -> None:
 
 def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
     """Reject external data that escapes the model's folder, is missing or is too short."""
+    files: dict[str, tuple[str, os.stat_result]] = {}  # location -> (real path, stat), once
     for tensor in _external_tensor_protos(proto):
         info = onnx.external_data_helper.ExternalDataInfo(tensor)
         location = str(info.location)
@@ -315,13 +316,16 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
                 f"{where} keeps its data in an external file, but the model was given without "
                 "a folder: pass the model by its file path (or give base_dir)",
             )
-        _check_location(location, base_dir, where)
-        path = os.path.realpath(base_dir / location)
-        if not os.path.isfile(path):
-            raise CompileError(
-                "external_data_missing",
-                f"{where}: file '{location}' not found next to the model in '{base_dir}'",
-            )
+        if location not in files:
+            _check_location(location, base_dir, where)
+            real = os.path.realpath(base_dir / location)
+            if not os.path.isfile(real):
+                raise CompileError(
+                    "external_data_missing",
+                    f"{where}: file '{location}' not found next to the model in '{base_dir}'",
+                )
+            files[location] = (real, os.stat(real))
+        stat = files[location][1]
         nbytes = _tensor_nbytes(tensor)
         length = info.length if info.length not in (None, -1) else nbytes
         if length != nbytes:
@@ -330,14 +334,14 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
                 f"{where}: length {length} does not match the tensor's size, {nbytes} bytes",
             )
         offset = max(int(info.offset or 0), 0)
-        size = os.stat(path).st_size
+        size = stat.st_size
         if offset + length > size:
             raise CompileError(
                 "external_data_missing",
                 f"{where}: file is {size} bytes but the tensor needs bytes "
                 f"[{offset}, {offset + length})",
             )
-        if os.stat(path).st_nlink > 1:
+        if stat.st_nlink > 1:
             raise CompileError(
                 "unsafe_external_data",
                 f"{where}: the file has several hard links, which onnx_ir refuses to map "
