@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from compiler_core.costmodel import build_timeline
+from compiler_core.costmodel import Timeline, build_timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource, import_model, require_static_shapes
 from compiler_core.lowering.emit import emit_program
@@ -51,12 +51,21 @@ _STAGES = {
 @dataclass
 class CompileResult:
     qpc_path: Path
-    metrics: dict[str, Any]
     warnings: list[dict[str, Any]]
     pass_times: dict[str, float]
     options: CompileOptions
     program: Program = field(repr=False)
+    _report: Callable[[], dict[str, Any]] = field(repr=False, default=dict)
     _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+    _metrics: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The perf metrics, computed from the cost model's timeline on first use: a caller
+        that never looks (most scripted compiles) does not pay for the schedule."""
+        if self._metrics is None:
+            self._metrics = self._report()
+        return self._metrics
 
     @property
     def qpc(self) -> bytes:
@@ -193,12 +202,20 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
     warnings += _option_notes(opts)
     warnings += [_warning("import", w) for w in imported.warnings]
     warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
-    timeline = build_timeline(program, device)
-    warnings += perf_warnings(program, lowered, opts, device, timeline)
-    metrics = perf_metrics(program, lowered, plan, opts, device, timeline)
+    timelines: list[Timeline] = []
+
+    def timeline() -> Timeline:
+        if not timelines:
+            timelines.append(build_timeline(program, device))
+        return timelines[0]
+
+    if opts.aic_perf_warnings:
+        warnings += perf_warnings(program, lowered, opts, device, timeline())
+    else:
+        warnings += perf_warnings(program, lowered, opts, device)
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",
-        metrics=metrics,
+        _report=lambda: perf_metrics(program, lowered, plan, opts, device, timeline()),
         warnings=warnings,
         pass_times=stages.pass_times(),
         options=opts,
