@@ -353,3 +353,32 @@ def test_constants_folded_into_a_conv_keep_their_node_names() -> None:
     np.testing.assert_allclose(
         run_qpc(result.qpc_path, {"x": x})["y"], _reference(model, {"x": x}), rtol=1e-4, atol=1e-5
     )
+
+
+def test_a_long_chain_waits_only_on_its_neighbours_and_stays_right() -> None:
+    nodes, prev = [], "x"
+    for i in range(200):
+        nodes.append(helper.make_node("Transpose", [prev], [f"v{i}"], perm=[1, 0], name=f"t{i}"))
+        prev = f"v{i}"
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 64])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [8, 64])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = compile_model(model, ["-aic-num-cores=4"])
+    program = result.program
+    for stream in program.streams:
+        waits_per_kernel: dict[int, int] = {}
+        current = -1
+        for instr in stream:
+            if isinstance(instr, RunKernel):
+                current = instr.kernel
+            elif isinstance(instr, SemWait):
+                waits_per_kernel[current] = waits_per_kernel.get(current, 0) + 1
+        assert max(waits_per_kernel.values(), default=0) <= 3
+    x = np.random.default_rng(8).standard_normal((8, 64)).astype(np.float32)
+    np.testing.assert_array_equal(
+        run_qpc(result.qpc_path, {"x": x})[prev], _reference(model, {"x": x})
+    )

@@ -8,6 +8,7 @@ overwrite, which liveness-based reuse makes possible (write after read, write af
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 import numpy as np
@@ -35,33 +36,74 @@ def _bytes(box: tuple[tuple[int, int], ...], dtype: str) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+class _Hazards:
+    """Who last wrote each DDR byte range and who read it since: the kernels a new access
+    must wait for. Earlier accessors need no wait: the last writer waited for them already."""
+
+    def __init__(self) -> None:
+        self.bounds: list[int] = []  # sorted segment starts; a segment runs to the next bound
+        self.writer: list[int] = []  # per segment, -1 when never written
+        self.readers: list[tuple[int, ...]] = []
+
+    def _split(self, at: int) -> int:
+        """Index of the segment starting at `at`, splitting the one that contains it."""
+        i = bisect.bisect_left(self.bounds, at)
+        if i < len(self.bounds) and self.bounds[i] == at:
+            return i
+        if i == 0:
+            self.bounds.insert(0, at)
+            self.writer.insert(0, -1)
+            self.readers.insert(0, ())
+            return 0
+        self.bounds.insert(i, at)
+        self.writer.insert(i, self.writer[i - 1])
+        self.readers.insert(i, self.readers[i - 1])
+        return i
+
+    def _segments(self, start: int, stop: int) -> range:
+        first = self._split(start)
+        last = self._split(stop)
+        return range(first, last)
+
+    def read(self, start: int, stop: int, kernel: int, deps: set[int]) -> None:
+        for i in self._segments(start, stop):
+            if self.writer[i] >= 0:
+                deps.add(self.writer[i])
+            if kernel not in self.readers[i]:
+                self.readers[i] = (*self.readers[i], kernel)
+
+    def write(self, start: int, stop: int, kernel: int, deps: set[int]) -> None:
+        for i in self._segments(start, stop):
+            if self.writer[i] >= 0:
+                deps.add(self.writer[i])
+            deps.update(self.readers[i])
+            self.writer[i] = kernel
+            self.readers[i] = ()
+
+
 def _dependencies(graph: LoweredGraph, plan: MemoryPlan) -> list[set[int]]:
+    """For every kernel, the earlier kernels it must wait for: writers of what it reads
+    (read after write), and readers and writers of the bytes it overwrites (write after read
+    or write, which liveness-based reuse makes possible)."""
     ranges: dict[int, tuple[int, int]] = {}
     for t in graph.tensors:
         root = graph.root(t.id)
-        if root in plan.offsets:
+        if root in plan.offsets and graph.tensors[root].nbytes > 0:
             start = plan.offsets[root]
             ranges[t.id] = (start, start + graph.tensors[root].nbytes)
+    hazards = _Hazards()
     deps: list[set[int]] = []
-    writes: list[list[tuple[int, int]]] = []
-    reads: list[list[tuple[int, int]]] = []
     for index, kernel in enumerate(graph.kernels):
-        r = [ranges[t] for t in kernel.desc.inputs if t >= 0 and t in ranges]
-        w = [ranges[t] for t in kernel.desc.outputs if t in ranges]
         mine: set[int] = set()
-        for prev in range(index):
-            if any(_overlap(a, b) for a in r for b in writes[prev]) or any(
-                _overlap(a, b) for a in w for b in (*writes[prev], *reads[prev])
-            ):
-                mine.add(prev)
+        reads = {ranges[t] for t in kernel.desc.inputs if t >= 0 and t in ranges}
+        writes = {ranges[t] for t in kernel.desc.outputs if t in ranges}
+        for start, stop in sorted(reads):
+            hazards.read(start, stop, index, mine)
+        for start, stop in sorted(writes):
+            hazards.write(start, stop, index, mine)
+        mine.discard(index)
         deps.append(mine)
-        reads.append(r)
-        writes.append(w)
     return deps
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | None = None
@@ -89,14 +131,14 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
     deps = _dependencies(graph, plan)
     cores_of = [sorted({tile.core for tile in k.tiles}) for k in graph.kernels]
     # Everything a kernel waited for is complete once it posts: waiting for it implies them.
-    implied: list[set[int]] = []
+    # Bit sets (Python ints): kernel d's bit is set when d is known to be complete.
+    implied: list[int] = []
     for index in range(len(graph.kernels)):
-        closure: set[int] = set()
+        closure = 0
         for dep in deps[index]:
-            closure.add(dep)
-            closure |= implied[dep]
+            closure |= (1 << dep) | implied[dep]
         implied.append(closure)
-    known: list[set[int]] = [set() for _ in range(graph.num_cores)]
+    known: list[int] = [0] * graph.num_cores
     streams: list[list[Instr]] = [[] for _ in range(graph.num_cores)]
     vtcm_used = [0] * graph.num_cores
     kernels = []
@@ -122,12 +164,11 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
         for core in cores_of[index]:
             stream = streams[core]
             for dep in sorted(deps[index], reverse=True):
-                if dep in known[core]:
+                if known[core] >> dep & 1:
                     continue
                 if cores_of[dep] != [core]:
                     stream.append(SemWait(sem=dep, count=len(cores_of[dep])))
-                known[core].add(dep)
-                known[core] |= implied[dep]
+                known[core] |= (1 << dep) | implied[dep]
             for tile in by_core[core]:
                 cursor = 0
                 in_ops: list[Operand | None] = []
@@ -154,7 +195,7 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
                 vtcm_used[core] = max(vtcm_used[core], cursor)
             stream.append(SemPost(sem=index))
             if cores_of[index] == [core]:
-                known[core].add(index)
+                known[core] |= 1 << index
 
     return Program(
         tensors=tensors,

@@ -64,6 +64,8 @@ class Machine:
         self.vtcm_bytes = vtcm_bytes
 
     def tensor(self, t: TensorDesc, *, write: bool = False) -> np.ndarray:
+        if t.nbytes == 0:  # an empty tensor owns no bytes, wherever its offset points
+            return np.empty(t.shape, dtype=np.dtype(t.dtype))
         start, end = t.ddr_offset, t.ddr_offset + t.nbytes
         if end > self.program.ddr_size or start < 0:
             raise RuntimeFault(f"tensor {t.name} [{start}, {end}) lies outside DDR")
