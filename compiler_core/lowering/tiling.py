@@ -113,12 +113,7 @@ def plan_tiles(req: TilingRequest) -> list[TileSpec]:
     if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
         limit[1] = min(limit[1], max(1, req.mos))
 
-    want = req.num_cores * max(1, req.ols)
-    for a in axes:
-        have = math.prod(parts.values())
-        if have >= want:
-            break
-        parts[a] = min(limit[a], math.ceil(want / have))
+    parts = _parallel_split(req, axes, limit)
 
     while True:
         ws, out_bytes = _probe(req, parts)
@@ -143,6 +138,30 @@ def plan_tiles(req: TilingRequest) -> list[TileSpec]:
     for t in tiles:
         _check_fits(req, t.working_set)
     return _assign_cores(tiles, req.num_cores, req.rotate)
+
+
+def _parallel_split(req: TilingRequest, axes: list[int], limit: dict[int, int]) -> dict[int, int]:
+    """Cut for `cores x ols` parts along the axes that make the tiles read the least.
+
+    Each candidate starts from a different axis and fills up with the rest in the op's order
+    of preference; the estimate is tiles x the working set of a representative tile, so a
+    Conv with a large input and small weights is cut by rows (each core reads its rows once)
+    rather than by output channels (each core would read the whole input)."""
+    want = req.num_cores * max(1, req.ols)
+    best: tuple[int, int, dict[int, int]] | None = None
+    for rank, first in enumerate(axes):
+        parts = {a: 1 for a in axes}
+        for a in [first] + [a for a in axes if a != first]:
+            have = math.prod(parts.values())
+            if have >= want:
+                break
+            parts[a] = min(limit[a], math.ceil(want / have))
+        tiles = math.prod(parts.values())
+        traffic = tiles * _probe(req, parts)[0]
+        if best is None or (traffic, rank) < (best[0], best[1]):
+            best = (traffic, rank, parts)
+    assert best is not None
+    return best[2]
 
 
 def _assign_cores(tiles: Sequence[TileSpec], num_cores: int, rotate: int) -> list[TileSpec]:
