@@ -2,14 +2,18 @@
 
 from compiler_core.ops import (  # noqa: F401  (imported for their registrations)
     activation,
+    attention,
     conv,
     elementwise,
+    extra,
     loss,
     matmul,
     norm,
     pool,
+    quant,
     reduce,
     resize_pad,
+    signal,
     tensor,
 )
 from compiler_core.ops.registry import REGISTRY, Box, NodeInfo, OpDef, TileCtx
