@@ -733,7 +733,8 @@ def _main_values(graph: ir.Graph) -> Iterator[ir.Value]:
     yield from graph.inputs
     yield from graph.initializers.values()
     for node in graph:
-        yield from node.outputs
+        # An omitted optional output (empty name, never read) has no shape to find.
+        yield from (v for v in node.outputs if v.name or v.uses() or v.is_graph_output())
 
 
 def _merge_type(value: ir.Value, type_proto: onnx.TypeProto) -> None:
