@@ -157,19 +157,70 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 def wait_for(driver: Any, condition: Any, message: str) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message)
+    return WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(condition, message)
 
 
-def css(driver: Any, selector: str) -> Any:
-    """The element, waiting for it: after a click the next page may still be loading."""
+def _find(driver: Any, selector: str) -> Any:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
 
     return wait_for(
         driver, ec.presence_of_element_located((By.CSS_SELECTOR, selector)), f"no {selector}"
     )
+
+
+class Live:
+    """An element found by selector each time it is used.
+
+    The job list and the job page re-render while a job runs, so an element found a moment
+    ago may be gone; every use re-finds it (waiting for it) and retries if it goes stale.
+    """
+
+    def __init__(self, driver: Any, selector: str) -> None:
+        self.driver = driver
+        self.selector = selector
+
+    def _do(self, use: Any) -> Any:
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(200):
+            try:
+                return use(_find(self.driver, self.selector))
+            except StaleElementReferenceException:
+                time.sleep(0.05)
+        raise AssertionError(f"{self.selector} kept being replaced")
+
+    @property
+    def text(self) -> str:
+        return str(self._do(lambda e: e.text))
+
+    def get_attribute(self, name: str) -> Any:
+        return self._do(lambda e: e.get_attribute(name))
+
+    def click(self) -> None:
+        self._do(lambda e: e.click())
+
+    def send_keys(self, *keys: Any) -> None:
+        self._do(lambda e: e.send_keys(*keys))
+
+    def find_element(self, *how: Any) -> Any:
+        return self._do(lambda e: e.find_element(*how))
+
+    def clear(self) -> None:
+        self._do(lambda e: e.clear())
+
+    def element(self) -> Any:
+        return _find(self.driver, self.selector)
+
+
+def css(driver: Any, selector: str) -> Live:
+    """The element, waiting for it: after a click the next page may still be loading."""
+    return Live(driver, selector)
 
 
 def css_all(driver: Any, selector: str) -> list[Any]:
@@ -287,7 +338,7 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
 
     from selenium.webdriver.support.ui import Select
 
-    Select(css(browser, "#validate-device")).select_by_value("aic100-standard")
+    Select(css(browser, "#validate-device").element()).select_by_value("aic100-standard")
     css(browser, "#validate").click()
     wait_for(browser, lambda d: "validation=" in d.current_url, "validation did not run")
     assert "aic100-standard" in css(browser, "#validation h2").text
