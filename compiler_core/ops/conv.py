@@ -233,7 +233,14 @@ def conv_compute(
     out_tile = box_shape(tile.out_box)
     m0, m1 = tile.out_box[1]
     w = w[m0 - tile_box(tile, node, 1)[0][0] :][: m1 - m0]
-    if group == 1:
+    if group == 1 and all(k == 1 for k in xw.shape[2 + rank :]):
+        # 1x1 kernels (most of a ResNet): a plain matmul in NC(HW) layout, no im2col and
+        # no transpose of the result.
+        x2 = xw.reshape(xw.shape[: 2 + rank])
+        n, c = x2.shape[:2]
+        y = np.matmul(w.reshape(len(w), c), x2.reshape(n, c, -1))
+        y = y.reshape(n, len(w), *x2.shape[2:])
+    elif group == 1:
         axes_x = [1, *range(2 + rank, 2 + 2 * rank)]
         y = np.tensordot(xw, w, axes=(axes_x, list(range(1, 2 + rank))))
         y = np.moveaxis(y, -1, 1)
