@@ -237,7 +237,7 @@ def conv_compute(
         # 1x1 kernels (most of a ResNet): a plain matmul in NC(HW) layout, no im2col and
         # no transpose of the result.
         x2 = xw.reshape(xw.shape[: 2 + rank])
-        n, c = x2.shape[:2]
+        n, c = int(xw.shape[0]), int(xw.shape[1])
         y = np.matmul(w.reshape(len(w), c), x2.reshape(n, c, -1))
         y = y.reshape(n, len(w), *x2.shape[2:])
     elif group == 1:
