@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -284,6 +285,41 @@ def job_live(request: Request, job_id: str, session: SessionDep, settings: Setti
     return response
 
 
+def job_action(
+    request: Request,
+    session: Session,
+    settings: Any,
+    job_id: str,
+    csrf: str,
+    act: Callable[[Team, CompileJob], str],
+) -> Response:
+    """The common shape of a form on the job page: signed in, the team's job, a valid CSRF
+    token, then `act` (which returns where to go next); a ServiceError it raises is shown on
+    the job page with its status."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    job = find_job(session, team, job_id)
+    if job is None:
+        return not_found_page(request, team, "job", job_id)
+    if not auth.csrf_ok(request, csrf):
+        context = {**job_context(session, team, job), "error": csrf_refused()}
+        return render(request, "job.html", context, 403)
+    try:
+        target = act(team, job)
+    except ServiceError as exc:
+        session.rollback()
+        context = {**job_context(session, team, job), "error": exc.to_dict()}
+        return render(request, "job.html", context, exc.status)
+    return RedirectResponse(target, status_code=303)
+
+
+def _job_qpc(session: Session, team: Team, job: CompileJob, purpose: str) -> Any:
+    if job.qpc_id is None:
+        raise ServiceError("no_qpc", f"job {job.id} has no QPC to {purpose} yet", 409)
+    return qpcs.get_qpc(session, team, job.qpc_id)
+
+
 @router.post("/jobs/{job_id}/validate", response_model=None)
 def validate(
     request: Request,
@@ -295,49 +331,26 @@ def validate(
     csrf: FormStr = "",
 ) -> Response:
     """Validate the job's QPC against a device; the result is shown on the job page."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return not_found_page(request, team, "job", job_id)
-    if not auth.csrf_ok(request, csrf):
-        context = {**job_context(session, team, job), "error": csrf_refused()}
-        return render(request, "job.html", context, 403)
-    try:
-        if job.qpc_id is None:
-            raise ServiceError("no_qpc", f"job {job.id} has no QPC to validate yet", 409)
-        qpc = qpcs.get_qpc(session, team, job.qpc_id)
+
+    def act(team: Team, job: CompileJob) -> str:
+        qpc = _job_qpc(session, team, job, "validate")
         row = validations.validate_stored_qpc(session, store, team, qpc, device.strip() or None)
         session.commit()
-    except ServiceError as exc:
-        session.rollback()
-        context = {**job_context(session, team, job), "error": exc.to_dict()}
-        return render(request, "job.html", context, exc.status)
-    return RedirectResponse(f"/jobs/{job.id}?validation={row.id}#validation", status_code=303)
+        return f"/jobs/{job.id}?validation={row.id}#validation"
+
+    return job_action(request, session, settings, job_id, csrf, act)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=None)
 def cancel(
     request: Request, job_id: str, session: SessionDep, settings: SettingsDep, csrf: FormStr = ""
 ) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return not_found_page(request, team, "job", job_id)
-    if not auth.csrf_ok(request, csrf):
-        context = {**job_context(session, team, job), "error": csrf_refused()}
-        return render(request, "job.html", context, 403)
-    try:
+    def act(team: Team, job: CompileJob) -> str:
         jobs.cancel(session, team, job)
         session.commit()
-    except ServiceError as exc:
-        session.rollback()
-        context = {**job_context(session, team, job), "error": exc.to_dict()}
-        return render(request, "job.html", context, exc.status)
-    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+        return f"/jobs/{job.id}"
+
+    return job_action(request, session, settings, job_id, csrf, act)
 
 
 # ---------------------------------------------------------------------------- profiles
@@ -354,33 +367,21 @@ def start_profile(
     csrf: FormStr = "",
 ) -> Response:
     """Profile the job's QPC on the runtime (random inputs), as `POST /v1/qpcs/{id}/profile`."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return not_found_page(request, team, "job", job_id)
-    if not auth.csrf_ok(request, csrf):
-        context = {**job_context(session, team, job), "error": csrf_refused()}
-        return render(request, "job.html", context, 403)
-    try:
-        if job.qpc_id is None:
-            raise ServiceError("no_qpc", f"job {job.id} has no QPC to profile yet", 409)
+
+    def act(team: Team, job: CompileJob) -> str:
+        qpc = _job_qpc(session, team, job, "profile")
         try:
             count = int(iterations.strip() or "1")
         except ValueError:
             raise ServiceError(
                 "invalid_iterations", f"iterations must be a number, not {iterations!r}", 422
             ) from None
-        qpc = qpcs.get_qpc(session, team, job.qpc_id)
         row = profiles.submit(session, team, qpc, iterations=count)
         session.commit()
-    except ServiceError as exc:
-        session.rollback()
-        context = {**job_context(session, team, job), "error": exc.to_dict()}
-        return render(request, "job.html", context, exc.status)
-    queue.enqueue(row.id)
-    return RedirectResponse(f"/profiles/{row.id}", status_code=303)
+        queue.enqueue(row.id)
+        return f"/profiles/{row.id}"
+
+    return job_action(request, session, settings, job_id, csrf, act)
 
 
 def find_profile(session: Session, team: Team, profile_id: str) -> ProfileJob | None:
