@@ -183,32 +183,44 @@ def stale_jobs(
     Marks them enqueued now, so the next sweep leaves them alone for a while. The caller
     commits, then enqueues; a duplicate message is harmless (claim is conditional).
     """
+    return stale_rows(
+        session, CompileJob, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
+    )
+
+
+def stale_rows(
+    session: Session,
+    table: Any,
+    now: dt.datetime | None = None,
+    *,
+    stale_after_s: float,
+    requeue_after_s: float,
+) -> list[uuid.UUID]:
+    """`stale_jobs` for any job table with status, created_at, enqueued_at and heartbeat_at
+    columns (compile jobs, profile jobs)."""
     now = now or utcnow()
     requeue_cutoff = now - dt.timedelta(seconds=requeue_after_s)
     stale_cutoff = now - dt.timedelta(seconds=stale_after_s)
-    last_enqueue = func.coalesce(CompileJob.enqueued_at, CompileJob.created_at)
+    last_enqueue = func.coalesce(table.enqueued_at, table.created_at)
     ids = list(
         session.execute(
-            select(CompileJob.id)
+            select(table.id)
             .where(
                 or_(
-                    and_(CompileJob.status == JobStatus.queued, last_enqueue < requeue_cutoff),
+                    and_(table.status == JobStatus.queued, last_enqueue < requeue_cutoff),
                     and_(
-                        CompileJob.status == JobStatus.running,
-                        CompileJob.heartbeat_at < stale_cutoff,
-                        or_(
-                            CompileJob.enqueued_at.is_(None),
-                            CompileJob.enqueued_at < stale_cutoff,
-                        ),
+                        table.status == JobStatus.running,
+                        table.heartbeat_at < stale_cutoff,
+                        or_(table.enqueued_at.is_(None), table.enqueued_at < stale_cutoff),
                     ),
                 )
             )
-            .order_by(CompileJob.created_at)
+            .order_by(table.created_at)
         ).scalars()
     )
     if ids:
         session.execute(
-            update(CompileJob).where(CompileJob.id.in_(ids)).values(enqueued_at=now),
+            update(table).where(table.id.in_(ids)).values(enqueued_at=now),
             execution_options={"synchronize_session": False},
         )
     return ids

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.blobs import BlobNotFound, BlobRef, BlobStore, BlobTooLarge, local_path
@@ -35,7 +35,12 @@ from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, JobStatus, ProfileJob, Qpc, Team
 from app.db.ops import rowcount
 from app.services.errors import ServiceError, not_found
-from app.services.jobs import DEFAULT_HEARTBEAT_S, DEFAULT_REQUEUE_AFTER_S, DEFAULT_STALE_AFTER_S
+from app.services.jobs import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_REQUEUE_AFTER_S,
+    DEFAULT_STALE_AFTER_S,
+    stale_rows,
+)
 from app.services.models import too_large
 from app.services.qpcs import get_qpc
 from compiler_core import CompileError
@@ -156,35 +161,9 @@ def pending_ids(
     """As `jobs.stale_jobs` for profiles: queued since `requeue_after_s` after their last
     enqueue, or running with a heartbeat older than `stale_after_s`. Stamps them enqueued
     now; the caller commits, then enqueues."""
-    now = now or utcnow()
-    requeue_cutoff = now - dt.timedelta(seconds=requeue_after_s)
-    stale_cutoff = now - dt.timedelta(seconds=stale_after_s)
-    last_enqueue = func.coalesce(ProfileJob.enqueued_at, ProfileJob.created_at)
-    ids = list(
-        session.execute(
-            select(ProfileJob.id)
-            .where(
-                or_(
-                    and_(ProfileJob.status == JobStatus.queued, last_enqueue < requeue_cutoff),
-                    and_(
-                        ProfileJob.status == JobStatus.running,
-                        ProfileJob.heartbeat_at < stale_cutoff,
-                        or_(
-                            ProfileJob.enqueued_at.is_(None),
-                            ProfileJob.enqueued_at < stale_cutoff,
-                        ),
-                    ),
-                )
-            )
-            .order_by(ProfileJob.created_at)
-        ).scalars()
+    return stale_rows(
+        session, ProfileJob, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
     )
-    if ids:
-        session.execute(
-            update(ProfileJob).where(ProfileJob.id.in_(ids)).values(enqueued_at=now),
-            execution_options={"synchronize_session": False},
-        )
-    return ids
 
 
 def queued_ids(session: Session) -> list[uuid.UUID]:
