@@ -129,6 +129,26 @@ def live_server(kind: str, data_dir: Path, **overrides: Any) -> Iterator[LiveSer
             server.stop()
 
 
+class Servers:
+    """Live servers started on first use, one per database kind, stopped together (a
+    module-scoped fixture holds one)."""
+
+    def __init__(self, tmp: pytest.TempPathFactory, **overrides: Any) -> None:
+        self._tmp = tmp
+        self._overrides = overrides
+        self._running: dict[str, tuple[Any, LiveServer]] = {}
+
+    def get(self, kind: str) -> LiveServer:
+        if kind not in self._running:
+            context = live_server(kind, self._tmp.mktemp(kind), **self._overrides)
+            self._running[kind] = (context, context.__enter__())
+        return self._running[kind][1]
+
+    def close(self) -> None:
+        for context, _server in self._running.values():
+            context.__exit__(None, None, None)
+
+
 @contextmanager
 def _database_url(kind: str, data_dir: Path) -> Iterator[str]:
     if kind == "sqlite":

@@ -28,6 +28,7 @@ from compiler_core.devices import device_names
 from compiler_core.options import options_json_schema
 from tests.api_helpers import (
     LiveServer,
+    Servers,
     live_server,
     multipart_chunks,
     raw_chunks,
@@ -44,27 +45,9 @@ ZERO_ID = "00000000-0000-0000-0000-000000000000"
 # ------------------------------------------------------------------------------ fixtures
 
 
-class Servers:
-    """One server per database for the whole module, started on first use."""
-
-    def __init__(self, tmp: pytest.TempPathFactory) -> None:
-        self._tmp = tmp
-        self._running: dict[str, tuple[Any, LiveServer]] = {}
-
-    def get(self, kind: str) -> LiveServer:
-        if kind not in self._running:
-            context = live_server(kind, self._tmp.mktemp(kind), max_upload_bytes=LIMIT)
-            self._running[kind] = (context, context.__enter__())
-        return self._running[kind][1]
-
-    def close(self) -> None:
-        for context, _server in self._running.values():
-            context.__exit__(None, None, None)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
+    running = Servers(tmp_path_factory, max_upload_bytes=LIMIT)
     try:
         yield running
     finally:

@@ -31,7 +31,7 @@ from app.db.base import utcnow
 from app.db.models import JobStatus, ProfileJob, Team
 from app.services import jobs, models, profiles
 from compiler_core import CompileOptions
-from tests.api_helpers import LiveServer, live_server
+from tests.api_helpers import LiveServer, Servers
 from tests.conftest import Farm
 from worker.inprocess import InProcessQueue
 from worker.runner import process_job
@@ -75,22 +75,6 @@ def npz(**arrays: np.ndarray) -> bytes:
 
 
 # ------------------------------------------------------------------------------ fixtures
-
-
-class Servers:
-    def __init__(self, tmp: pytest.TempPathFactory) -> None:
-        self._tmp = tmp
-        self._running: dict[str, tuple[Any, LiveServer]] = {}
-
-    def get(self, kind: str) -> LiveServer:
-        if kind not in self._running:
-            context = live_server(kind, self._tmp.mktemp(kind))
-            self._running[kind] = (context, context.__enter__())
-        return self._running[kind][1]
-
-    def close(self) -> None:
-        for context, _server in self._running.values():
-            context.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
