@@ -135,6 +135,7 @@ def resolve_api_key(explicit: str | None, env: dict[str, str]) -> str | None:
 def check_options(options: CompileOptions) -> tuple[Path, Path]:
     """What a remote compile needs of the flags: the model file and the output directory,
     with the local compile's messages; refuse what the farm cannot do."""
+    from compiler_core.cli import binary_dir, model_path
     from compiler_core.errors import CompileError
 
     if options.operators_supported is not None:
@@ -151,35 +152,7 @@ def check_options(options: CompileOptions) -> tuple[Path, Path]:
                 f"use {PROG} compile",
                 flag=flag,
             )
-    if options.model is None:
-        raise CompileError(
-            "invalid_option", "no model given: pass -m=<model.onnx> (or -model=...)", flag="-m"
-        )
-    model = Path(options.model)
-    if not model.exists():
-        raise CompileError(
-            "model_not_found", f"model file not found: {options.model} (-m)", flag="-m"
-        )
-    if not model.is_file():
-        raise CompileError(
-            "model_not_found", f"model path is not a file: {options.model} (-m)", flag="-m"
-        )
-    if options.aic_binary_dir is None:
-        raise CompileError(
-            "invalid_option",
-            "no output directory given: pass -aic-binary-dir=<dir> (the QPC is written to "
-            f"<dir>/{QPC_FILE_NAME})",
-            flag="-aic-binary-dir",
-        )
-    out_dir = Path(options.aic_binary_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CompileError(
-            "invalid_option",
-            f"Invalid value for -aic-binary-dir: {options.aic_binary_dir} (it is a file, "
-            "not a directory)",
-            flag="-aic-binary-dir",
-        )
-    return model, out_dir
+    return model_path(options), binary_dir(options)
 
 
 def remote_flags(options: CompileOptions) -> list[str]:

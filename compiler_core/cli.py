@@ -69,8 +69,8 @@ def compile_command(argv: Sequence[str]) -> int:
         return 0
     for message in options.warnings:
         print(f"warning: {message}", file=sys.stderr)
-    model = _model_path(options)
-    out_dir = _binary_dir(options)
+    model = model_path(options)
+    out_dir = binary_dir(options)
 
     from compiler_core.compile import compile_model
 
@@ -87,7 +87,8 @@ def compile_command(argv: Sequence[str]) -> int:
     return 0
 
 
-def _model_path(options: CompileOptions) -> Path:
+def model_path(options: CompileOptions) -> Path:
+    """The `-m` model file, or the one-line error a compile (local or remote) gives."""
     if options.model is None:
         raise CompileError(
             "invalid_option", "no model given: pass -m=<model.onnx> (or -model=...)", flag="-m"
@@ -104,7 +105,8 @@ def _model_path(options: CompileOptions) -> Path:
     return path
 
 
-def _binary_dir(options: CompileOptions) -> Path:
+def binary_dir(options: CompileOptions) -> Path:
+    """The `-aic-binary-dir` directory, or the one-line error a compile gives."""
     if options.aic_binary_dir is None:
         raise CompileError(
             "invalid_option",
