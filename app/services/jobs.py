@@ -12,7 +12,6 @@ import datetime as dt
 import hashlib
 import logging
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, CompileJob, CompileReport, JobStatus, Model, Qpc, Team
 from app.db.ops import insert_or_ignore, rowcount
 from app.services.errors import ServiceError, not_found
+from app.services.heartbeat import HeartbeatThread
 from app.services.models import materialize_model
 from app.services.pages import Page, paginate
 from compiler_core import CompileError, CompileOptions
@@ -328,7 +328,7 @@ def _touch(
     return bool(mine), bool(cancel_requested)
 
 
-class Heartbeat:
+class Heartbeat(HeartbeatThread):
     """A thread that keeps a claimed job's heartbeat fresh while its compile is inside one
     long stage (no progress callbacks), on its own session. `stop_requested()` turns True
     once the job is cancelled or taken over; pass it to run_compile as `should_cancel`.
@@ -344,40 +344,11 @@ class Heartbeat:
         worker: str,
         interval_s: float = DEFAULT_HEARTBEAT_S,
     ) -> None:
-        self._sessions = session_factory
-        self._job_id = job_id
-        self._worker = worker
-        self._interval = interval_s
-        self._done = threading.Event()
-        self._stop = threading.Event()
-        self.beats = 0
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+        def beat(session: Session) -> bool:
+            mine, cancel = _touch(session, job_id, worker, {"heartbeat_at": utcnow()})
+            return mine and not cancel
 
-    def stop_requested(self) -> bool:
-        return self._stop.is_set()
-
-    def _run(self) -> None:
-        while not self._done.wait(self._interval):
-            try:
-                with self._sessions() as session:
-                    mine, cancel = _touch(
-                        session, self._job_id, self._worker, {"heartbeat_at": utcnow()}
-                    )
-            except Exception:  # a database hiccup: try again at the next beat
-                log.warning("heartbeat of job %s failed", self._job_id, exc_info=True)
-                continue
-            self.beats += 1
-            if not mine or cancel:
-                self._stop.set()
-                return
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+        super().__init__(session_factory, beat, interval_s, f"job {job_id}")
 
 
 @dataclass

@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import tempfile
-import threading
 import uuid
 import zipfile
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, JobStatus, ProfileJob, Qpc, Team
 from app.db.ops import rowcount
 from app.services.errors import ServiceError, not_found
+from app.services.heartbeat import HeartbeatThread
 from app.services.jobs import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_REQUEUE_AFTER_S,
@@ -215,7 +215,7 @@ def claim(
     return session.get(ProfileJob, job_id, populate_existing=True)
 
 
-class Heartbeat:
+class Heartbeat(HeartbeatThread):
     """Keeps a claimed profile's heartbeat fresh while the runtime runs (it has no progress
     callback), so the sweep does not hand a live profile to a second worker."""
 
@@ -226,38 +226,23 @@ class Heartbeat:
         interval_s: float = DEFAULT_HEARTBEAT_S,
     ) -> None:
         assert job.worker is not None, "a heartbeat needs a claimed job"
-        self._sessions = session_factory
-        self._job_id = job.id
-        self._worker = job.worker
-        self._interval = interval_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job.id}", daemon=True)
+        job_id, worker = job.id, job.worker
 
-    def _run(self) -> None:
-        while not self._done.wait(self._interval):
-            try:
-                with self._sessions() as session:
-                    session.execute(
-                        update(ProfileJob)
-                        .where(
-                            ProfileJob.id == self._job_id,
-                            ProfileJob.status == JobStatus.running,
-                            ProfileJob.worker == self._worker,
-                        )
-                        .values(heartbeat_at=utcnow()),
-                        execution_options={"synchronize_session": False},
-                    )
-                    session.commit()
-            except Exception:  # a database hiccup: try again at the next beat
-                log.warning("heartbeat of profile %s failed", self._job_id, exc_info=True)
+        def beat(session: Session) -> bool:
+            session.execute(
+                update(ProfileJob)
+                .where(
+                    ProfileJob.id == job_id,
+                    ProfileJob.status == JobStatus.running,
+                    ProfileJob.worker == worker,
+                )
+                .values(heartbeat_at=utcnow()),
+                execution_options={"synchronize_session": False},
+            )
+            session.commit()
+            return True  # profiles are not cancelled: beat until the run ends
 
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+        super().__init__(session_factory, beat, interval_s, f"profile {job_id}")
 
 
 def fail(
