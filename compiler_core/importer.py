@@ -38,6 +38,7 @@ import onnx_ir.passes.common as common_passes
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
+from compiler_core.nodeinfo import dtype_name
 from compiler_core.onnx_wire import WireError, strip_inline_weights
 from compiler_core.tensors import load_small_external
 
@@ -456,9 +457,9 @@ def _check_io_types(graph: ir.Graph) -> None:
                 problems.append(f"{kind} '{value.name}' is a {value.type}")
             elif value.dtype == ir.DataType.STRING:
                 problems.append(f"{kind} '{value.name}' is a string tensor")
-            elif value.dtype is not None and _dtype_name(value.dtype) not in _ELEMENT_TYPES:
+            elif value.dtype is not None and dtype_name(value.dtype) not in _ELEMENT_TYPES:
                 problems.append(
-                    f"{kind} '{value.name}' has element type {_dtype_name(value.dtype)}"
+                    f"{kind} '{value.name}' has element type {dtype_name(value.dtype)}"
                 )
             elif kind == "input" and value.dtype is None:
                 problems.append(f"{kind} '{value.name}' has no element type")
@@ -483,7 +484,7 @@ def _check_value_types(graph: ir.Graph) -> None:
         for value in node.outputs:
             if value.dtype is None or value.dtype == ir.DataType.STRING:
                 continue
-            name = _dtype_name(value.dtype)
+            name = dtype_name(value.dtype)
             if name not in _ELEMENT_TYPES:
                 problems.setdefault(f"{node.op_type} producing {name}", []).append(node.name or "")
     if problems:
@@ -578,7 +579,7 @@ def _unsupported_dtypes(model: ir.Model, registry: OpRegistry) -> list[_Unsuppor
         data = node.inputs[0] if node.inputs else (node.outputs[0] if node.outputs else None)
         if opdef is None or data is None or data.dtype is None:
             continue
-        name = _dtype_name(data.dtype)
+        name = dtype_name(data.dtype)
         if name in opdef.dtypes:
             continue
         key = (node.op_type, _domain(node), opset, name)
@@ -587,13 +588,6 @@ def _unsupported_dtypes(model: ir.Model, registry: OpRegistry) -> list[_Unsuppor
         entry = found.setdefault(key, _Unsupported(*key[:3], reason=reason))
         entry.nodes.append(node.name or "")
     return list(found.values())
-
-
-def _dtype_name(dtype: ir.DataType) -> str:
-    try:
-        return str(np.dtype(dtype.numpy()).name)
-    except (TypeError, ValueError):
-        return dtype.name.lower()
 
 
 def _raise_unsupported(entries: Sequence[_Unsupported]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import onnx_ir as ir
@@ -14,12 +14,17 @@ SMALL_CONST_ELEMENTS = 4096
 """Constant inputs up to this many elements are handed to tiling rules by value."""
 
 
+@overload
+def dtype_name(dtype: ir.DataType) -> str: ...
+@overload
+def dtype_name(dtype: ir.DataType | None) -> str | None: ...
 def dtype_name(dtype: ir.DataType | None) -> str | None:
+    """The numpy name of an element type (`float32`), or its ONNX name when numpy has none."""
     if dtype is None:
         return None
     try:
         return str(np.dtype(dtype.numpy()))
-    except (TypeError, NotImplementedError):
+    except (TypeError, ValueError, NotImplementedError):  # no numpy type: the ONNX name
         return dtype.name.lower()
 
 
