@@ -104,8 +104,9 @@ class _Stages:
         return out
 
 
-def _as_options(options: CompileOptions | Mapping[str, Any] | Sequence[str] | None
-                ) -> CompileOptions:
+def _as_options(
+    options: CompileOptions | Mapping[str, Any] | Sequence[str] | None,
+) -> CompileOptions:
     if options is None:
         return CompileOptions()
     if isinstance(options, CompileOptions):
@@ -151,8 +152,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | None
-             ) -> CompileResult:
+def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | None) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
 
@@ -249,8 +249,10 @@ def _reject_unimplemented(opts: CompileOptions) -> None:
 
 def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:
     return [
-        _warning("option_without_effect",
-                 f"{flag} is accepted but changes nothing in this compiler's device model")
+        _warning(
+            "option_without_effect",
+            f"{flag} is accepted but changes nothing in this compiler's device model",
+        )
         for attr, flag in _NO_EFFECT.items()
         if getattr(opts, attr)
     ]
@@ -267,7 +269,8 @@ def _output_dir(opts: CompileOptions) -> tuple[Path, tempfile.TemporaryDirectory
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CompileError(
-                "output_dir", f"cannot create -aic-binary-dir {path}: {exc.strerror}",
+                "output_dir",
+                f"cannot create -aic-binary-dir {path}: {exc.strerror}",
                 flag="-aic-binary-dir",
             ) from None
         return path, None
@@ -275,8 +278,9 @@ def _output_dir(opts: CompileOptions) -> tuple[Path, tempfile.TemporaryDirectory
     return Path(tmp.name), tmp
 
 
-def _network_desc(lowered: LoweredGraph, program: Program, opts: CompileOptions,
-                  name: str | None) -> NetworkDesc:
+def _network_desc(
+    lowered: LoweredGraph, program: Program, opts: CompileOptions, name: str | None
+) -> NetworkDesc:
     inputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.inputs)
     outputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.outputs)
     batch = inputs[0].dims[0] if inputs and inputs[0].dims else 1
@@ -300,8 +304,9 @@ def _network_desc(lowered: LoweredGraph, program: Program, opts: CompileOptions,
     )
 
 
-def _constants(lowered: LoweredGraph, plan: MemoryPlan
-               ) -> tuple[Iterator[memoryview], list[ConstantEntry]]:
+def _constants(
+    lowered: LoweredGraph, plan: MemoryPlan
+) -> tuple[Iterator[memoryview], list[ConstantEntry]]:
     entries = []
     for tid in plan.constant_order:
         t = lowered.tensors[tid]
@@ -322,7 +327,6 @@ def _constants(lowered: LoweredGraph, plan: MemoryPlan
     return chunks(), entries
 
 
-
 _COPY_CHUNK = 8 << 20
 
 
@@ -340,8 +344,10 @@ def _tensor_bytes(data: ir.TensorProtocol, dtype: np.dtype) -> Iterator[memoryvi
             while remaining > 0:
                 chunk = source.read(min(_COPY_CHUNK, remaining))
                 if not chunk:
-                    raise CompileError("external_data_missing",
-                                       f"{data.path} ends before tensor {data.name!r} does")
+                    raise CompileError(
+                        "external_data_missing",
+                        f"{data.path} ends before tensor {data.name!r} does",
+                    )
                 remaining -= len(chunk)
                 yield memoryview(chunk)
         return

@@ -458,9 +458,7 @@ def _check_io_types(graph: ir.Graph) -> None:
             elif value.dtype == ir.DataType.STRING:
                 problems.append(f"{kind} '{value.name}' is a string tensor")
             elif value.dtype is not None and dtype_name(value.dtype) not in _ELEMENT_TYPES:
-                problems.append(
-                    f"{kind} '{value.name}' has element type {dtype_name(value.dtype)}"
-                )
+                problems.append(f"{kind} '{value.name}' has element type {dtype_name(value.dtype)}")
             elif kind == "input" and value.dtype is None:
                 problems.append(f"{kind} '{value.name}' has no element type")
     if problems:

@@ -146,8 +146,11 @@ def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024)
             return None
         offset, length = moved
         counts["moved"] += 1
-        for key, value in (("location", location), ("offset", str(offset)),
-                           ("length", str(length))):
+        for key, value in (
+            ("location", location),
+            ("offset", str(offset)),
+            ("length", str(length)),
+        ):
             entry = _len_field(1, key.encode()) + _len_field(2, value.encode())
             keep.append(_len_field(_TENSOR_EXTERNAL_DATA, entry))
         keep.append(_key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_EXTERNAL))

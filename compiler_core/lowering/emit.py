@@ -106,8 +106,7 @@ def _dependencies(graph: LoweredGraph, plan: MemoryPlan) -> list[set[int]]:
     return deps
 
 
-def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | None = None
-                 ) -> Program:
+def emit_program(graph: LoweredGraph, plan: MemoryPlan) -> Program:
     tensors = [
         TensorDesc(
             id=t.id,
@@ -180,15 +179,19 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
                     in_ops.append(Operand(vtcm=cursor, box=box))
                     cursor += _bytes(box, tensors[tid].dtype)
                 out_ops: list[Operand] = []
-                for position, tid in enumerate(remapped.outputs):
-                    box = tile.out_box if position == 0 else full_box(tensors[tid].shape)
-                    if len(remapped.outputs) > 1:
-                        box = full_box(tensors[tid].shape)
+                for tid in remapped.outputs:
+                    # Only single-output kernels are tiled; the others write whole outputs.
+                    single = len(remapped.outputs) == 1
+                    box = tile.out_box if single else full_box(tensors[tid].shape)
                     out_ops.append(Operand(vtcm=cursor, box=box))
                     cursor += _bytes(box, tensors[tid].dtype)
                 stream.append(
-                    RunKernel(kernel=index, out_box=tile.out_box, inputs=tuple(in_ops),
-                              outputs=tuple(out_ops))
+                    RunKernel(
+                        kernel=index,
+                        out_box=tile.out_box,
+                        inputs=tuple(in_ops),
+                        outputs=tuple(out_ops),
+                    )
                 )
                 for tid, operand in zip(remapped.outputs, out_ops, strict=True):
                     stream.append(DmaStore(tensor=tid, box=operand.box, vtcm=operand.vtcm))
@@ -207,5 +210,4 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan, *, extra_meta: dict | No
         vtcm_used=vtcm_used,
         inputs=[id_map[t] for t in graph.inputs],
         outputs=[id_map[t] for t in graph.outputs],
-        meta=dict(extra_meta or {}),
     )

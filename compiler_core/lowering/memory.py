@@ -90,9 +90,7 @@ def plan_memory(
     for tid in sorted(acts, key=lambda t: (-graph.tensors[t].nbytes, lifetimes[t][0], t)):
         size = _align(max(graph.tensors[tid].nbytes, 1))
         start, end = lifetimes[tid]
-        clashes = sorted(
-            (off, sz) for off, sz, s, e in placed if not (e < start or end < s)
-        )
+        clashes = sorted((off, sz) for off, sz, s, e in placed if not (e < start or end < s))
         offset = 0
         for off, sz in clashes:
             if offset + size <= off:

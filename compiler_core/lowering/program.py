@@ -377,8 +377,9 @@ def decode_program(data: bytes | memoryview) -> Program:
             if code in (_OP_LOAD, _OP_STORE):
                 tensor, vtcm = reader.take("<IQ")
                 box = reader.box()
-                stream.append(DmaLoad(tensor, box, vtcm) if code == _OP_LOAD else
-                              DmaStore(tensor, box, vtcm))
+                stream.append(
+                    DmaLoad(tensor, box, vtcm) if code == _OP_LOAD else DmaStore(tensor, box, vtcm)
+                )
             elif code == _OP_KERNEL:
                 (kernel,) = reader.take("<I")
                 out_box = reader.box()

@@ -70,8 +70,9 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
     if len(info.out_shapes) == 1:
         ws += _nbytes(out_box, info.out_dtypes[0])
     else:
-        ws += sum(_nbytes(full_box(s), d) for s, d in zip(info.out_shapes, info.out_dtypes,
-                                                           strict=True))
+        ws += sum(
+            _nbytes(full_box(s), d) for s, d in zip(info.out_shapes, info.out_dtypes, strict=True)
+        )
     return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=ws)
 
 
@@ -90,8 +91,10 @@ def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
         picks.append(sorted({0, len(ranges) // 2, len(ranges) - 1}))
     worst_ws = worst_out = 0
     for combo in itertools.product(*picks):
-        box = tuple(_ranges(d, parts.get(a, 1))[i] for a, (d, i) in enumerate(zip(shape, combo,
-                                                                                 strict=True)))
+        box = tuple(
+            _ranges(d, parts.get(a, 1))[i]
+            for a, (d, i) in enumerate(zip(shape, combo, strict=True))
+        )
         tile = _tile(req, box)
         worst_ws = max(worst_ws, tile.working_set)
         worst_out = max(worst_out, _nbytes(box, req.info.out_dtypes[0]))

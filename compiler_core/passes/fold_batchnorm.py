@@ -198,8 +198,12 @@ def _set_input(
         old.const_value = tensor
         old.shape = ir.Shape(tensor.shape.numpy())
         return
-    value = ir.Value(name=name, shape=ir.Shape(tensor.shape.numpy()),
-                     type=ir.TensorType(tensor.dtype), const_value=tensor)
+    value = ir.Value(
+        name=name,
+        shape=ir.Shape(tensor.shape.numpy()),
+        type=ir.TensorType(tensor.dtype),
+        const_value=tensor,
+    )
     graph.register_initializer(value)
     node.replace_input_with(index, value)
 

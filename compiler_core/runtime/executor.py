@@ -210,8 +210,7 @@ class Executor:
         info = desc.info
         n_base = len(info.in_shapes)
         operands = [
-            self._operand(core, tid, op)
-            for tid, op in zip(desc.inputs, instr.inputs, strict=True)
+            self._operand(core, tid, op) for tid, op in zip(desc.inputs, instr.inputs, strict=True)
         ]
         base_boxes = tuple(op.box if op is not None else None for op in instr.inputs[:n_base])
         tile = TileCtx(out_box=instr.out_box, in_boxes=base_boxes)
