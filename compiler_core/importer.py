@@ -38,7 +38,7 @@ import onnx_ir.passes.common as common_passes
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
-from compiler_core.nodeinfo import dtype_name
+from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name
 from compiler_core.onnx_wire import WireError, strip_inline_weights
 from compiler_core.tensors import load_small_external
 
@@ -122,8 +122,10 @@ def import_model(
 
     warnings += _bind_input_shapes(model.graph, dict(define_symbols or {}), batchsize)
     _require_static_inputs(model.graph)
+    declared = _declared_output_shapes(model.graph)
     _clear_node_output_shapes(model.graph)
     infer_shapes(model)
+    _apply_declared_shapes(model.graph, declared)
     _raise_unsupported(_unsupported_dtypes(model, registry))
     _check_value_types(model.graph)
 
@@ -708,6 +710,50 @@ def _require_static_inputs(graph: ir.Graph) -> None:
             flag="-onnx-define-symbol",
             details={"problems": problems},
         )
+
+
+_SHAPE_KEEPING = frozenset({"Identity", "Cast", "CastLike"})
+
+
+def _declared_output_shapes(graph: ir.Graph) -> dict[int, ir.Shape]:
+    return {
+        id(value): value.shape
+        for value in graph.outputs
+        if value.shape is not None and value.shape.is_static() and value.producer() is not None
+    }
+
+
+def _apply_declared_shapes(graph: ir.Graph, declared: dict[int, ir.Shape]) -> None:
+    """Give a data-dependent graph output the static shape the model declares for it.
+
+    A static compiler needs every shape ahead of time; when a shape depends on the value of a
+    runtime input (axes, pads, sizes, k...), the model's own declaration of the output is the
+    contract, and the runtime checks each run against it. The declared shape also flows back
+    through single-input elementwise ops (ReduceSum -> Log -> output). Inferred static shapes
+    always win over declarations, so a stale annotation never overrides a rebinding.
+    """
+    from compiler_core.ops import REGISTRY
+
+    for value in graph.outputs:
+        shape = declared.get(id(value))
+        if shape is not None and (value.shape is None or not value.shape.is_static()):
+            value.shape = ir.Shape(list(shape.numpy()))
+            value.meta[DECLARED_SHAPE] = True
+    for node in reversed(list(graph)):
+        outputs = [v for v in node.outputs if v.meta.get(DECLARED_SHAPE)]
+        data = [v for v in node.inputs if v is not None]
+        if node.op_type == "CastLike":
+            data = data[:1]  # the second input only lends its element type
+        if len(node.outputs) != 1 or not outputs or len(data) != 1:
+            continue
+        opdef = REGISTRY.lookup(node.op_type, node.domain)
+        source = data[0]
+        if opdef is None or not (opdef.elementwise or node.op_type in _SHAPE_KEEPING):
+            continue
+        if source.producer() is None or (source.shape is not None and source.shape.is_static()):
+            continue
+        source.shape = ir.Shape(list(outputs[0].shape.numpy()))  # type: ignore[union-attr]
+        source.meta[DECLARED_SHAPE] = True
 
 
 def _clear_node_output_shapes(graph: ir.Graph) -> None:

@@ -10,6 +10,10 @@ import onnx_ir as ir
 from compiler_core.errors import CompileError
 from compiler_core.ops.registry import NodeInfo
 
+DECLARED_SHAPE = "qpcfarm.declared_shape"
+"""Value metadata key: the value's static shape comes from the model's declaration of a graph
+output, not from inference (a data-dependent shape such as Reshape's with a runtime `shape`)."""
+
 SMALL_CONST_ELEMENTS = 4096
 """Constant inputs up to this many elements are handed to tiling rules by value."""
 

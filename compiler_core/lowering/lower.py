@@ -7,6 +7,7 @@ constants or graph inputs get an explicit copy kernel so every output has its ow
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +25,9 @@ from compiler_core.lowering.program import (
     KernelDesc,
 )
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
-from compiler_core.nodeinfo import dtype_name, node_info, static_shape
+from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name, node_info, static_shape
 from compiler_core.ops import REGISTRY
-from compiler_core.ops.registry import NodeInfo
+from compiler_core.ops.registry import NodeInfo, no_split, whole_inputs
 
 
 @dataclass
@@ -141,7 +142,12 @@ class _Builder:
         steps: tuple[EpilogueDesc, ...],
         nodes: tuple[str, ...],
         op_types: tuple[str, ...],
+        *,
+        whole: bool = False,
     ) -> None:
+        """`whole`: the output shape is data-dependent (declared by the model), so the kernel
+        runs untiled on one core and reads its shape operands at run time; the runtime then
+        checks the shape it produces against the plan."""
         opdef = REGISTRY.lookup(info.op_type, info.domain, info.opset)
         if opdef is None:
             raise CompileError(
@@ -149,12 +155,17 @@ class _Builder:
                 f"no kernel for {info.op_type} (opset {info.opset}) at node '{info.name}'",
                 node=info.name,
             )
+        tiling_def = (
+            dataclasses.replace(opdef, split_axes=no_split, input_boxes=whole_inputs)
+            if whole
+            else opdef
+        )
         n_base = len(info.in_shapes)
         extra = inputs[n_base:]
         kid = len(self.kernels)
         request = TilingRequest(
             info=info,
-            opdef=opdef,
+            opdef=tiling_def,
             extra_shapes=tuple(self.tensors[t].shape for t in extra),
             extra_dtypes=tuple(self.tensors[t].dtype for t in extra),
             num_cores=self.config.num_cores,
@@ -189,8 +200,10 @@ class _Builder:
         while live and not live[-1].name and not live[-1].uses():
             live.pop()  # omitted optional outputs
         outputs = [self.tensor(v) for v in live]
+        declared = any(v.meta.get(DECLARED_SHAPE) for v in node.outputs)
         if (
             opdef is not None
+            and not declared
             and opdef.alias
             and not steps
             and len(outputs) == 1
@@ -230,7 +243,7 @@ class _Builder:
         )
         names = fused_node_names(node)
         op_types = (node.op_type, *(s.op_type for s in steps))
-        self.add_kernel(info, inputs, outputs, descs, names, op_types)
+        self.add_kernel(info, inputs, outputs, descs, names, op_types, whole=declared)
 
     @staticmethod
     def _epilogue_refs(

@@ -103,6 +103,23 @@ def _mean(x: Array, axes: tuple[int, ...], keep: bool) -> Array:
     return total / count
 
 
+def _extreme(reduce: np.ufunc, lowest: bool) -> Reducer:
+    """Max or min; over an empty set they give their identity (ONNX: the lowest value for
+    ReduceMax, the highest for ReduceMin: -inf/+inf, the integer limits, False/True)."""
+
+    def run(x: Array, axes: tuple[int, ...], keep: bool) -> Array:
+        if x.dtype == np.bool_:
+            initial: object = not lowest
+        elif x.dtype.kind == "f":
+            initial = -np.inf if lowest else np.inf
+        else:
+            limits = np.iinfo(x.dtype)
+            initial = limits.min if lowest else limits.max
+        return reduce.reduce(x, axis=axes, keepdims=keep, initial=initial)
+
+    return run
+
+
 def _log_sum_exp(x: Array, axes: tuple[int, ...], keep: bool) -> Array:
     peak = np.max(x, axis=axes, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0)
@@ -115,8 +132,8 @@ REDUCERS: dict[str, tuple[Reducer, int, frozenset[str]]] = {
     # op: (reducer, first opset with `axes` as an input, element types)
     "ReduceSum": (_sum, 13, NUMERIC),
     "ReduceMean": (_mean, 18, NUMERIC),
-    "ReduceMax": (lambda x, a, k: np.max(x, axis=a, keepdims=k), 18, NUMERIC | BOOL),
-    "ReduceMin": (lambda x, a, k: np.min(x, axis=a, keepdims=k), 18, NUMERIC | BOOL),
+    "ReduceMax": (_extreme(np.maximum, lowest=True), 18, NUMERIC | BOOL),
+    "ReduceMin": (_extreme(np.minimum, lowest=False), 18, NUMERIC | BOOL),
     "ReduceProd": (lambda x, a, k: np.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18, NUMERIC),
     "ReduceL1": (lambda x, a, k: _sum(np.abs(x), a, k), 18, NUMERIC),
     "ReduceL2": (lambda x, a, k: np.sqrt(_sum(x * x, a, k)), 18, NUMERIC),
