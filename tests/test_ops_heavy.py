@@ -17,7 +17,6 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY, NodeInfo, TileCtx
 from compiler_core.ops.registry import Box, box_shape
 
@@ -393,22 +392,43 @@ def test_batch_norm_per_activation_parameters_when_spatial_is_zero():
     check("BatchNormalization", [rand(2, 3, 4, 5), *params], opset=7, spatial=0)
 
 
-def test_batch_norm_training_mode_is_rejected():
-    node = helper.make_node("BatchNormalization", list("xsbmv"), ["y"], training_mode=1)
+def test_batch_norm_training_mode_uses_batch_statistics_and_updates_the_running_ones():
+    from onnx.reference import ReferenceEvaluator
+
+    x, scale, bias = rand(2, 3, 4, 5), rand(3), rand(3)
+    mean, var = rand(3), np.abs(rand(3)) + 0.1
+    node = helper.make_node(
+        "BatchNormalization", list("xsbmv"), ["y", "rm", "rv"], training_mode=1, momentum=0.8
+    )
+    f = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [node],
+        "bn",
+        [
+            helper.make_tensor_value_info(n, f, a.shape)
+            for n, a in zip("xsbmv", [x, scale, bias, mean, var], strict=True)
+        ],
+        [helper.make_tensor_value_info(n, f, None) for n in ("y", "rm", "rv")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
+    expected = ReferenceEvaluator(model).run(
+        None, dict(zip("xsbmv", [x, scale, bias, mean, var], strict=True))
+    )
     info = NodeInfo(
         "BatchNormalization",
         "bn",
-        {"training_mode": 1},
-        ((1, 2, 3, 3), (2,), (2,), (2,), (2,)),
+        {"training_mode": 1, "momentum": 0.8},
+        ((2, 3, 4, 5), (3,), (3,), (3,), (3,)),
         ("float32",) * 5,
-        ((1, 2, 3, 3),),
-        ("float32",),
+        ((2, 3, 4, 5), (3,), (3,)),
+        ("float32",) * 3,
         opset=15,
     )
-    args = [rand(1, 2, 3, 3), rand(2), rand(2), rand(2), rand(2)]
-    with pytest.raises(CompileError) as err:
-        REGISTRY.lookup(node.op_type, opset=15).compute(info, args, TileCtx.whole(info))
-    assert err.value.code == "unsupported_attribute"
+    opdef = REGISTRY.lookup("BatchNormalization", opset=15)
+    assert opdef is not None and opdef.split_axes(info) == []
+    got = opdef.compute(info, [x, scale, bias, mean, var], TileCtx.whole(info))
+    for ours, ref in zip(got, expected, strict=True):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_instance_norm():

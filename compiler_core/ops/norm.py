@@ -147,19 +147,40 @@ for _op, _compute in (
 # BatchNormalization (inference)
 
 
+def _training(node: NodeInfo) -> bool:
+    return node.opset >= 14 and int(node.attr("training_mode", 0)) == 1
+
+
 def _check_batch_norm(node: NodeInfo) -> None:
-    if int(node.attr("training_mode", 0)) == 1:
+    if len(node.out_shapes) > 1 and not _training(node):
         raise CompileError(
             "unsupported_attribute",
-            "BatchNormalization training_mode=1 is not supported (inference only)",
+            "BatchNormalization with running-statistics outputs needs training_mode=1 "
+            "(opset 14+); the opset<14 training outputs are not supported",
             node=node.name,
         )
-    if len(node.out_shapes) > 1:
-        raise CompileError(
-            "unsupported_attribute",
-            "BatchNormalization with running-statistics outputs is training; not supported",
-            node=node.name,
-        )
+
+
+def _batch_norm_training(node: NodeInfo, inputs: list[np.ndarray | None]) -> list[np.ndarray]:
+    """Normalise with the batch's own statistics (population variance over every axis but the
+    channel) and return the running statistics updated with `momentum`, as ONNX 14+ defines."""
+    x, scale, bias, mean, var = inputs[:5]
+    assert x is not None and scale is not None and bias is not None
+    assert mean is not None and var is not None
+    acc = accumulator(x.dtype)
+    axes = tuple(a for a in range(x.ndim) if a != 1)
+    trailing = (1,) * (x.ndim - 2)
+    xa = x.astype(acc, copy=False)
+    batch_mean = xa.mean(axis=axes)
+    batch_var = xa.var(axis=axes)
+    factor = scale.astype(acc) / np.sqrt(batch_var + acc(node.attr("epsilon", 1e-5)))
+    y = (xa - batch_mean.reshape(-1, *trailing)) * factor.reshape(-1, *trailing)
+    y = y + bias.astype(acc).reshape(-1, *trailing)
+    momentum = acc(node.attr("momentum", 0.9))
+    running_mean = mean.astype(acc) * momentum + batch_mean * (1 - momentum)
+    running_var = var.astype(acc) * momentum + batch_var * (1 - momentum)
+    results = [y, running_mean, running_var][: len(node.out_dtypes)]
+    return [r.astype(np.dtype(d)) for r, d in zip(results, node.out_dtypes, strict=True)]
 
 
 def _param_box(shape: Shape | None, out_box: Box) -> Box | None:
@@ -170,7 +191,9 @@ def _param_box(shape: Shape | None, out_box: Box) -> Box | None:
 
 
 def batch_norm_split_axes(node: NodeInfo) -> list[int]:
-    return list(range(len(node.out_shapes[0]))) if len(node.out_shapes) == 1 else []
+    if len(node.out_shapes) > 1 or _training(node):
+        return []  # batch statistics need every element
+    return list(range(len(node.out_shapes[0])))
 
 
 def batch_norm_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
@@ -181,6 +204,8 @@ def batch_norm_compute(
     node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
 ) -> list[np.ndarray]:
     _check_batch_norm(node)
+    if _training(node):
+        return _batch_norm_training(node, inputs)
     x = inputs[0]
     assert x is not None
     acc = accumulator(x.dtype)
@@ -207,7 +232,7 @@ register(
     split_axes=batch_norm_split_axes,
     input_boxes=batch_norm_input_boxes,
     macs=_input_elements,
-    doc="Inference only (one output); training_mode=1 is rejected.",
+    doc="Inference, and training_mode=1 (batch statistics, updated running mean and var).",
 )
 
 
