@@ -125,7 +125,7 @@ def import_model(
     declared = _declared_output_shapes(model.graph)
     _clear_node_output_shapes(model.graph)
     infer_shapes(model)
-    _apply_declared_shapes(model.graph, declared)
+    _apply_declared_shapes(model.graph, declared, registry)
     _raise_unsupported(_unsupported_dtypes(model, registry))
     _check_value_types(model.graph)
 
@@ -723,7 +723,9 @@ def _declared_output_shapes(graph: ir.Graph) -> dict[int, ir.Shape]:
     }
 
 
-def _apply_declared_shapes(graph: ir.Graph, declared: dict[int, ir.Shape]) -> None:
+def _apply_declared_shapes(
+    graph: ir.Graph, declared: dict[int, ir.Shape], registry: OpRegistry
+) -> None:
     """Give a data-dependent graph output the static shape the model declares for it.
 
     A static compiler needs every shape ahead of time; when a shape depends on the value of a
@@ -732,8 +734,6 @@ def _apply_declared_shapes(graph: ir.Graph, declared: dict[int, ir.Shape]) -> No
     through single-input elementwise ops (ReduceSum -> Log -> output). Inferred static shapes
     always win over declarations, so a stale annotation never overrides a rebinding.
     """
-    from compiler_core.ops import REGISTRY
-
     for value in graph.outputs:
         shape = declared.get(id(value))
         if shape is not None and (value.shape is None or not value.shape.is_static()):
@@ -746,7 +746,7 @@ def _apply_declared_shapes(graph: ir.Graph, declared: dict[int, ir.Shape]) -> No
             data = data[:1]  # the second input only lends its element type
         if len(node.outputs) != 1 or not outputs or len(data) != 1:
             continue
-        opdef = REGISTRY.lookup(node.op_type, node.domain)
+        opdef = registry.lookup(node.op_type, node.domain)
         source = data[0]
         if opdef is None or not (opdef.elementwise or node.op_type in _SHAPE_KEEPING):
             continue

@@ -56,6 +56,14 @@ REPRESENTATIVE = (
     "test_split_equal_parts_1d_opset18",
     "test_transpose_all_permutations_3",
     "test_where_long_example",
+    # shapes that hang on runtime inputs: declared outputs, also carried back through
+    # Cast/Sqrt/CastLike and Log
+    "test_reshape_reordered_all_dims",
+    "test_reduce_l2_keep_dims_example_expanded",
+    "test_reduce_log_sum_asc_axes_expanded",
+    # reductions over an empty set give their identity
+    "test_reduce_max_empty_set",
+    "test_reduce_min_empty_set",
 )
 
 ENGINES: dict[str, conformance.Engine] = {
