@@ -416,6 +416,7 @@ class _Scheduler:
                         for o, t in zip(
                             tile.run.outputs, program.kernels[tile.run.kernel].outputs, strict=True
                         )
+                        if o is not None
                     ),
                     default=0,
                 )
@@ -513,6 +514,7 @@ def build_timeline(program: Program, device: DeviceProfile) -> Timeline:
                 lo < program.tensors[t].ddr_offset + program.tensors[t].nbytes
                 and program.tensors[t].ddr_offset < hi
                 for t in program.kernels[r.kernel].outputs
+                if t >= 0
             )
         ]
         done = max(writers, default=0)

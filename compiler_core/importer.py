@@ -38,7 +38,7 @@ import onnx_ir.passes.common as common_passes
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
-from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name
+from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name, node_opset, norm_domain
 from compiler_core.onnx_wire import WireError, strip_inline_weights
 from compiler_core.tensors import load_small_external
 
@@ -544,18 +544,11 @@ class _Unsupported:
 
 
 def _node_opset(model: ir.Model, node: ir.Node) -> int:
-    if node.version is not None:
-        return node.version
-    opsets = {_norm_domain(d): v for d, v in model.opset_imports.items()}
-    return opsets.get(_domain(node), 0)
+    return node_opset(node, model.opset_imports)
 
 
 def _domain(node: ir.Node) -> str:
-    return _norm_domain(node.domain)
-
-
-def _norm_domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
+    return norm_domain(node.domain)
 
 
 def _unsupported_op_types(model: ir.Model, registry: OpRegistry) -> list[_Unsupported]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, overload
 
 import numpy as np
@@ -68,6 +69,22 @@ def const_value(value: ir.Value | None) -> np.ndarray | None:
     if value is None or value.const_value is None:
         return None
     return np.asarray(value.const_value.numpy())
+
+
+def node_opset(node: ir.Node, opset_imports: Mapping[str, int], default: int = 0) -> int:
+    """The opset a node is read at: its own version, else what the model imports for its
+    domain (each domain has its own numbering: ai.onnx.ml 3 is not ai.onnx 3)."""
+    if node.version is not None:
+        return node.version
+    domain = norm_domain(node.domain)
+    for name, version in opset_imports.items():
+        if norm_domain(name) == domain:
+            return int(version)
+    return default
+
+
+def norm_domain(domain: str) -> str:
+    return "" if domain == "ai.onnx" else domain
 
 
 def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInfo:

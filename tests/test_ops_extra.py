@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY, TileCtx
+from tests.op_checks import one_node_model, run_compiled, run_onnxruntime
 from tests.test_ops_heavy import check, node_info, rand, run_ort
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +97,27 @@ def test_attention_fully_masked_row_gives_zeros():
 
 # ---------------------------------------------------------------------------------------------
 # Quantisation
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+def test_attention_unnamed_outputs_before_a_named_one_are_computed_and_dropped(cores):
+    """present_key/present_value left unnamed in the middle, qk_matmul_output named after
+    them: the kernel still runs, only the named outputs reach memory."""
+    q, k, v = rand(1, 2, 3, 4), rand(1, 2, 5, 4), rand(1, 2, 5, 4)
+    node = helper.make_node(
+        "Attention", ["q", "k", "v"], ["y", "", "", "qk"], qk_matmul_output_mode=1
+    )
+    feeds = {"q": q, "k": k, "v": v}
+    model = one_node_model(
+        node,
+        feeds,
+        {"y": (np.float32, [1, 2, 3, 4]), "qk": (np.float32, [1, 2, 3, 5])},
+        opset=23,
+    )
+    expected = run_onnxruntime(model, feeds)
+    got = run_compiled(model, feeds, cores)
+    for want, have in zip(expected, got, strict=True):
+        np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
 
 
 def test_quantize_per_tensor_uint8_without_zero_point_rounds_half_to_even():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -471,6 +472,18 @@ def test_a_program_that_does_not_decode_fails_program_decodes() -> None:
     check = report.check("program-decodes")
     assert report.check("checksums").ok and not check.ok
     assert "truncated" in check.message
+
+
+def test_a_kernel_run_that_drops_a_stored_output_fails_program_decodes() -> None:
+    """Only an output the kernel table marks unnamed (-1) may have no operand."""
+    program = relu_program()
+    stream = list(program.streams[0])
+    at = next(i for i, instr in enumerate(stream) if isinstance(instr, RunKernel))
+    stream[at] = dataclasses.replace(stream[at], outputs=(None,))
+    tampered = dataclasses.replace(program, streams=[stream, *program.streams[1:]])
+    check = validate_qpc(qpc_bytes(our_segments(program_bin=encode_program(tampered))))
+    assert not check.check("program-decodes").ok
+    assert "output operands" in check.check("program-decodes").message
 
 
 def test_cores_in_program_must_match_the_network_descriptor() -> None:

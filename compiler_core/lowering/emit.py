@@ -96,7 +96,7 @@ def _dependencies(graph: LoweredGraph, plan: MemoryPlan) -> list[set[int]]:
     for index, kernel in enumerate(graph.kernels):
         mine: set[int] = set()
         reads = {ranges[t] for t in kernel.desc.inputs if t >= 0 and t in ranges}
-        writes = {ranges[t] for t in kernel.desc.outputs if t in ranges}
+        writes = {ranges[t] for t in kernel.desc.outputs if t >= 0 and t in ranges}
         for start, stop in sorted(reads):
             hazards.read(start, stop, index, mine)
         for start, stop in sorted(writes):
@@ -148,7 +148,7 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan) -> Program:
             name=desc.name,
             info=desc.info,
             inputs=tuple(-1 if t < 0 else id_map[t] for t in desc.inputs),
-            outputs=tuple(id_map[t] for t in desc.outputs),
+            outputs=tuple(-1 if t < 0 else id_map[t] for t in desc.outputs),
             epilogue=desc.epilogue,
             kernel=desc.kernel,
             unit=desc.unit,
@@ -178,8 +178,11 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan) -> Program:
                     stream.append(DmaLoad(tensor=tid, box=box, vtcm=cursor))
                     in_ops.append(Operand(vtcm=cursor, box=box))
                     cursor += _bytes(box, tensors[tid].dtype)
-                out_ops: list[Operand] = []
+                out_ops: list[Operand | None] = []
                 for tid in remapped.outputs:
+                    if tid < 0:
+                        out_ops.append(None)  # an unnamed optional output: computed, dropped
+                        continue
                     # Only single-output kernels are tiled; the others write whole outputs.
                     single = len(remapped.outputs) == 1
                     box = tile.out_box if single else full_box(tensors[tid].shape)
@@ -194,7 +197,8 @@ def emit_program(graph: LoweredGraph, plan: MemoryPlan) -> Program:
                     )
                 )
                 for tid, operand in zip(remapped.outputs, out_ops, strict=True):
-                    stream.append(DmaStore(tensor=tid, box=operand.box, vtcm=operand.vtcm))
+                    if operand is not None:
+                        stream.append(DmaStore(tensor=tid, box=operand.box, vtcm=operand.vtcm))
                 vtcm_used[core] = max(vtcm_used[core], cursor)
             stream.append(SemPost(sem=index))
             if cores_of[index] == [core]:

@@ -25,7 +25,13 @@ from compiler_core.lowering.program import (
     KernelDesc,
 )
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
-from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name, node_info, static_shape
+from compiler_core.nodeinfo import (
+    DECLARED_SHAPE,
+    dtype_name,
+    node_info,
+    node_opset,
+    static_shape,
+)
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import NodeInfo, no_split, whole_inputs
 
@@ -194,12 +200,14 @@ class _Builder:
         self.kernels.append(LKernel(desc=desc, tiles=tiles))
 
     def lower_node(self, node: ir.Node) -> None:
-        opdef = REGISTRY.lookup(node.op_type, node.domain, self.opset)
+        opset = node_opset(node, self.graph.opset_imports, self.opset)
+        opdef = REGISTRY.lookup(node.op_type, node.domain, opset)
         steps = epilogue(node)
         live = list(node.outputs)
         while live and not live[-1].name and not live[-1].uses():
             live.pop()  # omitted optional outputs
-        outputs = [self.tensor(v) for v in live]
+        # An unnamed output in the middle (LSTM's Y beside Y_h) is computed and dropped.
+        outputs = [self.tensor(v) if v.name or v.uses() else -1 for v in live]
         declared = any(v.meta.get(DECLARED_SHAPE) for v in node.outputs)
         if (
             opdef is not None
@@ -215,7 +223,7 @@ class _Builder:
             self.tensors[outputs[0]].alias_of = src
             return
         n_base = base_input_count(node)
-        info = node_info(node, self.opset)
+        info = node_info(node, opset)
         info = NodeInfo(
             op_type=info.op_type,
             name=info.name,

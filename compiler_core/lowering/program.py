@@ -98,7 +98,8 @@ class RunKernel:
     kernel: int
     out_box: Box
     inputs: tuple[Operand | None, ...]
-    outputs: tuple[Operand, ...]
+    outputs: tuple[Operand | None, ...]
+    """None where the node leaves an optional output unnamed: computed, never stored."""
 
 
 @dataclass(frozen=True)
@@ -387,9 +388,7 @@ def decode_program(data: bytes | memoryview) -> Program:
                 ins = tuple(reader.operand() for _ in range(n_in))
                 (n_out,) = reader.take("<B")
                 outs = tuple(reader.operand() for _ in range(n_out))
-                if any(o is None for o in outs):
-                    raise CompileError("invalid_program", "kernel output operand missing")
-                stream.append(RunKernel(kernel, out_box, ins, outs))  # type: ignore[arg-type]
+                stream.append(RunKernel(kernel, out_box, ins, outs))
             elif code == _OP_POST:
                 stream.append(SemPost(*reader.take("<I")))
             elif code == _OP_WAIT:
@@ -431,5 +430,13 @@ def check_program(program: Program) -> None:
                 raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
             if isinstance(instr, RunKernel) and instr.kernel >= n_k:
                 raise CompileError("invalid_program", f"core {core}: kernel {instr.kernel}")
+            if isinstance(instr, RunKernel):
+                outputs = program.kernels[instr.kernel].outputs
+                if len(instr.outputs) != len(outputs) or any(
+                    (o is None) != (t < 0) for o, t in zip(instr.outputs, outputs, strict=True)
+                ):
+                    raise CompileError(
+                        "invalid_program", f"core {core}: kernel {instr.kernel} output operands"
+                    )
             if isinstance(instr, SemPost | SemWait) and instr.sem >= program.num_semaphores:
                 raise CompileError("invalid_program", f"core {core}: semaphore {instr.sem}")

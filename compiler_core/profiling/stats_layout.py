@@ -239,7 +239,8 @@ def build_layout(options: CompileOptions, lowered: LoweredGraph) -> StatsLayout:
     op_rows: list[tuple[int, int]] = []
     for index, lk in enumerate(lowered.kernels):
         d = lk.desc
-        out = lowered.tensors[d.outputs[0]] if d.outputs else None
+        stored = [t for t in d.outputs if t >= 0]
+        out = lowered.tensors[stored[0]] if stored else None
         kernels.append(
             KernelEntry(
                 id=index,
@@ -248,7 +249,7 @@ def build_layout(options: CompileOptions, lowered: LoweredGraph) -> StatsLayout:
                 op_types=tuple(d.op_types),
                 unit=d.unit,
                 kernel=d.kernel,
-                output_bytes=sum(lowered.tensors[t].nbytes for t in d.outputs),
+                output_bytes=sum(lowered.tensors[t].nbytes for t in d.outputs if t >= 0),
                 output_shape=tuple(out.shape) if out is not None else (),
                 output_dtype=out.dtype if out is not None else "",
             )

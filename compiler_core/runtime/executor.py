@@ -235,6 +235,8 @@ class Executor:
                 value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
             results = [value, *results[1:]]
         for position, (tid, operand) in enumerate(zip(desc.outputs, instr.outputs, strict=True)):
+            if operand is None:
+                continue  # an unnamed optional output
             dst = self._operand(core, tid, operand)
             assert dst is not None
             result = np.asarray(results[position])
