@@ -724,8 +724,10 @@ def _apply_declared_shapes(
     A static compiler needs every shape ahead of time; when a shape depends on the value of a
     runtime input (axes, pads, sizes, k...), the model's own declaration of the output is the
     contract, and the runtime checks each run against it. The declared shape also flows back
-    through single-input elementwise ops (ReduceSum -> Log -> output). Inferred static shapes
-    always win over declarations, so a stale annotation never overrides a rebinding.
+    through elementwise ops (ReduceSum -> Log -> output; Range -> Mul(x, 2.0) -> output:
+    every operand whose shape is open gets the output's when the others are single elements).
+    Inferred static shapes always win over declarations, so a stale annotation never overrides
+    a rebinding.
     """
     for value in graph.outputs:
         shape = declared.get(id(value))
@@ -737,16 +739,30 @@ def _apply_declared_shapes(
         data = [v for v in node.inputs if v is not None]
         if node.op_type == "CastLike":
             data = data[:1]  # the second input only lends its element type
-        if len(node.outputs) != 1 or not outputs or len(data) != 1:
+        if len(node.outputs) != 1 or not outputs or not data:
             continue
         opdef = registry.lookup(node.op_type, node.domain)
-        source = data[0]
         if opdef is None or not (opdef.elementwise or node.op_type in _SHAPE_KEEPING):
             continue
-        if source.producer() is None or (source.shape is not None and source.shape.is_static()):
+        if len(data) > 1 and not opdef.elementwise:
             continue
-        source.shape = ir.Shape(list(outputs[0].shape.numpy()))  # type: ignore[union-attr]
-        source.meta[DECLARED_SHAPE] = True
+        dims = list(outputs[0].shape.numpy())  # type: ignore[union-attr]
+        dynamic = [v for v in data if v.shape is None or not v.shape.is_static()]
+        if not dynamic or any(v.producer() is None for v in dynamic):
+            continue
+        if not all(_broadcast_neutral(v, len(dims)) for v in data if v not in dynamic):
+            continue  # a full-size static operand leaves the dynamic one's shape open
+        for source in dynamic:
+            source.shape = ir.Shape(dims)
+            source.meta[DECLARED_SHAPE] = True
+
+
+def _broadcast_neutral(value: ir.Value, rank: int) -> bool:
+    """A static operand of one element and no higher rank than the output: broadcasting it
+    leaves the other operands' shape as the output's (Mul(x, 2.0) has x's shape)."""
+    assert value.shape is not None
+    dims = list(value.shape.numpy())
+    return len(dims) <= rank and all(d == 1 for d in dims)
 
 
 def _clear_node_output_shapes(graph: ir.Graph) -> None:

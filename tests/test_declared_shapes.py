@@ -5,7 +5,9 @@ and the runtime holds every run to it."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx.helper as oh
+import onnx.numpy_helper
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto
@@ -86,4 +88,42 @@ def test_a_run_whose_operand_contradicts_the_declared_shape_is_refused() -> None
 def test_an_undeclared_data_dependent_shape_is_a_dynamic_shape_error() -> None:
     with pytest.raises(CompileError) as info:
         compile_model(_reshape_model(["rows", "cols"]), ["-aic-num-cores=1"])
+    assert info.value.code == "dynamic_shape"
+
+
+def _range_model(other: onnx.TensorProto) -> bytes:
+    """Range(0, n, 1) * other: the Range's length hangs on the runtime input n."""
+    graph = oh.make_graph(
+        [
+            oh.make_node("Range", ["start", "n", "delta"], ["r"]),
+            oh.make_node("Mul", ["r", "other"], ["y"]),
+        ],
+        "g",
+        [oh.make_tensor_value_info("n", F, [])],
+        [oh.make_tensor_value_info("y", F, [5])],
+        initializer=[
+            onnx.numpy_helper.from_array(np.array(0.0, np.float32), "start"),
+            onnx.numpy_helper.from_array(np.array(1.0, np.float32), "delta"),
+            other,
+        ],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]).SerializeToString()
+
+
+def test_the_declared_shape_flows_back_through_a_binary_op_with_a_one_element_operand() -> None:
+    model = _range_model(onnx.numpy_helper.from_array(np.array([2.5], np.float32), "other"))
+    feeds = {"n": np.array(5.0, dtype=np.float32)}
+    result = compile_model(model, ["-aic-num-cores=2"])
+    try:
+        got = run_qpc(result.qpc_path, feeds)["y"]
+    finally:
+        result.cleanup()
+    np.testing.assert_allclose(got, _ort(model, feeds))
+
+
+def test_a_full_size_operand_leaves_the_other_operands_shape_open() -> None:
+    """Range(..) * ones(5) could broadcast a 1-element range: no shape is guessed."""
+    model = _range_model(onnx.numpy_helper.from_array(np.ones(5, np.float32), "other"))
+    with pytest.raises(CompileError) as info:
+        compile_model(model, ["-aic-num-cores=1"])
     assert info.value.code == "dynamic_shape"

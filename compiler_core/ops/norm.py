@@ -388,7 +388,9 @@ def lp_norm_compute(
         if p == 1
         else np.sqrt((xa * xa).sum(axis=axis, keepdims=True))
     )
-    return [(xa / norm).astype(x.dtype, copy=False)]
+    # A zero vector stays zero (0/0 would be NaN), as the ONNX reference defines it.
+    safe = np.where(norm == 0, 1, norm)
+    return [(xa / safe).astype(x.dtype, copy=False)]
 
 
 _lp_split, _lp_boxes = _along(_lp_axes)

@@ -121,7 +121,8 @@ def _extreme(reduce: np.ufunc, lowest: bool) -> Reducer:
 
 
 def _log_sum_exp(x: Array, axes: tuple[int, ...], keep: bool) -> Array:
-    peak = np.max(x, axis=axes, keepdims=True)
+    # The shift only keeps exp() in range; over an empty set the sum is 0 and the result -inf.
+    peak = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
     peak = np.where(np.isfinite(peak), peak, 0)
     total = np.sum(np.exp(x - peak), axis=axes, keepdims=True)
     result = np.log(total) + peak
