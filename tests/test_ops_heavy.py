@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 
 from compiler_core.ops import REGISTRY, NodeInfo, TileCtx
 from compiler_core.ops.registry import Box, box_shape
+from tests.op_checks import assert_matches, one_node_model
 
 RNG = np.random.default_rng(1234)
 
@@ -498,7 +499,9 @@ RESIZE_COORDINATES = [
 @pytest.mark.parametrize("coordinates", RESIZE_COORDINATES)
 @pytest.mark.parametrize("nearest", ["round_prefer_floor", "round_prefer_ceil", "floor", "ceil"])
 def test_resize_nearest_with_scales(coordinates, nearest):
-    args = [rand(1, 2, 5, 6), None, f32(1, 1, 2.5, 0.6)]
+    # 4 x 2.5 and 5 x 0.6 are whole lengths: there ONNX Runtime's align_corners agrees with
+    # the ONNX definition (test_resize_align_corners_uses_the_unrounded_resized_length).
+    args = [rand(1, 2, 4, 5), None, f32(1, 1, 2.5, 0.6)]
     check(
         "Resize",
         args,
@@ -667,3 +670,40 @@ def test_every_heavy_op_is_registered_with_its_unit():
         versions = REGISTRY.versions(op)
         assert versions, op
         assert all(v.unit == ("hmx" if op in hmx else "hvx") for v in versions), op
+
+
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+@pytest.mark.parametrize("exclude_outside", [0, 1])
+def test_resize_antialias_downsampling_widens_the_filter(mode, exclude_outside):
+    check(
+        "Resize",
+        [rand(1, 2, 9, 11), None, f32(1, 1, 0.45, 0.6)],
+        opset=18,
+        consts=[2],
+        mode=mode,
+        antialias=1,
+        exclude_outside=exclude_outside,
+    )
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_resize_align_corners_uses_the_unrounded_resized_length(mode):
+    """ONNX defines x_original = x * (in - 1) / (in * scale - 1); ONNX Runtime divides by the
+    rounded output length instead, so the oracle here is the ONNX reference."""
+    x = rand(1, 1, 5, 7)
+    scales = f32(1, 1, 0.6, 1.3)
+    node = helper.make_node(
+        "Resize",
+        ["x", "", "scales"],
+        ["y"],
+        mode=mode,
+        coordinate_transformation_mode="align_corners",
+    )
+    model = one_node_model(
+        node,
+        {"x": x, "scales": scales},
+        {"y": (np.float32, [1, 1, 3, 9])},
+        opset=19,
+        initializers={"scales": scales},
+    )
+    assert_matches(model, {"x": x}, oracle="reference", rtol=1e-5, atol=1e-5)

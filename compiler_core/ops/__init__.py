@@ -3,9 +3,12 @@
 from compiler_core.ops import (  # noqa: F401  (imported for their registrations)
     activation,
     attention,
+    causal_conv,
     conv,
     elementwise,
     extra,
+    kv_cache,
+    linear_attention,
     loss,
     matmul,
     norm,

@@ -2,6 +2,8 @@
 and Clip's scalar bounds), so each can be fused as an epilogue of the op producing its input.
 
 Each formula applies the ONNX attribute defaults itself; float16 runs in float32 and rounds once.
+SwiGLU (two same-shape inputs, gate and value) is the exception: it rounds the Swish of the gate
+to the input type before the product, as its ONNX function body (Swish, then Mul) does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from compiler_core.errors import CompileError
+from compiler_core.ops._tiling import elementwise_split
 from compiler_core.ops.elementwise import (
     Array,
     erf,
@@ -139,6 +143,28 @@ def _clip(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Arr
     return [np.asarray(result).astype(out_dtype(node), copy=False)]
 
 
+def _swiglu_split(node: NodeInfo) -> list[int]:
+    """Elementwise tiling; lowering asks this first, so it is where the shapes are checked."""
+    if node.in_shapes[0] != node.in_shapes[1]:
+        raise CompileError(
+            "invalid_model",
+            f"SwiGLU gate A {node.in_shapes[0]} and value B {node.in_shapes[1]} must have the "
+            "same shape (no broadcasting)",
+            node=node.name,
+        )
+    return elementwise_split(node)
+
+
+def _swiglu(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Array]:
+    """Y = Swish_alpha(A) * B, the Swish rounded to the output type before the product."""
+    a, b = inputs[0], inputs[1]
+    assert a is not None and b is not None, "SwiGLU needs A and B"
+    dtype = out_dtype(node)
+    with np.errstate(all="ignore"):
+        gate = _swish(widen(a), node).astype(dtype, copy=False)
+        return [(widen(gate) * widen(b)).astype(dtype, copy=False)]
+
+
 register_activation("Relu", _relu, since=6, dtypes=FLOATS | SIGNED)
 register_activation("LeakyRelu", _leaky_relu, since=6)
 register_elementwise("PRelu", _prelu, since=7, dtypes=FLOATS | frozenset({"int32", "int64"}))
@@ -157,3 +183,4 @@ register_activation("ThresholdedRelu", _thresholded_relu, since=10)
 register_activation("Swish", _swish, since=24)
 register_activation("Shrink", _shrink, since=9, dtypes=NUMERIC)
 register_elementwise("Clip", _clip, since=6, dtypes=NUMERIC)
+register_elementwise("SwiGLU", _swiglu, since=28, split_axes=_swiglu_split)

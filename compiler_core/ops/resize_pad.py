@@ -189,6 +189,7 @@ class ResizeMode:
     cubic_a: float
     exclude_outside: bool
     extrapolation: float
+    antialias: bool = False
 
 
 def _resize_mode(node: NodeInfo) -> ResizeMode:
@@ -196,10 +197,6 @@ def _resize_mode(node: NodeInfo) -> ResizeMode:
     mode = str(node.attr("mode", "nearest"))
     if mode == "bilinear":
         mode = "linear"
-    if int(node.attr("antialias", 0)):
-        raise CompileError(
-            "unsupported_attribute", "Resize antialias=1 is not supported", node=node.name
-        )
     return ResizeMode(
         mode=mode,
         coordinates="asymmetric"
@@ -209,6 +206,7 @@ def _resize_mode(node: NodeInfo) -> ResizeMode:
         cubic_a=float(node.attr("cubic_coeff_a", -0.75)),
         exclude_outside=bool(int(node.attr("exclude_outside", 0))),
         extrapolation=float(node.attr("extrapolation_value", 0.0)),
+        antialias=bool(int(node.attr("antialias", 0))) and mode in ("linear", "cubic"),
     )
 
 
@@ -244,7 +242,8 @@ def _axis_maps(node: NodeInfo, values: Mapping[int, np.ndarray]) -> list[AxisMap
     if scales is None and node.op_type == "Upsample" and node.opset < 9:
         scales = np.asarray(node.attr("scales"), dtype=F32)
     if sizes is not None:
-        ratios = {a: F32(out_shape[a]) / F32(in_shape[a]) for a in axes}
+        # The requested sizes, not the output's: not_larger/not_smaller round them.
+        ratios = {a: F32(int(n)) / F32(in_shape[a]) for a, n in zip(axes, sizes, strict=True)}
         policy = str(node.attr("keep_aspect_ratio_policy", "stretch"))
         if policy == "not_larger":
             ratios = dict.fromkeys(axes, min(ratios.values()))
@@ -277,7 +276,8 @@ def _source_coordinates(m: AxisMap, mode: ResizeMode, out: np.ndarray) -> np.nda
     if kind == "pytorch_half_pixel":
         return (x + half) / scale - half if m.out_size > 1 else np.zeros_like(x)
     if kind == "align_corners":
-        return x * (n - 1) / (size - 1) if m.out_size > 1 else np.zeros_like(x)
+        # The resized length is in_size * scale, unrounded (a 0.6 scale of 4 is 2.4 long).
+        return x * (n - 1) / (n * scale - 1) if m.out_size > 1 else np.zeros_like(x)
     if kind == "asymmetric":
         return x / scale
     if kind == "tf_half_pixel_for_nn":
@@ -322,6 +322,40 @@ def _cubic_weights(s: np.ndarray, a: float) -> np.ndarray:
     return np.stack([far(s + one), near(s), near(one - s), far(two - s)], axis=-1)
 
 
+def _antialias_taps(
+    coord: np.ndarray, m: AxisMap, mode: ResizeMode
+) -> tuple[np.ndarray, np.ndarray]:
+    """Downsampling with the interpolation filter stretched by 1/scale, so every input pixel
+    under the footprint contributes (weights renormalised to sum to one).
+
+    The taps are the n input positions nearest the source coordinate: base + start ... where an
+    exact integer coordinate counts as the far end of the cell below it (ratio 1), as ONNX does.
+    """
+    scale = F32(m.scale)
+    reach = 1.0 if mode.mode == "linear" else 2.0
+    start = int(np.floor(-reach / float(scale))) + 1
+    count = 2 - 2 * start
+    base = np.floor(coord)
+    ratio = coord - base
+    whole = ratio == 0
+    base = np.where(whole, base - 1, base).astype(np.int64)
+    ratio = np.where(whole, F32(1), ratio).astype(F32)
+    offsets = np.arange(start, start + count)
+    args = np.abs((offsets[None, :] - ratio[:, None]) * scale).astype(F32)
+    if mode.mode == "linear":
+        weights = np.clip(F32(1) - args, F32(0), F32(1))
+    else:
+        a = F32(mode.cubic_a)
+        near = ((a + 2) * args - (a + 3)) * args * args + 1
+        far = ((a * args - 5 * a) * args + 8 * a) * args - 4 * a
+        weights = np.where(args <= 1, near, np.where(args < 2, far, F32(0))).astype(F32)
+    index = base[:, None] + offsets[None, :]
+    if mode.exclude_outside:
+        weights = np.where((index >= 0) & (index < m.in_size), weights, F32(0))
+    weights = weights / weights.sum(axis=1, keepdims=True)
+    return np.clip(index, 0, m.in_size - 1), weights.astype(F32)
+
+
 def _taps(
     m: AxisMap, mode: ResizeMode, o0: int, o1: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -336,7 +370,9 @@ def _taps(
     inside = (
         (coord >= 0) & (coord <= F32(last)) if mode.coordinates == "tf_crop_and_resize" else None
     )
-    if mode.mode == "nearest":
+    if mode.antialias and m.scale < 1:
+        index, weights = _antialias_taps(coord, m, mode)
+    elif mode.mode == "nearest":
         index = np.clip(_nearest_index(coord, mode, bool(m.scale < 1)), 0, last)[:, None]
         weights = np.ones(index.shape, dtype=F32)
     elif mode.mode == "linear":
@@ -362,7 +398,7 @@ def _taps(
 
 
 def resize_split_axes(node: NodeInfo) -> list[int]:
-    if int(node.attr("antialias", 0)) or _axis_maps(node, node.consts) is None:
+    if _axis_maps(node, node.consts) is None:
         return []
     return list(range(len(node.out_shapes[0])))
 
@@ -431,7 +467,7 @@ for _since, _until in ((10, 10), (11, 12), (13, 17), (18, 18), (19, None)):
         input_boxes=resize_input_boxes,
         macs=_resize_macs,
         doc="nearest, linear and cubic modes with every coordinate_transformation_mode; "
-        "axes and keep_aspect_ratio_policy (18+); antialias is not supported.",
+        "axes and keep_aspect_ratio_policy (18+); antialias (18+) for linear and cubic.",
     )
 register(
     "Upsample",

@@ -1,0 +1,111 @@
+"""ONNX TensorScatter (opset 24): writes a KV-cache update into a fixed-size cache buffer at a
+per-batch write index, linearly or wrapping around (circular).
+
+Runs whole (one tile): the write positions depend on the write_indices values, known only at
+run time, so no static tile of the output can say which part of `update` it needs. The cache
+is copied and the update written with one indexed assignment per batch entry; no arithmetic
+is done, so every element type is exact. The update may not be longer than the cache, in
+either mode (sequence_length <= max_sequence_length, as the specification states).
+
+Attributes and shapes are checked when the node is lowered (from `split_axes`, which lowering
+asks first). A linear-mode write index that runs past the end of the cache can only be seen
+at run time and is a runtime fault naming the batch entry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.ops.registry import ALL, NodeInfo, TileCtx, register
+
+Array = np.ndarray
+
+_MODES = ("linear", "circular")
+
+
+def _fail(node: NodeInfo, message: str) -> CompileError:
+    return CompileError("invalid_model", f"TensorScatter: {message}", node=node.name)
+
+
+def _mode(node: NodeInfo) -> str:
+    mode = node.attr("mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode not in _MODES:
+        raise _fail(node, f"mode {mode!r} is not one of {', '.join(_MODES)}")
+    return mode
+
+
+def _axis(node: NodeInfo) -> int:
+    """The sequence axis, validated against the cache and update shapes."""
+    cache, update = node.in_shapes[0], node.in_shapes[1]
+    assert cache is not None and update is not None
+    rank = len(cache)
+    axis = int(node.attr("axis", -2))
+    if not -rank <= axis < rank or axis % rank == 0:
+        raise _fail(node, f"axis {axis} is out of range or the batch axis for rank {rank}")
+    axis %= rank
+    if len(update) != rank:
+        raise _fail(node, f"update rank {len(update)} differs from past_cache rank {rank}")
+    others = [a for a in range(rank) if a != axis]
+    if any(update[a] != cache[a] for a in others):
+        raise _fail(node, f"update shape {update} differs from past_cache {cache} off axis {axis}")
+    if update[axis] > cache[axis]:
+        raise _fail(
+            node, f"update length {update[axis]} exceeds cache length {cache[axis]} on axis {axis}"
+        )
+    if node.has_input(2) and tuple(node.in_shapes[2] or ()) != (cache[0],):
+        raise _fail(node, f"write_indices shape {node.in_shapes[2]} is not ({cache[0]},)")
+    return axis
+
+
+def _split_axes(node: NodeInfo) -> list[int]:
+    """Runs whole; lowering asks this first, so it is where the node is validated."""
+    _mode(node)
+    _axis(node)
+    return []
+
+
+def _positions(node: NodeInfo, start: int, length: int, size: int, batch: int) -> Array:
+    """Cache positions of the update's `length` steps written from `start`."""
+    if _mode(node) == "circular":
+        return (start + np.arange(length)) % size
+    if start < 0 or start + length > size:
+        raise CompileError(
+            "runtime_fault",
+            f"TensorScatter: write index {start} for batch {batch} plus {length} new steps "
+            f"does not fit the cache length {size} (linear mode)",
+            node=node.name,
+        )
+    return start + np.arange(length)
+
+
+def tensor_scatter_compute(
+    node: NodeInfo, inputs: list[Array | None], tile: TileCtx
+) -> list[Array]:
+    cache, update = inputs[0], inputs[1]
+    assert cache is not None and update is not None
+    axis = _axis(node)
+    indices = inputs[2] if len(inputs) > 2 else None
+    batch = cache.shape[0]
+    starts = np.zeros(batch, np.int64) if indices is None else indices.astype(np.int64)
+    present = np.array(cache, dtype=np.dtype(node.out_dtypes[0]), copy=True)
+    size, length = cache.shape[axis], update.shape[axis]
+    # Sequence axis next to the batch axis; both are views, so writes land in `present`.
+    target = np.moveaxis(present, axis, 1)
+    source = np.moveaxis(update, axis, 1)
+    for b in range(batch):
+        target[b, _positions(node, int(starts[b]), length, size, b)] = source[b]
+    return [present]
+
+
+register(
+    "TensorScatter",
+    tensor_scatter_compute,
+    since=24,
+    dtypes=ALL,
+    kernel="tensor_scatter",
+    split_axes=_split_axes,
+    macs=lambda node: 0,
+    doc="KV-cache write at per-batch indices along a sequence axis; linear or circular mode.",
+)
