@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY, TileCtx
-from tests.op_checks import one_node_model, run_compiled, run_onnxruntime
+from tests.op_checks import one_node_model, run_compiled, run_onnxruntime, run_reference
 from tests.test_ops_heavy import check, node_info, rand, run_ort
 
 # ---------------------------------------------------------------------------------------------
@@ -279,3 +279,35 @@ def test_attention_opset25_sliding_window_with_causal():
         is_causal=1,
         left_window_size=2,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout in training mode
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+def test_training_dropout_with_a_seed_matches_the_onnx_reference_draw(cores):
+    x = rand(3, 4, 5)
+    ratio, training = np.array(0.75, np.float32), np.array(True)
+    node = helper.make_node("Dropout", ["x", "r", "t"], ["y", "mask"], seed=7)
+    feeds = {"x": x, "r": ratio, "t": training}
+    model = one_node_model(
+        node, feeds, {"y": (np.float32, [3, 4, 5]), "mask": (np.bool_, [3, 4, 5])}, opset=13
+    )
+    want = run_reference(model, feeds)
+    got = run_compiled(model, feeds, cores)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert 0 < got[1].sum() < got[1].size  # some dropped, some kept
+
+
+def test_dropout_with_training_off_at_run_time_passes_the_data_through():
+    x = rand(2, 6)
+    node = helper.make_node("Dropout", ["x", "r", "t"], ["y", "mask"], seed=1)
+    feeds = {"x": x, "r": np.array(0.5, np.float32), "t": np.array(False)}
+    model = one_node_model(
+        node, feeds, {"y": (np.float32, [2, 6]), "mask": (np.bool_, [2, 6])}, opset=13
+    )
+    y, mask = run_compiled(model, feeds)
+    np.testing.assert_array_equal(y, x)
+    assert mask.all()

@@ -1,6 +1,6 @@
 """Tensor manipulation: views, copies, gathers and scatters, shape arithmetic and generators.
 
-Views (Reshape, Flatten, Squeeze, Unsqueeze, Identity, Dropout) are `alias` entries: the
+Views (Reshape, Flatten, Squeeze, Unsqueeze, Identity) are `alias` entries: the
 lowering reuses the input's bytes; their kernels exist for constant folding. Copies that move
 whole rows (Transpose, Concat, Slice, Gather, Expand, Tile, Trilu) can be cut along their
 output axes; ops whose output depends on data or that have several outputs run whole.
@@ -121,17 +121,44 @@ def _identity(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list
 
 
 def _dropout(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Array]:
-    """Inference Dropout: the data passes through and the optional mask is all True."""
+    """Identity at inference. In training mode (opset 12+: the `training_mode` input is True)
+    each element is dropped with probability `ratio` and the rest scaled by 1 / (1 - ratio).
+
+    The draw is numpy's MT19937 stream (RandomState) seeded by `seed` (0 when absent), one
+    uniform per element over the whole tensor in C order: every run of a QPC drops the same
+    elements, and the ONNX reference's seeded expectations hold. The kernel runs whole so that
+    tiling cannot change which element gets which draw.
+    """
     x = _x(node, inputs)
     training = _opt(inputs, 2)
-    if training is not None and bool(np.asarray(training).reshape(-1)[0]):
-        raise CompileError(
-            "unsupported_op", "Dropout in training mode is not supported", node=node.name or None
-        )
-    results = [x]
-    if len(node.out_shapes) > 1:
-        results.append(np.ones(x.shape, dtype=bool))
-    return results
+    ratio_in = _opt(inputs, 1)
+    ratio = float(np.asarray(ratio_in).reshape(-1)[0]) if ratio_in is not None else 0.5
+    if node.opset < 12:
+        ratio = float(node.attr("ratio", 0.5))
+    active = training is not None and bool(np.asarray(training).reshape(-1)[0])
+    if not active or ratio == 0:
+        mask = np.ones(x.shape, dtype=bool)
+        y = x
+    else:
+        if not 0 <= ratio < 1:
+            raise CompileError(
+                "invalid_model", f"Dropout ratio {ratio} is outside [0, 1)", node=node.name
+            )
+        draws = np.random.RandomState(int(node.attr("seed", 0))).uniform(0.0, 1.0, x.shape)
+        mask = draws >= ratio
+        y = (mask * x * (1.0 / (1.0 - ratio))).astype(x.dtype)
+    return [y, mask][: len(node.out_shapes)]
+
+
+register(
+    "Dropout",
+    _dropout,
+    since=7,
+    dtypes=ALL,
+    kernel="dropout",
+    doc="Identity at inference (removed by canonicalisation); training mode with a seeded, "
+    "reproducible mask.",
+)
 
 
 for _name, _fn, _since in (
@@ -140,7 +167,6 @@ for _name, _fn, _since in (
     ("Squeeze", _squeeze, 1),
     ("Unsqueeze", _unsqueeze, 1),
     ("Identity", _identity, 1),
-    ("Dropout", _dropout, 7),
 ):
     register(_name, _fn, since=_since, dtypes=ALL, alias=True, macs=no_macs)
 
@@ -449,6 +475,8 @@ def _scatter_nd(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> li
 
 register("ScatterElements", _scatter_elements, since=11, dtypes=ALL)
 register("ScatterND", _scatter_nd, since=11, dtypes=ALL)
+# Scatter (opset 9-10) is ScatterElements without `reduction` under its deprecated name.
+register("Scatter", _scatter_elements, since=9, until=10, dtypes=ALL, kernel="scatterelements")
 
 
 # --- Expand, Tile, Trilu ------------------------------------------------------------------------
