@@ -14,6 +14,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     norm,
     pool,
     quant,
+    recurrent,
     reduce,
     resize_pad,
     signal,
