@@ -11,7 +11,13 @@ from onnx import TensorProto, helper
 
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY, TileCtx
-from tests.op_checks import one_node_model, run_compiled, run_onnxruntime, run_reference
+from tests.op_checks import (
+    assert_matches,
+    one_node_model,
+    run_compiled,
+    run_onnxruntime,
+    run_reference,
+)
 from tests.test_ops_heavy import check, node_info, rand, run_ort
 
 # ---------------------------------------------------------------------------------------------
@@ -311,3 +317,24 @@ def test_dropout_with_training_off_at_run_time_passes_the_data_through():
     y, mask = run_compiled(model, feeds)
     np.testing.assert_array_equal(y, x)
     assert mask.all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional values
+
+
+@pytest.mark.parametrize("wired", [True, False])
+def test_optional_has_element_is_true_for_a_tensor_and_false_for_a_missing_input(wired):
+    x = rand(4)
+    node = helper.make_node("OptionalHasElement", ["x"] if wired else [""], ["has"])
+    feeds = {"x": x} if wired else {}
+    model = one_node_model(node, feeds, {"has": (np.bool_, [])}, opset=18)
+    assert_matches(model, feeds, oracle="reference")
+    assert bool(run_compiled(model, feeds)[0]) is wired
+
+
+def test_optional_get_element_of_a_tensor_is_the_tensor():
+    x = rand(4)
+    node = helper.make_node("OptionalGetElement", ["x"], ["y"])
+    model = one_node_model(node, {"x": x}, {"y": (np.float32, [4])}, opset=18)
+    assert_matches(model, {"x": x}, oracle="reference")

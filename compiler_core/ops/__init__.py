@@ -3,6 +3,7 @@
 from compiler_core.ops import (  # noqa: F401  (imported for their registrations)
     activation,
     attention,
+    bitcast,
     causal_conv,
     conv,
     elementwise,
@@ -12,11 +13,14 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     loss,
     matmul,
     norm,
+    optional,
     pool,
     quant,
+    quant_integer,
     recurrent,
     reduce,
     resize_pad,
+    rotary,
     signal,
     tensor,
 )
