@@ -21,8 +21,10 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     reduce,
     resize_pad,
     rotary,
+    sampling,
     signal,
     tensor,
+    unpool,
 )
 from compiler_core.ops.registry import REGISTRY, Box, NodeInfo, OpDef, TileCtx
 
