@@ -228,7 +228,6 @@ _NOT_YET = {
     "mxfp6_matmul": "-mxfp6-matmul",
     "retained_state": "-retained-state",
     "network_specialization_config": "-network-specialization-config",
-    "custom_io_list_file": "-custom-IO-list-file",
     "node_precision_info": "-node-precision-info",
 }
 _NO_EFFECT = {

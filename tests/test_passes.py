@@ -4,6 +4,7 @@ the numbers against ONNX Runtime (except epilogue fusion, whose result is not ON
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -490,6 +491,7 @@ def test_fp16_conversion_adjusts_float_tensor_attributes() -> None:
 @dataclass
 class Options:
     convert_to_fp16: bool = False
+    custom_io_list_file: str | None = None
 
 
 def small_cnn() -> onnx.ModelProto:
@@ -538,9 +540,16 @@ def test_pipeline_runs_in_order_and_leaves_one_fused_conv() -> None:
     assert seen[-1][1] == 1.0
 
 
-def test_pipeline_with_fp16_appends_the_conversion_before_the_last_cleanup() -> None:
+def test_pipeline_with_fp16_appends_the_conversion_before_the_last_cleanup(
+    tmp_path: Path,
+) -> None:
     names = [p.name for p in graph_pipeline(Options(convert_to_fp16=True))]
     assert names[-2:] == ["convert-to-fp16", "eliminate-dead-code"]
+    io_list = tmp_path / "io.yaml"
+    io_list.write_text("- IOName: x\n  Precision: float16\n")
+    options = Options(convert_to_fp16=True, custom_io_list_file=str(io_list))
+    names = [p.name for p in graph_pipeline(options)]
+    assert names[-3:] == ["convert-to-fp16", "apply-custom-io", "eliminate-dead-code"]
     assert set(names) == set(PASS_NAMES)
 
 

@@ -6,9 +6,11 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     bitcast,
     causal_conv,
     conv,
+    detection,
     elementwise,
     extra,
     kv_cache,
+    linalg,
     linear_attention,
     loss,
     matmul,
@@ -24,6 +26,8 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     sampling,
     signal,
     tensor,
+    text,
+    unique,
     unpool,
 )
 from compiler_core.ops.registry import REGISTRY, Box, NodeInfo, OpDef, TileCtx

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from compiler_core.custom_io import load_custom_io
+from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
 from compiler_core.passes.canonicalize import CanonicalizePass
 from compiler_core.passes.convert_precision import ConvertToFp16Pass
@@ -22,6 +24,9 @@ class PipelineOptions(Protocol):
     @property
     def convert_to_fp16(self) -> bool: ...
 
+    @property
+    def custom_io_list_file(self) -> str | None: ...
+
 
 PASS_NAMES = (
     CanonicalizePass.name,
@@ -31,6 +36,7 @@ PASS_NAMES = (
     FoldBatchNormIntoConvPass.name,
     FuseEpiloguePass.name,
     ConvertToFp16Pass.name,
+    ApplyCustomIOPass.name,
 )
 """Every pass name the pipeline can contain (what may be disabled)."""
 
@@ -40,7 +46,9 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
 
     Folding runs again after BatchNorm folding because folding creates new constants; epilogue
     fusion comes after every rewrite that expects plain ONNX; precision conversion last, so
-    that it sees the final constants (folded weights are clipped once, after folding).
+    that it sees the final constants (folded weights are clipped once, after folding); the
+    boundary precisions of `-custom-IO-list-file` after that, so they replace its boundary
+    Casts rather than add to them.
     """
     passes: list[GraphPass] = [
         CanonicalizePass(),
@@ -53,5 +61,7 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     ]
     if options.convert_to_fp16:
         passes.append(ConvertToFp16Pass())
+    if options.custom_io_list_file:
+        passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file)))
     passes.append(EliminateDeadCodePass())
     return passes

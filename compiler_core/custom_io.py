@@ -1,0 +1,80 @@
+"""`-custom-IO-list-file`: the precision of named graph inputs and outputs at the boundary.
+
+The file is the YAML list the vendor tool reads (and QEfficient writes):
+
+    - IOName: past_key.0
+      Precision: float16
+
+A model keeps computing in its own types; only what crosses the boundary changes, so the host
+sends and receives half the bytes for a float16 KV cache. Entries are checked against the
+model when the compile applies them (`passes/apply_custom_io.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compiler_core.errors import CompileError
+
+FLAG = "-custom-IO-list-file"
+
+PRECISIONS = ("float32", "float16", "bfloat16")
+"""Boundary precisions this compiler converts to and from (the model side must be a float)."""
+
+
+@dataclass(frozen=True)
+class CustomIO:
+    name: str
+    precision: str
+
+
+def load_custom_io(path: str | os.PathLike[str]) -> list[CustomIO]:
+    """The entries of a custom-IO list file; any malformed entry is an `invalid_option` that
+    says which one and why."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _invalid(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise _invalid(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(doc, list) or not doc:
+        raise _invalid(f"{path} must be a non-empty YAML list of IOName/Precision entries")
+    entries = [_entry(item, index) for index, item in enumerate(doc)]
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise _invalid(f"IOName {entry.name!r} is listed twice")
+        seen.add(entry.name)
+    return entries
+
+
+def _entry(item: Any, index: int) -> CustomIO:
+    where = f"entry {index + 1}"
+    if not isinstance(item, dict) or set(item) != {"IOName", "Precision"}:
+        raise _invalid(f"{where} must have exactly the keys IOName and Precision, got {item!r}")
+    name, precision = item["IOName"], item["Precision"]
+    if not isinstance(name, str) or not name:
+        raise _invalid(f"{where}: IOName must be a non-empty string")
+    if precision == "mxint8":
+        raise CompileError(
+            "unsupported_option",
+            f"{where} ({name}): Precision mxint8 is not supported by this compiler; "
+            f"use one of {', '.join(PRECISIONS)}",
+            flag=FLAG,
+        )
+    if precision not in PRECISIONS:
+        raise _invalid(
+            f"{where} ({name}): Precision {precision!r} is not one of {', '.join(PRECISIONS)}"
+        )
+    return CustomIO(name, precision)
+
+
+def _invalid(message: str) -> CompileError:
+    return CompileError("invalid_option", f"{FLAG}: {message}", flag=FLAG)

@@ -1,0 +1,147 @@
+"""`-custom-IO-list-file`: give named graph inputs and outputs the listed precision.
+
+Runs after precision conversion, so that a float16 input of a `-convert-to-fp16` network loses
+the boundary Cast that conversion added instead of gaining a second one: the listed input then
+feeds the network directly, and a listed output is the float16 value the network computed.
+Elsewhere one Cast at the boundary converts between the listed and the model's type.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+from compiler_core.custom_io import FLAG, CustomIO
+from compiler_core.errors import CompileError
+from compiler_core.passes.base import GraphPass, NameScope
+
+log = logging.getLogger(__name__)
+
+_FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+class ApplyCustomIOPass(GraphPass):
+    name = "apply-custom-io"
+
+    def __init__(self, entries: list[CustomIO]) -> None:
+        super().__init__()
+        self.entries = entries
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        names = NameScope(graph)
+        inputs = {v.name or "": v for v in graph.inputs}
+        outputs = {v.name or "": i for i, v in enumerate(graph.outputs)}
+        changed = 0
+        for entry in self.entries:
+            target = (
+                ir.DataType[entry.precision.upper()]
+                if entry.precision != "float32"
+                else (ir.DataType.FLOAT)
+            )
+            if entry.name in inputs:
+                changed += _retype_input(graph, inputs[entry.name], target, names)
+            elif entry.name in outputs:
+                changed += _retype_output(graph, outputs[entry.name], target, names)
+            else:
+                raise CompileError(
+                    "invalid_option",
+                    f"{FLAG}: {entry.name!r} is neither a graph input nor a graph output "
+                    f"(inputs: {', '.join(inputs) or 'none'}; outputs: "
+                    f"{', '.join(outputs) or 'none'})",
+                    flag=FLAG,
+                )
+        log.info("apply-custom-io: %d boundary values retyped", changed)
+        return ir.passes.PassResult(model, modified=changed > 0)
+
+
+def _check_float(value: ir.Value, target: ir.DataType) -> None:
+    if value.dtype not in _FLOATS:
+        raise CompileError(
+            "invalid_option",
+            f"{FLAG}: {value.name!r} is {value.dtype.name.lower() if value.dtype else 'untyped'}"
+            f" in the model; only float inputs and outputs can change precision "
+            f"(to {target.name.lower()})",
+            flag=FLAG,
+        )
+
+
+def _retype_input(graph: ir.Graph, value: ir.Value, target: ir.DataType, names: NameScope) -> int:
+    _check_float(value, target)
+    if value.dtype == target:
+        return 0
+    uses = list(value.uses())
+    casts = [u.node for u in uses if _is_cast_to(u.node, target)]
+    model_type = value.dtype
+    assert model_type is not None
+    value.type = ir.TensorType(target)
+    if casts and len(casts) == len(uses):
+        # The network already reads it in the listed type (a -convert-to-fp16 boundary Cast).
+        for cast in casts:
+            ir.convenience.replace_all_uses_with(cast.outputs[0], value)
+            graph.remove(cast, safe=True)
+        return 1
+    back = ir.Node(
+        "",
+        "Cast",
+        [value],
+        outputs=[
+            ir.Value(
+                name=names.fresh(f"{value.name}_{model_type.name.lower()}"),
+                type=ir.TensorType(model_type),
+                shape=value.shape,
+            )
+        ],
+        attributes=[ir.AttrInt64("to", model_type.value)],
+        name=f"{value.name}/from_{target.name.lower()}",
+    )
+    for use in uses:
+        use.node.replace_input_with(use.idx, back.outputs[0])
+    nodes = list(graph)
+    if nodes:
+        graph.insert_before(nodes[0], back)
+    else:
+        graph.append(back)
+    return 1
+
+
+def _retype_output(graph: ir.Graph, position: int, target: ir.DataType, names: NameScope) -> int:
+    value = graph.outputs[position]
+    _check_float(value, target)
+    if value.dtype == target:
+        return 0
+    producer = value.producer()
+    name = value.name
+    if (
+        producer is not None
+        and producer.op_type == "Cast"
+        and producer.inputs[0] is not None
+        and producer.inputs[0].dtype == target
+        and not producer.inputs[0].is_graph_input()
+        and not producer.inputs[0].is_graph_output()
+        and len(value.uses()) == 0
+    ):
+        # The network computed it in the listed type and cast it back: drop that Cast.
+        source = producer.inputs[0]
+        graph.outputs[position] = source
+        graph.remove(producer, safe=True)
+        source.name = name
+        return 1
+    value.name = names.fresh(f"{name}_{(value.dtype or target).name.lower()}")
+    cast = ir.Node(
+        "",
+        "Cast",
+        [value],
+        outputs=[ir.Value(name=name, type=ir.TensorType(target), shape=value.shape)],
+        attributes=[ir.AttrInt64("to", target.value)],
+        name=f"{name}/to_{target.name.lower()}",
+    )
+    graph.append(cast)
+    graph.outputs[position] = cast.outputs[0]
+    return 1
+
+
+def _is_cast_to(node: ir.Node, target: ir.DataType) -> bool:
+    to = node.attributes.get("to")
+    return node.op_type == "Cast" and to is not None and to.as_int() == target.value
