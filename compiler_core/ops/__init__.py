@@ -14,6 +14,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     linear_attention,
     loss,
     matmul,
+    ml,
     norm,
     optional,
     pool,
@@ -27,6 +28,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     signal,
     tensor,
     text,
+    training,
     unique,
     unpool,
 )
