@@ -553,12 +553,13 @@ def _domain(node: ir.Node) -> str:
 
 def _unsupported_op_types(model: ir.Model, registry: OpRegistry) -> list[_Unsupported]:
     found: dict[tuple[str, str, int], _Unsupported] = {}
-    for node in model.graph:
+    # Nodes inside subgraphs (If branches, Loop/Scan bodies) run on our kernels too.
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
         opset = _node_opset(model, node)
         if registry.lookup(node.op_type, _domain(node), opset) is None:
             key = (node.op_type, _domain(node), opset)
             entry = found.setdefault(key, _Unsupported(*key, reason=""))
-            entry.nodes.append(node.name or "")
+            entry.nodes.append(node.name or f"{node.op_type} (in a subgraph)")
     return list(found.values())
 
 

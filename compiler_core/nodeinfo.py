@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, overload
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from compiler_core.errors import CompileError
@@ -40,9 +41,16 @@ def static_shape(value: ir.Value) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape)  # type: ignore[arg-type]
 
 
-def attribute_value(attr: ir.Attr) -> Any:
-    """An attribute as a plain Python value (tensors as numpy arrays, strings as str)."""
+def attribute_value(attr: ir.Attr, opset_imports: Mapping[str, int] | None = None) -> Any:
+    """An attribute as a plain Python value (tensors as numpy arrays, strings as str).
+
+    A graph (If branches, Loop/Scan bodies, FlexAttention modifiers) becomes the bytes of a
+    ModelProto holding it with the enclosing model's `opset_imports`: self-contained, so it
+    travels in the QPC and the kernel reads its nodes at the right opsets.
+    """
     kind = attr.type
+    if kind == ir.AttributeType.GRAPH:
+        return subgraph_bytes(attr.as_graph(), opset_imports or {})
     if kind == ir.AttributeType.TENSOR:
         return np.asarray(attr.as_tensor().numpy())
     if kind == ir.AttributeType.TENSORS:
@@ -63,6 +71,44 @@ def attribute_value(attr: ir.Attr) -> Any:
         "unsupported_attribute",
         f"attribute '{attr.name}' of type {kind.name} is not supported",
     )
+
+
+def subgraph_bytes(graph: ir.Graph, opset_imports: Mapping[str, int]) -> bytes:
+    proto = onnx.ModelProto(ir_version=10)
+    for domain, version in sorted(opset_imports.items()):
+        proto.opset_import.add(domain=domain, version=int(version))
+    proto.graph.CopyFrom(ir.serde.serialize_graph(graph))
+    return bytes(proto.SerializeToString(deterministic=True))
+
+
+def outer_scope_values(node: ir.Node) -> list[ir.Value]:
+    """Values of enclosing graphs that the node's subgraphs read by name, in first-use order.
+
+    Lowering hands them to the kernel as extra inputs after the node's own (their names are in
+    the `OUTER_SCOPE` attribute), since a kernel sees only its operands.
+    """
+    defined: set[int] = set()
+    used: dict[int, ir.Value] = {}
+
+    def walk(graph: ir.Graph) -> None:
+        defined.update(id(v) for v in (*graph.inputs, *graph.initializers.values()))
+        for inner in graph:
+            for value in inner.inputs:
+                if value is not None and id(value) not in defined:
+                    used.setdefault(id(value), value)
+            defined.update(id(v) for v in inner.outputs)
+            for attr in inner.attributes.values():
+                if attr.type == ir.AttributeType.GRAPH:
+                    walk(attr.as_graph())
+
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            walk(attr.as_graph())
+    return [v for key, v in used.items() if key not in defined]
+
+
+OUTER_SCOPE = "qpcfarm.outer_scope"
+"""NodeInfo attribute of a node with subgraphs: the names of its extra, outer-scope inputs."""
 
 
 def const_value(value: ir.Value | None) -> np.ndarray | None:
@@ -88,7 +134,8 @@ def norm_domain(domain: str) -> str:
 
 
 def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInfo:
-    attrs = {name: attribute_value(attr) for name, attr in node.attributes.items()}
+    opsets = node.graph.opset_imports if node.graph is not None else {}
+    attrs = {name: attribute_value(attr, opsets) for name, attr in node.attributes.items()}
     in_shapes: list[tuple[int, ...] | None] = []
     in_dtypes: list[str | None] = []
     consts: dict[int, np.ndarray] = {}

@@ -27,9 +27,11 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
 from compiler_core.nodeinfo import (
     DECLARED_SHAPE,
+    OUTER_SCOPE,
     dtype_name,
     node_info,
     node_opset,
+    outer_scope_values,
     static_shape,
 )
 from compiler_core.ops import REGISTRY
@@ -237,6 +239,17 @@ class _Builder:
             consts={k: v for k, v in info.consts.items() if k < n_base},
         )
         inputs = [-1 if v is None else self.tensor(v) for v in node.inputs]
+        captured = outer_scope_values(node)
+        if captured:
+            # Outer-scope values a subgraph reads become base inputs after the node's own.
+            assert not steps, "fuse-epilogue never fuses into a node with subgraphs"
+            info = dataclasses.replace(
+                info,
+                attrs={**info.attrs, OUTER_SCOPE: [v.name or "" for v in captured]},
+                in_shapes=(*info.in_shapes, *(static_shape(v) for v in captured)),
+                in_dtypes=(*info.in_dtypes, *(dtype_name(v.dtype) for v in captured)),
+            )
+            inputs = [*inputs[:n_base], *(self.tensor(v) for v in captured)]
         out_dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
         descs = tuple(
             EpilogueDesc(

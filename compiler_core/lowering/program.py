@@ -149,6 +149,8 @@ def _jsonable(value: Any) -> Any:
         }
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, bytes):  # a graph attribute: a serialized ModelProto
+        return {"__bytes__": base64.b64encode(value).decode("ascii")}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
@@ -161,6 +163,8 @@ def _unjson(value: Any) -> Any:
         if "__ndarray__" in value:
             raw = base64.b64decode(value["__ndarray__"])
             return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+        if "__bytes__" in value:
+            return base64.b64decode(value["__bytes__"])
         return {k: _unjson(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_unjson(v) for v in value]

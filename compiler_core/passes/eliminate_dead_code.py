@@ -6,7 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from compiler_core.passes.base import GraphPass
+from compiler_core.passes.base import GraphPass, has_subgraph, static_dims
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ class EliminateDeadCodePass(GraphPass):
                 continue
             graph.remove(node, safe=True)
             nodes += 1
+        for node in graph:
+            if has_subgraph(node):
+                _unname_unread_dynamic_outputs(node)
         initializers = 0
         for value in list(graph.initializers.values()):
             if value.uses() or value.is_graph_output() or value.is_graph_input():
@@ -37,3 +40,12 @@ class EliminateDeadCodePass(GraphPass):
             initializers += 1
         log.info("eliminate-dead-code: removed %d nodes, %d initializers", nodes, initializers)
         return ir.passes.PassResult(model, modified=bool(nodes or initializers))
+
+
+def _unname_unread_dynamic_outputs(node: ir.Node) -> None:
+    """An unread result of Loop or Scan (a final loop-carried value) may have no static shape
+    (ONNX lets it change across iterations): left unnamed, it is computed and dropped, like an
+    omitted optional output, instead of failing the static-shape check."""
+    for out in node.outputs:
+        if out.name and not out.uses() and not out.is_graph_output() and static_dims(out) is None:
+            out.name = None

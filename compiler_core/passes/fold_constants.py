@@ -15,10 +15,11 @@ import numpy as np
 import onnx_ir as ir
 
 from compiler_core.importer import infer_shapes as importer_infer_shapes
-from compiler_core.nodeinfo import node_info
+from compiler_core.nodeinfo import SMALL_CONST_ELEMENTS, node_info, outer_scope_values
 from compiler_core.ops.registry import REGISTRY, TileCtx
 from compiler_core.passes.base import (
     GraphPass,
+    NameScope,
     add_initializer,
     has_subgraph,
     model_opset,
@@ -43,6 +44,35 @@ SHAPE_FROM_DATA = frozenset({"NonZero", "Range", "Compress"})
 fold even while inference cannot give one."""
 
 InferShapes = Callable[[ir.Model], None]
+
+
+def copy_constants_into_subgraphs(graph: ir.Graph) -> int:
+    """Give each subgraph its own initializer copy of the small outer constants it reads.
+
+    ONNX shape inference sees the values of a subgraph's own initializers but not those of
+    the enclosing graph, so a body's Unsqueeze(x, axes) with outer `axes` would stay unshaped
+    (and with it the Scan or Loop output). Returns how many reads were redirected.
+    """
+    names = NameScope(graph)
+    copied = 0
+    for node in graph:
+        if not has_subgraph(node):
+            continue
+        for value in outer_scope_values(node):
+            tensor = value.const_value
+            if tensor is None or tensor.size > SMALL_CONST_ELEMENTS:
+                continue
+            local: dict[int, ir.Value] = {}
+            for use in list(value.uses()):
+                body = use.node.graph
+                if body is None or body is graph:
+                    continue
+                if id(body) not in local:
+                    array = np.asarray(tensor.numpy())
+                    local[id(body)] = add_initializer(body, array, names.fresh(f"{value.name}_in"))
+                use.node.replace_input_with(use.idx, local[id(body)])
+                copied += 1
+    return copied
 
 
 class FoldConstantsPass(GraphPass):
@@ -79,6 +109,7 @@ class FoldConstantsPass(GraphPass):
                     round_lifted += self._lift_constant(graph, node)
                 else:
                     round_folded += self._try_fold(graph, node, opset)
+            round_folded += copy_constants_into_subgraphs(graph)
             lifted += round_lifted
             folded += round_folded
             if not round_folded:

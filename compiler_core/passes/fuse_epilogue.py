@@ -25,7 +25,13 @@ import onnx_ir as ir
 from compiler_core.fusion import BASE_INPUTS_KEY, EPILOGUE_KEY, FUSED_NODES_KEY, EpilogueStep
 from compiler_core.nodeinfo import attribute_value
 from compiler_core.ops.registry import REGISTRY
-from compiler_core.passes.base import GraphPass, model_opset, replace_value, static_dims
+from compiler_core.passes.base import (
+    GraphPass,
+    has_subgraph,
+    model_opset,
+    replace_value,
+    static_dims,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +95,14 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
 
     Returns (None, []) when there is nothing to consider (no elementwise reader at all).
     """
-    if len(producer.outputs) != 1 or producer.op_type == "Constant":
+    if len(producer.outputs) != 1 or producer.op_type == "Constant" or has_subgraph(producer):
         return None, []
     out = producer.outputs[0]
     readers = [use.node for use in out.uses()]
-    elementwise_readers = [node for node in readers if _elementwise(node, opset)]
+    # A reader inside a subgraph (an If branch...) is not this graph's node: never fused.
+    elementwise_readers = [
+        node for node in readers if node.graph is producer.graph and _elementwise(node, opset)
+    ]
     if not elementwise_readers:
         return None, []
     label = producer.name or producer.op_type
