@@ -6,6 +6,7 @@ farm's worker forwards to the job row.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tempfile
 import time
@@ -26,6 +27,7 @@ from compiler_core.lowering.lower import LoweredGraph, config_from, lower_graph
 from compiler_core.lowering.memory import MemoryPlan, plan_memory
 from compiler_core.lowering.program import Program, encode_program
 from compiler_core.metrics import perf_metrics, perf_warnings
+from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
 from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
 from compiler_core.passes.pipeline import graph_pipeline
@@ -170,6 +172,7 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
 
     with stages.stage("lower"):
         lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, device))
+        mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
     stats_layout = build_layout(opts, lowered)
     with stages.stage("plan-memory"):
         plan = plan_memory(
@@ -200,6 +203,13 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
 
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
     warnings += _option_notes(opts)
+    if opts.mxfp6_matmul and not mxfp6:
+        warnings.append(
+            _warning(
+                "mxfp6_no_weights",
+                "-mxfp6-matmul found no constant MatMul/Gemm weight to store as MXFP6",
+            )
+        )
     warnings += [_warning("import", w) for w in imported.warnings]
     warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
     timelines: list[Timeline] = []
@@ -225,7 +235,6 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
 
 
 _NOT_YET = {
-    "mxfp6_matmul": "-mxfp6-matmul",
     "retained_state": "-retained-state",
     "network_specialization_config": "-network-specialization-config",
     "node_precision_info": "-node-precision-info",
@@ -283,6 +292,10 @@ def _network_desc(
     inputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.inputs)
     outputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.outputs)
     batch = inputs[0].dims[0] if inputs and inputs[0].dims else 1
+    requirements = Requirements.from_program(program)
+    if any(isinstance(t, Mxfp6Tensor) for t in lowered.tensors):  # a weight format it must read
+        dtypes = tuple(sorted({*requirements.dtypes, MXFP6}))
+        requirements = dataclasses.replace(requirements, dtypes=dtypes)
     return NetworkDesc(
         network_name=name or "network",
         compiler_version=COMPILER_VERSION,
@@ -292,7 +305,7 @@ def _network_desc(
         batch_size=int(batch),
         inputs=inputs,
         outputs=outputs,
-        requirements=Requirements.from_program(program),
+        requirements=requirements,
         stats={
             "level": opts.stats_level,
             "batchsize": opts.stats_batchsize,
@@ -309,7 +322,10 @@ def _constants(
     entries = []
     for tid in plan.constant_order:
         t = lowered.tensors[tid]
-        entries.append(ConstantEntry(t.name, t.dtype, t.shape, plan.offsets[tid], t.nbytes))
+        entry = ConstantEntry(t.name, t.dtype, t.shape, plan.offsets[tid], t.nbytes)
+        if isinstance(t, Mxfp6Tensor):
+            entry = dataclasses.replace(entry, encoding=MXFP6, block_axis=t.block_axis)
+        entries.append(entry)
 
     def chunks() -> Iterator[memoryview]:
         cursor = 0
@@ -318,7 +334,10 @@ def _constants(
                 yield memoryview(bytes(entry.offset - cursor))
             data = lowered.tensors[tid].data
             assert data is not None
-            yield from _tensor_bytes(data, np.dtype(entry.dtype))
+            if entry.encoding == MXFP6:
+                yield from _mxfp6_bytes(data, np.dtype(entry.dtype), entry.block_axis or 0)
+            else:
+                yield from _tensor_bytes(data, np.dtype(entry.dtype))
             cursor = entry.offset + entry.nbytes
         if plan.constants_size > cursor:
             yield memoryview(bytes(plan.constants_size - cursor))
@@ -327,6 +346,16 @@ def _constants(
 
 
 _COPY_CHUNK = 8 << 20
+
+
+def _mxfp6_bytes(data: ir.TensorProtocol, dtype: np.dtype, axis: int) -> Iterator[memoryview]:
+    """A weight's MXFP6 bytes, quantized from its values in the graph's dtype (fp16 ones,
+    clipped to fp16's range, under -convert-to-fp16)."""
+    array = np.asarray(data.numpy(), dtype=dtype)
+    yield from iter_encode_mxfp6(array, axis)
+    del array
+    if isinstance(data, ir.ExternalTensor):
+        release_mapping(data)
 
 
 def _tensor_bytes(data: ir.TensorProtocol, dtype: np.dtype) -> Iterator[memoryview]:

@@ -336,7 +336,13 @@ class _Scheduler:
         return transfers * DMA_DESCRIPTOR_CYCLES + int(np.ceil(nbytes / rate))
 
     def nbytes(self, instr: DmaLoad | DmaStore) -> int:
-        return _elements(instr.box) * _itemsize(self.program.tensors[instr.tensor].dtype)
+        t = self.program.tensors[instr.tensor]
+        n = _elements(instr.box) * _itemsize(t.dtype)
+        logical = _elements(tuple((0, d) for d in t.shape)) * _itemsize(t.dtype)
+        if t.kind == KIND_CONSTANT and 0 < t.nbytes < logical:
+            # An encoded constant (MXFP6 weight): the DMA moves its stored bytes.
+            return -(-n * t.nbytes // logical)
+        return n
 
     def input_ports(self, block: _Block) -> list[int]:
         """Input ports whose bytes this block's loads read."""

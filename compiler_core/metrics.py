@@ -16,7 +16,7 @@ import numpy as np
 from compiler_core.costmodel import THREADS, Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.lower import LoweredGraph
-from compiler_core.lowering.memory import MemoryPlan
+from compiler_core.lowering.memory import ALIGN, MemoryPlan
 from compiler_core.lowering.program import KIND_CONSTANT, KernelDesc, Program, SemWait
 from compiler_core.options import CompileOptions
 
@@ -72,6 +72,17 @@ def _batch(program: Program) -> int:
 
 def _percent(part: float, whole: float) -> float:
     return round(100.0 * part / whole, 1) if whole else 0.0
+
+
+def _raw_constants_size(lowered: LoweredGraph, plan: MemoryPlan) -> int:
+    """The constants region as it would be with every constant stored raw, in its graph dtype:
+    what encodings (`-mxfp6-matmul`) shrink to `final_constants_size`."""
+    size = 0
+    for tid in plan.constant_order:
+        t = lowered.tensors[tid]
+        n = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+        size = (size + n + ALIGN - 1) // ALIGN * ALIGN
+    return size
 
 
 def perf_metrics(
@@ -135,7 +146,7 @@ def perf_metrics(
         "aic_hmx_mac_estimate": hmx,
         "aic_non_hmx_mac_estimate": total_macs - hmx,
         "operation_size_histogram": _histogram(program),
-        "constants_size_before_layout_conversion": plan.constants_size,
+        "constants_size_before_layout_conversion": _raw_constants_size(lowered, plan),
         "constants_size_after_layout_conversion": plan.constants_size,
         "final_constants_size": plan.constants_size,
         "vtcm_max_size": device.vtcm_bytes_per_core,

@@ -261,7 +261,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     _spec(
         "mxfp6-matmul",
         "bool",
-        "Store MatMul weights as MXFP6, compute in fp16.",
+        "Store MatMul/Gemm weights as MXFP6 (decoded to fp16 values on the device).",
         default=False,
         group=PRECISION,
     ),

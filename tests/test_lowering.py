@@ -289,7 +289,7 @@ def test_run_qpc_names_missing_and_misshapen_inputs() -> None:
 
 @pytest.mark.parametrize(
     "flag",
-    ["-mxfp6-matmul", "-retained-state", "-network-specialization-config=spec.json"],
+    ["-retained-state", "-network-specialization-config=spec.json"],
 )
 def test_options_not_implemented_yet_fail_loudly_naming_the_flag(flag: str) -> None:
     with pytest.raises(CompileError) as info:

@@ -426,19 +426,29 @@ class ConstantEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    encoding: str | None = None
+    """None: raw little-endian values; "mxfp6": see compiler_core/mxfp.py (dtype and shape
+    are then the logical ones, nbytes the stored size)."""
+    block_axis: int | None = None
+    """The axis an encoded constant's blocks run along (MXFP6: the matmul's K axis)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        row: dict[str, Any] = {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "offset": self.offset,
             "nbytes": self.nbytes,
         }
+        if self.encoding is not None:
+            row["encoding"] = self.encoding
+            row["block_axis"] = self.block_axis
+        return row
 
 
 def encode_constantsdesc(entries: Sequence[ConstantEntry | Mapping[str, Any]]) -> bytes:
-    """constantsdesc.bin: a canonical JSON list of {name, dtype, shape, offset, nbytes}."""
+    """constantsdesc.bin: a canonical JSON list of {name, dtype, shape, offset, nbytes}, plus
+    {encoding, block_axis} for encoded constants."""
     rows = []
     for entry in entries:
         if isinstance(entry, ConstantEntry):
@@ -458,6 +468,8 @@ def _constant_from_json(row: Any) -> ConstantEntry:
             shape=tuple(int(d) for d in row["shape"]),
             offset=int(row["offset"]),
             nbytes=int(row["nbytes"]),
+            encoding=None if row.get("encoding") is None else str(row["encoding"]),
+            block_axis=None if row.get("block_axis") is None else int(row["block_axis"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise _invalid(f"constantsdesc.bin entry is malformed: {exc!r}") from exc

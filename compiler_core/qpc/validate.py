@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from compiler_core.errors import CompileError
-from compiler_core.qpc.container import CRC_SUFFIX, Qpc, QpcSource, load_qpc
+from compiler_core.qpc.container import CRC_SUFFIX, ConstantEntry, Qpc, QpcSource, load_qpc
 
 if TYPE_CHECKING:
     from compiler_core.devices import DeviceProfile
@@ -183,10 +183,33 @@ def _constants_descriptor(qpc: Qpc) -> str:
                 f"constant {entry.name!r} [{entry.offset}, {entry.offset + entry.nbytes}) lies "
                 f"beyond constants.bin ({size} B)"
             )
+        if entry.encoding is not None:
+            _encoded_constant(entry)
     split = qpc.segment_offsets.get("constants.bin", 0)
     if split > size:
         raise _Fail(f"constants.bin static/dynamic split {split} is beyond its size {size}")
     return f"{_plural(len(entries), 'constant')} in {size} B"
+
+
+def _encoded_constant(entry: ConstantEntry) -> None:
+    from compiler_core.mxfp import FLOAT_DTYPES, MXFP6, mxfp6_nbytes
+
+    if entry.encoding != MXFP6:
+        raise _Fail(f"constant {entry.name!r} has unknown encoding {entry.encoding!r}")
+    rank = len(entry.shape)
+    axis = entry.block_axis
+    if axis is None or not 0 <= axis < rank or entry.dtype not in FLOAT_DTYPES:
+        raise _Fail(
+            f"MXFP6 constant {entry.name!r} needs a float16/float32 dtype and a block axis "
+            f"within its rank {rank} (dtype {entry.dtype}, block_axis {axis})"
+        )
+    expected = mxfp6_nbytes(entry.shape, axis)
+    if entry.nbytes != expected:
+        raise _Fail(
+            f"MXFP6 constant {entry.name!r} of shape {list(entry.shape)} blocked along axis "
+            f"{axis} takes {expected} B (25 B per 32-element block), constantsdesc says "
+            f"{entry.nbytes} B"
+        )
 
 
 # ------------------------------------------------------------------------------ device checks

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from compiler_core.errors import CompileError
 from compiler_core.runtime.executor import Executor, RuntimeFault
+
+if TYPE_CHECKING:
+    from compiler_core.qpc.container import Qpc
 
 __all__ = ["Executor", "RuntimeFault", "run_qpc"]
 
@@ -49,7 +53,8 @@ def run_qpc(
             vtcm = device_for(network).vtcm_bytes_per_core
         else:
             vtcm = max(max(program.vtcm_used, default=0), 8_323_072)
-        executor = Executor(program, container.segments["constants.bin"], vtcm)
+        constants = container.segments["constants.bin"]
+        executor = Executor(program, constants, vtcm, _decoded_constants(container, constants))
         recorder = None
         if profiling_out_dir is not None:
             recorder = StatsRecorder.for_qpc(
@@ -63,3 +68,16 @@ def run_qpc(
             if recorder is not None and profiling_out_dir is not None:
                 write_stats_file(Path(profiling_out_dir), inference, recorder.finish(inference))
         return outputs
+
+
+def _decoded_constants(container: Qpc, constants: memoryview | bytes) -> dict[int, np.ndarray]:
+    """Encoded constants (MXFP6 weights) decoded once, by offset; a bad one is refused."""
+    from compiler_core.mxfp import decode_constants
+
+    entries = container.constants()
+    if not any(e.encoding is not None for e in entries):
+        return {}
+    try:
+        return decode_constants(entries, constants)
+    except ValueError as exc:
+        raise RuntimeFault(f"constantsdesc.bin: {exc}") from None

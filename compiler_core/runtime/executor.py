@@ -49,10 +49,20 @@ def _slices(box: Box) -> tuple[slice, ...]:
 
 
 class Machine:
-    """DDR (constants read-only, backed by the QPC's bytes) plus one VTCM per core."""
+    """DDR (constants read-only, backed by the QPC's bytes) plus one VTCM per core.
 
-    def __init__(self, program: Program, constants: memoryview | bytes, vtcm_bytes: int) -> None:
+    `decoded`: encoded constants (MXFP6 weights) as the kernels read them, by DDR offset;
+    the loader decodes them once (see compiler_core.mxfp)."""
+
+    def __init__(
+        self,
+        program: Program,
+        constants: memoryview | bytes,
+        vtcm_bytes: int,
+        decoded: Mapping[int, np.ndarray] | None = None,
+    ) -> None:
         self.program = program
+        self.decoded = dict(decoded or {})
         if len(constants) < program.constants_size:
             raise RuntimeFault(
                 f"constants segment has {len(constants):,} bytes, program needs "
@@ -73,12 +83,23 @@ class Machine:
         if end <= base:
             if write:
                 raise RuntimeFault(f"write to constant tensor {t.name}")
+            if start in self.decoded:
+                return self._decoded(t)
             raw = self.constants[start:end]
         elif start >= base:
             raw = self.dynamic[start - base : end - base]
         else:
             raise RuntimeFault(f"tensor {t.name} straddles the constants region")
         return raw.view(np.dtype(t.dtype)).reshape(t.shape)
+
+    def _decoded(self, t: TensorDesc) -> np.ndarray:
+        array = self.decoded[t.ddr_offset]
+        if array.shape != t.shape or array.dtype != np.dtype(t.dtype):
+            raise RuntimeFault(
+                f"encoded constant {t.name} decodes to {array.dtype}{list(array.shape)}, the "
+                f"program reads {t.dtype}{list(t.shape)}"
+            )
+        return array
 
     def vtcm_view(self, core: int, offset: int, box: Box, dtype: str) -> np.ndarray:
         shape = box_shape(box)
@@ -105,9 +126,15 @@ def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
 
 
 class Executor:
-    def __init__(self, program: Program, constants: memoryview | bytes, vtcm_bytes: int) -> None:
+    def __init__(
+        self,
+        program: Program,
+        constants: memoryview | bytes,
+        vtcm_bytes: int,
+        decoded: Mapping[int, np.ndarray] | None = None,
+    ) -> None:
         self.program = program
-        self.machine = Machine(program, constants, vtcm_bytes)
+        self.machine = Machine(program, constants, vtcm_bytes, decoded)
         self.kernels = [
             _Kernel(
                 desc=k,
