@@ -1,11 +1,20 @@
 """qpcfarm's compiler: ONNX in, QPC out, and a functional runtime that runs what it emits."""
 
+from typing import TYPE_CHECKING
+
 from compiler_core.errors import CompileError
 from compiler_core.options import CompileOptions
+
+if TYPE_CHECKING:  # what the lazy attributes below are, for type checkers
+    from compiler_core.compile import compile_model
+    from compiler_core.qpc.container import load_qpc
+    from compiler_core.qpc.validate import validate_qpc
+    from compiler_core.runtime import QpcSession, run_qpc
 
 __all__ = [
     "CompileError",
     "CompileOptions",
+    "QpcSession",
     "compile_model",
     "load_qpc",
     "run_qpc",
@@ -23,6 +32,10 @@ def __getattr__(name: str) -> object:
         from compiler_core.runtime import run_qpc
 
         return run_qpc
+    if name == "QpcSession":
+        from compiler_core.runtime import QpcSession
+
+        return QpcSession
     if name == "load_qpc":
         from compiler_core.qpc.container import load_qpc
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
+import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,19 +23,40 @@ import onnx_ir as ir
 
 from compiler_core.costmodel import Timeline, build_timeline
 from compiler_core.errors import CompileError
-from compiler_core.importer import ModelSource, import_model, require_static_shapes
+from compiler_core.importer import (
+    ImportedModel,
+    ModelSource,
+    import_model,
+    require_static_shapes,
+)
 from compiler_core.lowering.emit import emit_program
-from compiler_core.lowering.lower import LoweredGraph, config_from, lower_graph
-from compiler_core.lowering.memory import MemoryPlan, plan_memory
+from compiler_core.lowering.lower import LoweredGraph, LTensor, config_from, lower_graph
+from compiler_core.lowering.memory import (
+    MemoryPlan,
+    SharedConstants,
+    plan_memory,
+    shared_constant_offsets,
+    used_constants,
+)
 from compiler_core.lowering.program import Program, encode_program
 from compiler_core.metrics import perf_metrics, perf_warnings
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
 from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
 from compiler_core.passes.pipeline import graph_pipeline
-from compiler_core.profiling.stats_layout import build_layout
+from compiler_core.profiling.stats_layout import StatsLayout, build_layout
 from compiler_core.qpc.container import ConstantEntry, Segment, encode_constantsdesc, write_qpc
-from compiler_core.qpc.networkdesc import IODesc, NetworkDesc, Requirements
+from compiler_core.qpc.networkdesc import (
+    RETAINED_SUFFIX,
+    IODesc,
+    NetworkDesc,
+    Requirements,
+    SpecializationDesc,
+    program_segment,
+    statsdesc_segment,
+)
+from compiler_core.specializations import FLAG as SPEC_FLAG
+from compiler_core.specializations import Specialization, load_specializations
 from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
@@ -57,6 +80,9 @@ class CompileResult:
     pass_times: dict[str, float]
     options: CompileOptions
     program: Program = field(repr=False)
+    """The program (of the first specialization, when there are several)."""
+    programs: dict[str, Program] = field(default_factory=dict, repr=False)
+    """Every specialization's program by name ("default" without specializations)."""
     _report: Callable[[], dict[str, Any]] = field(repr=False, default=dict)
     _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     _metrics: dict[str, Any] | None = field(default=None, repr=False)
@@ -154,89 +180,274 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@dataclass
+class _Build:
+    """One specialization of the network (or the network itself) on its way to a program."""
+
+    spec: Specialization | None
+    imported: ImportedModel
+    lowered: LoweredGraph
+    mxfp6: list[str]
+    pass_warnings: list[Any]
+    stats_layout: StatsLayout
+    plan: MemoryPlan | None = None
+    program: Program | None = None
+    program_bytes: bytes = b""
+
+    def done(self) -> tuple[MemoryPlan, Program]:
+        assert self.plan is not None and self.program is not None
+        return self.plan, self.program
+
+
 def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | None) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
-
-    with stages.stage("import"):
-        imported = import_model(
-            source, define_symbols=opts.onnx_define_symbol, batchsize=opts.batchsize
-        )
-    ir_model = imported.model
-    passes = graph_pipeline(opts)
-    with stages.stage("graph-passes"):
-        reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
-        run_passes(ir_model, passes, timing=stages.timing, progress=reporter)
-        require_static_shapes(ir_model)
-    pass_warnings = [w for p in passes for w in getattr(p, "warnings", [])]
-
-    with stages.stage("lower"):
-        lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, device))
-        mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
-    stats_layout = build_layout(opts, lowered)
-    with stages.stage("plan-memory"):
-        plan = plan_memory(
-            lowered,
-            dealloc_delay=opts.allocator_dealloc_delay,
-            ddr_capacity=device.ddr_bytes_per_soc,
-            extra_bytes=stats_layout.size,
-        )
-    stats_layout = stats_layout.at(plan.ddr_size - stats_layout.size)
-    with stages.stage("emit-program"):
-        program = emit_program(lowered, plan)
-        program_bytes = encode_program(program)
+    specs: list[Specialization | None] = (
+        list(load_specializations(opts.network_specialization_config))
+        if opts.network_specialization_config
+        else [None]
+    )
+    builds = [_lower(source, opts, spec, stages) for spec in specs]
+    retained = _retained_state(builds, opts)
+    shared, constant_items = _shared_constants(builds)
+    for build, region in zip(builds, shared, strict=True):
+        with stages.stage("plan-memory"):
+            build.plan = plan_memory(
+                build.lowered,
+                dealloc_delay=opts.allocator_dealloc_delay,
+                ddr_capacity=device.ddr_bytes_per_soc,
+                extra_bytes=build.stats_layout.size,
+                shared_constants=region,
+            )
+        build.stats_layout = build.stats_layout.at(build.plan.ddr_size - build.stats_layout.size)
+        with stages.stage("emit-program"):
+            build.program = emit_program(build.lowered, build.plan)
+            build.program_bytes = encode_program(build.program)
+    first_plan, first_program = builds[0].done()
+    if constant_items is None:
+        constant_items = [
+            (builds[0].lowered.tensors[t], first_plan.offsets[t]) for t in first_plan.constant_order
+        ]
 
     out_dir, tmpdir = _output_dir(opts)
     with stages.stage("write-qpc"):
-        network = _network_desc(lowered, program, opts, imported.model.graph.name)
-        constants, entries = _constants(lowered, plan)
-        write_qpc(
-            out_dir / "programqpc.bin",
-            [
-                Segment("networkdesc.bin", network.to_bytes()),
-                Segment("program.bin", program_bytes),
-                Segment("constants.bin", constants, offset_field=None),
-                Segment("constantsdesc.bin", encode_constantsdesc(entries)),
-                Segment("statsdesc.bin", stats_layout.to_bytes()),
-            ],
-        )
+        network = _network_desc(builds, opts, retained)
+        constants, entries = _constants(constant_items, first_plan.constants_size)
+        segments = [
+            Segment("networkdesc.bin", network.to_bytes()),
+            Segment("constants.bin", constants, offset_field=None),
+            Segment("constantsdesc.bin", encode_constantsdesc(entries)),
+        ]
+        for index, build in enumerate(builds):
+            segments.insert(1 + 2 * index, Segment(program_segment(index), build.program_bytes))
+            segments.insert(
+                2 + 2 * index, Segment(statsdesc_segment(index), build.stats_layout.to_bytes())
+            )
+        write_qpc(out_dir / "programqpc.bin", segments)
 
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
     warnings += _option_notes(opts)
-    if opts.mxfp6_matmul and not mxfp6:
+    if opts.mxfp6_matmul and not any(b.mxfp6 for b in builds):
         warnings.append(
             _warning(
                 "mxfp6_no_weights",
                 "-mxfp6-matmul found no constant MatMul/Gemm weight to store as MXFP6",
             )
         )
-    warnings += [_warning("import", w) for w in imported.warnings]
-    warnings += [_warning("fp16_clipped", w) if isinstance(w, str) else w for w in pass_warnings]
-    timelines: list[Timeline] = []
+    if opts.retained_state and not retained:
+        warnings.append(
+            _warning(
+                "retained_state_unused",
+                "-retained-state found no output named <input>_RetainedState to keep on device",
+            )
+        )
+    timelines: dict[int, Timeline] = {}
 
-    def timeline() -> Timeline:
-        if not timelines:
-            timelines.append(build_timeline(program, device))
-        return timelines[0]
+    def timeline(index: int) -> Timeline:
+        if index not in timelines:
+            timelines[index] = build_timeline(builds[index].done()[1], device)
+        return timelines[index]
 
-    if opts.aic_perf_warnings:
-        warnings += perf_warnings(program, lowered, opts, device, timeline())
-    else:
-        warnings += perf_warnings(program, lowered, opts, device)
+    seen: set[tuple[str, str]] = set()
+    for index, build in enumerate(builds):
+        plan, program = build.done()
+        found = [_warning("import", w) for w in build.imported.warnings]
+        found += [
+            _warning("fp16_clipped", w) if isinstance(w, str) else w for w in build.pass_warnings
+        ]
+        if opts.aic_perf_warnings:
+            found += perf_warnings(program, build.lowered, opts, device, timeline(index))
+        else:
+            found += perf_warnings(program, build.lowered, opts, device)
+        for warning in found:
+            key = (warning["code"], warning["message"])
+            if key not in seen:
+                seen.add(key)
+                warnings.append(warning)
+
+    def report() -> dict[str, Any]:
+        lowered = builds[0].lowered
+        metrics = perf_metrics(first_program, lowered, first_plan, opts, device, timeline(0))
+        if len(builds) > 1:
+            metrics["specializations"] = {
+                _spec_name(b.spec): perf_metrics(
+                    b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
+                )
+                for i, b in enumerate(builds)
+            }
+        return metrics
+
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",
-        _report=lambda: perf_metrics(program, lowered, plan, opts, device, timeline()),
+        _report=report,
         warnings=warnings,
         pass_times=stages.pass_times(),
         options=opts,
-        program=program,
+        program=first_program,
+        programs={_spec_name(b.spec): b.done()[1] for b in builds},
         _tmpdir=tmpdir,
     )
 
 
+def _lower(
+    source: ModelSource, opts: CompileOptions, spec: Specialization | None, stages: _Stages
+) -> _Build:
+    """Import (with the specialization's symbols bound), run the graph passes and lower."""
+    symbols = dict(opts.onnx_define_symbol)
+    if spec is not None:
+        symbols.update(spec.symbols)
+    with stages.stage("import"):
+        imported = import_model(source, define_symbols=symbols, batchsize=opts.batchsize)
+    if spec is not None:
+        _check_symbols_exist(imported, spec)
+    ir_model = imported.model
+    passes = graph_pipeline(opts)
+    with stages.stage("graph-passes"):
+        reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
+        run_passes(ir_model, passes, timing=stages.timing, progress=reporter)
+        require_static_shapes(ir_model)
+    with stages.stage("lower"):
+        lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, opts.device))
+        mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
+    return _Build(
+        spec=spec,
+        imported=imported,
+        lowered=lowered,
+        mxfp6=mxfp6,
+        pass_warnings=[w for p in passes for w in getattr(p, "warnings", [])],
+        stats_layout=build_layout(opts, lowered),
+    )
+
+
+def _check_symbols_exist(imported: ImportedModel, spec: Specialization) -> None:
+    """A specialization naming a symbol the model's inputs do not use is a typo, not a no-op."""
+    unused = sorted(set(spec.symbols) - imported.input_symbols)
+    if unused:
+        raise CompileError(
+            "invalid_option",
+            f"{SPEC_FLAG}: specialization {spec.name!r} binds {', '.join(unused)}, which no "
+            f"input dimension of the model uses (symbols: "
+            f"{', '.join(sorted(imported.input_symbols)) or 'none'})",
+            flag=SPEC_FLAG,
+        )
+
+
+def _spec_name(spec: Specialization | None) -> str:
+    return spec.name if spec is not None else "default"
+
+
+def _retained_state(builds: list[_Build], opts: CompileOptions) -> list[str]:
+    """With -retained-state, the inputs whose `<input>_RetainedState` output stays on the
+    device and feeds them on the next run (a KV cache). Each pair must agree in type and
+    shape, and in every specialization alike: the buffer is the same one."""
+    if not opts.retained_state:
+        return []
+    names: list[str] | None = None
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for build in builds:
+        tensors = build.lowered.tensors
+        inputs = {tensors[t].name: tensors[t] for t in build.lowered.inputs}
+        pairs = []
+        for t in build.lowered.outputs:
+            out = tensors[t]
+            if not out.name.endswith(RETAINED_SUFFIX):
+                continue
+            source = out.name[: -len(RETAINED_SUFFIX)]
+            if source not in inputs:
+                raise CompileError(
+                    "invalid_model",
+                    f"-retained-state: output {out.name!r} has no input named {source!r} to feed",
+                    flag="-retained-state",
+                )
+            given = inputs[source]
+            if (given.dtype, given.shape) != (out.dtype, out.shape):
+                raise CompileError(
+                    "invalid_model",
+                    f"-retained-state: input {source!r} is {given.dtype}{list(given.shape)} "
+                    f"but output {out.name!r} is {out.dtype}{list(out.shape)}",
+                    flag="-retained-state",
+                )
+            previous = shapes.setdefault(source, (given.dtype, given.shape))
+            if previous != (given.dtype, given.shape):
+                raise CompileError(
+                    "invalid_model",
+                    f"-retained-state: {source!r} is {previous[0]}{list(previous[1])} in one "
+                    f"specialization and {given.dtype}{list(given.shape)} in "
+                    f"{_spec_name(build.spec)!r}; retained buffers are shared",
+                    flag="-retained-state",
+                )
+            pairs.append(source)
+        if names is None:
+            names = pairs
+        elif sorted(names) != sorted(pairs):
+            raise CompileError(
+                "invalid_model",
+                f"-retained-state: specialization {_spec_name(build.spec)!r} retains "
+                f"{sorted(pairs)}, the first retains {sorted(names)}",
+                flag="-retained-state",
+            )
+    return names or []
+
+
+def _shared_constants(
+    builds: list[_Build],
+) -> tuple[list[SharedConstants | None], list[tuple[LTensor, int]] | None]:
+    """One constants region for every specialization: a weight all of them read is stored
+    once. A single build lays out its own constants (None)."""
+    if len(builds) == 1:
+        return [None], None
+    keys: list[dict[int, Hashable]] = []
+    sizes: dict[Hashable, int] = {}
+    first: dict[Hashable, LTensor] = {}
+    for build in builds:
+        graph_keys: dict[int, Hashable] = {}
+        for tid in used_constants(build.lowered):
+            t = build.lowered.tensors[tid]
+            key = _constant_key(t)
+            graph_keys[tid] = key
+            sizes[key] = t.nbytes
+            first.setdefault(key, t)
+        keys.append(graph_keys)
+    shared, placed = shared_constant_offsets(keys, sizes)
+    return list(shared), [(first[key], offset) for key, offset in placed]
+
+
+def _constant_key(t: LTensor) -> Hashable:
+    """Equal keys mean equal bytes in the QPC: name, type, shape, encoding and contents (a
+    weight still in the model file by its place there, anything else by a digest)."""
+    encoding = ("mxfp6", t.block_axis) if isinstance(t, Mxfp6Tensor) else None
+    data = t.data
+    assert data is not None
+    content: Hashable
+    if isinstance(data, ir.ExternalTensor) and data.raw is None:
+        content = ("file", os.path.realpath(data.path), data.offset or 0, data.length)
+    else:
+        array = np.ascontiguousarray(data.numpy())
+        content = hashlib.blake2b(array.reshape(-1).view(np.uint8).data).hexdigest()
+    return (t.name, t.dtype, t.shape, encoding, content)
+
+
 _NOT_YET = {
-    "retained_state": "-retained-state",
-    "network_specialization_config": "-network-specialization-config",
     "node_precision_info": "-node-precision-info",
 }
 _NO_EFFECT = {
@@ -286,26 +497,42 @@ def _output_dir(opts: CompileOptions) -> tuple[Path, tempfile.TemporaryDirectory
     return Path(tmp.name), tmp
 
 
-def _network_desc(
-    lowered: LoweredGraph, program: Program, opts: CompileOptions, name: str | None
-) -> NetworkDesc:
-    inputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.inputs)
-    outputs = tuple(IODesc.from_tensor(program.tensors[t]) for t in program.outputs)
+def _network_desc(builds: list[_Build], opts: CompileOptions, retained: list[str]) -> NetworkDesc:
+    """The first specialization's I/O at the top (what a single-program reader sees); every
+    specialization with its own I/O and segments when there are several."""
+    descs = [_program_io(b.done()[1]) for b in builds]
+    inputs, outputs = descs[0]
     batch = inputs[0].dims[0] if inputs and inputs[0].dims else 1
-    requirements = Requirements.from_program(program)
-    if any(isinstance(t, Mxfp6Tensor) for t in lowered.tensors):  # a weight format it must read
-        dtypes = tuple(sorted({*requirements.dtypes, MXFP6}))
+    requirements = Requirements.merge(
+        [Requirements.from_program(b.done()[1]) for b in builds], retained_state=retained
+    )
+    if any(isinstance(t, Mxfp6Tensor) for b in builds for t in b.lowered.tensors):
+        dtypes = tuple(sorted({*requirements.dtypes, MXFP6}))  # a weight format it must read
         requirements = dataclasses.replace(requirements, dtypes=dtypes)
+    specializations: tuple[SpecializationDesc, ...] = ()
+    if len(builds) > 1:
+        specializations = tuple(
+            SpecializationDesc(
+                name=_spec_name(b.spec),
+                symbols=dict(b.spec.symbols) if b.spec is not None else {},
+                program=program_segment(index),
+                statsdesc=statsdesc_segment(index),
+                inputs=io[0],
+                outputs=io[1],
+            )
+            for index, (b, io) in enumerate(zip(builds, descs, strict=True))
+        )
     return NetworkDesc(
-        network_name=name or "network",
+        network_name=builds[0].imported.model.graph.name or "network",
         compiler_version=COMPILER_VERSION,
         options=opts.to_json(),
         hw_version=opts.device.hw_version,
-        num_cores=program.num_cores,
+        num_cores=builds[0].done()[1].num_cores,
         batch_size=int(batch),
         inputs=inputs,
         outputs=outputs,
         requirements=requirements,
+        specializations=specializations,
         stats={
             "level": opts.stats_level,
             "batchsize": opts.stats_batchsize,
@@ -316,31 +543,39 @@ def _network_desc(
     )
 
 
+def _program_io(program: Program) -> tuple[tuple[IODesc, ...], tuple[IODesc, ...]]:
+    return (
+        tuple(IODesc.from_tensor(program.tensors[t]) for t in program.inputs),
+        tuple(IODesc.from_tensor(program.tensors[t]) for t in program.outputs),
+    )
+
+
 def _constants(
-    lowered: LoweredGraph, plan: MemoryPlan
+    items: list[tuple[LTensor, int]], size: int
 ) -> tuple[Iterator[memoryview], list[ConstantEntry]]:
+    """The constants segment (lazily, tensor by tensor) and its descriptor, from the
+    constants and their offsets in DDR order."""
     entries = []
-    for tid in plan.constant_order:
-        t = lowered.tensors[tid]
-        entry = ConstantEntry(t.name, t.dtype, t.shape, plan.offsets[tid], t.nbytes)
+    for t, offset in items:
+        entry = ConstantEntry(t.name, t.dtype, t.shape, offset, t.nbytes)
         if isinstance(t, Mxfp6Tensor):
             entry = dataclasses.replace(entry, encoding=MXFP6, block_axis=t.block_axis)
         entries.append(entry)
 
     def chunks() -> Iterator[memoryview]:
         cursor = 0
-        for entry, tid in zip(entries, plan.constant_order, strict=True):
+        for entry, (t, _) in zip(entries, items, strict=True):
             if entry.offset > cursor:
                 yield memoryview(bytes(entry.offset - cursor))
-            data = lowered.tensors[tid].data
+            data = t.data
             assert data is not None
             if entry.encoding == MXFP6:
                 yield from _mxfp6_bytes(data, np.dtype(entry.dtype), entry.block_axis or 0)
             else:
                 yield from _tensor_bytes(data, np.dtype(entry.dtype))
             cursor = entry.offset + entry.nbytes
-        if plan.constants_size > cursor:
-            yield memoryview(bytes(plan.constants_size - cursor))
+        if size > cursor:
+            yield memoryview(bytes(size - cursor))
 
     return chunks(), entries
 

@@ -73,6 +73,8 @@ class ImportedModel:
     unresolved: list[str] = field(default_factory=list)
     """Names of node outputs whose shape or dtype inference could not make static (data-
     dependent ops). Constant folding may resolve them; `require_static_shapes` rechecks."""
+    input_symbols: frozenset[str] = frozenset()
+    """The symbolic dimensions the graph inputs had before binding (`seq_len`...)."""
 
 
 def import_model(
@@ -120,6 +122,7 @@ def import_model(
         registry = REGISTRY
     _raise_unsupported(_unsupported_op_types(model, registry))
 
+    symbols = input_symbols(model.graph)
     warnings += _bind_input_shapes(model.graph, dict(define_symbols or {}), batchsize)
     _require_static_inputs(model.graph)
     declared = _declared_output_shapes(model.graph)
@@ -135,7 +138,7 @@ def import_model(
             f"{len(unresolved)} value(s) have no static shape after shape inference "
             f"(data-dependent): {_first_few(unresolved)}"
         )
-    return ImportedModel(model, opset, source_path, warnings, unresolved)
+    return ImportedModel(model, opset, source_path, warnings, unresolved, symbols)
 
 
 def infer_shapes(model: ir.Model) -> None:
@@ -625,13 +628,7 @@ def _bind_input_shapes(
             f"-batchsize={batchsize} must be a positive integer",
             flag="-batchsize",
         )
-    input_symbols = {
-        d.value
-        for v in graph.inputs
-        if v.shape is not None
-        for d in v.shape
-        if isinstance(d, ir.SymbolicDim) and d.value
-    }
+    declared = input_symbols(graph)
     if batchsize is not None:
         _apply_batchsize(graph, symbols, int(batchsize))
     for value in _main_values(graph):
@@ -640,8 +637,19 @@ def _bind_input_shapes(
     return [
         f"-onnx-define-symbol={name},{size}: no graph input uses symbol '{name}'"
         for name, size in symbols.items()
-        if name not in input_symbols
+        if name not in declared
     ]
+
+
+def input_symbols(graph: ir.Graph) -> frozenset[str]:
+    """The named symbolic dimensions of the graph inputs."""
+    return frozenset(
+        d.value
+        for v in graph.inputs
+        if v.shape is not None
+        for d in v.shape
+        if isinstance(d, ir.SymbolicDim) and d.value
+    )
 
 
 def _apply_batchsize(graph: ir.Graph, symbols: dict[str, int], batchsize: int) -> None:

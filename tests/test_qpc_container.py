@@ -35,6 +35,7 @@ from compiler_core.qpc import (
     NetworkDesc,
     Requirements,
     Segment,
+    SpecializationDesc,
     decode_constantsdesc,
     dtype_code,
     encode_constantsdesc,
@@ -572,7 +573,10 @@ def test_an_unknown_device_is_an_error_not_a_failed_check() -> None:
 
 
 def test_network_descriptor_round_trips_through_canonical_json() -> None:
-    net = network_for(relu_program(num_cores=2), specializations=({"batch_size": 4},))
+    program = relu_program(num_cores=2)
+    io = (IODesc.from_tensor(program.tensors[1]),), (IODesc.from_tensor(program.tensors[2]),)
+    spec = SpecializationDesc("bs4", {"batch_size": 4}, "program.1.bin", "statsdesc.1.bin", *io)
+    net = network_for(program, specializations=(spec,))
     data = net.to_bytes()
     assert NetworkDesc.from_bytes(data) == net
     doc = json.loads(data)

@@ -7,6 +7,7 @@ placement, largest first. Exceeding the device's DDR is an error that says by ho
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from compiler_core.errors import CompileError
@@ -40,13 +41,65 @@ class MemoryPlan:
         return self.offsets[graph.root(tensor_id)]
 
 
+def used_constants(graph: LoweredGraph) -> list[int]:
+    """The constants kernels read (aliases resolved), in the order they are first read."""
+    order: list[int] = []
+    seen: set[int] = set()
+    for kernel in graph.kernels:
+        for tid in kernel.desc.inputs:
+            if tid < 0:
+                continue
+            root = graph.root(tid)
+            if root not in seen and graph.tensors[root].kind == KIND_CONSTANT:
+                seen.add(root)
+                order.append(root)
+    for tid in graph.outputs:
+        root = graph.root(tid)
+        if root not in seen and graph.tensors[root].kind == KIND_CONSTANT:
+            seen.add(root)
+            order.append(root)
+    return order
+
+
+@dataclass(frozen=True)
+class SharedConstants:
+    """A constants region laid out for several graphs: one graph's constant ids -> offsets."""
+
+    offsets: dict[int, int]
+    size: int
+
+
+def shared_constant_offsets(
+    keys: list[dict[int, Hashable]], sizes: dict[Hashable, int]
+) -> tuple[list[SharedConstants], list[tuple[Hashable, int]]]:
+    """Lay out the union of several graphs' constants once: equal keys (same name, type,
+    shape, encoding and bytes) share one place. `keys[g]` maps graph g's constant ids to keys,
+    in the order the graph first uses them; the second result lists (key, offset) in DDR
+    order, the layout of the constants segment."""
+    placed: dict[Hashable, int] = {}
+    cursor = 0
+    for graph_keys in keys:
+        for key in graph_keys.values():
+            if key not in placed:
+                placed[key] = cursor
+                cursor = _align(cursor + sizes[key])
+    shared = [
+        SharedConstants({tid: placed[key] for tid, key in graph_keys.items()}, cursor)
+        for graph_keys in keys
+    ]
+    return shared, list(placed.items())
+
+
 def plan_memory(
     graph: LoweredGraph,
     *,
     dealloc_delay: int = 0,
     ddr_capacity: int | None = None,
     extra_bytes: int = 0,
+    shared_constants: SharedConstants | None = None,
 ) -> MemoryPlan:
+    """`shared_constants`: where every constant already lies (the region several
+    specializations of one network share); otherwise constants are laid out here."""
     offsets: dict[int, int] = {}
     used_roots: list[int] = []
     seen: set[int] = set()
@@ -69,10 +122,15 @@ def plan_memory(
             used_roots.append(root)
 
     cursor = 0
-    constant_order = [t for t in used_roots if graph.tensors[t].kind == KIND_CONSTANT]
-    for tid in constant_order:
-        offsets[tid] = cursor
-        cursor = _align(cursor + graph.tensors[tid].nbytes)
+    constant_order = used_constants(graph)
+    if shared_constants is not None:
+        for tid in constant_order:
+            offsets[tid] = shared_constants.offsets[tid]
+        cursor = shared_constants.size
+    else:
+        for tid in constant_order:
+            offsets[tid] = cursor
+            cursor = _align(cursor + graph.tensors[tid].nbytes)
     constants_size = cursor
 
     io_start = cursor

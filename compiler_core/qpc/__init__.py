@@ -14,7 +14,14 @@ from compiler_core.qpc.container import (
     write_qpc,
 )
 from compiler_core.qpc.inspect import inspect_qpc, render_inspect
-from compiler_core.qpc.networkdesc import DTYPE_CODES, IODesc, NetworkDesc, Requirements, dtype_code
+from compiler_core.qpc.networkdesc import (
+    DTYPE_CODES,
+    IODesc,
+    NetworkDesc,
+    Requirements,
+    SpecializationDesc,
+    dtype_code,
+)
 from compiler_core.qpc.validate import Check, ValidationReport, render_validation, validate_qpc
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "Requirements",
     "Segment",
     "SegmentRecord",
+    "SpecializationDesc",
     "ValidationReport",
     "decode_constantsdesc",
     "dtype_code",

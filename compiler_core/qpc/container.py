@@ -294,7 +294,7 @@ class Qpc:
             r.name: view[r.data_offset : r.data_offset + r.size] for r in self.records
         }
         self.segment_offsets: dict[str, int] = {r.name: r.offset_field for r in self.records}
-        self._program: Program | None = None
+        self._programs: dict[str, Program] = {}
         self._network: NetworkDesc | None = None
 
     @property
@@ -320,15 +320,16 @@ class Qpc:
             self._network = NetworkDesc.from_bytes(desc)
         return self._network
 
-    def program(self) -> Program:
-        """Decode program.bin (once); raises CompileError('invalid_program') if it is bad."""
+    def program(self, segment: str = "program.bin") -> Program:
+        """Decode a program segment (once): program.bin, or a specialization's
+        program.<n>.bin; raises CompileError('invalid_program') if it is bad."""
         from compiler_core.lowering.program import decode_program
 
-        if self._program is None:
-            if "program.bin" not in self.segments:
-                raise _invalid("the QPC has no program.bin segment")
-            self._program = decode_program(self.segments["program.bin"])
-        return self._program
+        if segment not in self._programs:
+            if segment not in self.segments:
+                raise _invalid(f"the QPC has no {segment} segment")
+            self._programs[segment] = decode_program(self.segments[segment])
+        return self._programs[segment]
 
     def constants(self) -> list[ConstantEntry]:
         desc = self.segments.get("constantsdesc.bin")

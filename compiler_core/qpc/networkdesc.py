@@ -8,7 +8,7 @@ numbers `validate_qpc` compares with a device profile.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,20 @@ if TYPE_CHECKING:
 
 NETWORKDESC_FORMAT = "qpcfarm-networkdesc"
 NETWORKDESC_VERSION = 1
+
+RETAINED_SUFFIX = "_RetainedState"
+"""With -retained-state, output `<input>_RetainedState` stays on the device and feeds `<input>`
+on the next run."""
+
+
+def program_segment(index: int) -> str:
+    """The program segment of specialization `index` (the first one's is plain program.bin)."""
+    return "program.bin" if index == 0 else f"program.{index}.bin"
+
+
+def statsdesc_segment(index: int) -> str:
+    return "statsdesc.bin" if index == 0 else f"statsdesc.{index}.bin"
+
 
 DTYPE_CODES: dict[str, int] = {
     # vendor codes
@@ -107,6 +121,44 @@ class IODesc:
 
 
 @dataclass(frozen=True)
+class SpecializationDesc:
+    """One shape specialization: its symbol values, its program and stats segments and the
+    I/O shapes it takes. Constants are shared by all specializations of a QPC."""
+
+    name: str
+    symbols: dict[str, int]
+    program: str
+    statsdesc: str
+    inputs: tuple[IODesc, ...]
+    outputs: tuple[IODesc, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "symbols": dict(self.symbols),
+            "program": self.program,
+            "statsdesc": self.statsdesc,
+            "inputs": [io.to_dict() for io in self.inputs],
+            "outputs": [io.to_dict() for io in self.outputs],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SpecializationDesc:
+        row = _object(d, "specialization")
+        symbols = _get(row, "symbols", dict)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in symbols.values()):
+            raise _invalid("specialization symbols must be integers")
+        return cls(
+            name=_get(row, "name", str),
+            symbols=dict(symbols),
+            program=_get(row, "program", str),
+            statsdesc=_get(row, "statsdesc", str),
+            inputs=tuple(IODesc.from_dict(x) for x in _get(row, "inputs", list)),
+            outputs=tuple(IODesc.from_dict(x) for x in _get(row, "outputs", list)),
+        )
+
+
+@dataclass(frozen=True)
 class Requirements:
     """What the QPC needs from a device: compared with a DeviceProfile by validate_qpc."""
 
@@ -132,6 +184,18 @@ class Requirements:
             vtcm_bytes_per_core=max(program.vtcm_used, default=0),
             ddr_bytes=program.ddr_size + extra_ddr_bytes,
             dtypes=tuple(sorted(dtypes)),
+            retained_state=tuple(retained_state),
+        )
+
+    @classmethod
+    def merge(cls, parts: Sequence[Requirements], retained_state: Iterable[str]) -> Requirements:
+        """What several programs of one QPC need together (each runs on its own: the most
+        any of them needs)."""
+        return cls(
+            num_cores=max(p.num_cores for p in parts),
+            vtcm_bytes_per_core=max(p.vtcm_bytes_per_core for p in parts),
+            ddr_bytes=max(p.ddr_bytes for p in parts),
+            dtypes=tuple(sorted({d for p in parts for d in p.dtypes})),
             retained_state=tuple(retained_state),
         )
 
@@ -169,7 +233,8 @@ class NetworkDesc:
     inputs: tuple[IODesc, ...]
     outputs: tuple[IODesc, ...]
     requirements: Requirements
-    specializations: tuple[dict[str, Any], ...] = ()
+    specializations: tuple[SpecializationDesc, ...] = ()
+    """Empty for a single-program QPC; otherwise every program, the first one included."""
     stats: dict[str, Any] = field(default_factory=dict)
     format: str = NETWORKDESC_FORMAT
     version: int = NETWORKDESC_VERSION
@@ -186,7 +251,7 @@ class NetworkDesc:
             "batch_size": self.batch_size,
             "inputs": [io.to_dict() for io in self.inputs],
             "outputs": [io.to_dict() for io in self.outputs],
-            "specializations": list(self.specializations),
+            "specializations": [s.to_dict() for s in self.specializations],
             "stats": self.stats,
             "requirements": self.requirements.to_dict(),
         }
@@ -204,9 +269,9 @@ class NetworkDesc:
         version = doc.get("version")
         if version != NETWORKDESC_VERSION:
             raise _invalid(f"version {version!r} is not supported (expected 1)")
-        specializations = _get(doc, "specializations", list)
-        if not all(isinstance(s, dict) for s in specializations):
-            raise _invalid("specializations must be objects")
+        specializations = tuple(
+            SpecializationDesc.from_dict(s) for s in _get(doc, "specializations", list)
+        )
         return cls(
             network_name=_get(doc, "network_name", str),
             compiler_version=_get(doc, "compiler_version", str),
@@ -217,7 +282,7 @@ class NetworkDesc:
             inputs=tuple(IODesc.from_dict(x) for x in _get(doc, "inputs", list)),
             outputs=tuple(IODesc.from_dict(x) for x in _get(doc, "outputs", list)),
             requirements=Requirements.from_dict(doc.get("requirements")),
-            specializations=tuple(specializations),
+            specializations=specializations,
             stats=_get(doc, "stats", dict),
         )
 
@@ -228,6 +293,16 @@ class NetworkDesc:
         except (ValueError, UnicodeDecodeError) as exc:
             raise _invalid(f"not JSON: {exc}") from exc
         return cls.from_dict(doc)
+
+    def programs(self) -> list[SpecializationDesc]:
+        """Every program with the I/O it takes: the specializations, or the one program."""
+        if self.specializations:
+            return list(self.specializations)
+        return [
+            SpecializationDesc(
+                "default", {}, program_segment(0), statsdesc_segment(0), self.inputs, self.outputs
+            )
+        ]
 
 
 def _object(value: Any, what: str) -> Mapping[str, Any]:

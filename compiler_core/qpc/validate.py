@@ -16,7 +16,8 @@ from compiler_core.qpc.container import CRC_SUFFIX, ConstantEntry, Qpc, QpcSourc
 
 if TYPE_CHECKING:
     from compiler_core.devices import DeviceProfile
-    from compiler_core.qpc.networkdesc import NetworkDesc
+    from compiler_core.lowering.program import Program
+    from compiler_core.qpc.networkdesc import NetworkDesc, SpecializationDesc
 
 SKIPPED_VENDOR = "not a qpcfarm QPC: skipped"
 
@@ -141,22 +142,49 @@ def _network_descriptor(qpc: Qpc) -> str:
 
 
 def _program_decodes(qpc: Qpc, net: NetworkDesc | None) -> str:
-    program = qpc.program()
+    """Every program decodes (each specialization's) and fits what the descriptor says."""
+    if net is None:
+        return _program_summary(qpc.program())
+    programs = net.programs()
+    problems: list[str] = []
+    summaries: list[str] = []
+    for spec in programs:
+        program = qpc.program(spec.program)
+        label = f"{spec.program}: " if len(programs) > 1 else ""
+        summaries.append(label + _program_summary(program))
+        problems += [label + p for p in _program_problems(program, spec, net)]
+    if problems:
+        raise _Fail("; ".join(problems))
+    if len(programs) > 1:
+        names = ", ".join(s.name for s in programs)
+        return f"{_plural(len(programs), 'specialization')} ({names}): " + "; ".join(summaries)
+    return summaries[0]
+
+
+def _program_summary(program: Program) -> str:
     instructions = sum(len(s) for s in program.streams)
-    summary = (
+    return (
         f"{_plural(len(program.kernels), 'kernel')}, {_plural(instructions, 'instruction')} "
         f"on {_plural(program.num_cores, 'core')}"
     )
-    if net is None:
-        return summary
+
+
+def _program_problems(program: Program, spec: SpecializationDesc, net: NetworkDesc) -> list[str]:
     problems = []
     if program.num_cores != net.num_cores:
         problems.append(f"program has {program.num_cores} cores, networkdesc says {net.num_cores}")
-    if len(program.inputs) != len(net.inputs) or len(program.outputs) != len(net.outputs):
+    if len(program.inputs) != len(spec.inputs) or len(program.outputs) != len(spec.outputs):
         problems.append(
             f"program has {len(program.inputs)} inputs / {len(program.outputs)} outputs, "
-            f"networkdesc {len(net.inputs)} / {len(net.outputs)}"
+            f"networkdesc {len(spec.inputs)} / {len(spec.outputs)}"
         )
+    else:
+        ports = (*program.inputs, *program.outputs)
+        for tid, io in zip(ports, (*spec.inputs, *spec.outputs), strict=True):
+            t = program.tensors[tid] if 0 <= tid < len(program.tensors) else None
+            if t is None or (t.name, t.dtype, tuple(t.shape)) != (io.name, io.dtype, io.dims):
+                problems.append(f"program I/O does not match networkdesc entry {io.name!r}")
+                break
     req = net.requirements
     if max(program.vtcm_used, default=0) > req.vtcm_bytes_per_core:
         problems.append(
@@ -167,9 +195,7 @@ def _program_decodes(qpc: Qpc, net: NetworkDesc | None) -> str:
         problems.append(
             f"program uses {program.ddr_size} B of DDR, networkdesc requires only {req.ddr_bytes}"
         )
-    if problems:
-        raise _Fail("; ".join(problems))
-    return summary
+    return problems
 
 
 def _constants_descriptor(qpc: Qpc) -> str:

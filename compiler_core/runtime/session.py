@@ -1,0 +1,172 @@
+"""A loaded QPC that runs many inferences, as an application holds a device program.
+
+Two things outlive a single inference and so live here rather than in the executor:
+- the specialization: a QPC may hold several programs (prefill and decode shapes of one
+  network); each run takes the one whose input shapes match what the caller gives;
+- retained state (`-retained-state`): outputs `<input>_RetainedState` stay in device memory and
+  are that input on the next run, in whichever specialization runs next. The host neither
+  sends those inputs nor receives those outputs; the state starts as zeros and `reset()`
+  zeroes it again.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+from compiler_core.runtime.executor import Executor, RuntimeFault
+
+if TYPE_CHECKING:
+    from compiler_core.qpc.container import Qpc
+    from compiler_core.qpc.networkdesc import IODesc, NetworkDesc, SpecializationDesc
+
+QpcSource = str | os.PathLike[str] | bytes | bytearray | memoryview
+
+
+class QpcSession:
+    """Open a qpcfarm QPC for running; use as a context manager or call `close()`."""
+
+    def __init__(self, qpc: QpcSource) -> None:
+        from compiler_core.qpc.container import load_qpc
+        from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
+
+        self._container: Qpc = load_qpc(qpc)
+        network = self._container.network
+        if network is None:
+            self._container.close()
+            raise CompileError(
+                "unsupported_qpc", "only qpcfarm QPCs can be run on the functional runtime"
+            )
+        self.network: NetworkDesc = network
+        self.specializations: list[SpecializationDesc] = network.programs()
+        self.retained: dict[str, str] = {
+            name: name + RETAINED_SUFFIX for name in network.requirements.retained_state
+        }
+        """Retained input -> the output that feeds it."""
+        self._executors: dict[str, Executor] = {}
+        self._decoded: dict[int, np.ndarray] | None = None
+        self.state: dict[str, np.ndarray] = {}
+        """The retained buffers as the device holds them, by input name."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the retained state (a new sequence for a KV cache)."""
+        first = self.specializations[0]
+        self.state = {
+            io.name: np.zeros(io.dims, dtype=np.dtype(io.dtype))
+            for io in first.inputs
+            if io.name in self.retained
+        }
+
+    def select(self, inputs: Mapping[str, np.ndarray]) -> SpecializationDesc:
+        """The specialization whose host inputs have exactly these names and shapes."""
+        given = {name: tuple(np.shape(value)) for name, value in inputs.items()}
+        retained_given = sorted(set(given) & set(self.retained))
+        if retained_given:
+            raise CompileError(
+                "bad_inputs",
+                f"{', '.join(retained_given)} is retained state kept on the device between "
+                "runs (-retained-state); the host does not send it (reset() zeroes it)",
+            )
+        for spec in self.specializations:
+            wanted = {io.name: io.dims for io in self._host_inputs(spec)}
+            if wanted == given:
+                return spec
+        if len(self.specializations) == 1:
+            return self.specializations[0]  # the executor names what is wrong
+        offered = "; ".join(
+            f"{s.name}: " + ", ".join(f"{io.name}{list(io.dims)}" for io in self._host_inputs(s))
+            for s in self.specializations
+        )
+        shapes = ", ".join(f"{n}{list(d)}" for n, d in sorted(given.items()))
+        raise CompileError(
+            "bad_inputs",
+            f"no specialization takes inputs {shapes or '(none)'}; the QPC has {offered}",
+        )
+
+    def run(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        profiling_out_dir: str | os.PathLike[str] | None = None,
+        iterations: int = 1,
+    ) -> dict[str, np.ndarray]:
+        """Run `iterations` inferences; the last one's outputs by name (retained ones stay).
+
+        With `profiling_out_dir`, the stats buffer the QPC carries is filled for every
+        inference (from the cost model's timeline, see compiler_core.profiling) and written
+        there as `stats-inf-<n>.bin`, the input of `qpcfarm opstats`.
+        """
+        if iterations < 1:
+            raise CompileError(
+                "invalid_arguments", f"iterations must be at least 1, not {iterations}"
+            )
+        spec = self.select(inputs)
+        executor = self._executor(spec)
+        recorder = None
+        if profiling_out_dir is not None:
+            from compiler_core.profiling.stats_writer import StatsRecorder
+
+            recorder = StatsRecorder.for_qpc(
+                self._container.segments.get(spec.statsdesc), self.network, executor
+            )
+        outputs: dict[str, np.ndarray] = {}
+        for inference in range(iterations):
+            if recorder is not None:
+                recorder.start()
+            outputs = executor.run({**inputs, **self.state})
+            for name, output in self.retained.items():
+                self.state[name] = outputs.pop(output)
+            if recorder is not None and profiling_out_dir is not None:
+                from compiler_core.profiling.stats_writer import write_stats_file
+
+                write_stats_file(Path(profiling_out_dir), inference, recorder.finish(inference))
+        return outputs
+
+    def close(self) -> None:
+        self._executors.clear()
+        self._container.close()
+
+    def __enter__(self) -> QpcSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _host_inputs(self, spec: SpecializationDesc) -> list[IODesc]:
+        return [io for io in spec.inputs if io.name not in self.retained]
+
+    def _executor(self, spec: SpecializationDesc) -> Executor:
+        if spec.program not in self._executors:
+            from compiler_core.profiling.stats_writer import device_for
+
+            program = self._container.program(spec.program)
+            if self.network.options.get("aic-device") or self.network.options.get("aic_device"):
+                vtcm = device_for(self.network).vtcm_bytes_per_core
+            else:
+                vtcm = max(max(program.vtcm_used, default=0), 8_323_072)
+            constants = self._container.segments["constants.bin"]
+            self._executors[spec.program] = Executor(
+                program, constants, vtcm, self._decoded_constants(constants)
+            )
+        return self._executors[spec.program]
+
+    def _decoded_constants(self, constants: memoryview | bytes) -> dict[int, np.ndarray]:
+        """Encoded constants (MXFP6 weights) decoded once for every program, by offset; a bad
+        one is refused."""
+        if self._decoded is None:
+            from compiler_core.mxfp import decode_constants
+
+            entries = self._container.constants()
+            self._decoded = {}
+            if any(e.encoding is not None for e in entries):
+                try:
+                    self._decoded = decode_constants(entries, constants)
+                except ValueError as exc:
+                    raise RuntimeFault(f"constantsdesc.bin: {exc}") from None
+        return self._decoded
