@@ -128,6 +128,7 @@ def import_model(
     declared = _declared_output_shapes(model.graph)
     _clear_node_output_shapes(model.graph)
     infer_shapes(model)
+    _fill_same_shapes(model, registry)
     _apply_declared_shapes(model.graph, declared, registry)
     _raise_unsupported(_unsupported_dtypes(model, registry))
     _check_value_types(model.graph)
@@ -723,6 +724,21 @@ def _declared_output_shapes(graph: ir.Graph) -> dict[int, ir.Shape]:
         for value in graph.outputs
         if value.shape is not None and value.shape.is_static() and value.producer() is not None
     }
+
+
+def _fill_same_shapes(model: ir.Model, registry: OpRegistry) -> None:
+    """Output 0 of a `same_shape` op takes input 0's static shape when inference left it open."""
+    for node in model.graph:
+        if not node.inputs or not node.outputs or node.inputs[0] is None:
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if out.shape is not None and out.shape.is_static():
+            continue
+        if source.shape is None or not source.shape.is_static():
+            continue
+        opdef = registry.lookup(node.op_type, _domain(node), _node_opset(model, node))
+        if opdef is not None and opdef.same_shape:
+            out.shape = ir.Shape(list(source.shape.numpy()))
 
 
 def _apply_declared_shapes(

@@ -10,14 +10,16 @@ import onnx
 import onnx_ir as ir
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import NodeInfo
+from compiler_core.ops.registry import (  # noqa: F401  (re-exported: the IR side's names)
+    OUTER_SCOPE,
+    SMALL_CONST_ELEMENTS,
+    NodeInfo,
+    norm_domain,
+)
 
 DECLARED_SHAPE = "qpcfarm.declared_shape"
 """Value metadata key: the value's static shape comes from the model's declaration of a graph
 output, not from inference (a data-dependent shape such as Reshape's with a runtime `shape`)."""
-
-SMALL_CONST_ELEMENTS = 4096
-"""Constant inputs up to this many elements are handed to tiling rules by value."""
 
 
 @overload
@@ -107,10 +109,6 @@ def outer_scope_values(node: ir.Node) -> list[ir.Value]:
     return [v for key, v in used.items() if key not in defined]
 
 
-OUTER_SCOPE = "qpcfarm.outer_scope"
-"""NodeInfo attribute of a node with subgraphs: the names of its extra, outer-scope inputs."""
-
-
 def const_value(value: ir.Value | None) -> np.ndarray | None:
     if value is None or value.const_value is None:
         return None
@@ -127,10 +125,6 @@ def node_opset(node: ir.Node, opset_imports: Mapping[str, int], default: int = 0
         if norm_domain(name) == domain:
             return int(version)
     return default
-
-
-def norm_domain(domain: str) -> str:
-    return "" if domain == "ai.onnx" else domain
 
 
 def node_info(node: ir.Node, opset: int, *, with_consts: bool = True) -> NodeInfo:

@@ -37,9 +37,7 @@ def one_node_model(
     """A model of `node` alone: graph inputs typed from the feeds, outputs as declared."""
     consts = dict(initializers or {})
     graph_inputs = [
-        oh.make_tensor_value_info(
-            name, oh.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)
-        )
+        oh.make_tensor_value_info(name, oh.np_dtype_to_tensor_dtype(value.dtype), list(value.shape))
         for name, value in inputs.items()
         if name not in consts
     ]

@@ -456,3 +456,23 @@ def test_label_encoder_with_string_values_is_rejected_as_unsupported() -> None:
     with pytest.raises(CompileError, match="only numeric values are supported") as err:
         opdef.split_axes(info)
     assert err.value.code == "unsupported_operator"
+
+
+@pytest.mark.parametrize("op", ["Scaler", "Normalizer", "Binarizer"])
+def test_an_ml_op_inside_the_graph_gets_its_input_shape_and_runs_unfused(op: str) -> None:
+    """ONNX shape inference types these outputs but leaves their shape open; the importer
+    fills it in, and Relu after them stays a kernel of its own (not an epilogue step)."""
+    x = rand(3, 4)
+    attrs = {"Scaler": {"offset": [0.5], "scale": [2.0]}, "Normalizer": {"norm": "L1"}}
+    graph = oh.make_graph(
+        [
+            oh.make_node("Relu", ["X"], ["r"]),
+            oh.make_node(op, ["r"], ["m"], domain=ML, **attrs.get(op, {})),
+            oh.make_node("Neg", ["m"], ["Y"]),
+        ],
+        "g",
+        [oh.make_tensor_value_info("X", onnx.TensorProto.FLOAT, [3, 4])],
+        [oh.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [3, 4])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(ML, 3)])
+    assert_matches(model, {"X": x})

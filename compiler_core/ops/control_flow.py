@@ -26,8 +26,17 @@ import onnx
 from onnx import helper, numpy_helper
 
 from compiler_core.errors import CompileError
-from compiler_core.nodeinfo import OUTER_SCOPE, SMALL_CONST_ELEMENTS, norm_domain
-from compiler_core.ops.registry import ALL, REGISTRY, NodeInfo, Shape, TileCtx, register
+from compiler_core.ops.registry import (
+    ALL,
+    OUTER_SCOPE,
+    REGISTRY,
+    SMALL_CONST_ELEMENTS,
+    NodeInfo,
+    Shape,
+    TileCtx,
+    norm_domain,
+    register,
+)
 
 Array = np.ndarray
 ValueType = tuple[Shape | None, str | None]

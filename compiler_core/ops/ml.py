@@ -459,6 +459,7 @@ register(
     dtypes=_ML_NUMBERS,
     domain=ML,
     kernel="binarizer",
+    same_shape=True,
     split_axes=elementwise_split,
     input_boxes=broadcast_boxes,
     doc="Elementwise X > threshold as 0/1 in X's type; tiles like a unary op.",
@@ -470,6 +471,7 @@ register(
     dtypes=_ML_NUMBERS,
     domain=ML,
     kernel="scaler",
+    same_shape=True,
     doc="(X - offset) * scale per feature (or one pair for all), output float32; runs whole.",
 )
 register(
@@ -479,6 +481,7 @@ register(
     dtypes=_ML_NUMBERS,
     domain=ML,
     kernel="normalizer",
+    same_shape=True,
     doc="Rows divided by their MAX, L1 or L2 norm, output float32; runs whole.",
 )
 register(
@@ -488,6 +491,7 @@ register(
     dtypes=_ML_NUMBERS,
     domain=ML,
     kernel="imputer",
+    same_shape=True,
     doc="Replaces a value (or NaN) with one imputed value per feature or for all; runs whole.",
 )
 register(
@@ -497,6 +501,7 @@ register(
     dtypes=frozenset({"float32", "float64", "int16", "int32", "int64"}),
     domain=ML,
     kernel="label_encoder",
+    same_shape=True,
     split_axes=_check_label_encoder,
     doc="Numeric keys to numeric values (string tables are not supported); runs whole.",
 )

@@ -126,6 +126,9 @@ class OpDef:
     elementwise: bool = False
     """Output element i depends only on element i of each (broadcast) input: may be fused as
     an epilogue of the op that produces its first input."""
+    same_shape: bool = False
+    """Output 0 has input 0's shape: the importer fills it in where ONNX shape inference
+    leaves it open (it knows types but not shapes of several ai.onnx.ml ops)."""
     doc: str = ""
     tags: frozenset[str] = field(default_factory=frozenset)
 
@@ -143,7 +146,7 @@ class OpRegistry:
         return opdef
 
     def lookup(self, op_type: str, domain: str = "", opset: int | None = None) -> OpDef | None:
-        for opdef in self._ops.get((_norm_domain(domain), op_type), []):
+        for opdef in self._ops.get((norm_domain(domain), op_type), []):
             if opset is None:
                 return opdef
             if opdef.since <= opset and (opdef.until is None or opset <= opdef.until):
@@ -151,13 +154,21 @@ class OpRegistry:
         return None
 
     def versions(self, op_type: str, domain: str = "") -> list[OpDef]:
-        return list(self._ops.get((_norm_domain(domain), op_type), []))
+        return list(self._ops.get((norm_domain(domain), op_type), []))
 
     def all(self) -> list[OpDef]:
         return [d for key in sorted(self._ops) for d in self._ops[key]]
 
 
-def _norm_domain(domain: str) -> str:
+SMALL_CONST_ELEMENTS = 4096
+"""Constant inputs up to this many elements are handed to tiling rules by value."""
+
+OUTER_SCOPE = "qpcfarm.outer_scope"
+"""NodeInfo attribute of a node with subgraphs: the names of its extra, outer-scope inputs."""
+
+
+def norm_domain(domain: str) -> str:
+    """ "ai.onnx" and "" name the same (default) domain."""
     return "" if domain in ("", "ai.onnx") else domain
 
 

@@ -144,6 +144,10 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
 
 
 def _elementwise(node: ir.Node, opset: int) -> bool:
+    """Only default-domain ops become epilogue steps: a step is read at the network's ai.onnx
+    opset (an ai.onnx.ml Binarizer stays a kernel of its own)."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
     opdef = REGISTRY.lookup(node.op_type, node.domain, opset)
     return opdef is not None and opdef.elementwise
 
