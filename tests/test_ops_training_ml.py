@@ -461,14 +461,15 @@ def test_label_encoder_with_string_values_is_rejected_as_unsupported() -> None:
 @pytest.mark.parametrize("op", ["Scaler", "Normalizer", "Binarizer"])
 def test_an_ml_op_inside_the_graph_gets_its_input_shape_and_runs_unfused(op: str) -> None:
     """ONNX shape inference types these outputs but leaves their shape open; the importer
-    fills it in, and Relu after them stays a kernel of its own (not an epilogue step)."""
+    fills it in (Add with a full-size operand could not carry the output's shape back), and
+    the ml op stays a kernel of its own, never an epilogue step of Relu."""
     x = rand(3, 4)
     attrs = {"Scaler": {"offset": [0.5], "scale": [2.0]}, "Normalizer": {"norm": "L1"}}
     graph = oh.make_graph(
         [
             oh.make_node("Relu", ["X"], ["r"]),
             oh.make_node(op, ["r"], ["m"], domain=ML, **attrs.get(op, {})),
-            oh.make_node("Neg", ["m"], ["Y"]),
+            oh.make_node("Add", ["m", "X"], ["Y"]),
         ],
         "g",
         [oh.make_tensor_value_info("X", onnx.TensorProto.FLOAT, [3, 4])],
