@@ -285,3 +285,26 @@ def test_without_retained_outputs_the_option_warns_that_it_changes_nothing() -> 
         np.testing.assert_array_equal(out["y"], np.ones((2, 3)))
     finally:
         result.cleanup()
+
+
+def test_a_float16_kv_cache_from_the_custom_io_list_stays_float16_on_the_device(
+    decoder, expected_tokens, tmp_path: Path
+) -> None:
+    """The QEfficient setup: past_* and *_RetainedState in float16 at the boundary, kept on
+    the device between runs; the network computes in float32."""
+    names = past_names(2)
+    io_list = tmp_path / "custom_io.yaml"
+    io_list.write_text(
+        "".join(
+            f"- IOName: {n}\n  Precision: float16\n" for p in names for n in (p, retained_name(p))
+        )
+    )
+    result = _compile(decoder, tmp_path, "-retained-state", f"-custom-IO-list-file={io_list}")
+    try:
+        with QpcSession(result.qpc_path) as session:
+            assert {a.dtype for a in session.state.values()} == {np.dtype(np.float16)}
+            tokens = generate_with(session.run, PROMPT, NEW_TOKENS, feed_back=False)
+            assert session.state["past_value.1"].dtype == np.float16
+    finally:
+        result.cleanup()
+    assert tokens == expected_tokens
