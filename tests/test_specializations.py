@@ -308,3 +308,18 @@ def test_a_float16_kv_cache_from_the_custom_io_list_stays_float16_on_the_device(
     finally:
         result.cleanup()
     assert tokens == expected_tokens
+
+
+def test_inspect_lists_each_specialization_and_the_retained_state(decoder, tmp_path: Path) -> None:
+    from compiler_core.qpc import inspect_qpc, render_inspect
+
+    result = _compile(decoder, tmp_path, "-retained-state")
+    try:
+        summary = inspect_qpc(result.qpc_path)
+    finally:
+        result.cleanup()
+    assert json.loads(json.dumps(summary))["specializations"][1]["name"] == "decode"
+    text = render_inspect(summary)
+    assert "specialization prefill (batch_size=1, seq_len=8): program.bin, input_ids[1x8]" in text
+    assert "specialization decode (batch_size=1, seq_len=1): program.1.bin, input_ids[1x1]" in text
+    assert "retained state: past_key.0, past_value.0, past_key.1, past_value.1" in text

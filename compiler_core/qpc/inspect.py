@@ -78,7 +78,7 @@ def _summarise(qpc: Qpc) -> dict[str, Any]:
             inputs=[io.to_dict() for io in net.inputs],
             outputs=[io.to_dict() for io in net.outputs],
             options=net.options,
-            specializations=list(net.specializations),
+            specializations=[spec.to_dict() for spec in net.specializations],
             stats=net.stats,
             requirements=net.requirements.to_dict(),
         )
@@ -151,8 +151,16 @@ def render_inspect(d: dict[str, Any]) -> str:
                 f"-{k}={v}" for k, v in sorted(d["options"].items()) if v not in (None, [], {})
             )
             lines.append(f"  options: {opts}")
-        if d["specializations"]:
-            lines.append(f"  specializations: {len(d['specializations'])}")
+        for spec in d["specializations"]:
+            symbols = ", ".join(f"{k}={v}" for k, v in spec["symbols"].items())
+            shapes = ", ".join(
+                f"{io['name']}[{'x'.join(str(n) for n in io['dims'])}]" for io in spec["inputs"]
+            )
+            lines.append(
+                f"  specialization {spec['name']} ({symbols}): {spec['program']}, {shapes}"
+            )
+        if req.get("retained_state"):
+            lines.append(f"  retained state: {', '.join(req['retained_state'])}")
     count = d.get("constants_count")
     lines.append(
         f"Constants: {_size(d['constants_size'])}"
