@@ -319,8 +319,11 @@ def test_swiglu_alpha_scales_the_gate_matches_reference():
 
 
 def test_swiglu_float16_rounds_like_swish_then_mul_matches_reference():
-    model, feeds = _swiglu(rand(4, 33, dtype=np.float16) * 4)
-    assert_matches(model, feeds, oracle="reference", rtol=1e-3, atol=1e-3)
+    # The reference rounds every step of the function body (Sigmoid, Mul, ...) to float16,
+    # we round the Swish once: a few float16 ulps (2**-10 relative each) apart at most.
+    x = np.random.default_rng(21).standard_normal((4, 33)).astype(np.float16) * 4
+    model, feeds = _swiglu(x)
+    assert_matches(model, feeds, oracle="reference", rtol=4e-3, atol=1e-3)
 
 
 def test_swiglu_as_epilogue_of_the_gate_projection_matches_reference():
