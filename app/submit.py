@@ -42,7 +42,8 @@ LOCAL_FILE_FLAGS = (
     ("custom_io_list_file", "-custom-IO-list-file"),
     ("node_precision_info", "-node-precision-info"),
 )
-"""Options naming a local file: the farm cannot read it and submit does not upload it."""
+"""Options naming a local file: submit uploads it in the model's archive, beside the model,
+as `<flag name><suffix>` (the farm reads it there: app/services/model_files.py)."""
 
 USAGE = f"""\
 usage: {PROG} submit -m=<model.onnx> -aic-binary-dir=<dir> [compile flags] [--server URL]
@@ -144,20 +145,32 @@ def check_options(options: CompileOptions) -> tuple[Path, Path]:
             f"-operators-supported is not a compile: run {PROG} compile -operators-supported=onnx",
             flag="-operators-supported",
         )
-    for attr, flag in LOCAL_FILE_FLAGS:
-        if getattr(options, attr) is not None:
-            raise CompileError(
-                "unsupported_option",
-                f"{flag} names a local file, which {PROG} submit does not upload; "
-                f"use {PROG} compile",
-                flag=flag,
-            )
     return model_path(options), binary_dir(options)
 
 
-def remote_flags(options: CompileOptions) -> list[str]:
-    """The canonical flags the server gets: everything but the local paths."""
-    return options.with_(model=None, aic_binary_dir=None).to_flags()
+def option_files(options: CompileOptions) -> dict[str, tuple[str, Path]]:
+    """The local files that file-valued options name: option -> (name in the upload, path)."""
+    from compiler_core.errors import CompileError
+
+    files = {}
+    for attr, flag in LOCAL_FILE_FLAGS:
+        value = getattr(options, attr)
+        if value is None:
+            continue
+        path = Path(value)
+        if not path.is_file():
+            raise CompileError("invalid_option", f"{flag}={value}: no such file", flag=flag)
+        files[attr] = (flag.lstrip("-") + path.suffix, path)
+    return files
+
+
+def remote_flags(
+    options: CompileOptions, files: dict[str, tuple[str, Path]] | None = None
+) -> list[str]:
+    """The canonical flags the server gets: no local paths; file options name their file's
+    place in the upload."""
+    uploaded = {attr: name for attr, (name, _) in (files or {}).items()}
+    return options.with_(model=None, aic_binary_dir=None, **uploaded).to_flags()
 
 
 # ---------------------------------------------------------------------------- the model
@@ -239,18 +252,29 @@ def _data_file(model: Path, location: str) -> Path:
 
 
 @contextmanager
-def upload_source(model: Path) -> Iterator[tuple[Path, str]]:
-    """(file to upload, its name): the model itself, or a temporary `.zip` of the model and
-    its external data files at their relative locations (stored, not compressed: weights do
-    not compress and the zip is only a container)."""
+def upload_source(
+    model: Path, extra: Sequence[tuple[str, Path]] = ()
+) -> Iterator[tuple[Path, str]]:
+    """(file to upload, its name): the model itself, or a temporary `.zip` of the model, its
+    external data files at their relative locations and the `extra` (name, file) pairs
+    (stored, not compressed: weights do not compress and the zip is only a container)."""
     import tempfile
     import zipfile
 
+    from compiler_core.errors import CompileError
+
     locations = external_data_files(model)
-    if not locations:
+    if not locations and not extra:
         yield model, model.name
         return
     files = [(loc, _data_file(model, loc)) for loc in locations]
+    taken = {PurePosixPath(loc.replace("\\", "/")).as_posix() for loc in locations}
+    for name, path in extra:
+        if name in taken or name == model.name:
+            raise CompileError(
+                "invalid_option", f"{path}: the upload already has a file named {name}"
+            )
+        files.append((name, path))
     fd, name = tempfile.mkstemp(prefix="qpcfarm-upload-", suffix=".zip")
     os.close(fd)
     archive = Path(name)
@@ -372,13 +396,17 @@ def _submit(args: SubmitArgs) -> int:
 
     options = CompileOptions.from_flags(args.flags)
     model, out_dir = check_options(options)
-    flags = remote_flags(options)
+    files = option_files(options)
+    flags = remote_flags(options, files)
     for message in options.warnings:
         print(f"warning: {message}", file=sys.stderr)
 
     from app.client import FarmClient
 
-    with FarmClient(args.server, args.api_key) as client, upload_source(model) as (path, name):
+    with (
+        FarmClient(args.server, args.api_key) as client,
+        upload_source(model, list(files.values())) as (path, name),
+    ):
         uploaded = client.upload_model(path, name)
         job = client.submit_job(str(uploaded["id"]), flags)
         job = wait_for_job(client, job, args.timeout, ProgressDisplay(sys.stderr, str(job["id"])))

@@ -9,15 +9,20 @@ Each test works in its own team, so tests sharing a server do not see each other
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import random
 import socket
 import time
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import onnx
 import pytest
 from sqlalchemy import func, select
 
@@ -739,3 +744,88 @@ def test_without_required_auth_a_request_without_key_acts_as_the_local_team(
         with server.client(server.new_key("local")) as keyed:
             assert keyed.get(f"/v1/models/{model['id']}").json() == model
     assert server.queue.closed is False  # a queue passed to create_app is its owner's
+
+
+# ------------------------------------------------------------- options that name input files
+
+
+def _decoder_archive(*, with_files: bool = True) -> bytes:
+    from tests.decoder_model import kv_decoder, past_names, retained_name
+
+    model = kv_decoder(seed=random.randrange(1 << 30)).SerializeToString()
+    specs = {
+        "specializations": [
+            {"name": "prefill", "symbols": {"batch_size": "1", "seq_len": "8"}},
+            {"name": "decode", "symbols": {"batch_size": "1", "seq_len": "1"}},
+        ]
+    }
+    io_list = "".join(
+        f"- IOName: {n}\n  Precision: float16\n"
+        for p in past_names(2)
+        for n in (p, retained_name(p))
+    )
+    members = {"decoder.onnx": model}
+    if with_files:
+        members |= {"specs.json": json.dumps(specs).encode(), "io.yaml": io_list.encode()}
+    return zip_bytes(members)
+
+
+LLM_FLAGS = [
+    "-network-specialization-config=specs.json",
+    "-custom-IO-list-file=io.yaml",
+    "-retained-state",
+    "-aic-num-cores=2",
+]
+
+
+def test_specialization_and_custom_io_files_travel_in_the_model_archive(
+    local: LiveServer, local_api: httpx.Client, tmp_path: Path
+) -> None:
+    from compiler_core import QpcSession
+    from tests.decoder_model import generate_reference, generate_with
+
+    archive = _decoder_archive()
+    model = upload(local_api, archive, "decoder.zip")
+    job = submit(local_api, model["id"], flags=LLM_FLAGS).json()
+    play_worker(local, job["id"])
+    done = local_api.get(f"/v1/compile-jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    qpc = local_api.get(f"/v1/qpcs/{done['qpc_id']}/download")
+    assert qpc.status_code == 200
+    path = tmp_path / "programqpc.bin"
+    path.write_bytes(qpc.content)
+    with zipfile.ZipFile(io.BytesIO(archive)) as zf:
+        decoder = onnx.load_from_string(zf.read("decoder.onnx"))
+    prompt = np.array([[3, 17, 5, 40, 22, 9, 11, 30]], np.int64)
+    with QpcSession(path) as session:
+        assert [s.name for s in session.specializations] == ["prefill", "decode"]
+        tokens = generate_with(session.run, prompt, 4, feed_back=False)
+    assert tokens == generate_reference(decoder, prompt, 4)
+
+
+@pytest.mark.parametrize("value", ["/etc/specs.json", "../specs.json", "C:\\specs.json"])
+def test_a_file_option_outside_the_upload_is_refused_at_submit(
+    local_api: httpx.Client, value: str
+) -> None:
+    model = upload(local_api)
+    response = submit(local_api, model["id"], flags=[f"-network-specialization-config={value}"])
+    assert response.status_code == 422, response.text
+    assert error_code(response) == "invalid_option"
+    assert "relative to the model" in response.json()["message"]
+
+
+@pytest.mark.parametrize("bare", [True, False])
+def test_a_file_option_the_upload_does_not_carry_fails_the_job_naming_it(
+    local: LiveServer, local_api: httpx.Client, bare: bool
+) -> None:
+    if bare:
+        model = upload(local_api)
+    else:
+        model = upload(local_api, _decoder_archive(with_files=False), "decoder.zip")
+    job = submit(local_api, model["id"], flags=LLM_FLAGS).json()
+    play_worker(local, job["id"])
+    done = local_api.get(f"/v1/compile-jobs/{job['id']}").json()
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "invalid_option"
+    expected = "uploaded as a bare .onnx" if bare else "has no file specs.json beside the model"
+    assert expected in done["error"]["message"]

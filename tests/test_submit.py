@@ -359,3 +359,58 @@ def test_etags_name_a_sha256_in_any_usual_spelling() -> None:
     assert etag_sha256(f'"{digest}"') == digest
     assert etag_sha256(f'W/"sha256:{digest.upper()}"') == digest
     assert etag_sha256('"v1"') == ""
+
+
+def test_option_files_are_uploaded_beside_the_model_and_named_there(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    import numpy as np
+
+    from compiler_core import QpcSession
+    from tests.decoder_model import generate_reference, generate_with, kv_decoder
+
+    decoder = kv_decoder(seed=11)
+    model = _save(decoder, tmp_path / "decoder.onnx")
+    specs = tmp_path / "local-specs.json"
+    specs.write_text(
+        json.dumps(
+            {"specializations": [{"batch_size": 1, "seq_len": 4}, {"batch_size": 1, "seq_len": 1}]}
+        )
+    )
+    options = CompileOptions.from_flags([f"-m={model}", f"-network-specialization-config={specs}"])
+    assert "-network-specialization-config=network-specialization-config.json" in remote_flags(
+        options, {"network_specialization_config": ("network-specialization-config.json", specs)}
+    )
+
+    out = tmp_path / "remote"
+    code = _submit(
+        server,
+        f"-m={model}",
+        f"-aic-binary-dir={out}",
+        f"-network-specialization-config={specs}",
+        "-retained-state",
+    )
+    capsys.readouterr()
+    assert code == 0
+    prompt = np.array([[5, 1, 44, 2]], np.int64)
+    with QpcSession(out / "programqpc.bin") as session:
+        assert len(session.specializations) == 2
+        tokens = generate_with(session.run, prompt, 3, feed_back=False)
+    assert tokens == generate_reference(decoder, prompt, 3)
+
+
+def test_a_missing_option_file_fails_before_upload(tmp_path: Path) -> None:
+    model = _save(tiny_model(), tmp_path / "m.onnx")
+    code = main(
+        [
+            "submit",
+            f"-m={model}",
+            f"-aic-binary-dir={tmp_path}",
+            f"-custom-IO-list-file={tmp_path / 'none.yaml'}",
+            "--server",
+            "http://127.0.0.1:9",
+        ]
+    )
+    assert code == 1

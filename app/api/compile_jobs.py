@@ -20,6 +20,7 @@ from app.api.models import Limit, Offset
 from app.api.schemas import JobCreate, JobList, JobOut
 from app.db.models import CompileJob, CompileReport, JobStatus
 from app.services import jobs, models
+from app.services.model_files import check_model_file_paths
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
 
@@ -29,11 +30,9 @@ SERVER_SIDE_OPTIONS = {
     "model": "the model is the upload named by `model_id`",
     "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
     "operators_supported": "see GET /v1/operators",
-    "custom_io_list_file": "it names a file on the server",
-    "network_specialization_config": "it names a file on the server",
-    "node_precision_info": "it names a file on the server",
 }
-"""Options that name paths on the machine running the compile: refused over HTTP."""
+"""Options that name paths on the machine running the compile: refused over HTTP. (Options
+naming an input file travel in the model's archive instead: services/model_files.py.)"""
 
 
 def parse_options(body: JobCreate) -> CompileOptions:
@@ -48,6 +47,7 @@ def parse_options(body: JobCreate) -> CompileOptions:
             raise CompileError(
                 "invalid_option", f"{flag} is not accepted by the farm: {why}", flag=flag
             )
+    check_model_file_paths(options)
     return options
 
 

@@ -28,7 +28,8 @@ from app.db.models import ACTIVE_STATUSES, CompileJob, CompileReport, JobStatus,
 from app.db.ops import insert_or_ignore, rowcount
 from app.services.errors import ServiceError, not_found
 from app.services.heartbeat import HeartbeatThread
-from app.services.models import materialize_model
+from app.services.model_files import resolve_model_files
+from app.services.models import KIND_ARCHIVE, materialize_model
 from app.services.pages import Page, paginate
 from compiler_core import CompileError, CompileOptions
 from compiler_core.version import COMPILER_VERSION
@@ -549,7 +550,8 @@ def run_compile(
             progress.note(f"compiling {model.name} ({model.size:,} bytes) on {job.worker}")
             # The farm's report always carries perf metrics and warnings: they are outputs of
             # the compile, not choices that change the QPC (and not part of the cache key).
-            farm_options = options.with_(
+            model_dir = model_path.parent if model.kind == KIND_ARCHIVE else None
+            farm_options = resolve_model_files(options, model_dir).with_(
                 aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
             )
             result = _compile(model_path, farm_options, progress)

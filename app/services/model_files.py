@@ -1,0 +1,66 @@
+"""Compile options that name a file (specializations, custom I/O list) on the farm.
+
+The farm cannot read a client's disk, so such a file travels inside the model's archive and
+the option names it relative to the model (`-network-specialization-config=specs.json` beside
+`model.onnx`). The archive's bytes are the model's identity, so the cache key covers the
+file's content too. The API checks the path's form; the worker resolves it in the extracted
+archive and refuses a missing file or a bare (non-archive) upload.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+from compiler_core import CompileError, CompileOptions
+from compiler_core.options import spec_for
+
+MODEL_FILE_OPTIONS = ("network_specialization_config", "custom_io_list_file", "node_precision_info")
+"""Options whose value is a file inside the model's upload."""
+
+
+def check_model_file_paths(options: CompileOptions) -> None:
+    """Each file option names a plain relative path (no `..`, not absolute)."""
+    for attr in MODEL_FILE_OPTIONS:
+        value = getattr(options, attr)
+        if value is not None:
+            _relative(value, spec_for(attr).flag)
+
+
+def resolve_model_files(options: CompileOptions, model_dir: Path | None) -> CompileOptions:
+    """The options with each file option pointing at its file in the extracted archive
+    `model_dir` (None: the model was a bare .onnx, which carries no other files)."""
+    changes: dict[str, str] = {}
+    for attr in MODEL_FILE_OPTIONS:
+        value = getattr(options, attr)
+        if value is None:
+            continue
+        flag = spec_for(attr).flag
+        relative = _relative(value, flag)
+        if model_dir is None:
+            raise CompileError(
+                "invalid_option",
+                f"{flag}={value}: the model was uploaded as a bare .onnx; upload an archive "
+                f"(.zip or .tar) holding the model and {value} beside it",
+                flag=flag,
+            )
+        path = model_dir.joinpath(*relative.parts)
+        if not path.is_file():
+            raise CompileError(
+                "invalid_option",
+                f"{flag}={value}: the model's archive has no file {value} beside the model",
+                flag=flag,
+            )
+        changes[attr] = str(path)
+    return options.with_(**changes) if changes else options
+
+
+def _relative(value: str, flag: str) -> PurePosixPath:
+    relative = PurePosixPath(value.replace("\\", "/"))
+    if relative.is_absolute() or ".." in relative.parts or not relative.parts or ":" in value:
+        raise CompileError(
+            "invalid_option",
+            f"{flag}={value}: on the farm the file travels in the model's archive; name it "
+            "relative to the model (e.g. specializations.json), without '..'",
+            flag=flag,
+        )
+    return relative
