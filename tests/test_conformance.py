@@ -71,6 +71,47 @@ REPRESENTATIVE = (
     "test_l2normalization_axis_0",
     # unnamed optional outputs before a named one (present_key/value, then qk_matmul_output)
     "test_attention_4d_with_qk_matmul",
+    "test_resize_downsample_scales_cubic_antialias",
+    "test_resize_downsample_sizes_nearest_not_smaller",
+    "test_resize_downsample_scales_linear_align_corners",
+    "test_training_dropout_mask",
+    "test_optional_has_element_empty_no_input_tensor_input",
+    # op families added for the conformance work, one or two cases each
+    "test_linear_attention_gated_delta_gqa",
+    "test_linear_attention_gated_delta_expanded",
+    "test_causal_conv_with_state_silu_with_past_state",
+    "test_tensorscatter_circular",
+    "test_swiglu_alpha",
+    "test_gridsample_bicubic_align_corners_0_additional_1",
+    "test_affine_grid_3d_align_corners",
+    "test_col2im_pads",
+    "test_roialign_mode_max",
+    "test_deform_conv_with_multiple_offset_groups",
+    "test_maxunpool_export_with_output_shape",
+    "test_qlinearmatmul_3D_int8_float16",
+    "test_convinteger_with_padding",
+    "test_qlinearconv",
+    "test_bitcast_scalar_float32_to_int32",
+    "test_rotary_embedding_with_interleaved_rotary_dim",
+    "test_nonmaxsuppression_two_batches",
+    "test_tfidfvectorizer_tf_batch_uniandbigrams_skip5",
+    "test_det_nd",
+    "test_scatter_with_axis",
+    "test_stft_with_window",
+    "test_melweightmatrix",
+    "test_adam_multiple",
+    "test_nesterov_momentum",
+    "test_ai_onnx_ml_tree_ensemble_set_membership",
+    "test_ai_onnx_ml_array_feature_extractor",
+    "test_gru_seq_length",
+    "test_lstm_with_peepholes",
+    "test_simple_rnn_bidirectional",
+    # subgraphs: If, Loop (also inside Range's body), Scan, FlexAttention's score_mod
+    "test_if",
+    "test_loop11",
+    "test_range_int32_type_negative_delta_expanded",
+    "test_scan9_multi_state",
+    "test_flexattention_score_mod",
 )
 
 ENGINES: dict[str, conformance.Engine] = {
@@ -103,7 +144,9 @@ def test_onnx_runtime_runs_in_the_same_run(
 ) -> None:
     ort = [o for (_, engine), o in outcomes.items() if engine == "ort"]
     assert len(ort) == len(REPRESENTATIVE)
-    assert sum(o.status == conformance.PASS for o in ort) >= len(REPRESENTATIVE) - 2
+    # ONNX Runtime really ran: it passes most of these (not all: some ops it lacks or gets
+    # wrong, e.g. training-mode Dropout, FlexAttention, align_corners downsampling).
+    assert sum(o.status == conformance.PASS for o in ort) >= 0.8 * len(REPRESENTATIVE)
 
 
 # --- isolation and classification, on tiny fake cases ---------------------------------------
