@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from compiler_core.errors import CompileError
+from compiler_core.options import read_option_file
 
 FLAG = "-custom-IO-list-file"
 
@@ -36,10 +36,7 @@ def load_custom_io(path: str | os.PathLike[str]) -> list[CustomIO]:
     says which one and why."""
     import yaml
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise _invalid(f"cannot read {path}: {exc.strerror or exc}") from None
+    text = read_option_file(path, FLAG)
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:

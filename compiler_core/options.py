@@ -13,9 +13,11 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from compiler_core.devices import (
@@ -1059,3 +1061,14 @@ __all__ = [
     "usage",
     "wants_help",
 ]
+
+
+def read_option_file(path: str | os.PathLike[str], flag: str) -> str:
+    """The text of a file an option names; unreadable is an `invalid_option` naming the flag."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CompileError(
+            "invalid_option", f"{flag}: cannot read {path}: {reason}", flag=flag
+        ) from None

@@ -17,10 +17,10 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from compiler_core.errors import CompileError
+from compiler_core.options import read_option_file
 
 FLAG = "-network-specialization-config"
 
@@ -35,10 +35,7 @@ class Specialization:
 
 
 def load_specializations(path: str | os.PathLike[str]) -> list[Specialization]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise _invalid(f"cannot read {path}: {exc.strerror or exc}") from None
+    text = read_option_file(path, FLAG)
     try:
         doc = json.loads(text)
     except ValueError as exc:

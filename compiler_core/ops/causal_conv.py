@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.errors import CompileError
-from compiler_core.ops.registry import NodeInfo, TileCtx, register
+from compiler_core.ops.registry import NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -26,16 +25,8 @@ _BIAS, _PAST = 2, 3
 """Input positions of the optional inputs."""
 
 
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"CausalConvWithState: {message}", node=node.name)
-
-
 def _activation(node: NodeInfo) -> str:
-    name = node.attr("activation", "none")
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    if name not in _ACTIVATIONS:
-        raise _fail(node, f"activation {name!r} is not one of {', '.join(_ACTIVATIONS)}")
-    return name
+    return node.choice("activation", "none", _ACTIVATIONS)
 
 
 def _validate(node: NodeInfo) -> None:
@@ -44,16 +35,16 @@ def _validate(node: NodeInfo) -> None:
     x, w = node.in_shapes[0], node.in_shapes[1]
     assert x is not None and w is not None
     if len(x) != 3:
-        raise _fail(node, f"input must be 3-D (batch, channels, length), got shape {x}")
+        raise invalid_model(node, f"input must be 3-D (batch, channels, length), got shape {x}")
     channels = x[1]
     if len(w) != 3 or w[0] != channels or w[1] != 1 or w[2] < 1:
-        raise _fail(node, f"weight shape {w} is not ({channels}, 1, k) with k >= 1")
+        raise invalid_model(node, f"weight shape {w} is not ({channels}, 1, k) with k >= 1")
     bias = node.in_shapes[_BIAS] if node.has_input(_BIAS) else None
     if bias is not None and tuple(bias) != (channels,):
-        raise _fail(node, f"bias shape {bias} is not ({channels},)")
+        raise invalid_model(node, f"bias shape {bias} is not ({channels},)")
     past = node.in_shapes[_PAST] if node.has_input(_PAST) else None
     if past is not None and tuple(past) != (x[0], channels, w[2] - 1):
-        raise _fail(node, f"past_state shape {past} is not {(x[0], channels, w[2] - 1)}")
+        raise invalid_model(node, f"past_state shape {past} is not {(x[0], channels, w[2] - 1)}")
 
 
 def _split_axes(node: NodeInfo) -> list[int]:

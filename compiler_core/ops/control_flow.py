@@ -34,6 +34,7 @@ from compiler_core.ops.registry import (
     NodeInfo,
     Shape,
     TileCtx,
+    invalid_model,
     norm_domain,
     register,
 )
@@ -41,10 +42,6 @@ from compiler_core.ops.registry import (
 Array = np.ndarray
 ValueType = tuple[Shape | None, str | None]
 """A body value's inferred static shape (None: unknown) and numpy dtype name (None: unknown)."""
-
-
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"{node.op_type} '{node.name}': {message}", node=node.name)
 
 
 def wrap_graph(graph: onnx.GraphProto, opsets: Mapping[str, int]) -> bytes:
@@ -163,7 +160,7 @@ class Body:
     @staticmethod
     def decode(blob: Any, owner: NodeInfo) -> Body:
         if not isinstance(blob, bytes):
-            raise _fail(owner, "a graph attribute is missing")
+            raise invalid_model(owner, "a graph attribute is missing")
         model = onnx.ModelProto()
         model.ParseFromString(blob)
         opsets = {norm_domain(o.domain): int(o.version) for o in model.opset_import}
@@ -311,11 +308,13 @@ def if_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> lis
     """Run the branch the condition selects; its outputs are the If's."""
     own, outer = split_outer(node, inputs)
     if not own or own[0] is None or np.asarray(own[0]).size != 1:
-        raise _fail(node, "the condition must be a single boolean")
+        raise invalid_model(node, "the condition must be a single boolean")
     branch = "then_branch" if _flag(own[0]) else "else_branch"
     results = Body.decode(node.attr(branch), node).run([], outer)
     if len(results) != len(node.out_shapes):
-        raise _fail(node, f"{branch} has {len(results)} outputs, the If has {len(node.out_shapes)}")
+        raise invalid_model(
+            node, f"{branch} has {len(results)} outputs, the If has {len(node.out_shapes)}"
+        )
     return results
 
 
@@ -340,13 +339,13 @@ def loop_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> l
     own = own + [None] * (2 - len(own))
     trip, cond, carried = own[0], own[1], own[2:]
     if trip is None and cond is None:
-        raise _fail(node, "neither a trip count nor a condition: the loop would never end")
+        raise invalid_model(node, "neither a trip count nor a condition: the loop would never end")
     if any(value is None for value in carried):
-        raise _fail(node, "loop-carried values must all be given")
+        raise invalid_model(node, "loop-carried values must all be given")
     body = Body.decode(node.attr("body"), node)
     n_carried = len(carried)
     if len(body.graph.output) < 1 + n_carried:
-        raise _fail(
+        raise invalid_model(
             node, f"the body has {len(body.graph.output)} outputs, fewer than 1 + {n_carried}"
         )
     limit = None if trip is None else int(np.asarray(trip).reshape(-1)[0])
@@ -371,11 +370,11 @@ def loop_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> l
 def _axes(node: NodeInfo, name: str, count: int, ranks: Sequence[int]) -> list[int]:
     values = list(node.attr(name) or [0] * count)
     if len(values) != count:
-        raise _fail(node, f"{name} has {len(values)} entries for {count} tensors")
+        raise invalid_model(node, f"{name} has {len(values)} entries for {count} tensors")
     out = []
     for value, rank in zip(values, ranks, strict=True):
         if not -rank <= value < rank:
-            raise _fail(node, f"{name} value {value} is out of range for rank {rank}")
+            raise invalid_model(node, f"{name} value {value} is out of range for rank {rank}")
         out.append(value % rank)
     return out
 
@@ -383,7 +382,9 @@ def _axes(node: NodeInfo, name: str, count: int, ranks: Sequence[int]) -> list[i
 def _directions(node: NodeInfo, name: str, count: int) -> list[int]:
     values = [int(v) for v in (node.attr(name) or [0] * count)]
     if len(values) != count or any(v not in (0, 1) for v in values):
-        raise _fail(node, f"{name} must hold {count} values, each 0 (forward) or 1 (reverse)")
+        raise invalid_model(
+            node, f"{name} must hold {count} values, each 0 (forward) or 1 (reverse)"
+        )
     return values
 
 
@@ -403,7 +404,7 @@ def _scan_steps(
     moved = [np.moveaxis(x, axis, 0) for x, axis in zip(xs, in_axes, strict=True)]
     lengths = {m.shape[0] for m in moved}
     if len(lengths) > 1:
-        raise _fail(node, f"scan inputs have different lengths {sorted(lengths)}")
+        raise invalid_model(node, f"scan inputs have different lengths {sorted(lengths)}")
     total = lengths.pop() if lengths else 0
     steps = total if length is None else min(length, total)
     n_states = len(states)
@@ -434,7 +435,7 @@ def scan_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> l
     own, outer = split_outer(node, inputs)
     m = int(node.attr("num_scan_inputs", 0))
     if not 0 < m <= len(own) or any(v is None for v in own):
-        raise _fail(node, f"num_scan_inputs {m} does not fit its {len(own)} inputs")
+        raise invalid_model(node, f"num_scan_inputs {m} does not fit its {len(own)} inputs")
     arrays = [np.asarray(v) for v in own]
     states, xs = arrays[: len(own) - m], arrays[len(own) - m :]
     body = Body.decode(node.attr("body"), node)
@@ -451,7 +452,7 @@ def scan8_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> 
     m = int(node.attr("num_scan_inputs", 0))
     lens, rest = own[0], own[1:]
     if not 0 < m <= len(rest) or any(v is None for v in rest):
-        raise _fail(node, f"num_scan_inputs {m} does not fit its {len(rest)} inputs")
+        raise invalid_model(node, f"num_scan_inputs {m} does not fit its {len(rest)} inputs")
     arrays = [np.asarray(v) for v in rest]
     n_states = len(arrays) - m
     body = Body.decode(node.attr("body"), node)

@@ -14,10 +14,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from compiler_core.errors import CompileError
 from compiler_core.ops.attention import _round
 from compiler_core.ops.control_flow import Body, split_outer
-from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, register
+from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -28,26 +27,26 @@ _PRECISIONS: dict[int, type[np.floating]] = {
 }
 
 
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"FlexAttention '{node.name}': {message}", node=node.name)
-
-
 def _precision(node: NodeInfo, q: Array) -> type[np.floating]:
     value = node.attr("softmax_precision")
     if value is None:
         return np.float64 if q.dtype == np.float64 else np.float32
     if int(value) not in _PRECISIONS:
-        raise _fail(node, f"softmax_precision {value} is not float16, float32 or float64")
+        raise invalid_model(node, f"softmax_precision {value} is not float16, float32 or float64")
     return _PRECISIONS[int(value)]
 
 
 def _check(node: NodeInfo, q: Array, k: Array, v: Array) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise _fail(node, f"Q, K and V must be rank 4, got ranks {q.ndim}, {k.ndim}, {v.ndim}")
+        raise invalid_model(
+            node, f"Q, K and V must be rank 4, got ranks {q.ndim}, {k.ndim}, {v.ndim}"
+        )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise _fail(node, f"Q {q.shape}, K {k.shape} and V {v.shape} do not match")
+        raise invalid_model(node, f"Q {q.shape}, K {k.shape} and V {v.shape} do not match")
     if q.shape[1] % k.shape[1]:
-        raise _fail(node, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+        raise invalid_model(
+            node, f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads"
+        )
 
 
 def _modify(node: NodeInfo, name: str, x: Array, outer: dict) -> Array:
@@ -57,10 +56,10 @@ def _modify(node: NodeInfo, name: str, x: Array, outer: dict) -> Array:
         return x
     body = Body.decode(blob, node)
     if len(body.graph.input) != 1 or len(body.graph.output) != 1:
-        raise _fail(node, f"{name} must have one input and one output")
+        raise invalid_model(node, f"{name} must have one input and one output")
     (result,) = body.run([x], outer)
     if result.shape != x.shape:
-        raise _fail(node, f"{name} turned shape {x.shape} into {result.shape}")
+        raise invalid_model(node, f"{name} turned shape {x.shape} into {result.shape}")
     return result.astype(x.dtype, copy=False)
 
 

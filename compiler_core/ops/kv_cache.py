@@ -17,23 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import ALL, NodeInfo, TileCtx, register
+from compiler_core.ops.registry import ALL, NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
 _MODES = ("linear", "circular")
 
 
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"TensorScatter: {message}", node=node.name)
-
-
 def _mode(node: NodeInfo) -> str:
-    mode = node.attr("mode", "linear")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
-    if mode not in _MODES:
-        raise _fail(node, f"mode {mode!r} is not one of {', '.join(_MODES)}")
-    return mode
+    return node.choice("mode", "linear", _MODES)
 
 
 def _axis(node: NodeInfo) -> int:
@@ -43,19 +35,21 @@ def _axis(node: NodeInfo) -> int:
     rank = len(cache)
     axis = int(node.attr("axis", -2))
     if not -rank <= axis < rank or axis % rank == 0:
-        raise _fail(node, f"axis {axis} is out of range or the batch axis for rank {rank}")
+        raise invalid_model(node, f"axis {axis} is out of range or the batch axis for rank {rank}")
     axis %= rank
     if len(update) != rank:
-        raise _fail(node, f"update rank {len(update)} differs from past_cache rank {rank}")
+        raise invalid_model(node, f"update rank {len(update)} differs from past_cache rank {rank}")
     others = [a for a in range(rank) if a != axis]
     if any(update[a] != cache[a] for a in others):
-        raise _fail(node, f"update shape {update} differs from past_cache {cache} off axis {axis}")
+        raise invalid_model(
+            node, f"update shape {update} differs from past_cache {cache} off axis {axis}"
+        )
     if update[axis] > cache[axis]:
-        raise _fail(
+        raise invalid_model(
             node, f"update length {update[axis]} exceeds cache length {cache[axis]} on axis {axis}"
         )
     if node.has_input(2) and tuple(node.in_shapes[2] or ()) != (cache[0],):
-        raise _fail(node, f"write_indices shape {node.in_shapes[2]} is not ({cache[0]},)")
+        raise invalid_model(node, f"write_indices shape {node.in_shapes[2]} is not ({cache[0]},)")
     return axis
 
 

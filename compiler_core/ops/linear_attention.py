@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.errors import CompileError
-from compiler_core.ops.registry import NodeInfo, Shape, TileCtx, register
+from compiler_core.ops.registry import NodeInfo, Shape, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -27,29 +26,21 @@ _PAST, _DECAY, _BETA = 3, 4, 5
 """Input positions of the optional inputs."""
 
 
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"LinearAttention: {message}", node=node.name)
-
-
 def _shape(node: NodeInfo, index: int) -> Shape | None:
     return node.in_shapes[index] if node.has_input(index) else None
 
 
 def _rule(node: NodeInfo) -> str:
-    rule = node.attr("update_rule", "gated_delta")
-    rule = rule.decode() if isinstance(rule, bytes) else str(rule)
-    if rule not in _RULES:
-        raise _fail(node, f"update_rule {rule!r} is not one of {', '.join(_RULES)}")
-    return rule
+    return node.choice("update_rule", "gated_delta", _RULES)
 
 
 def _heads(node: NodeInfo) -> tuple[int, int]:
     q_heads, kv_heads = node.attr("q_num_heads"), node.attr("kv_num_heads")
     if q_heads is None or kv_heads is None:
-        raise _fail(node, "q_num_heads and kv_num_heads are required")
+        raise invalid_model(node, "q_num_heads and kv_num_heads are required")
     q_heads, kv_heads = int(q_heads), int(kv_heads)
     if q_heads <= 0 or kv_heads <= 0 or q_heads % kv_heads:
-        raise _fail(
+        raise invalid_model(
             node, f"q_num_heads {q_heads} must be a positive multiple of kv_num_heads {kv_heads}"
         )
     return q_heads, kv_heads
@@ -57,7 +48,9 @@ def _heads(node: NodeInfo) -> tuple[int, int]:
 
 def _per_head(node: NodeInfo, total: int, heads: int, what: str) -> int:
     if total % heads:
-        raise _fail(node, f"{what} last dimension {total} is not a multiple of {heads} heads")
+        raise invalid_model(
+            node, f"{what} last dimension {total} is not a multiple of {heads} heads"
+        )
     return total // heads
 
 
@@ -68,31 +61,35 @@ def _validate(node: NodeInfo) -> None:
     q, k, v = node.in_shapes[0], node.in_shapes[1], node.in_shapes[2]
     assert q is not None and k is not None and v is not None
     if len(q) != 3 or len(k) != 3 or len(v) != 3:
-        raise _fail(
+        raise invalid_model(
             node, f"query, key and value must be 3-D, got {len(q)}-D, {len(k)}-D, {len(v)}-D"
         )
     if k[:2] != q[:2] or v[:2] != q[:2]:
-        raise _fail(node, f"query {q}, key {k} and value {v} differ in batch or sequence length")
+        raise invalid_model(
+            node, f"query {q}, key {k} and value {v} differ in batch or sequence length"
+        )
     d_k = _per_head(node, q[2], q_heads, "query")
     if _per_head(node, k[2], kv_heads, "key") != d_k:
-        raise _fail(node, f"key head size {k[2] // kv_heads} differs from query head size {d_k}")
+        raise invalid_model(
+            node, f"key head size {k[2] // kv_heads} differs from query head size {d_k}"
+        )
     d_v = _per_head(node, v[2], kv_heads, "value")
     past = _shape(node, _PAST)
     if past is not None and tuple(past) != (q[0], kv_heads, d_k, d_v):
-        raise _fail(node, f"past_state shape {past} is not {(q[0], kv_heads, d_k, d_v)}")
+        raise invalid_model(node, f"past_state shape {past} is not {(q[0], kv_heads, d_k, d_v)}")
     decay, beta = _shape(node, _DECAY), _shape(node, _BETA)
     if rule in _GATED and decay is None:
-        raise _fail(node, f"update_rule {rule!r} needs the decay input")
+        raise invalid_model(node, f"update_rule {rule!r} needs the decay input")
     if rule in _DELTA and beta is None:
-        raise _fail(node, f"update_rule {rule!r} needs the beta input")
+        raise invalid_model(node, f"update_rule {rule!r} needs the beta input")
     if decay is not None and (
         tuple(decay[:2]) != q[:2] or decay[2] not in (kv_heads, kv_heads * d_k)
     ):
-        raise _fail(
+        raise invalid_model(
             node, f"decay shape {decay} is not (B, T, {kv_heads}) or (B, T, {kv_heads * d_k})"
         )
     if beta is not None and (tuple(beta[:2]) != q[:2] or beta[2] not in (kv_heads, 1)):
-        raise _fail(node, f"beta shape {beta} is not (B, T, {kv_heads}) or (B, T, 1)")
+        raise invalid_model(node, f"beta shape {beta} is not (B, T, {kv_heads}) or (B, T, 1)")
 
 
 def _split_axes(node: NodeInfo) -> list[int]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from compiler_core.errors import CompileError
 from compiler_core.ops._tiling import broadcast_boxes, elementwise_split
-from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, register
+from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -33,14 +33,10 @@ ML = "ai.onnx.ml"
 _ML_NUMBERS = frozenset({"float32", "float64", "int32", "int64"})
 
 
-def _invalid(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"{node.op_type}: {message}", node=node.name)
-
-
 def _input(node: NodeInfo, inputs: list[Array | None], index: int) -> Array:
     value = inputs[index] if index < len(inputs) else None
     if value is None:
-        raise _invalid(node, f"input {index} is required")
+        raise invalid_model(node, f"input {index} is required")
     return value
 
 
@@ -67,7 +63,7 @@ def array_feature_extractor_compute(
     width = x.shape[-1] if x.ndim else 0
     bad = index[(index < 0) | (index >= width)]
     if bad.size:
-        raise _invalid(node, f"index {int(bad[0])} is outside the last axis (size {width})")
+        raise invalid_model(node, f"index {int(bad[0])} is outside the last axis (size {width})")
     picked = x[..., index] if x.ndim > 1 else x.reshape(1, -1)[..., index]
     return [picked.reshape(node.out_shapes[0]).astype(np.dtype(node.out_dtypes[0]))]
 
@@ -79,7 +75,7 @@ def _per_feature(node: NodeInfo, name: str, values: Array, x: Array) -> Array:
     """A length-1 or length-F attribute, shaped to broadcast over X's last (feature) axis."""
     width = x.shape[-1] if x.ndim else 1
     if values.size not in (1, width):
-        raise _invalid(node, f"{name} has {values.size} values for {width} features")
+        raise invalid_model(node, f"{name} has {values.size} values for {width} features")
     return values
 
 
@@ -110,7 +106,7 @@ def normalizer_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx
 def _normalizer_norm(node: NodeInfo) -> str:
     norm = str(node.attr("norm", "MAX"))
     if norm not in ("MAX", "L1", "L2"):
-        raise _invalid(node, f"norm must be 'MAX', 'L1' or 'L2', got {norm!r}")
+        raise invalid_model(node, f"norm must be 'MAX', 'L1' or 'L2', got {norm!r}")
     return norm
 
 
@@ -127,7 +123,7 @@ def imputer_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -
         replaced = int(node.attr("replaced_value_int64", 0))
         hit = x == replaced
     if imputed.size == 0:
-        raise _invalid(node, f"no imputed values for a {x.dtype} input")
+        raise invalid_model(node, f"no imputed values for a {x.dtype} input")
     fill = np.broadcast_to(_per_feature(node, "the imputed values", imputed, x), x.shape)
     return [np.where(hit, fill.astype(x.dtype), x).astype(np.dtype(node.out_dtypes[0]))]
 
@@ -146,7 +142,7 @@ def _label_table(node: NodeInfo, side: str) -> Array:
         if node.attr(name) is not None
     ]
     if len(found) != 1:
-        raise _invalid(node, f"exactly one {side}_* attribute must be set, found {len(found)}")
+        raise invalid_model(node, f"exactly one {side}_* attribute must be set, found {len(found)}")
     if found[0].dtype.kind not in _NUMERIC_KINDS:
         raise CompileError(
             "unsupported_operator",
@@ -169,7 +165,7 @@ def _check_label_encoder(node: NodeInfo) -> list[int]:
     """Tiling rule that checks the tables at compile time; the op runs whole."""
     keys, values = _label_table(node, "keys"), _label_table(node, "values")
     if keys.size != values.size:
-        raise _invalid(node, f"{keys.size} keys for {values.size} values")
+        raise invalid_model(node, f"{keys.size} keys for {values.size} values")
     return []
 
 
@@ -227,14 +223,14 @@ class _Forest:
 def _ints(node: NodeInfo, name: str, default: list[int] | None = None) -> Array:
     value = node.attr(name, default)
     if value is None:
-        raise _invalid(node, f"attribute '{name}' is required")
+        raise invalid_model(node, f"attribute '{name}' is required")
     return np.asarray(value, dtype=np.int64).ravel()
 
 
 def _tensor(node: NodeInfo, name: str) -> Array:
     value = node.attr(name)
     if value is None:
-        raise _invalid(node, f"attribute '{name}' is required")
+        raise invalid_model(node, f"attribute '{name}' is required")
     return np.asarray(value).ravel()
 
 
@@ -248,7 +244,7 @@ def _member_sets(node: NodeInfo, mode: Array) -> tuple[Array, Array]:
     values = np.asarray(node.attr("membership_values", np.zeros(0)), np.float64).ravel()
     cuts = np.flatnonzero(np.isnan(values))
     if cuts.size != member_nodes.size:
-        raise _invalid(
+        raise invalid_model(
             node,
             f"membership_values holds {cuts.size} NaN-terminated sets for "
             f"{member_nodes.size} BRANCH_MEMBER nodes",
@@ -264,7 +260,7 @@ def _member_sets(node: NodeInfo, mode: Array) -> tuple[Array, Array]:
 def _check_range(node: NodeInfo, name: str, values: Array, stop: int) -> None:
     bad = values[(values < 0) | (values >= stop)]
     if bad.size:
-        raise _invalid(node, f"{name} holds {int(bad[0])}, outside [0, {stop})")
+        raise invalid_model(node, f"{name} holds {int(bad[0])}, outside [0, {stop})")
 
 
 def _forest(node: NodeInfo, n_features: int) -> _Forest:
@@ -286,7 +282,7 @@ def _forest(node: NodeInfo, n_features: int) -> _Forest:
     for group in (nodes, leaves):
         sizes = {name: v.size for name, v in group.items()}
         if len(set(sizes.values())) != 1:
-            raise _invalid(node, f"attributes differ in length: {sizes}")
+            raise invalid_model(node, f"attributes differ in length: {sizes}")
     n_nodes, n_leaves = feature.size, leaves["leaf_targetids"].size
     n_targets = int(node.attr("n_targets", node.out_shapes[0][-1]))
     mode = nodes["nodes_modes"]
@@ -344,7 +340,7 @@ def _walk(node: NodeInfo, forest: _Forest, x: Array) -> Array:
         right = _goes_true(forest, ids, x[rows[active], forest.feature[ids]])
         at[active] = np.where(right, forest.true_id[ids], forest.false_id[ids])
         done[active] = np.where(right, forest.true_leaf[ids], forest.false_leaf[ids])
-    raise _invalid(node, "a tree's branches form a cycle (no leaf is reached)")
+    raise invalid_model(node, "a tree's branches form a cycle (no leaf is reached)")
 
 
 def _aggregate(node: NodeInfo, forest: _Forest, leaves: Array, n_rows: int) -> Array:
@@ -358,7 +354,7 @@ def _aggregate(node: NodeInfo, forest: _Forest, leaves: Array, n_rows: int) -> A
         np.add.at(out, (rows, targets), weights)
         return out / forest.roots.size if function == _AVERAGE else out
     if function not in (_MIN, _MAX):
-        raise _invalid(node, f"aggregate_function must be 0 to 3, got {function}")
+        raise invalid_model(node, f"aggregate_function must be 0 to 3, got {function}")
     pick = np.minimum if function == _MIN else np.maximum
     out = np.full((n_rows, forest.n_targets), np.inf if function == _MIN else -np.inf)
     pick.at(out, (rows, targets), weights)
@@ -406,14 +402,14 @@ def _post_transform(node: NodeInfo, scores: Array) -> Array:
         return np.asarray(1 / (1 + np.exp(-scores)))
     if transform == _PROBIT:
         return math.sqrt(2) * _erfinv(2 * scores - 1)
-    raise _invalid(node, f"post_transform must be 0 to 4, got {transform}")
+    raise invalid_model(node, f"post_transform must be 0 to 4, got {transform}")
 
 
 def _check_tree_ensemble(node: NodeInfo) -> list[int]:
     """Tiling rule that checks the attributes at compile time; the op runs whole."""
     x_shape = node.in_shapes[0] if node.in_shapes else None
     if x_shape is None or len(x_shape) != 2:
-        raise _invalid(node, f"X must be [N, features], got shape {x_shape}")
+        raise invalid_model(node, f"X must be [N, features], got shape {x_shape}")
     _check_acyclic(node, _forest(node, x_shape[1]))
     _check_choice(node, "aggregate_function", _SUM, 4)
     _check_choice(node, "post_transform", _NONE, 5)
@@ -432,19 +428,19 @@ def _check_acyclic(node: NodeInfo, forest: _Forest) -> None:
         level = np.zeros_like(level)
         level[forest.true_id[ids][~forest.true_leaf[ids]]] = True
         level[forest.false_id[ids][~forest.false_leaf[ids]]] = True
-    raise _invalid(node, "a tree's branches form a cycle (no leaf is reached)")
+    raise invalid_model(node, "a tree's branches form a cycle (no leaf is reached)")
 
 
 def _check_choice(node: NodeInfo, name: str, default: int, count: int) -> None:
     value = int(node.attr(name, default))
     if not 0 <= value < count:
-        raise _invalid(node, f"{name} must be 0 to {count - 1}, got {value}")
+        raise invalid_model(node, f"{name} must be 0 to {count - 1}, got {value}")
 
 
 def tree_ensemble_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Array]:
     x = _input(node, inputs, 0)
     if x.ndim != 2:
-        raise _invalid(node, f"X must be [N, features], got shape {tuple(x.shape)}")
+        raise invalid_model(node, f"X must be [N, features], got shape {tuple(x.shape)}")
     forest = _forest(node, x.shape[1])
     leaves = _walk(node, forest, x)
     with np.errstate(all="ignore"):

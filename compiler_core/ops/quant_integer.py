@@ -34,7 +34,15 @@ from compiler_core.ops.matmul import (
     matmul_split_axes,
     narrow,
 )
-from compiler_core.ops.registry import Box, NodeInfo, Shape, TileCtx, full_box, register
+from compiler_core.ops.registry import (
+    Box,
+    NodeInfo,
+    Shape,
+    TileCtx,
+    full_box,
+    invalid_model,
+    register,
+)
 
 Array = np.ndarray
 
@@ -97,10 +105,6 @@ def _given(tile: TileCtx, node: NodeInfo, index: int) -> Box:
     return full_box(_shape(node, index)) if box is None else box
 
 
-def _invalid(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"{node.op_type} {message}", node=node.name)
-
-
 # ---------------------------------------------------------------------------------------------
 # Checks (run at lowering, from split_axes, before any tile is planned)
 
@@ -111,7 +115,7 @@ def _check_types(node: NodeInfo) -> None:
     for index, side in _params(node).items():
         dtype = node.in_dtypes[index]
         if dtype not in ("float32", "float16") and dtype != kinds[side]:
-            raise _invalid(
+            raise invalid_model(
                 node,
                 f"input {index} has type {dtype}; a zero point must have "
                 f"the type of its tensor ({kinds[side]})",
@@ -148,9 +152,11 @@ def _check_matmul_params(node: NodeInfo) -> None:
         if not view:
             continue
         if side == "y":
-            raise _invalid(node, f"input {index}: the output's scale and zero point are per tensor")
+            raise invalid_model(
+                node, f"input {index}: the output's scale and zero point are per tensor"
+            )
         if len(operand["a"]) < 2 or len(operand["b"]) < 2:
-            raise _invalid(node, f"input {index}: per-row/column parameters need 2-D A and B")
+            raise invalid_model(node, f"input {index}: per-row/column parameters need 2-D A and B")
         target = operand[side]
         try:
             fits = np.broadcast_shapes(view, target) == tuple(target)
@@ -158,7 +164,7 @@ def _check_matmul_params(node: NodeInfo) -> None:
             fits = False
         want = "[M] or [..., M, 1]" if side == "a" else "[N] or [..., 1, N]"
         if not fits or view[-2 if side == "a" else -1] != target[-2 if side == "a" else -1]:
-            raise _invalid(
+            raise invalid_model(
                 node,
                 f"input {index} has shape {list(_shape(node, index))}; "
                 f"expected a scalar or {want} for an operand of shape {list(target)}",
@@ -172,7 +178,7 @@ def _check_conv_params(node: NodeInfo) -> None:
         if _per_tensor(shape):
             continue
         if side != "b" or len(shape) != 1 or shape[0] != channels:
-            raise _invalid(
+            raise invalid_model(
                 node,
                 f"input {index} has shape {list(shape)}; expected a scalar"
                 + (f" or [{channels}] (one per output channel)" if side == "b" else ""),
@@ -180,7 +186,7 @@ def _check_conv_params(node: NodeInfo) -> None:
     if node.op_type == "QLinearConv" and node.has_input(8):
         bias = _shape(node, 8)
         if tuple(bias) != (channels,) or node.in_dtypes[8] != "int32":
-            raise _invalid(node, f"bias must be int32 of shape [{channels}], got {list(bias)}")
+            raise invalid_model(node, f"bias must be int32 of shape [{channels}], got {list(bias)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, register
+from compiler_core.ops.registry import FLOATS, NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 Activation = Callable[[Array], Array]
@@ -193,17 +193,15 @@ def _input(inputs: list[Array | None], index: int) -> Array | None:
     return inputs[index] if index < len(inputs) else None
 
 
-def _fail(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"{node.op_type}: {message}", node=node.name)
-
-
 def _directions(node: NodeInfo) -> tuple[bool, ...]:
     """One flag per direction: True where it runs backwards in time."""
     direction = node.attr("direction", "forward")
     direction = direction.decode() if isinstance(direction, bytes) else str(direction)
     options = {"forward": (False,), "reverse": (True,), "bidirectional": (False, True)}
     if direction not in options:
-        raise _fail(node, f"direction must be forward, reverse or bidirectional, not '{direction}'")
+        raise invalid_model(
+            node, f"direction must be forward, reverse or bidirectional, not '{direction}'"
+        )
     return options[direction]
 
 
@@ -242,9 +240,9 @@ def _check_node(node: NodeInfo) -> None:
     assert x_shape is not None and w_shape is not None and r_shape is not None
     layout = int(node.attr("layout", 0))
     if layout not in (0, 1):
-        raise _fail(node, f"layout must be 0 or 1, not {layout}")
+        raise invalid_model(node, f"layout must be 0 or 1, not {layout}")
     if len(x_shape) != 3:
-        raise _fail(node, f"X must have rank 3, has shape {tuple(x_shape)}")
+        raise invalid_model(node, f"X must have rank 3, has shape {tuple(x_shape)}")
     batch, features = (x_shape[0], x_shape[2]) if layout else (x_shape[1], x_shape[2])
     dirs, gates = len(_directions(node)), _GATES[node.op_type]
     size = int(node.attr("hidden_size", r_shape[-1]))
@@ -260,7 +258,7 @@ def _check_node(node: NodeInfo) -> None:
     for index, (name, want) in enumerate(shapes.items(), start=1):
         have = node.in_shapes[index] if index < len(node.in_shapes) else None
         if have is not None and tuple(have) != want:
-            raise _fail(
+            raise invalid_model(
                 node, f"{name} has shape {tuple(have)}, expected {want} (hidden_size {size})"
             )
     _activations(node, dirs, np.float32)
@@ -291,7 +289,7 @@ def recurrent_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx)
     lens_in = _input(inputs, 4)
     lens = np.full(batch, steps) if lens_in is None else lens_in.astype(np.int64).reshape(-1)
     if ((lens < 0) | (lens > steps)).any():
-        raise _fail(node, f"sequence_lens {lens.tolist()} must lie in [0, {steps}]")
+        raise invalid_model(node, f"sequence_lens {lens.tolist()} must lie in [0, {steps}]")
     state_shape = (dirs, batch, size)
     h0 = _state_input(_input(inputs, 5), state_shape, batchwise).astype(dt)
     c0 = _state_input(_input(inputs, 6), state_shape, batchwise).astype(dt)

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from compiler_core.errors import CompileError
+
 Box = tuple[tuple[int, int], ...]
 """A rectangular region of a tensor: one half-open [start, stop) range per axis."""
 
@@ -63,6 +65,19 @@ class NodeInfo:
 
     def has_input(self, index: int) -> bool:
         return index < len(self.in_shapes) and self.in_shapes[index] is not None
+
+    def choice(self, name: str, default: str, choices: Sequence[str]) -> str:
+        """A string attribute that must be one of `choices` (an `invalid_model` otherwise)."""
+        value = self.attrs.get(name, default)
+        value = value.decode() if isinstance(value, bytes) else str(value)
+        if value not in choices:
+            raise invalid_model(self, f"{name} {value!r} is not one of {', '.join(choices)}")
+        return value
+
+
+def invalid_model(node: NodeInfo, message: str) -> CompileError:
+    """The error for a node whose attributes or shapes its op does not accept."""
+    return CompileError("invalid_model", f"{node.op_type}: {message}", node=node.name)
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from compiler_core.errors import CompileError
 from compiler_core.ops.matmul import broadcast_box, narrow
-from compiler_core.ops.registry import FLOATS, Box, NodeInfo, Shape, TileCtx, full_box, register
+from compiler_core.ops.registry import (
+    FLOATS,
+    Box,
+    NodeInfo,
+    Shape,
+    TileCtx,
+    full_box,
+    invalid_model,
+    register,
+)
 
 Array = np.ndarray
 
@@ -27,10 +35,6 @@ def _shape(node: NodeInfo, index: int) -> Shape:
     return shape
 
 
-def _invalid(node: NodeInfo, message: str) -> CompileError:
-    return CompileError("invalid_model", f"RotaryEmbedding {message}", node=node.name)
-
-
 def _geometry(node: NodeInfo) -> tuple[int, int, int]:
     """(heads, head size, rotated channels), after checking the input against the attributes."""
     x = _shape(node, 0)
@@ -39,15 +43,15 @@ def _geometry(node: NodeInfo) -> tuple[int, int, int]:
     elif len(x) == 3:
         heads = int(node.attr("num_heads", 0) or 0)
         if heads <= 0 or x[2] % heads:
-            raise _invalid(
+            raise invalid_model(
                 node, f"3-D input of hidden size {x[2]} needs num_heads dividing it, got {heads}"
             )
         head = int(x[2]) // heads
     else:
-        raise _invalid(node, f"input must be 3-D or 4-D, got {len(x)}-D")
+        raise invalid_model(node, f"input must be 3-D or 4-D, got {len(x)}-D")
     dim = int(node.attr("rotary_embedding_dim", 0) or 0) or head
     if dim % 2 or dim > head:
-        raise _invalid(node, f"rotary_embedding_dim {dim} must be even and at most {head}")
+        raise invalid_model(node, f"rotary_embedding_dim {dim} must be even and at most {head}")
     return heads, head, dim
 
 
@@ -61,9 +65,9 @@ def _check(node: NodeInfo) -> None:
         per_position = len(cache) == 3 and cache[0] in (1, batch) and cache[1] in (1, seq)
         if cache[-1:] != (dim // 2,) or not (len(cache) == 2 if with_ids else per_position):
             want = "(positions, " if with_ids else f"({batch}, {seq}, "
-            raise _invalid(node, f"{name} has shape {list(cache)}, expected {want}{dim // 2})")
+            raise invalid_model(node, f"{name} has shape {list(cache)}, expected {want}{dim // 2})")
     if with_ids and tuple(_shape(node, 3)) not in ((batch, seq), (1, seq)):
-        raise _invalid(
+        raise invalid_model(
             node, f"position_ids has shape {list(_shape(node, 3))}, expected {batch}x{seq}"
         )
 

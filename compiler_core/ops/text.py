@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import NodeInfo, TileCtx, register
+from compiler_core.ops.registry import NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -42,10 +42,6 @@ class _Pool:
     weights: Array | None
 
 
-def _fail(node: NodeInfo, problem: str) -> CompileError:
-    return CompileError("invalid_model", f"TfIdfVectorizer: {problem}", node=node.name)
-
-
 def _as_str(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -53,7 +49,7 @@ def _as_str(value: object) -> str:
 def _mode(node: NodeInfo) -> str:
     mode = _as_str(node.attr("mode", ""))
     if mode not in _MODES:
-        raise _fail(node, f"mode {mode!r} is not TF, IDF or TFIDF")
+        raise invalid_model(node, f"mode {mode!r} is not TF, IDF or TFIDF")
     return mode
 
 
@@ -62,42 +58,44 @@ def _gram_lengths(node: NodeInfo) -> tuple[int, int, int]:
     high = int(node.attr("max_gram_length", 0))
     skip = int(node.attr("max_skip_count", 0))
     if not 1 <= low <= high:
-        raise _fail(node, f"gram lengths [{low}, {high}] are not 1 <= min <= max")
+        raise invalid_model(node, f"gram lengths [{low}, {high}] are not 1 <= min <= max")
     if skip < 0:
-        raise _fail(node, f"max_skip_count {skip} is negative")
+        raise invalid_model(node, f"max_skip_count {skip} is negative")
     return low, high, skip
 
 
 def _pool(node: NodeInfo, low: int, high: int) -> _Pool:
     """The pool's levels; n-grams of a counted length ([low, high]) must be distinct."""
     if node.attr("pool_strings") is not None:
-        raise _fail(node, "pool_strings (string tokens) is not supported, only pool_int64s")
+        raise invalid_model(node, "pool_strings (string tokens) is not supported, only pool_int64s")
     pool = np.asarray(node.attr("pool_int64s", []), dtype=np.int64)
     starts = [int(v) for v in node.attr("ngram_counts", [])]
     columns = np.asarray(node.attr("ngram_indexes", []), dtype=np.int64)
     bounds = [*starts, pool.size]
     if any(a > b for a, b in zip(bounds, bounds[1:], strict=False)) or (starts and starts[0]):
-        raise _fail(node, f"ngram_counts {starts} are not increasing offsets into the pool")
+        raise invalid_model(node, f"ngram_counts {starts} are not increasing offsets into the pool")
     grams: dict[int, Array] = {}
     ids: dict[int, Array] = {}
     used = 0
     for level, (begin, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
         n = level + 1
         if (end - begin) % n:
-            raise _fail(node, f"{end - begin} pool entries for {n}-grams is not a multiple of {n}")
+            raise invalid_model(
+                node, f"{end - begin} pool entries for {n}-grams is not a multiple of {n}"
+            )
         count = (end - begin) // n
         grams[n] = pool[begin:end].reshape(count, n)
         if low <= n <= high and np.unique(grams[n], axis=0).shape[0] != count:
-            raise _fail(node, f"the pool lists a {n}-gram twice")
+            raise invalid_model(node, f"the pool lists a {n}-gram twice")
         ids[n] = np.arange(used, used + count)
         used += count
     if used != columns.size or (columns.size and columns.min() < 0):
-        raise _fail(node, f"{columns.size} ngram_indexes for {used} pool n-grams")
+        raise invalid_model(node, f"{columns.size} ngram_indexes for {used} pool n-grams")
     width = int(columns.max()) + 1 if columns.size else 0
     weights_attr = node.attr("weights")
     weights = None if weights_attr is None else np.asarray(weights_attr, dtype=np.float32)
     if weights is not None and weights.size != used:
-        raise _fail(node, f"{weights.size} weights for {used} pool n-grams")
+        raise invalid_model(node, f"{weights.size} weights for {used} pool n-grams")
     return _Pool(grams, ids, columns, width, weights)
 
 
@@ -135,7 +133,7 @@ def tfidf_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> 
     x = inputs[0]
     assert x is not None
     if x.ndim not in (1, 2):
-        raise _fail(node, f"input rank {x.ndim} is not 1 or 2")
+        raise invalid_model(node, f"input rank {x.ndim} is not 1 or 2")
     mode = _mode(node)
     low, high, skip = _gram_lengths(node)
     pool = _pool(node, low, high)
