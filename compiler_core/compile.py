@@ -158,7 +158,6 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
-    _reject_unimplemented(opts)
     with _gc_paused():
         return _compile(source, opts, progress)
 
@@ -447,23 +446,10 @@ def _constant_key(t: LTensor) -> Hashable:
     return (t.name, t.dtype, t.shape, encoding, content)
 
 
-_NOT_YET = {
-    "node_precision_info": "-node-precision-info",
-}
 _NO_EFFECT = {
     "multicast_weights": "-multicast-weights",
     "aic_enable_depth_first": "-aic-enable-depth-first",
 }
-
-
-def _reject_unimplemented(opts: CompileOptions) -> None:
-    """Options the schema knows but this compiler does not implement yet fail loudly rather
-    than produce a QPC that silently ignores them."""
-    for attr, flag in _NOT_YET.items():
-        if getattr(opts, attr):
-            raise CompileError(
-                "unsupported_option", f"{flag} is not supported by this compiler yet", flag=flag
-            )
 
 
 def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:

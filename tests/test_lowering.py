@@ -287,16 +287,6 @@ def test_run_qpc_names_missing_and_misshapen_inputs() -> None:
         run_qpc(result.qpc_path, {"x": np.zeros((1, 3, 8, 8), np.float32)})
 
 
-def test_options_not_implemented_yet_fail_loudly_naming_the_flag(tmp_path) -> None:
-    precision = tmp_path / "precision.yaml"
-    precision.write_text("FP32NodeInstanceNames: []\n")
-    flag = f"-node-precision-info={precision}"
-    with pytest.raises(CompileError) as info:
-        compile_model(_cnn(), [flag])
-    assert info.value.code == "unsupported_option"
-    assert info.value.flag == "-node-precision-info"
-
-
 def test_hint_options_without_effect_say_so_in_the_warnings() -> None:
     result = compile_model(_cnn(), ["-multicast-weights"])
     assert any(w["code"] == "option_without_effect" for w in result.warnings)

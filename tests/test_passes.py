@@ -492,6 +492,7 @@ def test_fp16_conversion_adjusts_float_tensor_attributes() -> None:
 class Options:
     convert_to_fp16: bool = False
     custom_io_list_file: str | None = None
+    node_precision_info: str | None = None
 
 
 def small_cnn() -> onnx.ModelProto:

@@ -14,6 +14,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from compiler_core.errors import CompileError
+from compiler_core.fusion import fused_node_names
 from compiler_core.passes.base import GraphPass, NameScope
 from compiler_core.tensors import SMALL_TENSOR_BYTES, release_mapping
 
@@ -32,28 +34,48 @@ DTYPE_ATTR_OPS = frozenset(
 
 
 class ConvertToFp16Pass(GraphPass):
+    """`keep_fp32`: nodes (by name or output name, `-node-precision-info`) that stay float32
+    inside the float16 network. `only`: convert just these nodes, in a float32 network."""
+
     name = "convert-to-fp16"
 
-    def __init__(self) -> None:
+    def __init__(
+        self, keep_fp32: frozenset[str] = frozenset(), only: frozenset[str] | None = None
+    ) -> None:
         super().__init__()
         self.warnings: list[str] = []
+        self.keep_fp32 = keep_fp32
+        self.only = only
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         names = NameScope(graph)
         self.warnings = []
+        if self.only is not None:
+            chosen = find_nodes(graph, self.only, "FP16NodeInstanceNames")
+            convert = lambda node: node in chosen  # noqa: E731
+        else:
+            kept = find_nodes(graph, self.keep_fp32, "FP32NodeInstanceNames")
+            convert = lambda node: node not in kept  # noqa: E731
+        original = set(graph)
+        converting = {node for node in original if convert(node)}
         kept_fp32 = _float32_only_initializers(graph)
         clipped: list[str] = []
         converted = 0
         for value in list(graph.initializers.values()):
             if value.dtype != FLOAT or value.is_graph_input() or value in kept_fp32:
                 continue
-            converted += self._convert_initializer(value, clipped)
-        for node in graph:
+            if all(use.node in converting for use in value.uses()):
+                converted += self._convert_initializer(value, clipped)
+        for node in converting:
             converted += _convert_node(node, clipped)
-        converted += _insert_input_casts(graph, names)
+        if self.only is None:
+            converted += _insert_input_casts(graph, names, converting)
         converted += _insert_output_casts(graph, names)
         converted += _restore_float32_slots(graph, names)
+        odd = converting if self.only is not None else original - converting
+        inner, outer = (FLOAT16, FLOAT) if self.only is not None else (FLOAT, FLOAT16)
+        converted += _isolate(graph, odd, inner, outer, names)
         if clipped:
             message = (
                 f"convert-to-fp16: clipped values outside the float16 range (+-{FP16_MAX:g}) "
@@ -143,11 +165,11 @@ def _convert_node(node: ir.Node, clipped: list[str]) -> int:
     return converted
 
 
-def _insert_input_casts(graph: ir.Graph, names: NameScope) -> int:
-    """Readers of a float32 graph input read a float16 copy of it."""
+def _insert_input_casts(graph: ir.Graph, names: NameScope, readers: set[ir.Node]) -> int:
+    """Converted readers of a float32 graph input read a float16 copy of it."""
     inserted = 0
     for value in graph.inputs:
-        uses = list(value.uses())
+        uses = [use for use in value.uses() if use.node in readers]
         if value.dtype != FLOAT or not uses:
             continue
         half = _cast(value, FLOAT16, names.fresh(f"{value.name}_fp16"), f"{value.name}/to_fp16")
@@ -175,6 +197,74 @@ def _insert_output_casts(graph: ir.Graph, names: NameScope) -> int:
         cast.outputs[0].name = original_name
         inserted += 1
     return inserted
+
+
+def find_nodes(graph: ir.Graph, wanted: frozenset[str], key: str) -> set[ir.Node]:
+    """The nodes `-node-precision-info` names, by node name, output name or the name of a
+    node fused into them; an unknown name is an `invalid_option`."""
+    found: set[ir.Node] = set()
+    seen: set[str] = set()
+    for node in graph:
+        labels = {node.name or "", *fused_node_names(node), *(v.name or "" for v in node.outputs)}
+        hit = labels & wanted
+        if hit:
+            found.add(node)
+            seen |= hit
+    missing = sorted(wanted - seen)
+    if missing:
+        raise CompileError(
+            "invalid_option",
+            f"-node-precision-info: {key} names {', '.join(missing)}, which is neither a node "
+            "nor a node output of the model",
+            flag="-node-precision-info",
+        )
+    return found
+
+
+def _isolate(
+    graph: ir.Graph, nodes: set[ir.Node], inner: ir.DataType, outer: ir.DataType, names: NameScope
+) -> int:
+    """Nodes computing in `inner` inside an `outer` network: Casts where they meet it."""
+    inserted = 0
+    for node in [n for n in graph if n in nodes]:
+        label = node.name or node.op_type
+        for index, value in enumerate(node.inputs):
+            fixed = (node.op_type, index) in FLOAT32_ONLY_INPUTS
+            if value is None or value.dtype != outer or fixed:
+                continue
+            to_inner = _cast(
+                value,
+                inner,
+                names.fresh(f"{value.name}_{inner.name.lower()}"),
+                f"{label}/to_{inner.name.lower()}_{index}",
+            )
+            graph.insert_before(node, to_inner)
+            node.replace_input_with(index, to_inner.outputs[0])
+            inserted += 1
+        for value in node.outputs:
+            others = [
+                use
+                for use in value.uses()
+                if use.node not in nodes and not _casts_to(use.node, outer)
+            ]
+            if value.dtype != inner or not others:
+                continue
+            to_outer = _cast(
+                value,
+                outer,
+                names.fresh(f"{value.name}_{outer.name.lower()}"),
+                f"{label}/to_{outer.name.lower()}",
+            )
+            graph.insert_after(node, to_outer)
+            for use in others:
+                use.node.replace_input_with(use.idx, to_outer.outputs[0])
+            inserted += 1
+    return inserted
+
+
+def _casts_to(node: ir.Node, to: ir.DataType) -> bool:
+    attr = node.attributes.get("to")
+    return node.op_type == "Cast" and attr is not None and attr.as_int() == to.value
 
 
 def _cast(value: ir.Value, to: ir.DataType, out_name: str | None, node_name: str) -> ir.Node:

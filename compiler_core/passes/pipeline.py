@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from compiler_core.custom_io import load_custom_io
+from compiler_core.node_precision import load_node_precision
 from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
 from compiler_core.passes.canonicalize import CanonicalizePass
@@ -26,6 +27,9 @@ class PipelineOptions(Protocol):
 
     @property
     def custom_io_list_file(self) -> str | None: ...
+
+    @property
+    def node_precision_info(self) -> str | None: ...
 
 
 PASS_NAMES = (
@@ -59,8 +63,13 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         FoldConstantsPass(),
         FuseEpiloguePass(),
     ]
+    precision = (
+        load_node_precision(options.node_precision_info) if options.node_precision_info else None
+    )
     if options.convert_to_fp16:
-        passes.append(ConvertToFp16Pass())
+        passes.append(ConvertToFp16Pass(keep_fp32=precision.fp32 if precision else frozenset()))
+    elif precision is not None and precision.fp16:
+        passes.append(ConvertToFp16Pass(only=precision.fp16))
     if options.custom_io_list_file:
         passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file)))
     passes.append(EliminateDeadCodePass())
