@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from compiler_core.custom_io import FLAG, CustomIO
 from compiler_core.errors import CompileError
-from compiler_core.passes.base import GraphPass, NameScope
+from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _retype_input(graph: ir.Graph, value: ir.Value, target: ir.DataType, names: 
     if value.dtype == target:
         return 0
     uses = list(value.uses())
-    casts = [u.node for u in uses if _is_cast_to(u.node, target)]
+    casts = [u.node for u in uses if is_cast_to(u.node, target)]
     model_type = value.dtype
     assert model_type is not None
     value.type = ir.TensorType(target)
@@ -82,27 +82,15 @@ def _retype_input(graph: ir.Graph, value: ir.Value, target: ir.DataType, names: 
             ir.convenience.replace_all_uses_with(cast.outputs[0], value)
             graph.remove(cast, safe=True)
         return 1
-    back = ir.Node(
-        "",
-        "Cast",
-        [value],
-        outputs=[
-            ir.Value(
-                name=names.fresh(f"{value.name}_{model_type.name.lower()}"),
-                type=ir.TensorType(model_type),
-                shape=value.shape,
-            )
-        ],
-        attributes=[ir.AttrInt64("to", model_type.value)],
-        name=f"{value.name}/from_{target.name.lower()}",
+    back = cast_node(
+        value,
+        model_type,
+        names.fresh(f"{value.name}_{model_type.name.lower()}"),
+        f"{value.name}/from_{target.name.lower()}",
     )
     for use in uses:
         use.node.replace_input_with(use.idx, back.outputs[0])
-    nodes = list(graph)
-    if nodes:
-        graph.insert_before(nodes[0], back)
-    else:
-        graph.append(back)
+    prepend(graph, back)
     return 1
 
 
@@ -129,19 +117,7 @@ def _retype_output(graph: ir.Graph, position: int, target: ir.DataType, names: N
         source.name = name
         return 1
     value.name = names.fresh(f"{name}_{(value.dtype or target).name.lower()}")
-    cast = ir.Node(
-        "",
-        "Cast",
-        [value],
-        outputs=[ir.Value(name=name, type=ir.TensorType(target), shape=value.shape)],
-        attributes=[ir.AttrInt64("to", target.value)],
-        name=f"{name}/to_{target.name.lower()}",
-    )
+    cast = cast_node(value, target, name, f"{name}/to_{target.name.lower()}")
     graph.append(cast)
     graph.outputs[position] = cast.outputs[0]
     return 1
-
-
-def _is_cast_to(node: ir.Node, target: ir.DataType) -> bool:
-    to = node.attributes.get("to")
-    return node.op_type == "Cast" and to is not None and to.as_int() == target.value

@@ -117,3 +117,30 @@ def has_subgraph(node: ir.Node) -> bool:
         attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
         for attr in node.attributes.values()
     )
+
+
+def cast_node(value: ir.Value, to: ir.DataType, out_name: str | None, node_name: str) -> ir.Node:
+    """A Cast of `value` to `to` (not yet in a graph)."""
+    out = ir.Value(name=out_name, type=ir.TensorType(to), shape=value.shape)
+    return ir.Node(
+        "",
+        "Cast",
+        [value],
+        outputs=[out],
+        attributes=[ir.AttrInt64("to", to.value)],
+        name=node_name,
+    )
+
+
+def is_cast_to(node: ir.Node, to: ir.DataType) -> bool:
+    attr = node.attributes.get("to")
+    return node.op_type == "Cast" and attr is not None and attr.as_int() == to.value
+
+
+def prepend(graph: ir.Graph, node: ir.Node) -> None:
+    """Put `node` first in the graph (a boundary Cast every reader comes after)."""
+    first = next(iter(graph), None)
+    if first is None:
+        graph.append(node)
+    else:
+        graph.insert_before(first, node)

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from compiler_core.errors import CompileError
 from compiler_core.fusion import fused_node_names
-from compiler_core.passes.base import GraphPass, NameScope
+from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
 from compiler_core.tensors import SMALL_TENSOR_BYTES, release_mapping
 
 log = logging.getLogger(__name__)
@@ -172,10 +172,10 @@ def _insert_input_casts(graph: ir.Graph, names: NameScope, readers: set[ir.Node]
         uses = [use for use in value.uses() if use.node in readers]
         if value.dtype != FLOAT or not uses:
             continue
-        half = _cast(value, FLOAT16, names.fresh(f"{value.name}_fp16"), f"{value.name}/to_fp16")
+        half = cast_node(value, FLOAT16, names.fresh(f"{value.name}_fp16"), f"{value.name}/to_fp16")
         for use in uses:
             use.node.replace_input_with(use.idx, half.outputs[0])
-        _prepend(graph, half)
+        prepend(graph, half)
         inserted += 1
     return inserted
 
@@ -188,9 +188,9 @@ def _insert_output_casts(graph: ir.Graph, names: NameScope) -> int:
             continue
         original_name = value.name
         value.name = names.fresh(f"{original_name}_fp16")
-        cast = _cast(value, FLOAT, None, f"{original_name}/to_fp32")
+        cast = cast_node(value, FLOAT, None, f"{original_name}/to_fp32")
         if value.is_initializer():
-            _prepend(graph, cast)
+            prepend(graph, cast)
         else:
             graph.append(cast)
         graph.outputs[position] = cast.outputs[0]
@@ -232,28 +232,21 @@ def _isolate(
             fixed = (node.op_type, index) in FLOAT32_ONLY_INPUTS
             if value is None or value.dtype != outer or fixed:
                 continue
-            to_inner = _cast(
-                value,
-                inner,
-                names.fresh(f"{value.name}_{inner.name.lower()}"),
-                f"{label}/to_{inner.name.lower()}_{index}",
-            )
-            graph.insert_before(node, to_inner)
-            node.replace_input_with(index, to_inner.outputs[0])
+            _cast_input(graph, node, index, inner, names)
             inserted += 1
         for value in node.outputs:
             others = [
                 use
                 for use in value.uses()
-                if use.node not in nodes and not _casts_to(use.node, outer)
+                if use.node not in nodes and not is_cast_to(use.node, outer)
             ]
             if value.dtype != inner or not others:
                 continue
-            to_outer = _cast(
+            to_outer = cast_node(
                 value,
                 outer,
-                names.fresh(f"{value.name}_{outer.name.lower()}"),
-                f"{label}/to_{outer.name.lower()}",
+                names.fresh(f"{value.name}_{_short(outer)}"),
+                f"{label}/to_{_short(outer)}",
             )
             graph.insert_after(node, to_outer)
             for use in others:
@@ -262,29 +255,25 @@ def _isolate(
     return inserted
 
 
-def _casts_to(node: ir.Node, to: ir.DataType) -> bool:
-    attr = node.attributes.get("to")
-    return node.op_type == "Cast" and attr is not None and attr.as_int() == to.value
-
-
-def _cast(value: ir.Value, to: ir.DataType, out_name: str | None, node_name: str) -> ir.Node:
-    out = ir.Value(name=out_name, type=ir.TensorType(to), shape=value.shape)
-    return ir.Node(
-        "",
-        "Cast",
-        [value],
-        outputs=[out],
-        attributes=[ir.AttrInt64("to", to.value)],
-        name=node_name,
+def _cast_input(
+    graph: ir.Graph, node: ir.Node, index: int, to: ir.DataType, names: NameScope
+) -> None:
+    """Node input `index` is read through a Cast to `to`, inserted just before the node."""
+    value = node.inputs[index]
+    assert value is not None
+    label = node.name or node.op_type
+    cast = cast_node(
+        value,
+        to,
+        names.fresh(f"{value.name}_{_short(to)}"),
+        f"{label}/to_{_short(to)}_{index}",
     )
+    graph.insert_before(node, cast)
+    node.replace_input_with(index, cast.outputs[0])
 
 
-def _prepend(graph: ir.Graph, node: ir.Node) -> None:
-    first = next(iter(graph), None)
-    if first is None:
-        graph.append(node)
-    else:
-        graph.insert_before(first, node)
+def _short(dtype: ir.DataType) -> str:
+    return {FLOAT: "fp32", FLOAT16: "fp16"}.get(dtype, dtype.name.lower())
 
 
 def _float32_only_initializers(graph: ir.Graph) -> set[ir.Value]:
@@ -306,13 +295,6 @@ def _restore_float32_slots(graph: ir.Graph, names: NameScope) -> int:
                 continue
             if value.dtype != FLOAT16:
                 continue
-            cast = _cast(
-                value,
-                FLOAT,
-                names.fresh(f"{value.name}_fp32"),
-                f"{node.name or node.op_type}/to_fp32_{index}",
-            )
-            graph.insert_before(node, cast)
-            node.replace_input_with(index, cast.outputs[0])
+            _cast_input(graph, node, index, FLOAT, names)
             inserted += 1
     return inserted
