@@ -232,16 +232,12 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
     with stages.stage("write-qpc"):
         network = _network_desc(builds, opts, retained)
         constants, entries = _constants(constant_items, first_plan.constants_size)
-        segments = [
-            Segment("networkdesc.bin", network.to_bytes()),
-            Segment("constants.bin", constants, offset_field=None),
-            Segment("constantsdesc.bin", encode_constantsdesc(entries)),
-        ]
+        segments = [Segment("networkdesc.bin", network.to_bytes())]
         for index, build in enumerate(builds):
-            segments.insert(1 + 2 * index, Segment(program_segment(index), build.program_bytes))
-            segments.insert(
-                2 + 2 * index, Segment(statsdesc_segment(index), build.stats_layout.to_bytes())
-            )
+            segments.append(Segment(program_segment(index), build.program_bytes))
+            segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
+        segments.append(Segment("constants.bin", constants, offset_field=None))
+        segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
         write_qpc(out_dir / "programqpc.bin", segments)
 
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
@@ -285,16 +281,18 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
                 warnings.append(warning)
 
     def report() -> dict[str, Any]:
-        lowered = builds[0].lowered
-        metrics = perf_metrics(first_program, lowered, first_plan, opts, device, timeline(0))
+        """The first specialization's metrics; with several, each one's under
+        `specializations` (computed once each)."""
+        each = {
+            _spec_name(b.spec): perf_metrics(
+                b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
+            )
+            for i, b in enumerate(builds)
+        }
+        first = dict(next(iter(each.values())))
         if len(builds) > 1:
-            metrics["specializations"] = {
-                _spec_name(b.spec): perf_metrics(
-                    b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
-                )
-                for i, b in enumerate(builds)
-            }
-        return metrics
+            first["specializations"] = each
+        return first
 
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",
