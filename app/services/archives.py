@@ -82,16 +82,24 @@ class _Budget:
 
 def _safe_target(dest: Path, name: str) -> Path:
     """Where member `name` goes under `dest`, or bad_archive if it would go anywhere else."""
-    shown = name[:200]
+    try:
+        return dest.joinpath(*inside_parts(name))
+    except ValueError as exc:
+        raise bad_archive(f"member {name[:200]!r} {exc}") from None
+
+
+def inside_parts(name: str) -> list[str]:
+    """The parts of `name` as a path inside a folder (an archive, the model's folder);
+    ValueError saying why it is not one: absolute, a drive, '..', NUL or empty."""
     posix = name.replace("\\", "/")
     if not posix or posix.startswith("/") or (len(posix) > 1 and posix[1] == ":"):
-        raise bad_archive(f"member {shown!r} has an absolute path")
+        raise ValueError("has an absolute path")
     parts = [p for p in PurePosixPath(posix).parts if p not in ("", ".")]
     if ".." in parts:
-        raise bad_archive(f"member {shown!r} points outside the archive ('..')")
+        raise ValueError("points outside the archive ('..')")
     if "\x00" in posix or not parts:
-        raise bad_archive(f"member {shown!r} has an invalid name")
-    return dest.joinpath(*parts)
+        raise ValueError("has an invalid name")
+    return parts
 
 
 def _write(source: IO[bytes], target: Path, budget: _Budget) -> None:

@@ -9,8 +9,9 @@ archive and refuses a missing file or a bare (non-archive) upload.
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
+from app.services.archives import inside_parts
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
 
@@ -43,7 +44,7 @@ def resolve_model_files(options: CompileOptions, model_dir: Path | None) -> Comp
                 f"(.zip or .tar) holding the model and {value} beside it",
                 flag=flag,
             )
-        path = model_dir.joinpath(*relative.parts)
+        path = model_dir.joinpath(*relative)
         if not path.is_file():
             raise CompileError(
                 "invalid_option",
@@ -54,13 +55,14 @@ def resolve_model_files(options: CompileOptions, model_dir: Path | None) -> Comp
     return options.with_(**changes) if changes else options
 
 
-def _relative(value: str, flag: str) -> PurePosixPath:
-    relative = PurePosixPath(value.replace("\\", "/"))
-    if relative.is_absolute() or ".." in relative.parts or not relative.parts or ":" in value:
+def _relative(value: str, flag: str) -> list[str]:
+    """The path's parts inside the model's folder, by the rule archive members follow."""
+    try:
+        return inside_parts(value)
+    except ValueError:
         raise CompileError(
             "invalid_option",
             f"{flag}={value}: on the farm the file travels in the model's archive; name it "
             "relative to the model (e.g. specializations.json), without '..'",
             flag=flag,
-        )
-    return relative
+        ) from None
