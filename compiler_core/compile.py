@@ -38,6 +38,7 @@ from compiler_core.lowering.memory import (
     shared_constant_offsets,
     used_constants,
 )
+from compiler_core.lowering.placement import CodegenPolicy, Planned, plan_schedule
 from compiler_core.lowering.program import Program, encode_program
 from compiler_core.metrics import perf_metrics, perf_warnings
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
@@ -66,8 +67,9 @@ Progress = Callable[[str, float], None]
 _STAGES = {
     "import": (0.0, 0.15),
     "graph-passes": (0.15, 0.55),
-    "lower": (0.55, 0.75),
-    "plan-memory": (0.75, 0.8),
+    "lower": (0.55, 0.7),
+    "schedule": (0.7, 0.78),
+    "plan-memory": (0.78, 0.8),
     "emit-program": (0.8, 0.9),
     "write-qpc": (0.9, 1.0),
 }
@@ -148,18 +150,21 @@ def compile_model(
     model: ModelSource | None = None,
     options: CompileOptions | Mapping[str, Any] | Sequence[str] | None = None,
     progress: Progress | None = None,
+    *,
+    policy: CodegenPolicy | None = None,
 ) -> CompileResult:
     """Compile an ONNX model (path, bytes or ModelProto) into a QPC.
 
     Writes `<-aic-binary-dir>/programqpc.bin`, or a temporary directory's when no directory is
-    named (kept until `result.cleanup()` or garbage collection).
+    named (kept until `result.cleanup()` or garbage collection). `policy` switches code
+    generation optimisations off (for comparisons; every one is on by default).
     """
     opts = _as_options(options)
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
     with _gc_paused():
-        return _compile(source, opts, progress)
+        return _compile(source, opts, progress, policy or CodegenPolicy())
 
 
 @contextmanager
@@ -189,6 +194,7 @@ class _Build:
     mxfp6: list[str]
     pass_warnings: list[Any]
     stats_layout: StatsLayout
+    planned: Planned
     plan: MemoryPlan | None = None
     program: Program | None = None
     program_bytes: bytes = b""
@@ -198,7 +204,9 @@ class _Build:
         return self.plan, self.program
 
 
-def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | None) -> CompileResult:
+def _compile(
+    source: ModelSource, opts: CompileOptions, progress: Progress | None, policy: CodegenPolicy
+) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
     specs: list[Specialization | None] = (
@@ -206,7 +214,7 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
         if opts.network_specialization_config
         else [None]
     )
-    builds = [_lower(source, opts, spec, stages) for spec in specs]
+    builds = [_lower(source, opts, spec, stages, policy) for spec in specs]
     retained = _retained_state(builds, opts)
     shared, constant_items = _shared_constants(builds)
     for build, region in zip(builds, shared, strict=True):
@@ -217,10 +225,16 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
                 ddr_capacity=device.ddr_bytes_per_soc,
                 extra_bytes=build.stats_layout.size,
                 shared_constants=region,
+                on_chip=build.planned.schedule.placement.chip,
             )
         build.stats_layout = build.stats_layout.at(build.plan.ddr_size - build.stats_layout.size)
         with stages.stage("emit-program"):
-            build.program = emit_program(build.lowered, build.plan)
+            build.program = emit_program(
+                build.lowered,
+                build.plan,
+                build.planned.schedule,
+                build.planned.allocation.resident,
+            )
             build.program_bytes = encode_program(build.program)
     first_plan, first_program = builds[0].done()
     if constant_items is None:
@@ -307,7 +321,11 @@ def _compile(source: ModelSource, opts: CompileOptions, progress: Progress | Non
 
 
 def _lower(
-    source: ModelSource, opts: CompileOptions, spec: Specialization | None, stages: _Stages
+    source: ModelSource,
+    opts: CompileOptions,
+    spec: Specialization | None,
+    stages: _Stages,
+    policy: CodegenPolicy,
 ) -> _Build:
     """Import (with the specialization's symbols bound), run the graph passes and lower."""
     symbols = dict(opts.onnx_define_symbol)
@@ -324,8 +342,11 @@ def _lower(
         run_passes(ir_model, passes, timing=stages.timing, progress=reporter)
         require_static_shapes(ir_model)
     with stages.stage("lower"):
-        lowered = lower_graph(ir_model.graph, imported.opset, config_from(opts, opts.device))
+        config = config_from(opts, opts.device)
+        lowered = lower_graph(ir_model.graph, imported.opset, config)
         mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
+    with stages.stage("schedule"):
+        planned = plan_schedule(lowered, config.vtcm_budget, policy)
     return _Build(
         spec=spec,
         imported=imported,
@@ -333,6 +354,7 @@ def _lower(
         mxfp6=mxfp6,
         pass_warnings=[w for p in passes for w in getattr(p, "warnings", [])],
         stats_layout=build_layout(opts, lowered),
+        planned=planned,
     )
 
 

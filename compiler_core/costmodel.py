@@ -1,59 +1,82 @@
 """The cost model: cycles for every instruction of a program on a modelled device.
 
-Each core has six threads, as the vendor's profiles show them: four HVX vector threads, one
-HMX tensor thread and one DMA issue thread. A kernel tile costs:
+It prices the program the compiler emitted and nothing else, instruction by instruction, as a
+scoreboard over each core's units:
 
-- compute: HMX MACs at the device's HMX rate (fp32 at 1/16 of fp16: HMX has no fp32 path;
-  int8 at the int8 rate), or HVX work spread over the four threads at one 128-byte vector per
-  thread and cycle; a fused epilogue runs on HVX alongside HMX (streamed, so the tile takes the
-  longer of the two);
-- DMA: a fixed descriptor cost plus bytes over this core's share of the SoC's DDR bandwidth,
-  shared by the cores that run the same kernel (those active at the time), capped by one DMA
-  engine's rate.
+- six threads per core, as the vendor's profiles show them: four HVX vector threads, one HMX
+  tensor thread and one DMA thread. The scalar thread issues instructions in program order
+  without waiting for them (a `SemWait` stops issue until the semaphore is raised; a
+  `SemPost` is a fence: it is raised when every earlier instruction of the core has
+  completed);
+- a DMA starts when its queue is free (each core has two, each running its transfers in
+  order: loads and stores through the memory NoC to DDR, and `NocCopy` through the compute NoC
+  to other cores' VTCM), when the VTCM it writes is no longer read by an earlier
+  instruction of the core and, for a store or copy, when the data it reads has been written;
+  it moves its bytes through a shared bandwidth calendar: DDR for loads and stores, the NoC
+  for core-to-core copies. A multicast reads DDR once however many cores it feeds. Each
+  engine moves at most `dma_bytes_per_cycle`;
+- a kernel tile starts when its unit (HMX or HVX) is free and its operands have landed. HMX
+  time is the tile's MACs padded to the array's blocks (32 output channels x 32 reduction
+  elements, 64 for int8, x 4 output positions), at the precision's rate; a fused epilogue runs
+  on HVX alongside (the tile takes the longer of the two). fp32 has no HMX path: 1/16 of fp16.
 
-Within a kernel the DMA thread runs one tile ahead (double buffering): tile i+1 loads while
-tile i computes, and tile i's results are stored after that load. A kernel ends on a core when
-its last store lands; the core then posts the kernel's semaphore. The timeline walks every
-core's stream honouring semaphores and the host's input doorbells (inputs arrive over PCIe in
-port order), so waits, idle time and the inference duration come out of the schedule, not out
-of a formula. Everything here is an estimate of a modelled device and is labelled so wherever
-it is reported.
+DDR and NoC bandwidth are shared by everything running at the same time on every core, not
+only by the cores of one kernel. Waits, idle time and the inference duration come out of the
+schedule, not out of a formula. Everything here is an estimate of a modelled device and is
+labelled so wherever it is reported.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
     KIND_CONSTANT,
     DmaLoad,
     DmaStore,
     Instr,
+    NocCopy,
     Program,
     RunKernel,
     SemPost,
     SemWait,
+    box_elements,
+    box_nbytes,
+    cores_in,
+    stored_bytes,
 )
-from compiler_core.ops.registry import Box, box_shape
+from compiler_core.ops import REGISTRY
+from compiler_core.ops.registry import Box, HmxShape, NodeInfo, OpDef
 
 HVX_BYTES_PER_THREAD_CYCLE = 128
 """One 1024-bit HVX vector per thread and cycle."""
 FP32_HMX_SLOWDOWN = 16
 """HMX has no fp32 path: fp32 MACs run on HVX, modelled as 1/16 of the fp16 HMX rate."""
-DMA_ENGINE_BYTES_PER_CYCLE = 64
-"""The most one core's DMA engine moves per cycle, however idle the rest of the SoC is."""
+HMX_CHANNELS = 32
+HMX_DEPTH = {"fp16": 32, "int8": 64}
+HMX_POSITIONS = 4
+"""The HMX array's block: output channels x reduction depth x output positions per step
+(4096 fp16 MACs = 32 x 32 x 4); a tile pays for whole blocks."""
 DMA_DESCRIPTOR_CYCLES = 24
 """Fixed cost of issuing one DMA transfer (descriptor setup), modelled."""
 KERNEL_LAUNCH_CYCLES = 16
 """Fixed cost of starting one kernel tile, modelled."""
 ACTIVATION_BASE_CYCLES = 4096
 ACTIVATION_CYCLES_PER_INSTR = 2
-"""Pre-inference activation (setup) of a core: a fixed part plus its stream length, modelled."""
+"""Pre-inference activation (setup) of a core: a fixed part plus its stream length, modelled;
+the resident-constant loads come on top."""
 HOST_LINK_BYTES_PER_S = 16e9
 """Host-to-device input transfer (PCIe Gen4 x8, modelled): input doorbells ring as inputs land."""
+BUCKET_CYCLES = 256
+"""Granularity of the shared-bandwidth calendars."""
 
 HVX_THREADS = ("hvx0", "hvx1", "hvx2", "hvx3")
 THREADS = (*HVX_THREADS, "hmx", "dma")
@@ -76,7 +99,9 @@ class ThreadUse:
 
 @dataclass
 class KernelRun:
-    """One kernel's tiles on one core: the core is in this kernel over [start, end)."""
+    """One kernel's work on one core. [start, end) is the kernel's window of the core's time:
+    windows follow each other without overlap (a kernel's prefetched loads may run inside the
+    previous window; its threads' own intervals say where)."""
 
     kernel: int
     core: int
@@ -87,11 +112,18 @@ class KernelRun:
     tiles: int = 0
     read_bytes: int = 0
     read_constant_bytes: int = 0
+    read_spill_bytes: int = 0
+    """Read back from DDR: intermediate activations that did not stay on chip."""
     write_bytes: int = 0
+    noc_bytes: int = 0
+    multicast_bytes: int = 0
     vtcm_bytes: int = 0
     hmx_macs: int = 0
+    hmx_padded_macs: int = 0
     hvx_work: int = 0
     threads: dict[str, ThreadUse] = field(default_factory=dict)
+    first: int = 0
+    """When the kernel's first instruction on the core started (may precede `start`)."""
 
     @property
     def cycles(self) -> int:
@@ -125,7 +157,7 @@ class Wait:
 
 @dataclass(frozen=True)
 class SemIncrement:
-    """A semaphore post: the time it lands and the cycles of the kernel it completes."""
+    """A semaphore post: when it was raised, and the cycles of the kernel it follows."""
 
     core: int
     sem: int
@@ -148,16 +180,23 @@ class Timeline:
     ddr_read: list[int] = field(default_factory=list)
     ddr_read_constant: list[int] = field(default_factory=list)
     ddr_write: list[int] = field(default_factory=list)
+    multicast: list[int] = field(default_factory=list)
+    noc: list[int] = field(default_factory=list)
+    activation_ddr_read: list[int] = field(default_factory=list)
+    """Bytes each core's activation loads (the resident constants) read from DDR, once."""
     port_names: list[str] = field(default_factory=list)
     port_is_input: list[bool] = field(default_factory=list)
     port_bytes: list[int] = field(default_factory=list)
     port_ring: list[int] = field(default_factory=list)
     """Input ports: when the host's doorbell rang; outputs: when the output was complete."""
     port_wait: list[int] = field(default_factory=list)
-    """Input ports: core cycles stalled on the doorbell; outputs: cycles the finished output
-    waited for the end of the inference."""
+    """Input ports: cycles the cores' loads of them waited for the doorbell; outputs: cycles
+    the finished output waited for the end of the inference."""
     complete: bool = True
     """False when a stream blocked forever (a program the runtime would report deadlocked)."""
+    issued: list[list[tuple[int, int]]] = field(default_factory=list)
+    """Per core, per instruction: when it started and completed (waits and posts: when they
+    let issue go on / were raised)."""
 
     @property
     def total_cycles(self) -> int:
@@ -190,12 +229,37 @@ class Timeline:
         return busy
 
 
-def _elements(box: Box) -> int:
-    return int(np.prod(box_shape(box), dtype=np.int64))
+# ------------------------------------------------------------------------------ compute
 
 
 def _itemsize(dtype: str) -> int:
     return 1 if dtype == "bool" else np.dtype(dtype).itemsize
+
+
+def _hvx_rate(device: DeviceProfile, dtype: str) -> int:
+    return max(1, device.hvx_threads * HVX_BYTES_PER_THREAD_CYCLE // _itemsize(dtype))
+
+
+def _ceil_to(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def padded_macs(shape: HmxShape, dtype: str) -> int:
+    """MACs the HMX array spends on a tile: every dimension rounded up to its block."""
+    depth = HMX_DEPTH["int8" if dtype in ("int8", "uint8") else "fp16"]
+    return (
+        _ceil_to(shape.positions, HMX_POSITIONS)
+        * _ceil_to(shape.depth, depth)
+        * _ceil_to(shape.channels, HMX_CHANNELS)
+        * shape.repeats
+    )
+
+
+def hmx_rate(device: DeviceProfile, dtype: str) -> float:
+    """HMX MACs per cycle at the precision a kernel computes in."""
+    if dtype in ("float32", "float64"):
+        return device.hmx_fp16_macs_per_cycle / FP32_HMX_SLOWDOWN
+    return device.hmx_macs_per_cycle(dtype)
 
 
 @dataclass(frozen=True)
@@ -206,6 +270,7 @@ class TileCompute:
     main_cycles: int
     epilogue_cycles: int
     hmx_macs: int
+    hmx_padded_macs: int
     hvx_work: int
 
     @property
@@ -213,41 +278,75 @@ class TileCompute:
         return max(self.main_cycles, self.epilogue_cycles)
 
 
-def _hvx_rate(device: DeviceProfile, dtype: str) -> int:
-    return max(1, device.hvx_threads * HVX_BYTES_PER_THREAD_CYCLE // _itemsize(dtype))
+def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
+    """The precision an HMX kernel computes in: its first input's (int8 QLinear ops read
+    int8 and write int8/int32), else its output's."""
+    first = info_in[0] if info_in else None
+    return first or (out[0] if out else "float32")
 
 
-def tile_compute(program: Program, instr: RunKernel, device: DeviceProfile) -> TileCompute:
-    kernel = program.kernels[instr.kernel]
-    out_shape = kernel.info.out_shapes[0] if kernel.info.out_shapes else ()
+def tile_cost(
+    info: NodeInfo,
+    unit: str,
+    macs: int,
+    epilogue: tuple[str, ...],
+    out_box: Box,
+    in_boxes: Sequence[Box | None],
+    opdef: OpDef | None,
+    device: DeviceProfile,
+) -> TileCompute:
+    """Compute cycles of one tile of a kernel (`macs`: the kernel's, epilogue steps
+    included; `epilogue`: each step's output dtype)."""
+    out_shape = info.out_shapes[0] if info.out_shapes else ()
     out_total = max(1, int(np.prod(out_shape, dtype=np.int64)))
-    tile_elems = _elements(instr.out_box)
+    tile_elems = box_elements(out_box)
     share = tile_elems / out_total
-    dtype = kernel.info.out_dtypes[0] if kernel.info.out_dtypes else "float32"
-    epilogue_work = out_total * len(kernel.epilogue)
-    base_work = max(0, kernel.macs - epilogue_work) * share
-    epi_tile = tile_elems * len(kernel.epilogue)
-    epi_dtype = kernel.epilogue[-1].out_dtype if kernel.epilogue else dtype
-    if kernel.unit == "hmx":
-        rate = device.hmx_fp16_macs_per_cycle
-        if dtype in ("float32", "float64"):
-            rate //= FP32_HMX_SLOWDOWN
-        elif dtype in ("int8", "uint8"):
-            rate = device.hmx_int8_macs_per_cycle
+    dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
+    base_macs = max(0, macs - out_total * len(epilogue))
+    epi_tile = tile_elems * len(epilogue)
+    epi_dtype = epilogue[-1] if epilogue else dtype
+    if unit == "hmx":
+        precision = compute_dtype(info.in_dtypes, info.out_dtypes)
+        if opdef is not None and opdef.hmx_shape is not None:
+            shape = opdef.hmx_shape(info, out_box)
+            useful, padded = shape.macs, padded_macs(shape, precision)
+        else:
+            useful = padded = int(round(base_macs * share))
         return TileCompute(
             unit="hmx",
-            main_cycles=int(np.ceil(base_work / max(1, rate))),
-            epilogue_cycles=int(np.ceil(epi_tile / _hvx_rate(device, epi_dtype))),
-            hmx_macs=int(round(base_work)),
+            main_cycles=math.ceil(padded / hmx_rate(device, precision)),
+            epilogue_cycles=math.ceil(epi_tile / _hvx_rate(device, epi_dtype)),
+            hmx_macs=useful,
+            hmx_padded_macs=padded,
             hvx_work=epi_tile,
         )
-    work = base_work + epi_tile
+    # HVX streams every operand it reads at least once (a reduction or a TopK does little
+    # per output element but must still read all of its input)
+    streamed = sum(box_elements(b) for b in in_boxes if b is not None)
+    work = max(base_macs * share + epi_tile, streamed)
     return TileCompute(
         unit="hvx",
-        main_cycles=int(np.ceil(work / _hvx_rate(device, dtype))),
+        main_cycles=math.ceil(work / _hvx_rate(device, dtype)),
         epilogue_cycles=0,
         hmx_macs=0,
+        hmx_padded_macs=0,
         hvx_work=int(round(work)),
+    )
+
+
+def tile_compute(
+    program: Program, instr: RunKernel, device: DeviceProfile, opdef: OpDef | None = None
+) -> TileCompute:
+    kernel = program.kernels[instr.kernel]
+    return tile_cost(
+        kernel.info,
+        kernel.unit,
+        kernel.macs,
+        tuple(e.out_dtype for e in kernel.epilogue),
+        instr.out_box,
+        [o.box if o is not None else None for o in instr.inputs],
+        opdef,
+        device,
     )
 
 
@@ -255,275 +354,399 @@ def tile_compute_cycles(program: Program, instr: RunKernel, device: DeviceProfil
     return tile_compute(program, instr, device).cycles
 
 
-@dataclass
-class _Tile:
-    loads: list[DmaLoad] = field(default_factory=list)
-    run: RunKernel | None = None
-    stores: list[DmaStore] = field(default_factory=list)
+# ------------------------------------------------------------------------- shared resources
+
+
+class Calendar:
+    """A bandwidth shared by every core: capacity per time bucket, booked first come."""
+
+    def __init__(self, bytes_per_cycle: float) -> None:
+        self.rate = bytes_per_cycle
+        self.capacity = bytes_per_cycle * BUCKET_CYCLES
+        self.left: list[float] = []
+
+    def book(self, start: int, nbytes: int, max_rate: float) -> int:
+        """Move `nbytes` from `start` at no more than `max_rate` bytes per cycle, in whatever
+        capacity the buckets have left; returns when the last byte has moved."""
+        if nbytes <= 0:
+            return start
+        t = float(start)
+        remaining = float(nbytes)
+        while True:
+            b = int(t // BUCKET_CYCLES)
+            while len(self.left) <= b:
+                self.left.append(self.capacity)
+            bucket_end = (b + 1) * BUCKET_CYCLES
+            engine = max_rate * (bucket_end - t)
+            take = min(remaining, self.left[b], engine)
+            self.left[b] -= take
+            remaining -= take
+            if remaining <= 1e-9:
+                # finishes in this bucket: no earlier than the engine allows
+                return math.ceil(t + take / max_rate) if take < engine else bucket_end
+            t = bucket_end
+
+
+class _TimeMap:
+    """For one core's VTCM: when the last write to each byte range completes, and when the
+    last read of it completes (intervals split at every buffer boundary seen)."""
+
+    def __init__(self) -> None:
+        self.bounds: list[int] = [0]
+        self.written: list[int] = [0]
+        self.read: list[int] = [0]
+
+    def _split(self, at: int) -> int:
+        i = bisect.bisect_right(self.bounds, at) - 1
+        if self.bounds[i] == at:
+            return i
+        self.bounds.insert(i + 1, at)
+        self.written.insert(i + 1, self.written[i])
+        self.read.insert(i + 1, self.read[i])
+        return i + 1
+
+    def _range(self, lo: int, hi: int) -> range:
+        first = self._split(lo)
+        last = self._split(hi)
+        return range(first, last)
+
+    def ready_to_read(self, lo: int, hi: int) -> int:
+        return max((self.written[i] for i in self._range(lo, hi)), default=0)
+
+    def ready_to_write(self, lo: int, hi: int) -> int:
+        return max((max(self.written[i], self.read[i]) for i in self._range(lo, hi)), default=0)
+
+    def mark_read(self, lo: int, hi: int, end: int) -> None:
+        for i in self._range(lo, hi):
+            self.read[i] = max(self.read[i], end)
+
+    def mark_written(self, lo: int, hi: int, end: int) -> None:
+        for i in self._range(lo, hi):
+            self.written[i] = end
+            self.read[i] = end
 
 
 @dataclass
-class _Block:
-    """One kernel's part of a core's stream: waits, then tiles, then the post."""
-
-    waits: list[SemWait] = field(default_factory=list)
-    tiles: list[_Tile] = field(default_factory=list)
-    post: SemPost | None = None
-
-    @property
-    def kernel(self) -> int | None:
-        for tile in self.tiles:
-            if tile.run is not None:
-                return tile.run.kernel
-        return self.post.sem if self.post is not None else None
-
-
-def _blocks(stream: list[Instr]) -> list[_Block]:
-    blocks: list[_Block] = []
-    block = _Block()
-    for instr in stream:
-        if isinstance(instr, SemWait):
-            if block.tiles or block.post is not None:
-                blocks.append(block)
-                block = _Block()
-            block.waits.append(instr)
-        elif isinstance(instr, DmaLoad):
-            if not block.tiles or block.tiles[-1].run is not None:
-                block.tiles.append(_Tile())
-            block.tiles[-1].loads.append(instr)
-        elif isinstance(instr, RunKernel):
-            if not block.tiles or block.tiles[-1].run is not None:
-                block.tiles.append(_Tile())
-            block.tiles[-1].run = instr
-        elif isinstance(instr, DmaStore):
-            if not block.tiles:
-                block.tiles.append(_Tile())
-            block.tiles[-1].stores.append(instr)
-        else:
-            block.post = instr
-            blocks.append(block)
-            block = _Block()
-    if block.waits or block.tiles:
-        blocks.append(block)
-    return blocks
+class _Core:
+    index: int
+    stream: list[Instr]
+    pc: int = 0
+    now: int = 0
+    """Issue time of the next instruction."""
+    dma_free: int = 0
+    """When the DMA queue to and from DDR (the memory NoC) can start its next transfer."""
+    noc_free: int = 0
+    """When the queue of core-to-core copies (the compute NoC) can start its next one."""
+    units: dict[str, int] = field(default_factory=lambda: {"hmx": 0, "hvx": 0})
+    done: int = 0
+    """Completion of the latest-finishing instruction issued so far."""
+    vtcm: _TimeMap = field(default_factory=_TimeMap)
+    last_kernel: int = -1
 
 
 class _Scheduler:
-    def __init__(self, program: Program, device: DeviceProfile) -> None:
+    def __init__(self, program: Program, device: DeviceProfile, timeline: Timeline) -> None:
         self.program = program
         self.device = device
-        self.ddr_bytes_per_cycle = device.ddr_bandwidth_bytes_per_s / device.clock_hz
-        cores_of: dict[int, set[int]] = {}
-        for core, stream in enumerate(program.streams):
-            for instr in stream:
-                if isinstance(instr, RunKernel):
-                    cores_of.setdefault(instr.kernel, set()).add(core)
-        self.active_cores = {k: len(v) for k, v in cores_of.items()}
+        self.timeline = timeline
+        self.ddr = Calendar(device.ddr_bandwidth_bytes_per_s / device.clock_hz)
+        self.noc = Calendar(device.noc_bandwidth_bytes_per_s / device.clock_hz)
+        self.engine = float(device.dma_bytes_per_cycle)
+        self.opdefs = [
+            REGISTRY.lookup(k.info.op_type, k.info.domain, k.info.opset) for k in program.kernels
+        ]
+        self.runs: dict[tuple[int, int], KernelRun] = {}
         tensors = program.tensors
         self.ports = [*program.inputs, *program.outputs]
-        self.port_range = [
-            (tensors[t].ddr_offset, tensors[t].ddr_offset + tensors[t].nbytes) for t in self.ports
-        ]
+        self.port_of_tensor = {t: i for i, t in enumerate(program.inputs)}
         self.ring: list[int] = []
         landed = 0.0
         for t in program.inputs:
             landed += tensors[t].nbytes
             self.ring.append(int(np.ceil(landed / HOST_LINK_BYTES_PER_S * device.clock_hz)))
+        self.input_ranges = [
+            (tensors[t].ddr_offset, tensors[t].ddr_offset + tensors[t].nbytes)
+            for t in program.inputs
+        ]
 
-    def dma_cycles(self, nbytes: int, transfers: int, kernel: int) -> int:
-        active = max(1, self.active_cores.get(kernel, 1))
-        rate = min(DMA_ENGINE_BYTES_PER_CYCLE, self.ddr_bytes_per_cycle / active)
-        return transfers * DMA_DESCRIPTOR_CYCLES + int(np.ceil(nbytes / rate))
+    def run(self, core: _Core, kernel: int) -> KernelRun:
+        key = (kernel, core.index)
+        found = self.runs.get(key)
+        if found is None:
+            found = KernelRun(kernel=kernel, core=core.index, start=0, end=0, first=-1)
+            self.runs[key] = found
+        return found
 
-    def nbytes(self, instr: DmaLoad | DmaStore) -> int:
-        t = self.program.tensors[instr.tensor]
-        n = _elements(instr.box) * _itemsize(t.dtype)
-        logical = _elements(tuple((0, d) for d in t.shape)) * _itemsize(t.dtype)
-        if t.kind == KIND_CONSTANT and 0 < t.nbytes < logical:
-            # An encoded constant (MXFP6 weight): the DMA moves its stored bytes.
-            return -(-n * t.nbytes // logical)
-        return n
+    def _touch(self, run: KernelRun, start: int, end: int) -> None:
+        run.first = start if run.first < 0 else min(run.first, start)
+        run.end = max(run.end, end)
 
-    def input_ports(self, block: _Block) -> list[int]:
-        """Input ports whose bytes this block's loads read."""
-        ports: set[int] = set()
-        n_in = len(self.program.inputs)
-        for tile in block.tiles:
-            for load in tile.loads:
-                t = self.program.tensors[load.tensor]
-                lo, hi = t.ddr_offset, t.ddr_offset + t.nbytes
-                for p in range(n_in):
-                    a, b = self.port_range[p]
-                    if lo < b and a < hi:
-                        ports.add(p)
-        return sorted(ports)
+    def _doorbell(self, core: _Core, tensor: int, start: int) -> int:
+        """Loads of a graph input wait for its host transfer (the doorbell)."""
+        t = self.program.tensors[tensor]
+        lo, hi = t.ddr_offset, t.ddr_offset + t.nbytes
+        ring = 0
+        port = -1
+        for p, (a, b) in enumerate(self.input_ranges):
+            if lo < b and a < hi and self.ring[p] > ring:
+                ring, port = self.ring[p], p
+        if port >= 0 and ring > start:
+            self.timeline.waits.append(Wait(core.index, start, ring, "doorbell", port))
+            self.timeline.port_wait[port] += ring - start
+            return ring
+        return start
 
-    def run_block(self, core: int, block: _Block, start: int, timeline: Timeline) -> int:
-        """Schedule a block's tiles from `start`; returns when its last store lands."""
-        kernel = block.kernel if block.kernel is not None else -1
-        run = KernelRun(kernel=kernel, core=core, start=start, end=start)
-        dma_free = start
-        unit_free = start
-        pending: tuple[int, list[DmaStore]] | None = None
+    def dma(self, core: _Core, instr: DmaLoad | DmaStore | NocCopy) -> tuple[int, int]:
         program = self.program
+        t = program.tensors[instr.tensor]
+        timeline = self.timeline
+        c = core.index
+        noc = isinstance(instr, NocCopy)
+        start = max(core.now, core.noc_free if noc else core.dma_free)
+        if isinstance(instr, DmaLoad):
+            own = instr.cores >> c & 1
+            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            if own:
+                start = max(start, core.vtcm.ready_to_write(lo, hi))
+            start = self._doorbell(core, instr.tensor, start)
+            nbytes = stored_bytes(t, instr.box)
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
+            if own:
+                core.vtcm.mark_written(lo, hi, end)
+            timeline.ddr_read[c] += nbytes
+            fanout = len(cores_in(instr.cores))
+            run = self.run(core, instr.kernel)
+            run.read_bytes += nbytes
+            if t.kind == KIND_CONSTANT:
+                timeline.ddr_read_constant[c] += nbytes
+                run.read_constant_bytes += nbytes
+            elif t.kind == KIND_ACTIVATION:
+                run.read_spill_bytes += nbytes
+            if fanout > 1:
+                timeline.multicast[c] += nbytes
+                run.multicast_bytes += nbytes
+        elif isinstance(instr, DmaStore):
+            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            start = max(start, core.vtcm.ready_to_read(lo, hi))
+            nbytes = box_nbytes(instr.box, t.dtype)
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
+            core.vtcm.mark_read(lo, hi, end)
+            timeline.ddr_write[c] += nbytes
+            run = self.run(core, instr.kernel)
+            run.write_bytes += nbytes
+        else:
+            lo, hi = instr.src_vtcm, instr.src_vtcm + box_nbytes(instr.src_box, t.dtype)
+            start = max(start, core.vtcm.ready_to_read(lo, hi))
+            if instr.cores >> c & 1:
+                dlo, dhi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+                start = max(start, core.vtcm.ready_to_write(dlo, dhi))
+            nbytes = box_nbytes(instr.box, t.dtype)
+            end = self.noc.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
+            core.vtcm.mark_read(lo, hi, end)
+            if instr.cores >> c & 1:
+                core.vtcm.mark_written(dlo, dhi, end)
+            timeline.noc[c] += nbytes
+            run = self.run(core, instr.kernel)
+            run.noc_bytes += nbytes
+            if len(cores_in(instr.cores)) > 1:
+                timeline.multicast[c] += nbytes
+                run.multicast_bytes += nbytes
+        run.thread("dma", start, end)
+        run.dma_cycles += end - start
+        self._touch(run, start, end)
+        if noc:
+            core.noc_free = end
+        else:
+            core.dma_free = end
+        core.done = max(core.done, end)
+        return start, end
 
-        def store(ready: int, stores: list[DmaStore]) -> None:
-            nonlocal dma_free
-            if not stores:
-                return
-            size = sum(self.nbytes(s) for s in stores)
-            begin = max(dma_free, ready)
-            end = begin + self.dma_cycles(size, len(stores), kernel)
-            run.thread("dma", begin, end)
-            run.dma_cycles += end - begin
-            run.write_bytes += size
-            timeline.ddr_write[core] += size
-            dma_free = end
+    def kernel(self, core: _Core, instr: RunKernel) -> tuple[int, int]:
+        program = self.program
+        desc = program.kernels[instr.kernel]
+        cost = tile_compute(program, instr, self.device, self.opdefs[instr.kernel])
+        start = max(core.now, core.units[cost.unit])
+        for tid, operand in zip(desc.inputs, instr.inputs, strict=True):
+            if operand is None or tid < 0:
+                continue
+            dtype = program.tensors[tid].dtype
+            for piece in operand.pieces:
+                lo = piece.vtcm
+                start = max(start, core.vtcm.ready_to_read(lo, lo + box_nbytes(piece.box, dtype)))
+        outs = []
+        for tid, operand in zip(desc.outputs, instr.outputs, strict=True):
+            if operand is None or tid < 0:
+                continue
+            piece = operand.pieces[0]
+            hi = piece.vtcm + box_nbytes(piece.box, program.tensors[tid].dtype)
+            outs.append((piece.vtcm, hi))
+            start = max(start, core.vtcm.ready_to_write(piece.vtcm, hi))
+        end = start + KERNEL_LAUNCH_CYCLES + cost.cycles
+        for tid, operand in zip(desc.inputs, instr.inputs, strict=True):
+            if operand is None or tid < 0:
+                continue
+            dtype = program.tensors[tid].dtype
+            for piece in operand.pieces:
+                core.vtcm.mark_read(piece.vtcm, piece.vtcm + box_nbytes(piece.box, dtype), end)
+        for lo, hi in outs:
+            core.vtcm.mark_written(lo, hi, end)
+        core.units[cost.unit] = end
+        if cost.unit == "hmx" and cost.epilogue_cycles:
+            core.units["hvx"] = max(
+                core.units["hvx"], start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
+            )
+        run = self.run(core, instr.kernel)
+        if cost.unit == "hmx":
+            run.thread("hmx", start, start + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
+            epi_end = start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
+            for name in HVX_THREADS:
+                run.thread(name, start + KERNEL_LAUNCH_CYCLES, epi_end)
+        else:
+            for name in HVX_THREADS:
+                run.thread(name, start, end)
+        run.compute_cycles += end - start
+        run.hmx_macs += cost.hmx_macs
+        run.hmx_padded_macs += cost.hmx_padded_macs
+        run.hvx_work += cost.hvx_work
+        run.tiles += 1
+        run.vtcm_bytes = max(run.vtcm_bytes, max((hi for _, hi in outs), default=0))
+        self._touch(run, start, end)
+        core.done = max(core.done, end)
+        core.last_kernel = instr.kernel
+        return start, end
 
-        for tile in block.tiles:
-            if tile.loads:
-                size = sum(self.nbytes(ld) for ld in tile.loads)
-                const = sum(
-                    self.nbytes(ld)
-                    for ld in tile.loads
-                    if program.tensors[ld.tensor].kind == KIND_CONSTANT
-                )
-                end = dma_free + self.dma_cycles(size, len(tile.loads), kernel)
-                run.thread("dma", dma_free, end)
-                run.dma_cycles += end - dma_free
-                run.read_bytes += size
-                run.read_constant_bytes += const
-                timeline.ddr_read[core] += size
-                timeline.ddr_read_constant[core] += const
-                dma_free = end
-            if pending is not None:
-                store(*pending)
-                pending = None
-            if tile.run is not None:
-                cost = tile_compute(program, tile.run, self.device)
-                begin = max(dma_free if tile.loads else start, unit_free)
-                cycles = KERNEL_LAUNCH_CYCLES + cost.cycles
-                end = begin + cycles
-                if cost.unit == "hmx":
-                    run.thread("hmx", begin, begin + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
-                    epi_end = begin + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
-                    for name in HVX_THREADS:
-                        run.thread(name, begin + KERNEL_LAUNCH_CYCLES, epi_end)
-                else:
-                    for name in HVX_THREADS:
-                        run.thread(name, begin, end)
-                run.compute_cycles += cycles
-                run.hmx_macs += cost.hmx_macs
-                run.hvx_work += cost.hvx_work
-                run.tiles += 1
-                vtcm = max(
-                    (
-                        o.vtcm + _elements(o.box) * _itemsize(program.tensors[t].dtype)
-                        for o, t in zip(
-                            tile.run.outputs, program.kernels[tile.run.kernel].outputs, strict=True
-                        )
-                        if o is not None
-                    ),
-                    default=0,
-                )
-                run.vtcm_bytes = max(run.vtcm_bytes, vtcm)
-                unit_free = end
-                pending = (end, tile.stores)
-            else:
-                store(unit_free, tile.stores)
-        if pending is not None:
-            store(*pending)
-        run.end = max(dma_free, unit_free)
-        if block.tiles:
-            timeline.runs.append(run)
-        return run.end
+
+def _next_start(core: _Core) -> int:
+    """The earliest its next instruction can start: cores go in this order, so the shared
+    calendars are booked roughly in time order."""
+    instr = core.stream[core.pc]
+    if isinstance(instr, DmaLoad | DmaStore):
+        return max(core.now, core.dma_free)
+    if isinstance(instr, NocCopy):
+        return max(core.now, core.noc_free)
+    return core.now
+
+
+def _simulate(
+    program: Program,
+    device: DeviceProfile,
+    streams: list[list[Instr]],
+    timeline: Timeline,
+) -> tuple[list[int], _Scheduler, bool]:
+    """Run every core's stream through the scoreboard, one instruction at a time from the core
+    whose DMA engine or issue point is earliest, so the shared calendars are booked roughly in
+    time order."""
+    sched = _Scheduler(program, device, timeline)
+    cores = [_Core(c, s) for c, s in enumerate(streams)]
+    posted: dict[int, list[int]] = {}
+    blocked: dict[int, list[_Core]] = {}
+    ready = [(0, c.index) for c in cores if c.stream]
+    heapq.heapify(ready)
+    issued: list[list[tuple[int, int]]] = [[] for _ in cores]
+    timeline.issued = issued
+    while ready:
+        _, index = heapq.heappop(ready)
+        core = cores[index]
+        instr = core.stream[core.pc]
+        if isinstance(instr, SemWait):
+            times = posted.get(instr.sem, [])
+            if len(times) < instr.count:
+                blocked.setdefault(instr.sem, []).append(core)
+                continue
+            t = sorted(times)[instr.count - 1]
+            if t > core.now:
+                timeline.waits.append(Wait(index, core.now, t, "semaphore", instr.sem))
+                core.now = t
+            span = (core.now, core.now)
+        elif isinstance(instr, SemPost):
+            t = max(core.now, core.done)
+            posted.setdefault(instr.sem, []).append(t)
+            run = sched.runs.get((core.last_kernel, index))
+            first = run.first if run is not None and run.first >= 0 else t
+            timeline.increments.append(
+                SemIncrement(index, instr.sem, core.last_kernel, t, t - first)
+            )
+            for waiter in blocked.pop(instr.sem, []):
+                heapq.heappush(ready, (waiter.now, waiter.index))
+            span = (t, t)
+        elif isinstance(instr, RunKernel):
+            span = sched.kernel(core, instr)
+        else:
+            span = sched.dma(core, instr)  # type: ignore[arg-type]
+        issued[index].append(span)
+        core.pc += 1
+        if core.pc < len(core.stream):
+            heapq.heappush(ready, (_next_start(core), index))
+    complete = all(c.pc >= len(c.stream) for c in cores)
+    return [max(c.done, c.now) for c in cores], sched, complete
+
+
+def _windows(runs: list[KernelRun], cores: int) -> list[KernelRun]:
+    """Give every kernel a window of its core's time: in order of completion, from the end of
+    the previous window (or its own first start, if later) to its last completion."""
+    out: list[KernelRun] = []
+    for c in range(cores):
+        mine = sorted((r for r in runs if r.core == c), key=lambda r: (r.end, r.first))
+        previous = 0
+        for run in mine:
+            run.start = min(max(run.first, previous), run.end)
+            previous = run.end
+            out.append(run)
+    return out
+
+
+def _empty_timeline(device: DeviceProfile, cores: int, ports: int) -> Timeline:
+    return Timeline(
+        clock_hz=device.clock_hz,
+        num_cores=cores,
+        ddr_read=[0] * cores,
+        ddr_read_constant=[0] * cores,
+        ddr_write=[0] * cores,
+        multicast=[0] * cores,
+        noc=[0] * cores,
+        port_wait=[0] * ports,
+    )
 
 
 def build_timeline(program: Program, device: DeviceProfile) -> Timeline:
     """Schedule one inference of `program` on `device` (estimated)."""
     cores = program.num_cores
-    sched = _Scheduler(program, device)
     n_in = len(program.inputs)
-    timeline = Timeline(
-        clock_hz=device.clock_hz,
-        num_cores=cores,
-        core_end=[0] * cores,
-        activation_cycles=[
-            ACTIVATION_BASE_CYCLES + ACTIVATION_CYCLES_PER_INSTR * len(s) for s in program.streams
-        ],
-        ddr_read=[0] * cores,
-        ddr_read_constant=[0] * cores,
-        ddr_write=[0] * cores,
-        port_names=[program.tensors[t].name for t in sched.ports],
-        port_is_input=[i < n_in for i in range(len(sched.ports))],
-        port_bytes=[program.tensors[t].nbytes for t in sched.ports],
-        port_ring=[*sched.ring, *([0] * len(program.outputs))],
-        port_wait=[0] * len(sched.ports),
-    )
-    blocks = [_blocks(stream) for stream in program.streams]
-    posted: dict[int, list[int]] = {}
-    next_block = [0] * cores
-    clock = [0] * cores
-    while True:
-        progressed = False
-        for core in range(cores):
-            while next_block[core] < len(blocks[core]):
-                block = blocks[core][next_block[core]]
-                ready = clock[core]
-                blocker = -1
-                blocked = False
-                for wait in block.waits:
-                    times = posted.get(wait.sem, [])
-                    if len(times) < wait.count:
-                        blocked = True
-                        break
-                    t = sorted(times)[wait.count - 1]
-                    if t > ready:
-                        ready, blocker = t, wait.sem
-                if blocked:
-                    break
-                if ready > clock[core]:
-                    timeline.waits.append(Wait(core, clock[core], ready, "semaphore", blocker))
-                    clock[core] = ready
-                ports = sched.input_ports(block)
-                if ports:
-                    port = max(ports, key=lambda p: sched.ring[p])
-                    ring = sched.ring[port]
-                    if ring > clock[core]:
-                        timeline.waits.append(Wait(core, clock[core], ring, "doorbell", port))
-                        timeline.port_wait[port] += ring - clock[core]
-                        clock[core] = ring
-                start = clock[core]
-                clock[core] = sched.run_block(core, block, start, timeline)
-                if block.post is not None:
-                    kernel = block.kernel if block.kernel is not None else block.post.sem
-                    posted.setdefault(block.post.sem, []).append(clock[core])
-                    timeline.increments.append(
-                        SemIncrement(core, block.post.sem, kernel, clock[core], clock[core] - start)
-                    )
-                next_block[core] += 1
-                progressed = True
-        if all(n >= len(b) for n, b in zip(next_block, blocks, strict=True)):
-            break
-        if not progressed:
-            timeline.complete = False
-            break
-    timeline.core_end = clock
+    ports = [*program.inputs, *program.outputs]
+    timeline = _empty_timeline(device, cores, len(ports))
+    timeline.port_names = [program.tensors[t].name for t in ports]
+    timeline.port_is_input = [i < n_in for i in range(len(ports))]
+    timeline.port_bytes = [program.tensors[t].nbytes for t in ports]
+    # Program activation: the resident constants' loads, once, on their own.
+    setup = _empty_timeline(device, cores, len(ports))
+    setup_streams = program.setup or [[] for _ in range(cores)]
+    setup_end, _, _ = _simulate(program, device, setup_streams, setup)
+    timeline.activation_cycles = [
+        ACTIVATION_BASE_CYCLES + ACTIVATION_CYCLES_PER_INSTR * len(s) + setup_end[c]
+        for c, s in enumerate(program.streams)
+    ]
+    timeline.activation_ddr_read = setup.ddr_read
+
+    core_end, sched, complete = _simulate(program, device, program.streams, timeline)
+    timeline.complete = complete
+    timeline.port_ring = [*sched.ring, *([0] * len(program.outputs))]
+    timeline.runs = _windows(list(sched.runs.values()), cores)
+    # a core's inference ends when its last kernel window does (its windows tile its time)
+    last = [0] * cores
+    for run in timeline.runs:
+        last[run.core] = max(last[run.core], run.end)
+    timeline.core_end = [last[c] if last[c] else core_end[c] for c in range(cores)]
     end = timeline.total_cycles
+    # An output is complete when the last store into it lands.
+    done = [0] * len(program.outputs)
+    out_index = {t: i for i, t in enumerate(program.outputs)}
+    for run in timeline.runs:
+        if run.kernel < 0:
+            continue
+        for t in program.kernels[run.kernel].outputs:
+            if t in out_index:
+                done[out_index[t]] = max(done[out_index[t]], run.end)
     for i in range(len(program.outputs)):
-        lo, hi = sched.port_range[n_in + i]
-        writers = [
-            r.end
-            for r in timeline.runs
-            if r.kernel >= 0
-            and any(
-                lo < program.tensors[t].ddr_offset + program.tensors[t].nbytes
-                and program.tensors[t].ddr_offset < hi
-                for t in program.kernels[r.kernel].outputs
-                if t >= 0
-            )
-        ]
-        done = max(writers, default=0)
-        timeline.port_ring[n_in + i] = done
-        timeline.port_wait[n_in + i] = end - done
+        timeline.port_ring[n_in + i] = done[i]
+        timeline.port_wait[n_in + i] = end - done[i]
     return timeline

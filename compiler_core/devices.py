@@ -1,13 +1,20 @@
 """Device profiles: the numbers the compiler, cost model and validator target.
 
-Every figure here is *modelled*: taken from Qualcomm's public product briefs where one exists
-(cores, DDR size and bandwidth, peak TFLOPS, VTCM/L2 per core, HMX/HVX rates, PCI ids) and
-chosen by us where none does (AIC080's core count and clock, everything about AIC200). The
-clock is not published; it is derived from the published fp16 peak as
-`TFLOPS / (cores x HMX fp16 MACs per cycle x 2 flops per MAC)`. (The published int8 TOPS imply
-a higher int8 rate than 2x fp16 at that clock; we keep the fp16-derived clock and the 8192
-int8 MACs per cycle, so int8 peaks are estimates.) Reports label anything derived from these
-numbers as "estimated".
+Every figure here is *modelled*, taken from Qualcomm's public product pages where one exists
+and chosen by us where none does (docs/compiler.md, "Device model", gives each number with
+its source):
+
+- cores, DDR size and bandwidth, on-chip SRAM, peak fp16 TFLOPS and int8 TOPS: the Cloud AI
+  100 SKU table (Standard 14 NSPs, 16 GB, 137 GB/s, 110 TFLOPS, 325 TOPS; Pro 16 NSPs, 32 GB,
+  137 GB/s, 125 TFLOPS, 375 TOPS; Ultra 4 SoCs);
+- 8 MiB VTCM and 1 MiB L2 per core (126 MB of SRAM on 14 cores), HMX 4096 fp16 MACs per clock;
+- the NoC: 186 GB/s, with multicast and core synchronization.
+
+No clock is published. It is derived from the fp16 peak,
+`TFLOPS / (cores x 4096 fp16 MACs per cycle x 2 flops per MAC)`, and the int8 rate then from the
+int8 peak at that clock, `TOPS / (cores x clock x 2)`: about 12,100 int8 MACs per cycle on the
+Standard card, not 2 x 4096 (the published int8 figure is 2.95x the fp16 one). Reports label
+anything derived from these numbers as "estimated".
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ VTCM_USABLE_BYTES = 8_323_072
 
 HMX_FP16_MACS = 4096
 HMX_INT8_MACS = 8192
+"""The int8 array's native width; the rate a SKU reaches comes from its published TOPS."""
+NOC_BYTES_PER_S = 186e9
+"""Published NoC data bandwidth of one SoC (with multicast and core synchronization)."""
+DMA_ENGINE_BYTES_PER_CYCLE = 64
+"""The most one core's DMA engine moves per cycle, however idle the rest of the SoC is
+(modelled: no figure is published)."""
 
 AI100_DTYPES = frozenset(
     {"float32", "float16", "int8", "uint8", "int16", "int32", "int64", "bool", "mxfp6", "mxint8"}
@@ -37,6 +50,11 @@ AI200_DTYPES = AI100_DTYPES | {"bfloat16"}
 def clock_from_tflops(fp16_tflops: float, num_cores: int) -> int:
     """The clock (Hz) at which `num_cores` HMX units reach the given fp16 peak."""
     return round(fp16_tflops * 1e12 / (num_cores * HMX_FP16_MACS * 2))
+
+
+def int8_rate_from_tops(int8_tops: float, num_cores: int, clock_hz: int) -> int:
+    """int8 MACs per cycle per core that reach the given int8 peak at `clock_hz`."""
+    return round(int8_tops * 1e12 / (num_cores * clock_hz * 2))
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,8 @@ class DeviceProfile:
     """PCI device id under vendor 0x17cb; None where no id is published."""
     fp16_tflops: float
     """Peak fp16 TFLOPS of the card: published for AIC100 Standard/Pro/Ultra, modelled else."""
+    int8_tops: float = 0.0
+    """Peak int8 TOPS of the card: published for AIC100 Standard/Pro/Ultra, modelled else."""
     modelled: bool = False
     """True when even the headline figures are our choice, not published ones."""
     vtcm_bytes_per_core: int = VTCM_USABLE_BYTES
@@ -73,6 +93,9 @@ class DeviceProfile:
     hvx_int8_macs_per_cycle: int = 512
     hvx_fp16_macs_per_cycle: int = 256
     dma_engines_per_core: int = 1
+    dma_bytes_per_cycle: int = DMA_ENGINE_BYTES_PER_CYCLE
+    noc_bandwidth_bytes_per_s: float = NOC_BYTES_PER_S
+    """Per SoC: core-to-core VTCM transfers and multicast fan-out share it."""
     pci_vendor_id: int = 0x17CB
 
     @property
@@ -91,6 +114,14 @@ class DeviceProfile:
     def peak_fp16_flops_per_core(self) -> float:
         return self.hmx_fp16_macs_per_cycle * 2 * self.clock_hz
 
+    def hmx_macs_per_cycle(self, dtype: str) -> int:
+        """HMX rate for a kernel computing in `dtype` (fp32 has no HMX path: see costmodel)."""
+        return (
+            self.hmx_int8_macs_per_cycle
+            if dtype in ("int8", "uint8")
+            else (self.hmx_fp16_macs_per_cycle)
+        )
+
     def supports_dtype(self, dtype: str) -> bool:
         return dtype in self.dtypes
 
@@ -104,22 +135,26 @@ def _profile(
     socs: int,
     ddr_gib: int,
     fp16_tflops: float,
+    int8_tops: float,
     pci_device_id: int | None,
     bandwidth_per_soc: float = 137e9,
     modelled: bool = False,
 ) -> DeviceProfile:
+    clock = clock_from_tflops(fp16_tflops, num_cores)
     return DeviceProfile(
         name=name,
         display_name=display_name,
         hw_version=hw_version,
         num_cores=num_cores,
         socs=socs,
-        clock_hz=clock_from_tflops(fp16_tflops, num_cores),
+        clock_hz=clock,
         ddr_bytes=ddr_gib * GIB,
         ddr_bandwidth_bytes_per_s=bandwidth_per_soc,
         dtypes=AI200_DTYPES if hw_version == "ai200" else AI100_DTYPES,
         pci_device_id=pci_device_id,
         fp16_tflops=fp16_tflops,
+        int8_tops=int8_tops,
+        hmx_int8_macs_per_cycle=int8_rate_from_tops(int8_tops, num_cores, clock),
         modelled=modelled,
     )
 
@@ -134,6 +169,7 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         socs=1,
         ddr_gib=16,
         fp16_tflops=110.0,
+        int8_tops=325.0,
         pci_device_id=0xA100,
     ),
     # Published: 16 NSPs, 32 GB, ~137 GB/s, 125 TFLOPS fp16.
@@ -145,6 +181,7 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         socs=1,
         ddr_gib=32,
         fp16_tflops=125.0,
+        int8_tops=375.0,
         pci_device_id=0xA100,
     ),
     # Published: 4 SoCs, 64 NSPs, 128 GB, ~548 GB/s in all, 290 TFLOPS fp16.
@@ -156,10 +193,11 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         socs=4,
         ddr_gib=128,
         fp16_tflops=290.0,
+        int8_tops=870.0,
         pci_device_id=0xA100,
     ),
     # Published only as "fewer NSPs, lower clocks": 8 NSPs and ~0.8x the Standard clock
-    # (8 x 4096 x 2 x 767 MHz = 50.3 TFLOPS) are our model.
+    # (8 x 4096 x 2 x 767 MHz = 50.3 TFLOPS) are our model; int8 at the Pro's 3x fp16 ratio.
     _profile(
         "aic080",
         "AIC080",
@@ -168,6 +206,7 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         socs=1,
         ddr_gib=16,
         fp16_tflops=50.3,
+        int8_tops=150.9,
         pci_device_id=0xA080,
         modelled=True,
     ),
@@ -180,6 +219,7 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         socs=1,
         ddr_gib=128,
         fp16_tflops=125.0,
+        int8_tops=375.0,
         pci_device_id=None,
         bandwidth_per_soc=274e9,
         modelled=True,

@@ -17,7 +17,18 @@ from compiler_core.costmodel import THREADS, Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.lower import LoweredGraph
 from compiler_core.lowering.memory import ALIGN, MemoryPlan
-from compiler_core.lowering.program import KIND_CONSTANT, KernelDesc, Program, SemWait
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    KIND_CONSTANT,
+    DmaLoad,
+    KernelDesc,
+    NocCopy,
+    Program,
+    SemWait,
+    box_nbytes,
+    stored_bytes,
+)
+from compiler_core.ops.registry import Box
 from compiler_core.options import CompileOptions
 
 IDLE_SHARE = 0.5
@@ -130,10 +141,15 @@ def perf_metrics(
             "constant_only_bytes": timeline.ddr_read_constant[c],
             "activation_read_bytes": timeline.ddr_read[c] - timeline.ddr_read_constant[c],
             "ddr_write_bytes": timeline.ddr_write[c],
-            "multicast_bytes": 0,
+            "multicast_bytes": timeline.multicast[c],
+            "noc_bytes": timeline.noc[c],
         }
         for c in range(cores)
     ]
+    floors = physical_floors(program, device)
+    useful = sum(r.hmx_macs for r in timeline.runs)
+    padded = sum(r.hmx_padded_macs for r in timeline.runs)
+    peak_cycles = device.hmx_fp16_macs_per_cycle * cores * total
     ports = _port_traffic(program)
     stats_size = plan.ddr_size - plan.constants_size - plan.io_size - plan.activations_size
     by_unit = Counter(k.unit for k in program.kernels)
@@ -155,7 +171,11 @@ def perf_metrics(
         "dynamic_shared_ddr_size": 0,
         "static_constants_size": plan.constants_size,
         "dynamic_constants_size": 0,
-        "multicast_static_va_size_max": 0,
+        "multicast_static_va_size_max": _largest_multicast(program),
+        "resident_constants_bytes_per_core": program.resident,
+        "resident_constants_bytes": _resident_total(program),
+        "activation_ddr_read_bytes": sum(timeline.activation_ddr_read),
+        "activation_cycles": max(timeline.activation_cycles, default=0),
         "stats_buffer_size": stats_size,
         "ddr_size": program.ddr_size,
         "memory_traffic": {
@@ -167,9 +187,17 @@ def perf_metrics(
                 "activation_spill_read_bytes": sum(timeline.ddr_read)
                 - sum(timeline.ddr_read_constant),
                 "ddr_write_bytes": sum(timeline.ddr_write),
-                "multicast_bytes": 0,
+                "multicast_bytes": sum(timeline.multicast),
+                "noc_bytes": sum(timeline.noc),
             },
         },
+        "hmx_useful_macs": useful,
+        "hmx_padded_macs": padded,
+        "hmx_utilization_percent": _percent(useful, peak_cycles),
+        "floor_compute_us": round(floors.compute_cycles / device.clock_hz * 1e6, 3),
+        "floor_ddr_us": round(floors.ddr_cycles / device.clock_hz * 1e6, 3),
+        "floor_ddr_bytes": floors.ddr_bytes,
+        "latency_over_floor": round(total / max(1, floors.cycles), 2),
         "per_core": per_core,
         "kernels": len(program.kernels),
         "kernels_hmx": by_unit.get("hmx", 0),
@@ -181,6 +209,79 @@ def perf_metrics(
         "estimated_latency_us": round(latency * 1e6, 3),
         "estimated_inferences_per_second": round(_batch(program) / latency, 2) if latency else None,
     }
+
+
+@dataclass(frozen=True)
+class Floors:
+    """What no schedule of this program on this device can beat (cycles)."""
+
+    compute_cycles: int
+    """Every MAC at the peak rate of its precision on every core, every HVX element at the
+    HVX peak."""
+    ddr_bytes: int
+    """Bytes that must cross DDR each inference: inputs, outputs and every constant byte
+    that is not resident on chip."""
+    ddr_cycles: int
+
+    @property
+    def cycles(self) -> int:
+        return max(self.compute_cycles, self.ddr_cycles)
+
+
+def physical_floors(program: Program, device: DeviceProfile) -> Floors:
+    from compiler_core.costmodel import compute_dtype, hmx_rate
+
+    cores = program.num_cores
+    compute = 0.0
+    for k in program.kernels:
+        base = _base_macs(k)
+        out = int(np.prod(k.info.out_shapes[0], dtype=np.int64)) if k.info.out_shapes else 0
+        epilogue = out * len(k.epilogue)
+        dtype = k.info.out_dtypes[0] if k.info.out_dtypes else "float32"
+        hvx = device.hvx_threads * 128 / max(1, np.dtype(dtype).itemsize)
+        if k.unit == "hmx":
+            rate = hmx_rate(device, compute_dtype(k.info.in_dtypes, k.info.out_dtypes))
+            compute += max(base / rate, epilogue / hvx)
+        else:
+            compute += (base + epilogue) / hvx
+    io = sum(program.tensors[t].nbytes for t in (*program.inputs, *program.outputs))
+    resident = {i.tensor for s in program.setup for i in s}
+    streamed: dict[int, set[Box]] = {}
+    for stream in program.streams:
+        for instr in stream:
+            if isinstance(instr, DmaLoad):
+                t = program.tensors[instr.tensor]
+                if t.kind == KIND_CONSTANT and instr.tensor not in resident:
+                    streamed.setdefault(instr.tensor, set()).add(instr.box)
+    constant = 0
+    for tid, boxes in streamed.items():
+        t = program.tensors[tid]
+        constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
+    ddr_bytes = io + constant
+    ddr_cycles = int(ddr_bytes / device.ddr_bandwidth_bytes_per_s * device.clock_hz)
+    return Floors(int(compute / max(1, cores)), ddr_bytes, ddr_cycles)
+
+
+def _largest_multicast(program: Program) -> int:
+    """The largest buffer a multicast fills (the vendor's MulticastStaticVASizeMax)."""
+    sizes = [
+        box_nbytes(i.buf_box, program.tensors[i.tensor].dtype)
+        for s in (*program.streams, *program.setup)
+        for i in s
+        if isinstance(i, DmaLoad | NocCopy) and i.cores & (i.cores - 1)
+    ]
+    return max(sizes, default=0)
+
+
+def _resident_total(program: Program) -> int:
+    """Bytes of constants resident over all cores (each core's copy counted)."""
+    total = 0
+    for stream in program.setup:
+        for instr in stream:
+            if isinstance(instr, DmaLoad):
+                nbytes = box_nbytes(instr.box, program.tensors[instr.tensor].dtype)
+                total += nbytes * bin(instr.cores).count("1")
+    return total
 
 
 def _port_traffic(program: Program) -> list[dict[str, Any]]:
@@ -238,11 +339,15 @@ class _Facts:
     act_read: Counter[int] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
+        self.computing: dict[int, set[int]] = defaultdict(set)
+        """Cores that run tiles of each kernel (others may only move its data)."""
         for run in self.timeline.runs:
+            if run.tiles:
+                self.computing[run.kernel].add(run.core)
             self.per_kernel[run.kernel][run.core] += run.cycles
             self.dma[run.kernel] += run.dma_cycles
             self.compute[run.kernel] += run.compute_cycles
-            self.act_read[run.kernel] += run.read_bytes - run.read_constant_bytes
+            self.act_read[run.kernel] += run.read_spill_bytes
         self.span = {k: max(v.values()) for k, v in self.per_kernel.items()}
         self.total = max(1, self.timeline.total_cycles)
 
@@ -301,49 +406,29 @@ def _fp32(f: _Facts) -> list[dict[str, Any]]:
 
 
 def _spill(f: _Facts) -> list[dict[str, Any]]:
-    program, span, total, nodes_of, share = f.program, f.span, f.total, f.nodes_of, f.share
-    dma, compute, act_read = f.dma, f.compute, f.act_read
-    bound = [
-        k
-        for k in span
-        if dma[k] > compute[k]
-        and act_read[k] > 0
-        and span[k] > HEAVY_SHARE * total
-        and act_read[k] * 2
-        > sum(program.tensors[t].nbytes for t in program.kernels[k].inputs if t >= 0)
-    ]
-    if not bound:
+    """Intermediate activations that did not fit on chip: written to DDR and read back."""
+    program, nodes_of, share = f.program, f.nodes_of, f.share
+    spilled = {t.id for t in program.tensors if t.kind == KIND_ACTIVATION and t.nbytes > 0}
+    producers = [k.id for k in program.kernels if any(t in spilled for t in k.outputs)]
+    readers = [k for k, n in f.act_read.items() if n > 0]
+    if not producers or not readers:
         return []
-    spilled = sum(act_read[k] for k in bound)
-
-    def reread(k: int) -> float:
-        once = sum(
-            program.tensors[t].nbytes
-            for t in set(program.kernels[k].inputs)
-            if t >= 0 and program.tensors[t].kind != KIND_CONSTANT
-        )
-        return act_read[k] / once if once else 1.0
-
-    factor = max(reread(k) for k in bound)
-    cores = program.num_cores
-    if factor > 2 and cores > 1:
-        hint = (
-            f"inputs are read up to {factor:.1f}x over because each output-channel tile re-reads "
-            f"the whole input: a smaller channel split (-mos={max(1, cores // 2)}) or fewer cores "
-            f"(-aic-num-cores={max(1, cores // 2)}) re-reads less (-mos=1 re-reads the weights "
-            "on every core instead)"
-        )
-    elif any("float32" in program.kernels[k].info.out_dtypes for k in bound):
-        hint = "-convert-to-fp16 halves the bytes moved"
+    moved = sum(f.act_read.values())
+    size = sum(program.tensors[t].nbytes for t in spilled)
+    involved = producers + [k for k in readers if k not in producers]
+    if any("float32" in program.kernels[k].info.out_dtypes for k in producers):
+        hint = "-convert-to-fp16 halves these activations, so more of them stay on chip"
+    elif program.num_cores < 16:
+        hint = "more cores (-aic-num-cores) give the activations more VTCM to stay in"
     else:
-        hint = "activations stay in DDR between kernels here; fewer, larger kernels move less"
+        hint = "a smaller batch (-batchsize) or -aic-enable-depth-first keeps less on chip at once"
     return [
         _warning(
             "spill_to_ddr",
-            f"{len(bound)} kernel(s) wait on DMA more than they compute, reading "
-            f"{spilled / 2**20:.1f} MiB of activations back from DDR per inference (estimated "
-            f"{share(bound):.0f}% of the inference)",
-            nodes_of(bound),
+            f"{len(spilled)} activation(s) ({size / 2**20:.1f} MiB) do not fit in VTCM next to "
+            f"the rest and go through DDR: {moved / 2**20:.1f} MiB are read back per inference "
+            f"(the kernels involved take an estimated {share(involved):.0f}% of the inference)",
+            nodes_of(producers) + [n for n in nodes_of(readers) if n not in nodes_of(producers)],
             hint,
         )
     ]
@@ -394,8 +479,8 @@ def _idle(f: _Facts) -> list[dict[str, Any]]:
     idle = [c for c, b in enumerate(busy) if busiest and b < IDLE_SHARE * busiest]
     serial = [
         k
-        for k, by_core in per_kernel.items()
-        if program.num_cores > 1 and len(by_core) == 1 and span[k] > HEAVY_SHARE * total
+        for k in per_kernel
+        if program.num_cores > 1 and len(f.computing[k]) == 1 and span[k] > HEAVY_SHARE * total
     ]
     if idle:
         out.append(

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import CompileError, compile_model, run_qpc
 from compiler_core.lowering.memory import plan_memory
+from compiler_core.lowering.placement import CodegenPolicy
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     DmaLoad,
@@ -130,7 +131,10 @@ def test_mos_caps_the_output_channel_split() -> None:
 
 
 def test_activations_alive_at_the_same_time_never_share_ddr() -> None:
-    result = compile_model(transformer_encoder(), ["-aic-num-cores=2"])
+    # activations kept on chip take no DDR: spill them all to see DDR reuse
+    result = compile_model(
+        transformer_encoder(), ["-aic-num-cores=2"], policy=CodegenPolicy(on_chip=False)
+    )
     program = result.program
     acts = [t for t in program.tensors if t.kind == KIND_ACTIVATION]
     first: dict[int, int] = {}
@@ -158,7 +162,9 @@ def test_activations_alive_at_the_same_time_never_share_ddr() -> None:
 
 
 def test_liveness_reuse_makes_activation_memory_smaller_than_their_sum() -> None:
-    result = compile_model(transformer_encoder(), ["-aic-num-cores=1"])
+    result = compile_model(
+        transformer_encoder(), ["-aic-num-cores=1"], policy=CodegenPolicy(on_chip=False)
+    )
     metrics = result.metrics
     acts = sum(t.nbytes for t in result.program.tensors if t.kind == KIND_ACTIVATION)
     assert metrics["static_shared_ddr_size"] < acts
@@ -231,7 +237,7 @@ def test_the_runtime_rejects_a_dma_outside_vtcm() -> None:
     index = next(i for i, instr in enumerate(streams[0]) if isinstance(instr, DmaLoad))
     load = streams[0][index]
     assert isinstance(load, DmaLoad)
-    streams[0][index] = DmaLoad(load.tensor, load.box, VTCM - 4)
+    streams[0][index] = dataclasses.replace(load, vtcm=VTCM - 4)
     with pytest.raises(RuntimeFault, match="VTCM access"):
         Executor(dataclasses.replace(program, streams=streams), constants, VTCM).run(
             {"x": _input()}
@@ -244,7 +250,7 @@ def test_the_runtime_rejects_a_write_into_constants() -> None:
     const = next(t for t in program.tensors if t.kind == "constant")
     streams = [list(s) for s in program.streams]
     index = next(i for i, instr in enumerate(streams[0]) if isinstance(instr, DmaStore))
-    streams[0][index] = DmaStore(const.id, full_box(const.shape), 0)
+    streams[0][index] = DmaStore(const.id, full_box(const.shape), 0, full_box(const.shape))
     with pytest.raises(RuntimeFault, match="write to constant"):
         Executor(dataclasses.replace(program, streams=streams), constants, VTCM).run(
             {"x": _input()}
@@ -366,7 +372,10 @@ def test_a_long_chain_waits_only_on_its_neighbours_and_stays_right() -> None:
                 current = instr.kernel
             elif isinstance(instr, SemWait):
                 waits_per_kernel[current] = waits_per_kernel.get(current, 0) + 1
-        assert max(waits_per_kernel.values(), default=0) <= 3
+        # each other core at most twice per kernel: its parts have arrived (read after
+        # write), and it has finished with the buffer they overwrite (write after read);
+        # never a wait for any earlier kernel
+        assert max(waits_per_kernel.values(), default=0) <= 2 * 3
     x = np.random.default_rng(8).standard_normal((8, 64)).astype(np.float32)
     np.testing.assert_array_equal(
         run_qpc(result.qpc_path, {"x": x})[prev], _reference(model, {"x": x})

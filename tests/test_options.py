@@ -533,11 +533,9 @@ def test_device_profiles_carry_the_published_figures() -> None:
     assert (std.num_cores, pro.num_cores, ultra.num_cores, ultra.socs) == (14, 16, 64, 4)
     assert (std.ddr_bytes, pro.ddr_bytes, ultra.ddr_bytes) == (16 << 30, 32 << 30, 128 << 30)
     assert std.vtcm_bytes_per_core == 8_323_072 and std.l2_bytes == 1 << 20
-    assert (std.hmx_fp16_macs_per_cycle, std.hmx_int8_macs_per_cycle, std.hvx_threads) == (
-        4096,
-        8192,
-        4,
-    )
+    assert (std.hmx_fp16_macs_per_cycle, std.hvx_threads) == (4096, 4)
+    assert (std.fp16_tflops, std.int8_tops, pro.fp16_tflops, pro.int8_tops) == (110, 325, 125, 375)
+    assert std.noc_bandwidth_bytes_per_s == 186e9 and std.ddr_bandwidth_bytes_per_s == 137e9
     assert std.pci_device_id == 0xA100 and get_device("aic080").pci_device_id == 0xA080
 
 
@@ -545,6 +543,14 @@ def test_clock_is_derived_from_the_published_fp16_peak() -> None:
     std = get_device("aic100-standard")
     assert std.clock_hz == clock_from_tflops(110.0, 14)
     assert abs(std.peak_fp16_flops_per_core * std.num_cores - 110e12) < 1e6
+
+
+def test_the_int8_rate_comes_from_the_published_int8_peak_not_twice_fp16() -> None:
+    for name, tops in (("aic100-standard", 325e12), ("aic100-pro", 375e12)):
+        device = get_device(name)
+        peak = device.hmx_int8_macs_per_cycle * 2 * device.clock_hz * device.num_cores
+        assert abs(peak - tops) / tops < 1e-3
+        assert device.hmx_int8_macs_per_cycle != 2 * device.hmx_fp16_macs_per_cycle
 
 
 def test_bf16_only_on_ai200_and_aic080_has_fewer_cores() -> None:

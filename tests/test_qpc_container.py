@@ -84,9 +84,9 @@ def relu_program(num_cores: int = 1, dtype: str = "float32") -> Program:
     for core in range(num_cores):
         box = ((2 * core, 2 * core + 2), (0, 4))
         stream: list[Instr] = [
-            DmaLoad(1, box, 0),
-            RunKernel(0, box, (Operand(0, box),), (Operand(64, box),)),
-            DmaStore(2, box, 64),
+            DmaLoad(1, box, 0, box, 1 << core, 0),
+            RunKernel(0, box, (Operand.at(0, box),), (Operand.at(64, box),)),
+            DmaStore(2, box, 64, box, 0),
         ]
         if num_cores > 1:
             stream.append(SemPost(0) if core else SemWait(0, num_cores - 1))

@@ -1,217 +1,872 @@
-"""Turn tiled kernels and the memory plan into per-core streams of DMA, kernel and semaphores.
+"""Turn tiled kernels into per-core instruction streams: data movement, kernels, semaphores.
 
-Each kernel owns one semaphore; every core that runs tiles of it posts once when done. Before
-its first tile of a kernel, a core waits for every earlier kernel it depends on: the writers of
-what it reads (read after write), and the readers and writers of the DDR bytes it is about to
-overwrite, which liveness-based reuse makes possible (write after read, write after write).
+Three steps, each on the whole program:
+
+1. `build_schedule` walks the kernels in order and writes every core's operations: loads of
+   weights and of DDR activations into VTCM (one multicast DMA where several cores need the
+   same box), NoC copies that bring an on-chip activation from the cores that produced it to
+   the cores that read it (halo rows to a neighbour, or every part to every core when a
+   kernel needs the whole tensor), kernel tiles, and stores to DDR. Operands name VTCM
+   buffers, not yet offsets. Tiles are software-pipelined: the loads of tile j+1 are issued
+   before tile j runs, into the other half of a double buffer.
+2. `allocate` (see `vtcm`) gives every buffer an offset valid on every core.
+3. `materialize` resolves offsets and adds the semaphores: it walks the operations in
+   program order over one address space (DDR and every core's VTCM), finds for each operation
+   the earlier operations of other cores it conflicts with (read after write, write after
+   read or write), and makes it wait for a post placed right after the latest of them on each
+   such core. A post is a fence of everything its core did before, and vector clocks drop
+   waits that an earlier wait already implies.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.lower import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
 from compiler_core.lowering.program import (
+    KIND_CONSTANT,
+    KIND_INPUT,
+    KIND_ONCHIP,
+    KIND_OUTPUT,
     DmaLoad,
     DmaStore,
     Instr,
+    NocCopy,
     Operand,
+    Piece,
     Program,
     RunKernel,
     SemPost,
     SemWait,
     TensorDesc,
+    box_nbytes,
+    cores_in,
+    mask_of,
 )
-from compiler_core.ops.registry import box_shape, full_box
+from compiler_core.lowering.tiling import TileSpec
+from compiler_core.lowering.vtcm import Buffer, align, step_of
+from compiler_core.ops.registry import Box, full_box
 
-ALIGN = 64
+LOAD, STORE, NOC, RUN = 1, 2, 3, 4
+
+BufRef = tuple[int, int]
+"""(buffer id, byte offset inside the buffer)."""
 
 
-def _bytes(box: tuple[tuple[int, int], ...], dtype: str) -> int:
-    n = int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+@dataclass
+class Op:
+    core: int
+    kind: int
+    kernel: int
+    tensor: int = -1
+    box: Box = ()
+    dst: BufRef | None = None
+    dst_box: Box = ()
+    src: BufRef | None = None
+    src_box: Box = ()
+    mask: int = 0
+    out_box: Box = ()
+    inputs: tuple[tuple[Box, tuple[tuple[BufRef, Box], ...]] | None, ...] = ()
+    outputs: tuple[tuple[Box, BufRef, Box] | None, ...] = ()
 
 
-class _Hazards:
-    """Who last wrote each DDR byte range and who read it since: the kernels a new access
-    must wait for. Earlier accessors need no wait: the last writer waited for them already."""
+@dataclass(frozen=True)
+class Placement:
+    """Where data lives: `chip` roots stay in their producers' VTCM (read by others over the
+    NoC); `resident` (kernel, input slot) weights are loaded once at activation."""
 
-    def __init__(self) -> None:
-        self.bounds: list[int] = []  # sorted segment starts; a segment runs to the next bound
-        self.writer: list[int] = []  # per segment, -1 when never written
-        self.readers: list[tuple[int, ...]] = []
+    chip: frozenset[int] = frozenset()
+    resident: frozenset[tuple[int, int]] = frozenset()
+    double_buffer: bool = True
+    multicast: bool = True
+    """Off: a box several cores need is moved once per core."""
+    prefetch: bool = True
+    """A kernel's input buffers may be filled while the previous kernel still computes
+    (their lifetimes overlap it); off when VTCM is too tight for that."""
+
+
+@dataclass
+class _Slot:
+    core: int
+    box: Box
+    ref: BufRef
+
+
+@dataclass
+class Schedule:
+    ops: list[Op]
+    setup: list[Op]
+    buffers: list[Buffer]
+    placement: Placement
+    num_cores: int
+    chip_bytes: dict[int, int] = field(default_factory=dict)
+    """Per on-chip root, the VTCM bytes its buffer takes on every core."""
+
+
+def _tile_out_boxes(graph: LoweredGraph, kernel: int, tile: TileSpec) -> list[Box | None]:
+    outputs = graph.kernels[kernel].desc.outputs
+    single = len(outputs) == 1
+    return [
+        None if t < 0 else (tile.out_box if single else full_box(graph.tensors[t].shape))
+        for t in outputs
+    ]
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _bounding(boxes: list[Box]) -> Box:
+    return tuple(
+        (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes)) for a in range(len(boxes[0]))
+    )
+
+
+def consumers_of(graph: LoweredGraph) -> dict[int, list[int]]:
+    """Root tensor -> kernels that read it (through any alias), in order."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for index, lk in enumerate(graph.kernels):
+        for t in lk.desc.inputs:
+            if t >= 0:
+                root = graph.root(t)
+                if not out[root] or out[root][-1] != index:
+                    out[root].append(index)
+    return out
+
+
+def producer_of(graph: LoweredGraph) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for index, lk in enumerate(graph.kernels):
+        for t in lk.desc.outputs:
+            if t >= 0:
+                out[t] = index
+    return out
+
+
+class _Builder:
+    def __init__(self, graph: LoweredGraph, placement: Placement) -> None:
+        self.graph = graph
+        self.placement = placement
+        self.cores = graph.num_cores
+        self.ops: list[Op] = []
+        self.setup: list[Op] = []
+        self.buffers: list[Buffer] = []
+        self.slots: dict[int, list[_Slot]] = {}
+        self.consumers = consumers_of(graph)
+        self.producer = producer_of(graph)
+        """NoC copies count as their producer's work: its core runs them, even when it
+        runs no tile of the kernel they feed."""
+        self.chip_bytes: dict[int, int] = {}
+        self.resident_refs: dict[tuple[int, int], dict[int, tuple[BufRef, Box]]] = {}
+        self.run_start: dict[int, int] = {}
+        """Where each kernel's last tiles sit in `ops`, after its last loads: the next
+        kernel's weights are hoisted there, to load while those tiles compute."""
+
+    def buffer(
+        self, size: int, first: int, last: int, what: str, resident: bool = False, root: int = -1
+    ) -> int:
+        buf = Buffer(len(self.buffers), size, first, last, resident, what, root)
+        self.buffers.append(buf)
+        return buf.id
+
+    def fan(self, cores: list[int]) -> list[list[int]]:
+        """Cores that get one transfer together: all of them (multicast), or one each."""
+        return [cores] if self.placement.multicast else [[c] for c in cores]
+
+    def dtype(self, tid: int) -> str:
+        return self.graph.tensors[tid].dtype
+
+    # ------------------------------------------------------------------------- resident
+
+    def residents(self) -> None:
+        """Resident weights: each core keeps the bounding box of what its tiles read, at one
+        offset on every core; cores that need the same box get it by one multicast."""
+        graph = self.graph
+        for k, slot in sorted(self.placement.resident):
+            lk = graph.kernels[k]
+            tid = lk.desc.inputs[slot]
+            boxes: dict[int, list[Box]] = defaultdict(list)
+            for tile in lk.tiles:
+                box = tile.in_boxes[slot]
+                if box is not None:
+                    boxes[tile.core].append(box)
+            if not boxes:
+                continue
+            per_core = {c: _bounding(b) for c, b in boxes.items()}
+            size = max(box_nbytes(b, self.dtype(tid)) for b in per_core.values())
+            name = lk.desc.name
+            buf = self.buffer(size, 0, 1 << 40, f"weights of {name}", resident=True)
+            self.resident_refs[(k, slot)] = {c: ((buf, 0), b) for c, b in per_core.items()}
+            groups: dict[Box, list[int]] = defaultdict(list)
+            for c, b in sorted(per_core.items()):
+                groups[b].append(c)
+            for box, all_cores in groups.items():
+                for cores in self.fan(all_cores):
+                    self.setup.append(
+                        Op(
+                            core=cores[0],
+                            kind=LOAD,
+                            kernel=k,
+                            tensor=tid,
+                            box=box,
+                            dst=(buf, 0),
+                            dst_box=box,
+                            mask=mask_of(cores),
+                        )
+                    )
+
+    # -------------------------------------------------------------------------- kernels
+
+    def kernel(self, k: int) -> None:
+        graph = self.graph
+        lk = graph.kernels[k]
+        desc = lk.desc
+        by_core: dict[int, list[TileSpec]] = defaultdict(list)
+        for tile in lk.tiles:
+            by_core[tile.core].append(tile)
+        steps = max(len(t) for t in by_core.values())
+        compute = step_of(k, True)
+        first = step_of(k, False) - (1 if self.placement.prefetch else 0)
+        double = self.placement.double_buffer and steps > 1
+        parities = 2 if double else 1
+
+        # outputs: on-chip slots, or double-buffered scratch stored to DDR
+        out_refs: dict[tuple[int, int, int], BufRef] = {}  # (core, step, slot) -> ref
+        stores: list[int] = []
+        for o, tid in enumerate(desc.outputs):
+            if tid < 0:
+                continue
+            dtype = self.dtype(tid)
+            if tid in self.placement.chip:
+                last = max((step_of(c, True) for c in self.consumers.get(tid, [])), default=compute)
+                sizes = {
+                    c: sum(
+                        align(box_nbytes(_tile_out_boxes(graph, k, t)[o] or (), dtype)) for t in ts
+                    )
+                    for c, ts in by_core.items()
+                }
+                size = max(sizes.values())
+                buf = self.buffer(size, compute, last, f"output of {desc.name}", root=tid)
+                self.chip_bytes[tid] = size
+                slots = []
+                for c, ts in sorted(by_core.items()):
+                    delta = 0
+                    for j, t in enumerate(ts):
+                        box = _tile_out_boxes(graph, k, t)[o]
+                        assert box is not None
+                        out_refs[(c, j, o)] = (buf, delta)
+                        slots.append(_Slot(c, box, (buf, delta)))
+                        delta += align(box_nbytes(box, dtype))
+                self.slots[tid] = slots
+                if graph.tensors[tid].kind == KIND_OUTPUT:
+                    stores.append(o)  # a graph output its consumers read on chip
+            else:
+                stores.append(o)
+                size = max(
+                    box_nbytes(_tile_out_boxes(graph, k, t)[o] or (), dtype) for t in lk.tiles
+                )
+                bufs = [
+                    self.buffer(size, first, compute, f"output tile of {desc.name}")
+                    for _ in range(parities)
+                ]
+                for c, ts in by_core.items():
+                    for j in range(len(ts)):
+                        out_refs[(c, j, o)] = (bufs[j % parities], 0)
+
+        # inputs
+        operand: dict[tuple[int, int, int], tuple[Box, tuple[tuple[BufRef, Box], ...]]] = {}
+        streamed: list[int] = []
+        for i, tid in enumerate(desc.inputs):
+            if tid < 0:
+                continue
+            root = graph.root(tid)
+            if (k, i) in self.resident_refs:
+                refs = self.resident_refs[(k, i)]
+                for c, ts in by_core.items():
+                    for j, t in enumerate(ts):
+                        box = t.in_boxes[i]
+                        if box is not None:
+                            ref, held = refs[c]
+                            operand[(c, j, i)] = (box, ((ref, held),))
+            elif root in self.placement.chip:
+                self.chip_input(k, i, tid, root, by_core, operand)
+            else:
+                streamed.append(i)
+
+        scratch: dict[int, list[int]] = {}
+        for i in streamed:
+            tid = desc.inputs[i]
+            size = max(
+                box_nbytes(t.in_boxes[i], self.dtype(tid))
+                for t in lk.tiles
+                if t.in_boxes[i] is not None
+            )
+            scratch[i] = [
+                self.buffer(size, first, compute, f"input tile of {desc.name}")
+                for _ in range(parities)
+            ]
+        held: dict[tuple[int, int], tuple[Box, int]] = {}  # (core, slot) -> (box, parity)
+
+        def loads(j: int) -> None:
+            groups: dict[tuple[int, Box, int], list[int]] = defaultdict(list)
+            for c in sorted(by_core):
+                ts = by_core[c]
+                if j >= len(ts):
+                    continue
+                for i in streamed:
+                    box = ts[j].in_boxes[i]
+                    if box is None:
+                        continue
+                    last = held.get((c, i))
+                    if last is not None and last[0] == box:
+                        operand[(c, j, i)] = (box, (((scratch[i][last[1]], 0), box),))
+                        continue
+                    parity = (1 - last[1]) % parities if last is not None else j % parities
+                    held[(c, i)] = (box, parity)
+                    groups[(i, box, parity)].append(c)
+                    operand[(c, j, i)] = (box, (((scratch[i][parity], 0), box),))
+            for (i, box, parity), all_cores in groups.items():
+                # a weight of the first tiles depends on nothing: it is issued early, while
+                # the kernel before still computes (its buffer's lifetime allows it)
+                weight = graph.tensors[graph.root(desc.inputs[i])].kind == KIND_CONSTANT
+                target = early if j == 0 and weight and self.placement.prefetch else self.ops
+                for cores in self.fan(all_cores):
+                    target.append(
+                        Op(
+                            core=cores[0],
+                            kind=LOAD,
+                            kernel=k,
+                            tensor=desc.inputs[i],
+                            box=box,
+                            dst=(scratch[i][parity], 0),
+                            dst_box=box,
+                            mask=mask_of(cores),
+                        )
+                    )
+
+        def runs(j: int) -> None:
+            if j == steps - 1:
+                self.run_start[k] = len(self.ops)
+            for c in sorted(by_core):
+                ts = by_core[c]
+                if j >= len(ts):
+                    continue
+                tile = ts[j]
+                ins = tuple(
+                    operand.get((c, j, i)) if tid >= 0 else None
+                    for i, tid in enumerate(desc.inputs)
+                )
+                out_boxes = _tile_out_boxes(graph, k, tile)
+                outs = tuple(
+                    None if box is None else (box, out_refs[(c, j, o)], box)
+                    for o, box in enumerate(out_boxes)
+                )
+                self.ops.append(
+                    Op(core=c, kind=RUN, kernel=k, out_box=tile.out_box, inputs=ins, outputs=outs)
+                )
+                for o in stores:
+                    box = out_boxes[o]
+                    assert box is not None
+                    self.ops.append(
+                        Op(
+                            core=c,
+                            kind=STORE,
+                            kernel=k,
+                            tensor=desc.outputs[o],
+                            box=box,
+                            src=out_refs[(c, j, o)],
+                            src_box=box,
+                        )
+                    )
+
+        early: list[Op] = []
+        if double:  # software pipelining: tile j+1 loads while tile j runs
+            loads(0)
+            for j in range(1, steps):
+                loads(j)
+                runs(j - 1)
+            runs(steps - 1)
+        else:
+            for j in range(steps):
+                loads(j)
+                runs(j)
+        if early:
+            at = self.run_start.get(k - 1, len(self.ops))
+            self.ops[at:at] = early
+            if k in self.run_start:  # this kernel's own tiles moved down
+                self.run_start[k] += len(early)
+
+    def push(
+        self, root: int, slot: _Slot, part: Box, dst: BufRef, dst_box: Box, cores: list[int]
+    ) -> None:
+        """The producing core sends `part` of its tile over the NoC to `cores`' buffer."""
+        self.ops.append(
+            Op(
+                core=slot.core,
+                kind=NOC,
+                kernel=self.producer[root],
+                tensor=root,
+                box=part,
+                src=slot.ref,
+                src_box=slot.box,
+                dst=dst,
+                dst_box=dst_box,
+                mask=mask_of(cores),
+            )
+        )
+
+    def chip_input(
+        self,
+        k: int,
+        i: int,
+        tid: int,
+        root: int,
+        by_core: dict[int, list[TileSpec]],
+        operand: dict[tuple[int, int, int], tuple[Box, tuple[tuple[BufRef, Box], ...]]],
+    ) -> None:
+        """Operands of an on-chip activation: the producer's own buffers where the data is
+        local; otherwise NoC copies pushed by the producing cores, into halo slots (a few
+        neighbours' rows) or a gather buffer (most of the tensor, multicast to every core)."""
+        graph = self.graph
+        name = graph.kernels[k].desc.name
+        slots = self.slots[root]
+        dtype = self.dtype(tid)
+        root_t: LTensor = graph.tensors[root]
+        reshaped = graph.tensors[tid].shape != root_t.shape
+        compute = step_of(k, True)
+        first = step_of(k, False) - (1 if self.placement.prefetch else 0)
+        if reshaped:
+            whole_root = full_box(root_t.shape)
+            whole = full_box(graph.tensors[tid].shape)
+            local = {
+                c
+                for c, ts in by_core.items()
+                if len(slots) == 1 and slots[0].core == c and slots[0].box == whole_root
+            }
+            if len(local) == len(by_core):
+                for c, ts in by_core.items():
+                    for j, t in enumerate(ts):
+                        box = t.in_boxes[i]
+                        if box is not None:
+                            operand[(c, j, i)] = (box, ((slots[0].ref, whole),))
+                return
+            size = box_nbytes(whole_root, dtype)
+            buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
+            for slot in slots:
+                for cores in self.fan(sorted(by_core)):
+                    self.push(root, slot, slot.box, (buf, 0), whole_root, cores)
+            for c, ts in by_core.items():
+                for j, t in enumerate(ts):
+                    box = t.in_boxes[i]
+                    if box is not None:
+                        operand[(c, j, i)] = (box, (((buf, 0), whole),))
+            return
+
+        needs: dict[tuple[int, int], tuple[Box, list[_Slot], list[_Slot]]] = {}
+        most_remote = 0
+        for c, ts in by_core.items():
+            for j, t in enumerate(ts):
+                box = t.in_boxes[i]
+                if box is None:
+                    continue
+                hit = [s for s in slots if _intersect(s.box, box) is not None]
+                mine = [s for s in hit if s.core == c]
+                remote = [s for s in hit if s.core != c]
+                needs[(c, j)] = (box, mine, remote)
+                most_remote = max(most_remote, len(remote))
+        if most_remote == 0:
+            for (c, j), (box, mine, _) in needs.items():
+                operand[(c, j, i)] = (box, tuple((s.ref, s.box) for s in mine))
+            return
+        if most_remote <= 2:
+            # halo: each remote part that a tile reads lands in a slot of its own
+            layout: dict[int, int] = defaultdict(int)
+            pieces: list[tuple[int, int, _Slot, Box, int]] = []
+            for (c, j), (box, _, remote) in sorted(needs.items()):
+                for s in remote:
+                    part = _intersect(s.box, box)
+                    assert part is not None
+                    pieces.append((c, j, s, part, layout[c]))
+                    layout[c] += align(box_nbytes(part, dtype))
+            buf = self.buffer(max(layout.values()), first, compute, f"halo of {name}")
+            extra: dict[tuple[int, int], list[tuple[BufRef, Box]]] = defaultdict(list)
+            for c, j, s, part, delta in pieces:
+                self.push(root, s, part, (buf, delta), part, [c])
+                extra[(c, j)].append(((buf, delta), part))
+            for (c, j), (box, mine, _) in needs.items():
+                operand[(c, j, i)] = (box, (*((s.ref, s.box) for s in mine), *extra[(c, j)]))
+            return
+        # gather: each core receives the bounding box of what its tiles read
+        wanted: dict[int, Box] = {}
+        for c in by_core:
+            boxes = [needs[(c, j)][0] for j in range(len(by_core[c])) if (c, j) in needs]
+            if boxes:
+                wanted[c] = _bounding(boxes)
+        size = max(box_nbytes(b, dtype) for b in wanted.values())
+        buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
+        by_box: dict[Box, list[int]] = defaultdict(list)
+        for c, b in sorted(wanted.items()):
+            by_box[b].append(c)
+        for slot in slots:
+            for g_box, all_cores in by_box.items():
+                part = _intersect(slot.box, g_box)
+                if part is None:
+                    continue
+                for cores in self.fan(all_cores):
+                    self.push(root, slot, part, (buf, 0), g_box, cores)
+        for (c, j), (box, _, _) in needs.items():
+            operand[(c, j, i)] = (box, (((buf, 0), wanted[c]),))
+
+
+def build_schedule(graph: LoweredGraph, placement: Placement) -> Schedule:
+    builder = _Builder(graph, placement)
+    builder.residents()
+    for k in range(len(graph.kernels)):
+        builder.kernel(k)
+    return Schedule(
+        ops=builder.ops,
+        setup=builder.setup,
+        buffers=builder.buffers,
+        placement=placement,
+        num_cores=graph.num_cores,
+        chip_bytes=builder.chip_bytes,
+    )
+
+
+# ------------------------------------------------------------------------------- hazards
+
+VTCM_SPAN = 1 << 34
+"""Each core's VTCM gets its own window of the one address space the hazards are kept in."""
+
+
+class _VtcmHazards:
+    """Per byte range of some core's VTCM: the op that last wrote it and those that read it
+    since (ops as global indices)."""
+
+    def __init__(self, core_of: list[int]) -> None:
+        self.bounds: list[int] = [0]
+        self.writer: list[int] = [-1]
+        self.readers: list[tuple[int, ...]] = [()]
+        self.core_of = core_of
 
     def _split(self, at: int) -> int:
-        """Index of the segment starting at `at`, splitting the one that contains it."""
-        i = bisect.bisect_left(self.bounds, at)
-        if i < len(self.bounds) and self.bounds[i] == at:
+        import bisect
+
+        i = bisect.bisect_right(self.bounds, at) - 1
+        if self.bounds[i] == at:
             return i
-        if i == 0:
-            self.bounds.insert(0, at)
-            self.writer.insert(0, -1)
-            self.readers.insert(0, ())
-            return 0
-        self.bounds.insert(i, at)
-        self.writer.insert(i, self.writer[i - 1])
-        self.readers.insert(i, self.readers[i - 1])
-        return i
+        self.bounds.insert(i + 1, at)
+        self.writer.insert(i + 1, self.writer[i])
+        self.readers.insert(i + 1, self.readers[i])
+        return i + 1
 
-    def _segments(self, start: int, stop: int) -> range:
-        first = self._split(start)
-        last = self._split(stop)
-        return range(first, last)
+    def _range(self, lo: int, hi: int) -> range:
+        first = self._split(lo)
+        return range(first, self._split(hi))
 
-    def read(self, start: int, stop: int, kernel: int, deps: set[int]) -> None:
-        for i in self._segments(start, stop):
+    def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        for i in self._range(lo, hi):
             if self.writer[i] >= 0:
                 deps.add(self.writer[i])
-            if kernel not in self.readers[i]:
-                self.readers[i] = (*self.readers[i], kernel)
+            # each core's latest reader stands for its earlier ones (a post is a fence)
+            core = self.core_of[op]
+            self.readers[i] = (*(r for r in self.readers[i] if self.core_of[r] != core), op)
 
-    def write(self, start: int, stop: int, kernel: int, deps: set[int]) -> None:
-        for i in self._segments(start, stop):
+    def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        r = self._range(lo, hi)
+        for i in r:
             if self.writer[i] >= 0:
                 deps.add(self.writer[i])
             deps.update(self.readers[i])
-            self.writer[i] = kernel
-            self.readers[i] = ()
+        # one segment for the whole written range
+        first, last = r.start, r.stop
+        del self.bounds[first + 1 : last]
+        del self.writer[first + 1 : last]
+        del self.readers[first + 1 : last]
+        self.writer[first] = op
+        self.readers[first] = ()
 
 
-def _dependencies(graph: LoweredGraph, plan: MemoryPlan) -> list[set[int]]:
-    """For every kernel, the earlier kernels it must wait for: writers of what it reads
-    (read after write), and readers and writers of the bytes it overwrites (write after read
-    or write, which liveness-based reuse makes possible)."""
-    ranges: dict[int, tuple[int, int]] = {}
-    for t in graph.tensors:
-        root = graph.root(t.id)
-        if root in plan.offsets and graph.tensors[root].nbytes > 0:
-            start = plan.offsets[root]
-            ranges[t.id] = (start, start + graph.tensors[root].nbytes)
-    hazards = _Hazards()
-    deps: list[set[int]] = []
-    for index, kernel in enumerate(graph.kernels):
-        mine: set[int] = set()
-        reads = {ranges[t] for t in kernel.desc.inputs if t >= 0 and t in ranges}
-        writes = {ranges[t] for t in kernel.desc.outputs if t >= 0 and t in ranges}
-        for start, stop in sorted(reads):
-            hazards.read(start, stop, index, mine)
-        for start, stop in sorted(writes):
-            hazards.write(start, stop, index, mine)
-        mine.discard(index)
-        deps.append(mine)
-    return deps
+class _DdrHazards:
+    """Per DDR tensor (root): the boxes written and read, and by which ops; tensors that
+    reuse each other's bytes (liveness-based DDR reuse) conflict as a whole."""
+
+    def __init__(self, graph: LoweredGraph, plan: MemoryPlan) -> None:
+        self.graph = graph
+        self.writes: dict[int, list[tuple[Box | None, int]]] = defaultdict(list)
+        self.reads: dict[int, list[tuple[Box | None, int]]] = defaultdict(list)
+        self.inherited: dict[int, tuple[int, ...]] = {}
+        self.core_of: list[int] = []
+        """The core of every op, by global index (filled as ops are walked)."""
+        spans = sorted(
+            (plan.offsets[r], plan.offsets[r] + graph.tensors[r].nbytes, r)
+            for r in plan.offsets
+            if graph.tensors[r].kind not in (KIND_CONSTANT,) and graph.tensors[r].nbytes > 0
+        )
+        self.overlaps: dict[int, list[int]] = defaultdict(list)
+        for a in range(len(spans)):
+            lo, hi, r = spans[a]
+            for b in range(a + 1, len(spans)):
+                lo2, _, r2 = spans[b]
+                if lo2 >= hi:
+                    break
+                self.overlaps[r].append(r2)
+                self.overlaps[r2].append(r)
+
+    def _key(self, tid: int, box: Box) -> tuple[int, Box | None]:
+        root = self.graph.root(tid)
+        if self.graph.tensors[tid].shape == self.graph.tensors[root].shape:
+            return root, box
+        return root, None
+
+    @staticmethod
+    def _meets(a: Box | None, b: Box | None) -> bool:
+        return a is None or b is None or _intersect(a, b) is not None
+
+    def read(self, tid: int, box: Box, op: int, deps: set[int]) -> None:
+        root, key = self._key(tid, box)
+        deps.update(w for b, w in self.writes[root] if self._meets(b, key))
+        self.reads[root].append((key, op))
+
+    def write(self, tid: int, box: Box, op: int, deps: set[int]) -> None:
+        root, key = self._key(tid, box)
+        deps.update(w for b, w in self.writes[root] if self._meets(b, key))
+        deps.update(r for b, r in self.reads[root] if self._meets(b, key))
+        if root not in self.inherited:
+            # The bytes were another tensor's: every writer of this one waits for all of
+            # that tensor's accesses (each core's latest is enough: a post is a fence).
+            latest: dict[int, int] = {}
+            for other in self.overlaps.get(root, ()):
+                for _, op in (*self.writes.get(other, ()), *self.reads.get(other, ())):
+                    core = self.core_of[op]
+                    latest[core] = max(latest.get(core, -1), op)
+            self.inherited[root] = tuple(latest.values())
+        deps.update(self.inherited[root])
+        if key is None:
+            self.writes[root] = [(None, op)]
+            self.reads[root] = []
+        else:
+            self.writes[root] = [(b, w) for b, w in self.writes[root] if not _covers(key, b)]
+            self.reads[root] = [(b, r) for b, r in self.reads[root] if not _covers(key, b)]
+            self.writes[root].append((key, op))
 
 
-def emit_program(graph: LoweredGraph, plan: MemoryPlan) -> Program:
+def _covers(outer: Box, inner: Box | None) -> bool:
+    return inner is not None and all(
+        o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True)
+    )
+
+
+def materialize(
+    schedule: Schedule, graph: LoweredGraph, plan: MemoryPlan, resident: int
+) -> tuple[list[list[Instr]], list[list[Instr]], int, list[int]]:
+    """Streams (with semaphores), activation streams, the number of semaphores and the VTCM
+    each core uses."""
+    cores = schedule.num_cores
+    buffers = schedule.buffers
+    tensors = graph.tensors
+    id_map = _tensor_ids(graph, plan, schedule.placement.chip)
+
+    def at(ref: BufRef) -> int:
+        return buffers[ref[0]].offset + ref[1]
+
+    def span(core: int, ref: BufRef, box: Box, tid: int) -> tuple[int, int]:
+        lo = core * VTCM_SPAN + at(ref)
+        return lo, lo + box_nbytes(box, tensors[tid].dtype)
+
+    vtcm_used = [0] * cores
+    ddr = _DdrHazards(graph, plan)
+    vtcm = _VtcmHazards(ddr.core_of)
+    ops = schedule.ops
+    position: list[int] = []
+    counts = [0] * cores
+    clocks: list[list[int]] = [[-1] * cores for _ in range(cores)]
+    clock_at: list[tuple[int, ...]] = []
+    waits: list[list[tuple[int, int]]] = []
+    post_after: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        c = op.core
+        ddr.core_of.append(c)
+        deps: set[int] = set()
+        if op.kind == LOAD:
+            ddr.read(op.tensor, op.box, index, deps)
+            assert op.dst is not None
+            for target in cores_in(op.mask):
+                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
+                vtcm_used[target] = max(
+                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
+                )
+        elif op.kind == STORE:
+            assert op.src is not None
+            vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
+            ddr.write(op.tensor, op.box, index, deps)
+        elif op.kind == NOC:
+            assert op.src is not None and op.dst is not None
+            vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
+            for target in cores_in(op.mask):
+                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
+                vtcm_used[target] = max(
+                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
+                )
+        else:
+            desc = graph.kernels[op.kernel].desc
+            for tid, operand in zip(desc.inputs, op.inputs, strict=True):
+                if operand is None or tid < 0:
+                    continue
+                for ref, box in operand[1]:
+                    vtcm.read(*span(c, ref, box, tid), index, deps)
+            for tid, out in zip(desc.outputs, op.outputs, strict=True):
+                if out is None or tid < 0:
+                    continue
+                vtcm.write(*span(c, out[1], out[2], tid), index, deps)
+                vtcm_used[c] = max(vtcm_used[c], span(0, out[1], out[2], tid)[1])
+        deps.discard(index)
+        mine = clocks[c]
+        latest: dict[int, int] = {}  # core -> its latest op this one depends on
+        for d in deps:
+            dc = ops[d].core
+            if dc != c and (dc not in latest or position[d] > position[latest[dc]]):
+                latest[dc] = d
+        mine_waits: list[tuple[int, int]] = []
+        for dc in sorted(latest):
+            d = latest[dc]
+            if mine[dc] >= position[d]:
+                continue
+            sem = post_after.setdefault(d, len(post_after))
+            mine_waits.append((sem, d))
+            snapshot = clock_at[d]
+            for x in range(cores):
+                if snapshot[x] > mine[x]:
+                    mine[x] = snapshot[x]
+            mine[dc] = max(mine[dc], position[d])
+        waits.append(mine_waits)
+        position.append(counts[c])
+        counts[c] += 1
+        clock_at.append(tuple(mine))
+        mine[c] = position[index]
+
+    streams: list[list[Instr]] = [[] for _ in range(cores)]
+    for index, op in enumerate(ops):
+        stream = streams[op.core]
+        for sem, _ in waits[index]:
+            stream.append(SemWait(sem=sem, count=1))
+        stream.append(_instr(op, at, id_map))
+        if index in post_after:
+            stream.append(SemPost(sem=post_after[index]))
+    setup: list[list[Instr]] = [[] for _ in range(cores)]
+    for op in schedule.setup:
+        setup[op.core].append(_instr(op, at, id_map))
+    for c in range(cores):
+        vtcm_used[c] = max(vtcm_used[c], resident if resident else 0)
+    return streams, setup, len(post_after), vtcm_used
+
+
+def _instr(op: Op, resolve: Callable[[BufRef], int], id_map: dict[int, int]) -> Instr:
+    if op.kind == LOAD:
+        assert op.dst is not None
+        return DmaLoad(id_map[op.tensor], op.box, resolve(op.dst), op.dst_box, op.mask, op.kernel)
+    if op.kind == STORE:
+        assert op.src is not None
+        return DmaStore(id_map[op.tensor], op.box, resolve(op.src), op.src_box, op.kernel)
+    if op.kind == NOC:
+        assert op.src is not None and op.dst is not None
+        return NocCopy(
+            id_map[op.tensor],
+            op.box,
+            resolve(op.src),
+            op.src_box,
+            resolve(op.dst),
+            op.dst_box,
+            op.mask,
+            op.kernel,
+        )
+    ins = tuple(
+        None
+        if operand is None
+        else Operand(operand[0], tuple(Piece(resolve(ref), box) for ref, box in operand[1]))
+        for operand in op.inputs
+    )
+    outs = tuple(
+        None if out is None else Operand(out[0], (Piece(resolve(out[1]), out[2]),))
+        for out in op.outputs
+    )
+    return RunKernel(kernel=op.kernel, out_box=op.out_box, inputs=ins, outputs=outs)
+
+
+def _onchip(graph: LoweredGraph, tid: int, chip: frozenset[int]) -> bool:
+    """Only in VTCM: kept on chip and not a graph output (outputs are stored as well)."""
+    root = graph.root(tid)
+    return root in chip and graph.tensors[root].kind != KIND_OUTPUT
+
+
+def _tensor_ids(graph: LoweredGraph, plan: MemoryPlan, chip: frozenset[int]) -> dict[int, int]:
+    kept = [
+        t for t in graph.tensors if graph.root(t.id) in plan.offsets or graph.root(t.id) in chip
+    ]
+    return {t.id: i for i, t in enumerate(kept)}
+
+
+def emit_program(
+    graph: LoweredGraph, plan: MemoryPlan, schedule: Schedule, resident: int
+) -> Program:
+    chip = schedule.placement.chip
+    id_map = _tensor_ids(graph, plan, chip)
     tensors = [
         TensorDesc(
-            id=t.id,
+            id=id_map[t.id],
             name=t.name,
             dtype=t.dtype,
             shape=t.shape,
-            kind=t.kind,
-            ddr_offset=plan.offset(graph, t.id),
+            kind=KIND_ONCHIP if _onchip(graph, t.id, chip) else t.kind,
+            ddr_offset=0 if _onchip(graph, t.id, chip) else plan.offset(graph, t.id),
             nbytes=t.nbytes,
         )
         for t in graph.tensors
-        if graph.root(t.id) in plan.offsets
+        if t.id in id_map
     ]
-    # Tensors never referenced are dropped from the table; keep ids dense by remapping.
-    id_map = {t.id: i for i, t in enumerate(tensors)}
-    tensors = [
-        TensorDesc(id_map[t.id], t.name, t.dtype, t.shape, t.kind, t.ddr_offset, t.nbytes)
-        for t in tensors
-    ]
-
-    deps = _dependencies(graph, plan)
-    cores_of = [sorted({tile.core for tile in k.tiles}) for k in graph.kernels]
-    # Everything a kernel waited for is complete once it posts: waiting for it implies them.
-    # Bit sets (Python ints): kernel d's bit is set when d is known to be complete.
-    implied: list[int] = []
-    for index in range(len(graph.kernels)):
-        closure = 0
-        for dep in deps[index]:
-            closure |= (1 << dep) | implied[dep]
-        implied.append(closure)
-    known: list[int] = [0] * graph.num_cores
-    streams: list[list[Instr]] = [[] for _ in range(graph.num_cores)]
-    vtcm_used = [0] * graph.num_cores
     kernels = []
-    for index, kernel in enumerate(graph.kernels):
-        desc = kernel.desc
-        remapped = type(desc)(
-            id=desc.id,
-            name=desc.name,
-            info=desc.info,
-            inputs=tuple(-1 if t < 0 else id_map[t] for t in desc.inputs),
-            outputs=tuple(-1 if t < 0 else id_map[t] for t in desc.outputs),
-            epilogue=desc.epilogue,
-            kernel=desc.kernel,
-            unit=desc.unit,
-            macs=desc.macs,
-            nodes=desc.nodes,
-            op_types=desc.op_types,
+    for lk in graph.kernels:
+        desc = lk.desc
+        kernels.append(
+            type(desc)(
+                id=desc.id,
+                name=desc.name,
+                info=desc.info,
+                inputs=tuple(-1 if t < 0 else id_map[t] for t in desc.inputs),
+                outputs=tuple(-1 if t < 0 else id_map[t] for t in desc.outputs),
+                epilogue=desc.epilogue,
+                kernel=desc.kernel,
+                unit=desc.unit,
+                macs=desc.macs,
+                nodes=desc.nodes,
+                op_types=desc.op_types,
+            )
         )
-        kernels.append(remapped)
-        by_core: dict[int, list] = defaultdict(list)
-        for tile in kernel.tiles:
-            by_core[tile.core].append(tile)
-        for core in cores_of[index]:
-            stream = streams[core]
-            for dep in sorted(deps[index], reverse=True):
-                if known[core] >> dep & 1:
-                    continue
-                if cores_of[dep] != [core]:
-                    stream.append(SemWait(sem=dep, count=len(cores_of[dep])))
-                known[core] |= (1 << dep) | implied[dep]
-            for tile in by_core[core]:
-                cursor = 0
-                in_ops: list[Operand | None] = []
-                for tid, box in zip(remapped.inputs, tile.in_boxes, strict=True):
-                    if tid < 0 or box is None:
-                        in_ops.append(None)
-                        continue
-                    stream.append(DmaLoad(tensor=tid, box=box, vtcm=cursor))
-                    in_ops.append(Operand(vtcm=cursor, box=box))
-                    cursor += _bytes(box, tensors[tid].dtype)
-                out_ops: list[Operand | None] = []
-                for tid in remapped.outputs:
-                    if tid < 0:
-                        out_ops.append(None)  # an unnamed optional output: computed, dropped
-                        continue
-                    # Only single-output kernels are tiled; the others write whole outputs.
-                    single = len(remapped.outputs) == 1
-                    box = tile.out_box if single else full_box(tensors[tid].shape)
-                    out_ops.append(Operand(vtcm=cursor, box=box))
-                    cursor += _bytes(box, tensors[tid].dtype)
-                stream.append(
-                    RunKernel(
-                        kernel=index,
-                        out_box=tile.out_box,
-                        inputs=tuple(in_ops),
-                        outputs=tuple(out_ops),
-                    )
-                )
-                for tid, operand in zip(remapped.outputs, out_ops, strict=True):
-                    if operand is not None:
-                        stream.append(DmaStore(tensor=tid, box=operand.box, vtcm=operand.vtcm))
-                vtcm_used[core] = max(vtcm_used[core], cursor)
-            stream.append(SemPost(sem=index))
-            if cores_of[index] == [core]:
-                known[core] |= 1 << index
-
+    streams, setup, num_semaphores, vtcm_used = materialize(schedule, graph, plan, resident)
     return Program(
         tensors=tensors,
         kernels=kernels,
         streams=streams,
-        num_semaphores=len(graph.kernels),
+        num_semaphores=num_semaphores,
         ddr_size=plan.ddr_size,
         constants_size=plan.constants_size,
         vtcm_used=vtcm_used,
         inputs=[id_map[t] for t in graph.inputs],
         outputs=[id_map[t] for t in graph.outputs],
+        setup=setup,
+        resident=resident,
     )
+
+
+__all__ = [
+    "KIND_INPUT",
+    "KIND_OUTPUT",
+    "Placement",
+    "Schedule",
+    "build_schedule",
+    "emit_program",
+]

@@ -24,6 +24,7 @@ from compiler_core.lowering.program import (
     EpilogueDesc,
     KernelDesc,
 )
+from compiler_core.lowering.splits import KernelSplit, SplitChooser
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
 from compiler_core.nodeinfo import (
     DECLARED_SHAPE,
@@ -57,6 +58,7 @@ class LTensor:
 class LKernel:
     desc: KernelDesc
     tiles: list[TileSpec]
+    request: TilingRequest | None = None
 
 
 @dataclass
@@ -83,6 +85,8 @@ class LoweringConfig:
     mos: int | None
     vtcm_budget: int
     granularity: int
+    device: DeviceProfile | None = None
+    """Whose rates price the splits (None: cut by bytes read alone)."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -94,6 +98,7 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         mos=getattr(options, "mos", None),
         vtcm_budget=int(device.vtcm_bytes_per_core * ratio),
         granularity=granularity_kib * 1024,
+        device=device,
     )
 
 
@@ -183,7 +188,7 @@ class _Builder:
             granularity=self.config.granularity,
             rotate=kid,
         )
-        tiles = plan_tiles(request)
+        tiles = [] if self.config.device is not None else plan_tiles(request)
         macs = int(opdef.macs(info))
         out_elems = int(np.prod(info.out_shapes[0], dtype=np.int64)) if info.out_shapes else 0
         desc = KernelDesc(
@@ -199,7 +204,7 @@ class _Builder:
             nodes=nodes,
             op_types=op_types,
         )
-        self.kernels.append(LKernel(desc=desc, tiles=tiles))
+        self.kernels.append(LKernel(desc=desc, tiles=tiles, request=request))
 
     def lower_node(self, node: ir.Node) -> None:
         opset = node_opset(node, self.graph.opset_imports, self.opset)
@@ -322,7 +327,7 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
             builder.copy_kernel(src, out)
             tid = out
         outputs.append(tid)
-    return LoweredGraph(
+    lowered = LoweredGraph(
         tensors=builder.tensors,
         kernels=builder.kernels,
         inputs=inputs,
@@ -330,3 +335,59 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
         num_cores=config.num_cores,
         network_name=graph.name or "network",
     )
+    if config.device is not None:
+        choose_splits(lowered, config.device, config.vtcm_budget)
+    return lowered
+
+
+RESIDENT_SHARE = 0.6
+"""Of each core's VTCM budget, what the split chooser lets resident weights take; the rest
+holds activations and tiles (placement fills whatever is left over with more weights)."""
+
+
+def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> None:
+    """Cut every kernel by modelled time (see `splits`), in program order."""
+    producer: dict[int, int] = {}
+    for index, lk in enumerate(lowered.kernels):
+        for t in lk.desc.outputs:
+            if t >= 0:
+                producer[t] = index
+    items = []
+    for lk in lowered.kernels:
+        assert lk.request is not None
+        kinds, producers, reshaped, sizes = [], [], [], []
+        for tid in lk.desc.inputs:
+            if tid < 0:
+                kinds.append("none")
+                producers.append(-1)
+                reshaped.append(False)
+                sizes.append(0)
+                continue
+            root = lowered.root(tid)
+            t = lowered.tensors[root]
+            if t.kind == KIND_CONSTANT:
+                kind = "constant"
+            elif root in producer and t.kind in (KIND_ACTIVATION, KIND_OUTPUT):
+                kind = "chip"
+            else:
+                kind = "ddr"
+            kinds.append(kind)
+            producers.append(producer.get(root, -1) if kind == "chip" else -1)
+            reshaped.append(lowered.tensors[tid].shape != t.shape)
+            sizes.append(t.nbytes)
+        items.append(
+            KernelSplit(
+                request=lk.request,
+                unit=lk.desc.unit,
+                macs=lk.desc.macs,
+                epilogue=tuple(e.out_dtype for e in lk.desc.epilogue),
+                inputs=lk.desc.inputs,
+                kinds=tuple(kinds),
+                producers=tuple(producers),
+                reshaped=tuple(reshaped),
+                nbytes=tuple(sizes),
+            )
+        )
+    chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE))
+    for lk, tiles in zip(lowered.kernels, chooser.choose(), strict=True):
+        lk.tiles = tiles

@@ -97,9 +97,11 @@ def plan_memory(
     ddr_capacity: int | None = None,
     extra_bytes: int = 0,
     shared_constants: SharedConstants | None = None,
+    on_chip: frozenset[int] = frozenset(),
 ) -> MemoryPlan:
     """`shared_constants`: where every constant already lies (the region several
-    specializations of one network share); otherwise constants are laid out here."""
+    specializations of one network share); otherwise constants are laid out here.
+    `on_chip`: activations that live only in VTCM and take no DDR."""
     offsets: dict[int, int] = {}
     used_roots: list[int] = []
     seen: set[int] = set()
@@ -141,7 +143,7 @@ def plan_memory(
     io_size = cursor - io_start
 
     act_start = cursor
-    acts = [t for t in used_roots if graph.tensors[t].kind == KIND_ACTIVATION]
+    acts = [t for t in used_roots if graph.tensors[t].kind == KIND_ACTIVATION and t not in on_chip]
     lifetimes = {t: (first.get(t, 0), last.get(t, 0) + dealloc_delay) for t in acts}
     placed: list[tuple[int, int, int, int]] = []  # (offset, size, start, end)
     peak = 0

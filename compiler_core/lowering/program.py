@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +20,14 @@ from compiler_core.errors import CompileError
 from compiler_core.ops.registry import Box, NodeInfo
 
 PROGRAM_MAGIC = b"QPRG"
-PROGRAM_VERSION = 1
+PROGRAM_VERSION = 2
 
 KIND_CONSTANT = "constant"
 KIND_INPUT = "input"
 KIND_OUTPUT = "output"
 KIND_ACTIVATION = "activation"
+KIND_ONCHIP = "onchip"
+"""An activation that lives only in the VTCM of the cores that produce it: it has no DDR."""
 
 
 @dataclass(frozen=True)
@@ -73,24 +76,106 @@ class KernelDesc:
     op_types: tuple[str, ...]
 
 
+Mask = int
+"""A set of cores as a bit mask: bit c set for core c."""
+
+
+def box_elements(box: Box) -> int:
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
+
+
+def box_nbytes(box: Box, dtype: str) -> int:
+    return box_elements(box) * (1 if dtype == "bool" else np.dtype(dtype).itemsize)
+
+
+def stored_bytes(t: TensorDesc, box: Box) -> int:
+    """The DDR bytes a load of `box` reads: an encoded constant (MXFP6) moves its stored size."""
+    n = box_nbytes(box, t.dtype)
+    logical = box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
+    if t.kind == KIND_CONSTANT and 0 < t.nbytes < logical:
+        return -(-n * t.nbytes // logical)
+    return n
+
+
+def mask_of(cores: Iterable[int]) -> Mask:
+    mask = 0
+    for core in cores:
+        mask |= 1 << core
+    return mask
+
+
+def cores_in(mask: Mask) -> list[int]:
+    return [c for c in range(mask.bit_length()) if mask >> c & 1]
+
+
 @dataclass(frozen=True)
 class DmaLoad:
+    """DDR -> VTCM: the `box` of a tensor into the buffer at `vtcm` (which holds `buf_box` of
+    the tensor, C order) of every core in `cores`. One DDR read however many cores it feeds:
+    with more than one core it is a multicast over the NoC. The issuing core is the stream's."""
+
     tensor: int
     box: Box
     vtcm: int
+    buf_box: Box
+    cores: Mask
+    kernel: int = -1
+    """The kernel this transfer serves (-1: program activation), for profiling."""
 
 
 @dataclass(frozen=True)
 class DmaStore:
+    """VTCM -> DDR: the `box` of a tensor from the issuing core's buffer at `vtcm`."""
+
     tensor: int
     box: Box
     vtcm: int
+    buf_box: Box
+    kernel: int = -1
+
+
+@dataclass(frozen=True)
+class NocCopy:
+    """VTCM -> VTCM over the NoC: the `box` of a tensor from the issuing core's buffer at
+    `src_vtcm` (holding `src_box`) into the buffer at `vtcm` (holding `buf_box`) of every core
+    in `cores` (a multicast when more than one)."""
+
+    tensor: int
+    box: Box
+    src_vtcm: int
+    src_box: Box
+    vtcm: int
+    buf_box: Box
+    cores: Mask
+    kernel: int = -1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A VTCM buffer at `vtcm` holding `box` of a tensor (C order)."""
+
+    vtcm: int
+    box: Box
 
 
 @dataclass(frozen=True)
 class Operand:
-    vtcm: int
+    """What a kernel reads or writes: `box` of a tensor, found in the pieces' buffers.
+
+    One piece that holds the box is a (possibly strided) view of that buffer; several pieces
+    must cover the box exactly, without overlap (a kernel reading its halo rows from the
+    buffers its neighbours filled). Outputs are always one piece."""
+
     box: Box
+    pieces: tuple[Piece, ...]
+
+    @staticmethod
+    def at(vtcm: int, box: Box) -> Operand:
+        """A buffer holding exactly the operand."""
+        return Operand(box, (Piece(vtcm, box),))
 
 
 @dataclass(frozen=True)
@@ -104,16 +189,20 @@ class RunKernel:
 
 @dataclass(frozen=True)
 class SemPost:
+    """Raise a semaphore once every earlier instruction of this core has completed."""
+
     sem: int
 
 
 @dataclass(frozen=True)
 class SemWait:
+    """Issue nothing further until the semaphore has been raised `count` times."""
+
     sem: int
     count: int
 
 
-Instr = DmaLoad | DmaStore | RunKernel | SemPost | SemWait
+Instr = DmaLoad | DmaStore | NocCopy | RunKernel | SemPost | SemWait
 
 
 @dataclass
@@ -128,6 +217,12 @@ class Program:
     inputs: list[int]
     outputs: list[int]
     meta: dict[str, Any] = field(default_factory=dict)
+    setup: list[list[Instr]] = field(default_factory=list)
+    """Per core, what program activation runs once before any inference: loads of the
+    constants that stay resident in VTCM across inferences."""
+    resident: int = 0
+    """VTCM bytes [0, resident) of every core hold resident constants: written by `setup`
+    only, read-only to inferences."""
 
     @property
     def num_cores(self) -> int:
@@ -136,7 +231,7 @@ class Program:
 
 # ----------------------------------------------------------------------------------- encoding
 
-_OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT = 1, 2, 3, 4, 5
+_OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC = 1, 2, 3, 4, 5, 6
 
 
 def _jsonable(value: Any) -> Any:
@@ -209,6 +304,7 @@ def _tables_json(program: Program) -> bytes:
         "ddr_size": program.ddr_size,
         "constants_size": program.constants_size,
         "vtcm_used": program.vtcm_used,
+        "resident": program.resident,
         "inputs": program.inputs,
         "outputs": program.outputs,
         "meta": _jsonable(program.meta),
@@ -256,38 +352,67 @@ def _pack_operand(out: list[bytes], operand: Operand | None) -> None:
     if operand is None:
         out.append(b"\x00")
         return
-    out.append(struct.pack("<BQ", 1, operand.vtcm))
+    out.append(struct.pack("<BI", 1, len(operand.pieces)))
     _pack_box(out, operand.box)
+    for piece in operand.pieces:
+        out.append(struct.pack("<Q", piece.vtcm))
+        _pack_box(out, piece.box)
+
+
+def _pack_stream(stream: list[Instr]) -> list[bytes]:
+    body: list[bytes] = []
+    for instr in stream:
+        if isinstance(instr, DmaLoad):
+            body.append(
+                struct.pack("<BIiQQ", _OP_LOAD, instr.tensor, instr.kernel, instr.vtcm, instr.cores)
+            )
+            _pack_box(body, instr.box)
+            _pack_box(body, instr.buf_box)
+        elif isinstance(instr, DmaStore):
+            body.append(struct.pack("<BIiQ", _OP_STORE, instr.tensor, instr.kernel, instr.vtcm))
+            _pack_box(body, instr.box)
+            _pack_box(body, instr.buf_box)
+        elif isinstance(instr, NocCopy):
+            body.append(
+                struct.pack(
+                    "<BIiQQQ",
+                    _OP_NOC,
+                    instr.tensor,
+                    instr.kernel,
+                    instr.src_vtcm,
+                    instr.vtcm,
+                    instr.cores,
+                )
+            )
+            _pack_box(body, instr.box)
+            _pack_box(body, instr.src_box)
+            _pack_box(body, instr.buf_box)
+        elif isinstance(instr, RunKernel):
+            body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
+            _pack_box(body, instr.out_box)
+            body.append(struct.pack("<I", len(instr.inputs)))
+            for operand in instr.inputs:
+                _pack_operand(body, operand)
+            body.append(struct.pack("<I", len(instr.outputs)))
+            for operand in instr.outputs:
+                _pack_operand(body, operand)
+        elif isinstance(instr, SemPost):
+            body.append(struct.pack("<BI", _OP_POST, instr.sem))
+        else:
+            body.append(struct.pack("<BII", _OP_WAIT, instr.sem, instr.count))
+    return body
 
 
 def encode_program(program: Program) -> bytes:
     tables = _tables_json(program)
+    setup = program.setup or [[] for _ in program.streams]
     parts: list[bytes] = [
         PROGRAM_MAGIC,
         struct.pack("<IQI", PROGRAM_VERSION, len(tables), len(program.streams)),
         tables,
     ]
-    for stream in program.streams:
-        body: list[bytes] = []
-        for instr in stream:
-            if isinstance(instr, DmaLoad | DmaStore):
-                code = _OP_LOAD if isinstance(instr, DmaLoad) else _OP_STORE
-                body.append(struct.pack("<BIQ", code, instr.tensor, instr.vtcm))
-                _pack_box(body, instr.box)
-            elif isinstance(instr, RunKernel):
-                body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
-                _pack_box(body, instr.out_box)
-                body.append(struct.pack("<B", len(instr.inputs)))
-                for operand in instr.inputs:
-                    _pack_operand(body, operand)
-                body.append(struct.pack("<B", len(instr.outputs)))
-                for operand in instr.outputs:
-                    _pack_operand(body, operand)
-            elif isinstance(instr, SemPost):
-                body.append(struct.pack("<BI", _OP_POST, instr.sem))
-            else:
-                body.append(struct.pack("<BII", _OP_WAIT, instr.sem, instr.count))
-        blob = b"".join(body)
+    for stream in (*program.streams, *setup):
+        blob = b"".join(_pack_stream(stream))
         parts.append(struct.pack("<IQ", len(stream), len(blob)))
         parts.append(blob)
     return b"".join(parts)
@@ -320,8 +445,44 @@ class _Reader:
             return None
         if present != 1:
             raise CompileError("invalid_program", f"bad operand flag {present} at {self.pos}")
-        (vtcm,) = self.take("<Q")
-        return Operand(vtcm=vtcm, box=self.box())
+        (count,) = self.take("<I")
+        box = self.box()
+        pieces = []
+        for _ in range(count):
+            (vtcm,) = self.take("<Q")
+            pieces.append(Piece(vtcm, self.box()))
+        return Operand(box, tuple(pieces))
+
+    def stream(self) -> list[Instr]:
+        count, _blob_len = self.take("<IQ")
+        stream: list[Instr] = []
+        for _ in range(count):
+            (code,) = self.take("<B")
+            if code == _OP_LOAD:
+                tensor, kernel, vtcm, cores = self.take("<IiQQ")
+                stream.append(DmaLoad(tensor, self.box(), vtcm, self.box(), cores, kernel))
+            elif code == _OP_STORE:
+                tensor, kernel, vtcm = self.take("<IiQ")
+                stream.append(DmaStore(tensor, self.box(), vtcm, self.box(), kernel))
+            elif code == _OP_NOC:
+                tensor, kernel, src_vtcm, vtcm, cores = self.take("<IiQQQ")
+                box, src_box, buf_box = self.box(), self.box(), self.box()
+                stream.append(NocCopy(tensor, box, src_vtcm, src_box, vtcm, buf_box, cores, kernel))
+            elif code == _OP_KERNEL:
+                (kernel,) = self.take("<I")
+                out_box = self.box()
+                (n_in,) = self.take("<I")
+                ins = tuple(self.operand() for _ in range(n_in))
+                (n_out,) = self.take("<I")
+                outs = tuple(self.operand() for _ in range(n_out))
+                stream.append(RunKernel(kernel, out_box, ins, outs))
+            elif code == _OP_POST:
+                stream.append(SemPost(*self.take("<I")))
+            elif code == _OP_WAIT:
+                stream.append(SemWait(*self.take("<II")))
+            else:
+                raise CompileError("invalid_program", f"unknown opcode {code} at {self.pos - 1}")
+        return stream
 
 
 def decode_program(data: bytes | memoryview) -> Program:
@@ -373,33 +534,8 @@ def decode_program(data: bytes | memoryview) -> Program:
         ]
     except (KeyError, TypeError, ValueError) as exc:
         raise CompileError("invalid_program", f"program.bin tables are malformed: {exc}") from exc
-    streams: list[list[Instr]] = []
-    for _ in range(num_streams):
-        count, _blob_len = reader.take("<IQ")
-        stream: list[Instr] = []
-        for _ in range(count):
-            (code,) = reader.take("<B")
-            if code in (_OP_LOAD, _OP_STORE):
-                tensor, vtcm = reader.take("<IQ")
-                box = reader.box()
-                stream.append(
-                    DmaLoad(tensor, box, vtcm) if code == _OP_LOAD else DmaStore(tensor, box, vtcm)
-                )
-            elif code == _OP_KERNEL:
-                (kernel,) = reader.take("<I")
-                out_box = reader.box()
-                (n_in,) = reader.take("<B")
-                ins = tuple(reader.operand() for _ in range(n_in))
-                (n_out,) = reader.take("<B")
-                outs = tuple(reader.operand() for _ in range(n_out))
-                stream.append(RunKernel(kernel, out_box, ins, outs))
-            elif code == _OP_POST:
-                stream.append(SemPost(*reader.take("<I")))
-            elif code == _OP_WAIT:
-                stream.append(SemWait(*reader.take("<II")))
-            else:
-                raise CompileError("invalid_program", f"unknown opcode {code} at {reader.pos - 1}")
-        streams.append(stream)
+    streams = [reader.stream() for _ in range(num_streams)]
+    setup = [reader.stream() for _ in range(num_streams)]
     if reader.pos != len(reader.data):
         raise CompileError("invalid_program", "program.bin has trailing bytes")
     program = Program(
@@ -413,25 +549,46 @@ def decode_program(data: bytes | memoryview) -> Program:
         inputs=[int(v) for v in doc["inputs"]],
         outputs=[int(v) for v in doc["outputs"]],
         meta=_unjson(doc.get("meta", {})),
+        setup=setup,
+        resident=int(doc.get("resident", 0)),
     )
     check_program(program)
     return program
 
 
 def check_program(program: Program) -> None:
-    """Every reference in range: tensors, kernels, semaphores; tensors inside DDR."""
+    """Every reference in range: tensors, kernels, semaphores, cores; tensors inside DDR;
+    program activation only loads."""
     n_t, n_k = len(program.tensors), len(program.kernels)
+    all_cores = (1 << program.num_cores) - 1
     for t in program.tensors:
+        if t.kind == KIND_ONCHIP:
+            continue
         if t.ddr_offset < 0 or t.ddr_offset + t.nbytes > program.ddr_size:
             raise CompileError("invalid_program", f"tensor {t.name} lies outside DDR")
     for k in program.kernels:
         for ref in (*k.inputs, *k.outputs):
             if ref >= n_t or ref < -1:
                 raise CompileError("invalid_program", f"kernel {k.name} names tensor {ref}")
-    for core, stream in enumerate(program.streams):
+    if program.setup and len(program.setup) != program.num_cores:
+        raise CompileError("invalid_program", "setup streams do not match the cores")
+    for core, stream in enumerate(program.setup):
         for instr in stream:
-            if isinstance(instr, DmaLoad | DmaStore) and instr.tensor >= n_t:
+            if not isinstance(instr, DmaLoad):
+                raise CompileError(
+                    "invalid_program", f"core {core}: program activation may only load constants"
+                )
+    for core, stream in enumerate((*program.streams, *program.setup)):
+        core %= max(1, program.num_cores)
+        for instr in stream:
+            if isinstance(instr, DmaLoad | DmaStore | NocCopy) and instr.tensor >= n_t:
                 raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
+            if isinstance(instr, DmaLoad | NocCopy) and (
+                instr.cores == 0 or instr.cores & ~all_cores
+            ):
+                raise CompileError(
+                    "invalid_program", f"core {core}: transfer to cores {instr.cores:#x}"
+                )
             if isinstance(instr, RunKernel) and instr.kernel >= n_k:
                 raise CompileError("invalid_program", f"core {core}: kernel {instr.kernel}")
             if isinstance(instr, RunKernel):
@@ -441,6 +598,10 @@ def check_program(program: Program) -> None:
                 ):
                     raise CompileError(
                         "invalid_program", f"core {core}: kernel {instr.kernel} output operands"
+                    )
+                if any(o is not None and len(o.pieces) != 1 for o in instr.outputs):
+                    raise CompileError(
+                        "invalid_program", f"core {core}: kernel {instr.kernel} output pieces"
                     )
             if isinstance(instr, SemPost | SemWait) and instr.sem >= program.num_semaphores:
                 raise CompileError("invalid_program", f"core {core}: semaphore {instr.sem}")

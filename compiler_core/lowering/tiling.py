@@ -8,6 +8,7 @@ the output part of one tile is also kept under `-size-split-granularity`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ import numpy as np
 
 from compiler_core.errors import CompileError
 from compiler_core.ops._tiling import broadcast_input_box
-from compiler_core.ops.registry import Box, NodeInfo, OpDef, box_shape, full_box
+from compiler_core.ops.registry import Box, NodeInfo, OpDef, full_box
 
 ALIGN = 64
 
@@ -49,10 +50,18 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return int(np.dtype(dtype).itemsize)
+
+
 def _nbytes(box: Box | None, dtype: str | None) -> int:
     if box is None or dtype is None:
         return 0
-    return _aligned(int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize)
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return _aligned(n * _itemsize(dtype))
 
 
 def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
@@ -101,26 +110,39 @@ def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
     return worst_ws, worst_out
 
 
-def plan_tiles(req: TilingRequest) -> list[TileSpec]:
+def split_axes(req: TilingRequest) -> list[int]:
     info = req.info
     single = len(info.out_shapes) == 1 and len(info.out_shapes[0]) > 0
-    axes = [a for a in req.opdef.split_axes(info) if single and info.out_shapes[0][a] > 1]
-    if not axes:
-        tile = _tile(req, full_box(info.out_shapes[0]) if info.out_shapes else ())
-        _check_fits(req, tile.working_set)
-        return [TileSpec(tile.out_box, tile.in_boxes, tile.working_set, req.rotate % req.num_cores)]
+    return [a for a in req.opdef.split_axes(info) if single and info.out_shapes[0][a] > 1]
 
-    shape = info.out_shapes[0]
-    parts = {a: 1 for a in axes}
-    limit = {a: shape[a] for a in axes}
-    if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
-        limit[1] = min(limit[1], max(1, req.mos))
 
-    parts = _parallel_split(req, axes, limit)
+Probes = dict[tuple[tuple[int, int], ...], tuple[int, int]]
+"""Working sets already probed for a request, by cut (see `fit_tiles`)."""
 
-    while True:
-        ws, out_bytes = _probe(req, parts)
-        if ws <= req.budget and out_bytes <= req.granularity:
+
+def fit_tiles(
+    req: TilingRequest, parts: dict[int, int], probes: Probes | None = None
+) -> dict[int, int]:
+    """`parts` cut further, along the axis that shrinks the working set most each time,
+    until a tile fits half the VTCM budget (so the next tile's operands can load while this
+    one computes) and its output part `-size-split-granularity`; the whole budget when no
+    finer cut exists (more than that is a `vtcm_overflow`)."""
+    axes = split_axes(req)
+    shape = req.info.out_shapes[0] if req.info.out_shapes else ()
+    parts = {a: parts.get(a, 1) for a in axes}
+    target = max(1, req.budget // 2)
+    memo: Probes = {} if probes is None else probes
+
+    def probe(cut: dict[int, int]) -> tuple[int, int]:
+        key = tuple(sorted(cut.items()))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _probe(req, cut)
+        return found
+
+    while axes:
+        ws, out_bytes = probe(parts)
+        if ws <= target and out_bytes <= req.granularity:
             break
         best: tuple[int, int] | None = None
         for a in axes:
@@ -128,19 +150,40 @@ def plan_tiles(req: TilingRequest) -> list[TileSpec]:
                 continue
             trial = dict(parts)
             trial[a] = min(shape[a], parts[a] * 2)
-            trial_ws, _ = _probe(req, trial)
+            trial_ws, _ = probe(trial)
             if best is None or trial_ws < best[0]:
                 best = (trial_ws, a)
         if best is None:
             _check_fits(req, ws)
             break
         parts[best[1]] = min(shape[best[1]], parts[best[1]] * 2)
+    return {a: p for a, p in parts.items() if p > 1}
 
-    boxes = _tiles_for(req, parts)
-    tiles = [_tile(req, b) for b in boxes]
+
+def tiles_of(req: TilingRequest, parts: dict[int, int]) -> list[TileSpec]:
+    """The tiles of a cut (cores not yet assigned), each checked against the budget."""
+    info = req.info
+    if not parts:
+        tile = _tile(req, full_box(info.out_shapes[0]) if info.out_shapes else ())
+        _check_fits(req, tile.working_set)
+        return [tile]
+    tiles = [_tile(req, b) for b in _tiles_for(req, parts)]
     for t in tiles:
         _check_fits(req, t.working_set)
-    return _assign_cores(tiles, req.num_cores, req.rotate)
+    return tiles
+
+
+def plan_tiles(req: TilingRequest) -> list[TileSpec]:
+    """Tiles cut by bytes read alone (what the split chooser starts from without a cost)."""
+    if not split_axes(req):
+        return assign_cores(tiles_of(req, {}), req.num_cores, req.rotate)
+    shape = req.info.out_shapes[0]
+    axes = split_axes(req)
+    limit = {a: shape[a] for a in axes}
+    if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
+        limit[1] = min(limit[1], max(1, req.mos))
+    parts = fit_tiles(req, _parallel_split(req, axes, limit))
+    return assign_cores(tiles_of(req, parts), req.num_cores, req.rotate)
 
 
 def _parallel_split(req: TilingRequest, axes: list[int], limit: dict[int, int]) -> dict[int, int]:
@@ -167,7 +210,9 @@ def _parallel_split(req: TilingRequest, axes: list[int], limit: dict[int, int]) 
     return best[2]
 
 
-def _assign_cores(tiles: Sequence[TileSpec], num_cores: int, rotate: int) -> list[TileSpec]:
+def assign_cores(tiles: Sequence[TileSpec], num_cores: int, rotate: int) -> list[TileSpec]:
+    """Consecutive tiles to the same core, as evenly as the count allows; fewer tiles than
+    cores start at `rotate` so small kernels spread over the cores."""
     n = len(tiles)
     out = []
     for i, t in enumerate(tiles):

@@ -17,6 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from compiler_core.ops.registry import (
     FLOATS,
     Box,
+    HmxShape,
     NodeInfo,
     Shape,
     TileCtx,
@@ -281,6 +282,23 @@ def _grouped_conv(
     return np.einsum(spec, picked, w, optimize=True)
 
 
+def conv_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
+    """Per tap and group: output positions x input channels per group x output channels."""
+    group, in_per_group, out_per_group = _conv_group_geometry(node)
+    shape = box_shape(out_box)
+    w_shape = node.in_shapes[1]
+    assert w_shape is not None
+    taps = int(np.prod(w_shape[2:], dtype=np.int64))
+    positions = shape[0] * int(np.prod(shape[2:], dtype=np.int64))
+    groups = max(1, -(-shape[1] // out_per_group)) if group > 1 else 1
+    channels = min(shape[1], out_per_group) if group > 1 else shape[1]
+    if in_per_group < 32 and group == 1:
+        # few input channels (an RGB stem): the kernel lays the taps out along the
+        # reduction (im2col), so the array's depth is not mostly padding
+        return HmxShape(positions, in_per_group * taps, channels, groups)
+    return HmxShape(positions, in_per_group, channels, taps * groups)
+
+
 def conv_macs(node: NodeInfo) -> int:
     w_shape = node.in_shapes[1]
     assert w_shape is not None
@@ -298,6 +316,7 @@ register(
     split_axes=conv_split_axes,
     input_boxes=conv_input_boxes,
     macs=conv_macs,
+    hmx_shape=conv_hmx,
     doc="N-d convolution (1-3 spatial dims): pads, auto_pad, strides, dilations, group.",
 )
 

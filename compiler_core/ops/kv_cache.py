@@ -1,10 +1,11 @@
 """ONNX TensorScatter (opset 24): writes a KV-cache update into a fixed-size cache buffer at a
 per-batch write index, linearly or wrapping around (circular).
 
-Runs whole (one tile): the write positions depend on the write_indices values, known only at
-run time, so no static tile of the output can say which part of `update` it needs. The cache
-is copied and the update written with one indexed assignment per batch entry; no arithmetic
-is done, so every element type is exact. The update may not be longer than the cache, in
+Tiled along every axis but the sequence axis (batch entries, heads, head dims): a tile
+holds the whole sequence, so whatever positions the write_indices values name at run time
+fall inside it; the sequence axis itself cannot be cut statically. The cache tile is copied
+and the update written with one indexed assignment per batch entry; no arithmetic is done, so
+every element type is exact. The update may not be longer than the cache, in
 either mode (sequence_length <= max_sequence_length, as the specification states).
 
 Attributes and shapes are checked when the node is lowered (from `split_axes`, which lowering
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import ALL, NodeInfo, TileCtx, invalid_model, register
+from compiler_core.ops.registry import ALL, Box, NodeInfo, TileCtx, invalid_model, register
 
 Array = np.ndarray
 
@@ -54,10 +55,23 @@ def _axis(node: NodeInfo) -> int:
 
 
 def _split_axes(node: NodeInfo) -> list[int]:
-    """Runs whole; lowering asks this first, so it is where the node is validated."""
+    """Every axis but the sequence axis; lowering asks this first, so it is where the node is
+    validated."""
     _mode(node)
-    _axis(node)
-    return []
+    axis = _axis(node)
+    return [a for a in range(len(node.out_shapes[0])) if a != axis]
+
+
+def _input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    """The cache tile itself, the update over the whole (new) sequence, the tile's indices."""
+    axis = _axis(node)
+    update = node.in_shapes[1]
+    assert update is not None
+    update_box = out_box[:axis] + ((0, update[axis]),) + out_box[axis + 1 :]
+    boxes: list[Box | None] = [out_box, update_box]
+    if node.has_input(2):
+        boxes.append((out_box[0],))
+    return boxes
 
 
 def _positions(node: NodeInfo, start: int, length: int, size: int, batch: int) -> Array:
@@ -88,8 +102,9 @@ def tensor_scatter_compute(
     # Sequence axis next to the batch axis; both are views, so writes land in `present`.
     target = np.moveaxis(present, axis, 1)
     source = np.moveaxis(update, axis, 1)
+    first = tile.out_box[0][0] if tile.out_box else 0
     for b in range(batch):
-        target[b, _positions(node, int(starts[b]), length, size, b)] = source[b]
+        target[b, _positions(node, int(starts[b]), length, size, first + b)] = source[b]
     return [present]
 
 
@@ -100,6 +115,7 @@ register(
     dtypes=ALL,
     kernel="tensor_scatter",
     split_axes=_split_axes,
+    input_boxes=_input_boxes,
     macs=lambda node: 0,
     doc="KV-cache write at per-batch indices along a sequence axis; linear or circular mode.",
 )

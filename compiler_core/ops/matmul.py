@@ -12,9 +12,11 @@ from compiler_core.ops.conv import accumulator
 from compiler_core.ops.registry import (
     FLOATS,
     Box,
+    HmxShape,
     NodeInfo,
     Shape,
     TileCtx,
+    box_shape,
     register,
 )
 
@@ -95,6 +97,19 @@ def matmul_compute(
     return [np.asarray(np.matmul(a, b)).astype(out_dtype, copy=False)]
 
 
+def matmul_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
+    """Rows x K x columns; batch dims repeat the product (shared weights stack as rows)."""
+    a, b = _in_shapes(node)
+    shape = box_shape(out_box)
+    rows = shape[-2] if len(a) >= 2 else 1
+    cols = shape[-1] if len(b) >= 2 else 1
+    n_batch = len(shape) - (len(a) >= 2) - (len(b) >= 2)
+    batch = int(np.prod(shape[:n_batch], dtype=np.int64))
+    if len(b) <= 2:  # one weight matrix for every batch entry: the batch is more rows
+        return HmxShape(rows * batch, int(a[-1]), cols)
+    return HmxShape(rows, int(a[-1]), cols, batch)
+
+
 def matmul_macs(node: NodeInfo) -> int:
     a, _ = _in_shapes(node)
     return int(np.prod(node.out_shapes[0], dtype=np.int64)) * int(a[-1])
@@ -110,6 +125,7 @@ register(
     split_axes=matmul_split_axes,
     input_boxes=matmul_input_boxes,
     macs=matmul_macs,
+    hmx_shape=matmul_hmx,
     doc="numpy matmul semantics: 1-D operands, broadcast batch dims.",
 )
 
@@ -158,6 +174,12 @@ def gemm_compute(
     return [np.broadcast_to(y, [hi - lo for lo, hi in tile.out_box]).astype(out_dtype)]
 
 
+def gemm_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
+    a, _ = _in_shapes(node)
+    rows, cols = box_shape(out_box)
+    return HmxShape(rows, int(a[0] if int(node.attr("transA", 0)) else a[1]), cols)
+
+
 def gemm_macs(node: NodeInfo) -> int:
     a, _ = _in_shapes(node)
     k = a[0] if int(node.attr("transA", 0)) else a[1]
@@ -174,6 +196,7 @@ register(
     split_axes=gemm_split_axes,
     input_boxes=gemm_input_boxes,
     macs=gemm_macs,
+    hmx_shape=gemm_hmx,
     doc="alpha * A' @ B' + beta * C with transA/transB and a broadcast C.",
 )
 

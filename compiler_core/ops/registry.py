@@ -105,6 +105,26 @@ InputBoxes = Callable[[NodeInfo, Box], list[Box | None]]
 Macs = Callable[[NodeInfo], int]
 
 
+@dataclass(frozen=True)
+class HmxShape:
+    """What one tile asks of the HMX array: `repeats` matrix products of `positions` output
+    positions by `depth` reduction elements by `channels` output channels (a Conv tap per
+    repeat, or a batch of independent MatMuls). The array works in fixed blocks, so a tile
+    whose dimensions are not multiples of them wastes part of it (see costmodel)."""
+
+    positions: int
+    depth: int
+    channels: int
+    repeats: int = 1
+
+    @property
+    def macs(self) -> int:
+        return self.positions * self.depth * self.channels * self.repeats
+
+
+TileHmx = Callable[[NodeInfo, Box], HmxShape]
+
+
 def no_split(node: NodeInfo) -> list[int]:
     return []
 
@@ -136,6 +156,8 @@ class OpDef:
     split_axes: SplitAxes = no_split
     input_boxes: InputBoxes = whole_inputs
     macs: Macs = output_elements
+    hmx_shape: TileHmx | None = None
+    """For HMX ops: the matrix-product shape of a tile (None: priced at full efficiency)."""
     alias: bool = False
     """The output is the input's bytes reinterpreted (Reshape, Squeeze...): no kernel runs."""
     elementwise: bool = False

@@ -559,7 +559,15 @@ def chrome_trace(stats: OpStats) -> dict[str, Any]:
                 }
             )
         ops = raw["ops"]
-        for i, (kernel, core) in enumerate(layout.op_rows):
+        lane_end: dict[tuple[int, int], int] = {}
+        """Kernels overlap on a thread (the next one's loads start while this one computes):
+        a lane shows each from where the previous one ended."""
+        order = sorted(
+            range(len(layout.op_rows)),
+            key=lambda i: (layout.op_rows[i][1], int(ops[i][f["start"]]), i),
+        )
+        for i in order:
+            kernel, core = layout.op_rows[i]
             row = [int(v) for v in ops[i]]
             entry = layout.kernels[kernel]
             label = f"{entry.name} ({'+'.join(entry.op_types)})"
@@ -600,7 +608,9 @@ def chrome_trace(stats: OpStats) -> dict[str, Any]:
             )
             for tid, thread in enumerate(layout.threads, start=1):
                 start, end, busy = (row[f[f"{thread}_{p}"]] for p in ("start", "end", "busy"))
-                if busy:
+                start = max(start, lane_end.get((core, tid), 0))
+                if busy and end > start:
+                    lane_end[(core, tid)] = end
                     events.append(
                         {
                             "ph": "X",
@@ -613,7 +623,9 @@ def chrome_trace(stats: OpStats) -> dict[str, Any]:
                             "args": {
                                 **args,
                                 "busy_cycles": busy,
-                                "utilisation_percent": round(100.0 * busy / (end - start), 1),
+                                "utilisation_percent": round(
+                                    min(100.0, 100.0 * busy / (end - start)), 1
+                                ),
                             },
                         }
                     )

@@ -8,7 +8,7 @@ fixed byte offsets. Which sections exist follows the vendor's additive levels:
   (per core and thread, a field per event) with a recipe or events, `ddr` (per core) with
   `-ddr-stats`;
 - >= 50: `ports` (per I/O port: doorbell wait, doorbell timestamp, bytes) and `sem_increments`
-  (per semaphore post: timestamp, cycles of the op it completes);
+  (per operator and core: when its last instruction completed, and its cycles);
 - >= 70: `ops` (per operator and core: cycles, waits before it, per-thread use, traffic);
 - >= 100: `ops_pmu` (per operator and core: extended PMU events).
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from compiler_core.options import CompileOptions
 
 STATSDESC_FORMAT = "qpcfarm-statsdesc"
-STATSDESC_VERSION = 1
+STATSDESC_VERSION = 2
 STATS_MAGIC = 0x41545351
 """First u64 of every raw stats buffer: "QSTA" little-endian."""
 STATS_ALIGN = 64
@@ -54,7 +54,8 @@ CORE_THREAD_FIELDS = (
     "activation_ucycles",
     "activation_pcycles",
 )
-DDR_FIELDS = ("read_bytes", "read_constant_bytes", "write_bytes")
+DDR_FIELDS = ("read_bytes", "read_constant_bytes", "write_bytes", "multicast_bytes", "noc_bytes")
+"""Counted by the runtime from the DMA instructions each core executed in the inference."""
 PORT_FIELDS = ("doorbell_wait_cycles", "doorbell_timestamp", "bytes")
 SEM_FIELDS = ("timestamp", "op_cycles")
 OP_FIELDS = (

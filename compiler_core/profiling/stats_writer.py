@@ -9,7 +9,7 @@ core and thread from the same timeline (see `pmu.py`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from compiler_core.profiling.stats_layout import (
 
 if TYPE_CHECKING:
     from compiler_core.qpc.networkdesc import NetworkDesc
-    from compiler_core.runtime.executor import Executor
+    from compiler_core.runtime.executor import Executor, Traffic
 
 _BURST = 64
 
@@ -104,11 +104,12 @@ def fill_stats(
     timeline: Timeline,
     inference: int,
     executed_tiles: Mapping[tuple[int, int], int] | None = None,
+    traffic: Sequence[Traffic] | None = None,
 ) -> bytes:
     """The raw stats buffer of one inference (`layout.size` bytes).
 
-    `executed_tiles[(kernel, core)]` are the tiles the runtime really ran; without it the
-    timeline's count is used.
+    `executed_tiles[(kernel, core)]` are the tiles the runtime really ran, and `traffic` the
+    bytes its DMA instructions moved per core; without them the timeline's figures are used.
     """
     buf = bytearray(layout.size)
     cores = layout.num_cores
@@ -158,16 +159,21 @@ def fill_stats(
         ]
         put("pmu", np.array(rows, dtype=np.uint64))
     if layout.section("ddr") is not None:
-        put(
-            "ddr",
-            np.array(
+        rows = (
+            [t.as_row() for t in traffic]
+            if traffic is not None
+            else [
                 [
-                    [timeline.ddr_read[c], timeline.ddr_read_constant[c], timeline.ddr_write[c]]
-                    for c in range(cores)
-                ],
-                dtype=np.uint64,
-            ),
+                    timeline.ddr_read[c],
+                    timeline.ddr_read_constant[c],
+                    timeline.ddr_write[c],
+                    timeline.multicast[c],
+                    timeline.noc[c],
+                ]
+                for c in range(cores)
+            ]
         )
+        put("ddr", np.array(rows, dtype=np.uint64).reshape(cores, 5))
     if layout.section("ports") is not None:
         put(
             "ports",
@@ -180,11 +186,10 @@ def fill_stats(
             ).reshape(len(layout.ports), 3),
         )
     if layout.section("sem_increments") is not None:
-        posts = {(i.kernel, i.core): i for i in timeline.increments}
         rows = []
         for key in layout.op_rows:
-            inc = posts.get(key)
-            rows.append([inc.time, inc.op_cycles] if inc is not None else [0, 0])
+            done = by_row.get(key)
+            rows.append([done.end, done.cycles] if done is not None else [0, 0])
         put("sem_increments", np.array(rows, dtype=np.uint64).reshape(len(layout.op_rows), 2))
     if layout.section("ops") is not None:
         put("ops", _op_rows(layout, timeline, by_row, executed_tiles))
@@ -215,7 +220,7 @@ def _op_rows(
 ) -> np.ndarray:
     waits_before: dict[tuple[int, int], int] = {}
     ends: dict[int, int] = {}
-    for run in sorted(timeline.runs, key=lambda r: (r.core, r.start)):
+    for run in sorted(timeline.runs, key=lambda r: (r.core, r.end, r.start)):
         waits_before[(run.kernel, run.core)] = run.start - ends.get(run.core, 0)
         ends[run.core] = run.end
     table = np.zeros((len(layout.op_rows), len(OP_FIELDS)), dtype=np.uint64)
@@ -287,7 +292,7 @@ class StatsRecorder:
         self.tiles.clear()
 
     def finish(self, inference: int) -> bytes:
-        raw = fill_stats(self.layout, self.timeline, inference, self.tiles)
+        raw = fill_stats(self.layout, self.timeline, inference, self.tiles, self.executor.traffic)
         machine = self.executor.machine
         base = self.layout.ddr_offset - self.executor.program.constants_size
         region = machine.dynamic[base : base + self.layout.size]

@@ -15,16 +15,21 @@ import numpy as np
 
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import (
+    KIND_CONSTANT,
     KIND_INPUT,
+    KIND_ONCHIP,
     DmaLoad,
     DmaStore,
     KernelDesc,
+    NocCopy,
     Operand,
     Program,
     RunKernel,
     SemPost,
     SemWait,
     TensorDesc,
+    cores_in,
+    stored_bytes,
 )
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
@@ -48,6 +53,22 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+@dataclass
+class Traffic:
+    """Bytes the DMA instructions of one core moved in one inference (or in activation)."""
+
+    ddr_read: int = 0
+    ddr_read_constant: int = 0
+    ddr_write: int = 0
+    multicast: int = 0
+    """Bytes of loads and copies that fed more than one core (each counted once)."""
+    noc: int = 0
+    """Bytes moved VTCM to VTCM over the NoC (each transfer counted once)."""
+
+    def as_row(self) -> list[int]:
+        return [self.ddr_read, self.ddr_read_constant, self.ddr_write, self.multicast, self.noc]
+
+
 class Machine:
     """DDR (constants read-only, backed by the QPC's bytes) plus one VTCM per core.
 
@@ -68,14 +89,23 @@ class Machine:
                 f"constants segment has {len(constants):,} bytes, program needs "
                 f"{program.constants_size:,}"
             )
+        if program.resident > vtcm_bytes:
+            raise RuntimeFault(
+                f"the program keeps {program.resident:,} bytes resident in VTCM, the device "
+                f"has {vtcm_bytes:,}"
+            )
         self.constants = np.frombuffer(constants, dtype=np.uint8, count=program.constants_size)
         self.dynamic = np.zeros(program.ddr_size - program.constants_size, dtype=np.uint8)
         self.vtcm = [np.zeros(vtcm_bytes, dtype=np.uint8) for _ in range(program.num_cores)]
         self.vtcm_bytes = vtcm_bytes
+        self.protected = 0
+        """VTCM bytes [0, protected) are read-only: the resident constants, once loaded."""
 
     def tensor(self, t: TensorDesc, *, write: bool = False) -> np.ndarray:
         if t.nbytes == 0:  # an empty tensor owns no bytes, wherever its offset points
             return np.empty(t.shape, dtype=np.dtype(t.dtype))
+        if t.kind == KIND_ONCHIP:
+            raise RuntimeFault(f"DMA of {t.name} from DDR: it lives only in VTCM")
         start, end = t.ddr_offset, t.ddr_offset + t.nbytes
         if end > self.program.ddr_size or start < 0:
             raise RuntimeFault(f"tensor {t.name} [{start}, {end}) lies outside DDR")
@@ -101,14 +131,43 @@ class Machine:
             )
         return array
 
-    def vtcm_view(self, core: int, offset: int, box: Box, dtype: str) -> np.ndarray:
-        shape = box_shape(box)
+    def buffer(
+        self, core: int, offset: int, buf_box: Box, dtype: str, *, write: bool = False
+    ) -> np.ndarray:
+        """The VTCM buffer at `offset` of `core` that holds `buf_box` of a tensor."""
+        shape = box_shape(buf_box)
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         if offset < 0 or offset + size > self.vtcm_bytes:
             raise RuntimeFault(
                 f"core {core}: VTCM access [{offset}, {offset + size}) beyond {self.vtcm_bytes}"
             )
+        if write and offset < self.protected and size > 0:
+            raise RuntimeFault(
+                f"core {core}: write to VTCM [{offset}, {offset + size}) inside the resident "
+                f"constants [0, {self.protected})"
+            )
         return self.vtcm[core][offset : offset + size].view(np.dtype(dtype)).reshape(shape)
+
+    def part(
+        self, core: int, offset: int, buf_box: Box, box: Box, dtype: str, *, write: bool = False
+    ) -> np.ndarray:
+        """`box` of the buffer holding `buf_box` (a view; the box must lie inside it)."""
+        if not contains(buf_box, box):
+            raise RuntimeFault(f"core {core}: box {box} is not inside the buffer's {buf_box}")
+        view = self.buffer(core, offset, buf_box, dtype, write=write)
+        index = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True))
+        return view[(*index, Ellipsis)]  # a view, 0-d tensors included
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return len(outer) == len(inner) and all(
+        o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True)
+    )
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
 
 
 def _lookup(op_type: str, domain: str, opset: int) -> OpDef:
@@ -123,6 +182,10 @@ def _check_box(box: Box, shape: tuple[int, ...], what: str) -> None:
         a < 0 or b > d or a > b for (a, b), d in zip(box, shape, strict=False)
     ):
         raise RuntimeFault(f"{what}: box {box} outside tensor of shape {shape}")
+
+
+def _nbytes(box: Box, dtype: str) -> int:
+    return int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 class Executor:
@@ -144,12 +207,47 @@ class Executor:
             for k in program.kernels
         ]
         self.on_kernel: Callable[[int, int, RunKernel], None] | None = None
+        self.traffic = [Traffic() for _ in range(program.num_cores)]
+        """What each core's DMAs moved in the last inference."""
+        self.activation_traffic = [Traffic() for _ in range(program.num_cores)]
+        """What each core's DMAs moved when the program was activated."""
+        self.activated = False
+
+    def activate(self) -> None:
+        """Program activation: load the resident constants into every core's VTCM once;
+        from then on inferences may read them but never write them."""
+        if self.activated:
+            return
+        machine = self.machine
+        machine.protected = 0
+        for core_mem in machine.vtcm:
+            core_mem[:] = 0
+        self.traffic = self.activation_traffic
+        for core, stream in enumerate(self.program.setup):
+            for instr in stream:
+                if not isinstance(instr, DmaLoad):
+                    raise RuntimeFault(f"core {core}: activation runs loads only")
+                if instr.vtcm + _nbytes(instr.buf_box, self._dtype(instr.tensor)) > (
+                    self.program.resident
+                ):
+                    raise RuntimeFault(
+                        f"core {core}: activation load beyond the resident region "
+                        f"[0, {self.program.resident})"
+                    )
+                self._execute(core, instr)
+        machine.protected = self.program.resident
+        self.activated = True
+
+    def _dtype(self, tensor: int) -> str:
+        return self.program.tensors[tensor].dtype
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         program, machine = self.program, self.machine
+        self.activate()
         machine.dynamic[:] = 0
         for core_mem in machine.vtcm:
-            core_mem[:] = 0
+            core_mem[program.resident :] = 0
+        self.traffic = [Traffic() for _ in range(program.num_cores)]
         expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
         missing = sorted(set(expected) - set(inputs))
         unknown = sorted(set(inputs) - set(expected))
@@ -208,28 +306,85 @@ class Executor:
                 ]
                 raise RuntimeFault("deadlock: " + "; ".join(stuck))
 
+    def _targets(self, core: int, mask: int) -> list[int]:
+        cores = cores_in(mask)
+        if not cores or cores[-1] >= self.program.num_cores:
+            raise RuntimeFault(f"core {core}: transfer to cores {mask:#x}")
+        return cores
+
     def _execute(self, core: int, instr: object) -> None:
         machine = self.machine
+        traffic = self.traffic[core]
         if isinstance(instr, DmaLoad):
             t = self.program.tensors[instr.tensor]
             _check_box(instr.box, t.shape, f"DMA load of {t.name}")
             src = machine.tensor(t)[_slices(instr.box)]
-            machine.vtcm_view(core, instr.vtcm, instr.box, t.dtype)[...] = src
+            targets = self._targets(core, instr.cores)
+            for target in targets:
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True)[
+                    ...
+                ] = src
+            nbytes = stored_bytes(t, instr.box)
+            traffic.ddr_read += nbytes
+            if t.kind == KIND_CONSTANT:
+                traffic.ddr_read_constant += nbytes
+            if len(targets) > 1:
+                traffic.multicast += nbytes
         elif isinstance(instr, DmaStore):
             t = self.program.tensors[instr.tensor]
             _check_box(instr.box, t.shape, f"DMA store of {t.name}")
             dst = machine.tensor(t, write=True)
-            dst[_slices(instr.box)] = machine.vtcm_view(core, instr.vtcm, instr.box, t.dtype)
+            dst[_slices(instr.box)] = machine.part(
+                core, instr.vtcm, instr.buf_box, instr.box, t.dtype
+            )
+            traffic.ddr_write += _nbytes(instr.box, t.dtype)
+        elif isinstance(instr, NocCopy):
+            t = self.program.tensors[instr.tensor]
+            _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
+            src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype).copy()
+            targets = self._targets(core, instr.cores)
+            for target in targets:
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True)[
+                    ...
+                ] = src
+            nbytes = _nbytes(instr.box, t.dtype)
+            traffic.noc += nbytes
+            if len(targets) > 1:
+                traffic.multicast += nbytes
         elif isinstance(instr, RunKernel):
             self._run_kernel(core, instr)
         else:
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
 
     def _operand(self, core: int, tensor_id: int, operand: Operand | None) -> np.ndarray | None:
+        """An input operand: a view of the one buffer that holds it, or its pieces joined."""
         if operand is None or tensor_id < 0:
             return None
-        t = self.program.tensors[tensor_id]
-        return self.machine.vtcm_view(core, operand.vtcm, operand.box, t.dtype)
+        dtype = self.program.tensors[tensor_id].dtype
+        pieces = operand.pieces
+        if len(pieces) == 1:
+            return self.machine.part(core, pieces[0].vtcm, pieces[0].box, operand.box, dtype)
+        out = np.empty(box_shape(operand.box), dtype=np.dtype(dtype))
+        covered = 0
+        for piece in pieces:
+            common = _intersect(piece.box, operand.box)
+            if common is None:
+                raise RuntimeFault(
+                    f"core {core}: operand piece {piece.box} misses the operand {operand.box}"
+                )
+            src = self.machine.part(core, piece.vtcm, piece.box, common, dtype)
+            out[
+                tuple(
+                    slice(a - o, b - o) for (a, b), (o, _) in zip(common, operand.box, strict=True)
+                )
+            ] = src
+            covered += int(np.prod(box_shape(common), dtype=np.int64))
+        if covered != out.size:
+            raise RuntimeFault(
+                f"core {core}: the pieces of operand {operand.box} cover {covered} of its "
+                f"{out.size} elements (gaps or overlaps)"
+            )
+        return out
 
     def _run_kernel(self, core: int, instr: RunKernel) -> None:
         kernel = self.kernels[instr.kernel]
@@ -264,8 +419,9 @@ class Executor:
         for position, (tid, operand) in enumerate(zip(desc.outputs, instr.outputs, strict=True)):
             if operand is None:
                 continue  # an unnamed optional output
-            dst = self._operand(core, tid, operand)
-            assert dst is not None
+            t = self.program.tensors[tid]
+            piece = operand.pieces[0]
+            dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
             result = np.asarray(results[position])
             if result.shape != dst.shape:
                 raise RuntimeFault(

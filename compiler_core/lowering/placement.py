@@ -1,0 +1,213 @@
+"""Decide where data lives, within each core's VTCM budget, and build the schedule.
+
+Two decisions, made in this order:
+
+1. Activations stay on chip. Every intermediate tensor starts in the VTCM of the cores that
+   produce it (its consumers read it there, over the NoC when they run elsewhere). When the
+   buffers live at the same time do not fit the budget, the largest tensors live at the
+   fullest step are spilled to DDR until they do.
+2. Weights stay resident. With what room is left, the weights that would cost the most DDR
+   traffic per inference for the VTCM they take are kept resident across inferences (loaded
+   once when the program is activated); the rest stream from DDR every inference.
+
+`CodegenPolicy` switches each optimisation off (tests prove each one right by comparing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler_core.errors import CompileError
+from compiler_core.lowering.emit import Placement, Schedule, build_schedule, consumers_of
+from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
+from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
+
+
+@dataclass(frozen=True)
+class CodegenPolicy:
+    """What the code generator may do; everything is on by default."""
+
+    residency: bool = True
+    on_chip: bool = True
+    multicast: bool = True
+    double_buffer: bool = True
+
+
+@dataclass(frozen=True)
+class Planned:
+    schedule: Schedule
+    allocation: Allocation
+    spilled: dict[int, int]
+    """Activations that did not fit on chip: root -> bytes per core they would have taken."""
+    streamed: dict[tuple[int, int], int]
+    """Weights not kept resident: (kernel, slot) -> resident bytes they would have taken."""
+
+
+def _eligible(graph: LoweredGraph) -> set[int]:
+    consumers = consumers_of(graph)
+    produced = {t for lk in graph.kernels for t in lk.desc.outputs if t >= 0}
+    return {
+        t.id
+        for t in graph.tensors
+        if t.kind in (KIND_ACTIVATION, KIND_OUTPUT)
+        and t.alias_of is None
+        and t.id in produced
+        and t.nbytes > 0
+        and consumers.get(t.id)
+    }
+
+
+def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
+    """Weight operands: (kernel, slot) -> (VTCM bytes if resident, DDR bytes per inference if
+    streamed, counting each box a core needs once)."""
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for k, lk in enumerate(graph.kernels):
+        for i, tid in enumerate(lk.desc.inputs):
+            if tid < 0 or graph.tensors[graph.root(tid)].kind != KIND_CONSTANT:
+                continue
+            dtype = graph.tensors[tid].dtype
+            per_core: dict[int, list] = {}
+            for tile in lk.tiles:
+                box = tile.in_boxes[i]
+                if box is not None:
+                    per_core.setdefault(tile.core, []).append(box)
+            if not per_core:
+                continue
+            cost = 0
+            traffic = 0
+            distinct: set = set()
+            for boxes in per_core.values():
+                bound = tuple(
+                    (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes))
+                    for a in range(len(boxes[0]))
+                )
+                cost = max(cost, box_nbytes(bound, dtype))
+                previous = None
+                for b in boxes:
+                    if b != previous:
+                        traffic += box_nbytes(b, dtype)
+                        distinct.add(b)
+                    previous = b
+            out[(k, i)] = (align(cost), traffic)
+    return out
+
+
+def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Planned:
+    """The schedule that keeps the most on chip within `budget` bytes of VTCM per core."""
+    chip = set(_eligible(graph)) if policy.on_chip else set()
+    spilled: dict[int, int] = {}
+
+    prefetch = True
+
+    def build(resident: frozenset[tuple[int, int]], double: bool) -> tuple[Schedule, Allocation]:
+        placement = Placement(
+            chip=frozenset(chip),
+            resident=resident,
+            double_buffer=double,
+            multicast=policy.multicast,
+            prefetch=prefetch,
+        )
+        schedule = build_schedule(graph, placement)
+        return schedule, allocate(schedule.buffers)
+
+    double = policy.double_buffer
+    schedule, allocation = build(frozenset(), double)
+    while allocation.peak > budget and chip:
+        victims = _spill_victims(schedule.buffers, schedule.chip_bytes, budget)
+        if not victims:
+            break
+        for root in victims:
+            spilled[root] = schedule.chip_bytes.get(root, 0)
+            chip.discard(root)
+        schedule, allocation = build(frozenset(), double)
+    if allocation.peak > budget and double:
+        double = False
+        schedule, allocation = build(frozenset(), double)
+    if allocation.peak > budget:
+        prefetch = False
+        schedule, allocation = build(frozenset(), double)
+    if allocation.peak > budget:
+        raise _overflow(schedule.buffers, allocation, budget)
+
+    weights = _weights(graph) if policy.residency else {}
+    resident: set[tuple[int, int]] = set()
+    room = budget - allocation.peak
+    # Most DDR traffic saved per byte of VTCM first. Ties are spread over the program (every
+    # other layer, then every fourth...), so streamed weights fall between resident ones and
+    # load while those compute instead of all at the end.
+    order = {key: _spread(i) for i, key in enumerate(sorted(weights))}
+    for key, (cost, _traffic) in sorted(
+        weights.items(),
+        key=lambda kv: (-round(kv[1][1] / max(1, kv[1][0]), 2), order[kv[0]]),
+    ):
+        if cost <= room:
+            resident.add(key)
+            room -= cost
+    while resident:
+        trial, trial_alloc = build(frozenset(resident), double)
+        if trial_alloc.peak <= budget:
+            schedule, allocation = trial, trial_alloc
+            break
+        # packing lost some room: give up the least valuable resident weights
+        worst = min(resident, key=lambda key: (weights[key][1] / max(1, weights[key][0]), key))
+        resident.discard(worst)
+    else:
+        schedule, allocation = build(frozenset(), double)
+    streamed = {key: weights[key][0] for key in weights if key not in resident}
+    return Planned(schedule, allocation, spilled, streamed)
+
+
+def _spread(i: int) -> float:
+    """The van der Corput sequence: 0, 1/2, 1/4, 3/4, 1/8...: position i of an order that
+    keeps every prefix spread evenly."""
+    out, base = 0.0, 0.5
+    while i:
+        if i & 1:
+            out += base
+        i >>= 1
+        base /= 2
+    return out
+
+
+def _spill_victims(buffers: list[Buffer], chip_bytes: dict[int, int], budget: int) -> list[int]:
+    """On-chip activations to move to DDR: the largest live where the allocation overflows."""
+    over = [b for b in buffers if b.offset + align(max(b.size, 1)) > budget]
+    if not over:
+        return []
+    lo = min(b.first for b in over)
+    hi = max(b.last for b in over)
+    live = sorted(
+        (
+            b
+            for b in buffers
+            if not b.resident and b.root in chip_bytes and b.first <= hi and lo <= b.last
+        ),
+        key=lambda b: (-b.size, b.id),
+    )
+    excess = max(b.offset + align(max(b.size, 1)) for b in over) - budget
+    victims: list[int] = []
+    for b in live:
+        victims.append(b.root)
+        excess -= align(b.size)
+        if excess <= 0:
+            break
+    return victims
+
+
+def _overflow(buffers: list[Buffer], allocation: Allocation, budget: int) -> CompileError:
+    from compiler_core.lowering.vtcm import peak_demand
+
+    demand, step = peak_demand(buffers)
+    live = sorted(
+        (b for b in buffers if not b.resident and b.first <= step <= b.last),
+        key=lambda b: -b.size,
+    )
+    kernel = step // 2
+    names = ", ".join(f"{b.what} ({b.size:,} B)" for b in live[:4])
+    return CompileError(
+        "vtcm_overflow",
+        f"kernel {kernel} needs {allocation.peak:,} bytes of VTCM per core at once "
+        f"({allocation.peak - budget:,} bytes more than the {budget:,}-byte budget): {names}",
+        details={"needed": allocation.peak, "budget": budget},
+    )
