@@ -186,6 +186,8 @@ def _merge_inferred(graph: ir.Graph, inferred: onnx.ModelProto) -> None:
     lean = inferred.graph
     infos = {vi.name: vi for vi in (*lean.input, *lean.value_info, *lean.output)}
     for value in _main_values(graph):
+        if value.dtype is not None and value.shape is not None and value.shape.is_static():
+            continue  # inference cannot tell more; skipping keeps re-inference rounds cheap
         info = infos.get(value.name or "")
         if info is not None:
             _merge_type(value, info.type)
