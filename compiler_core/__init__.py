@@ -2,8 +2,12 @@
 
 from typing import TYPE_CHECKING
 
-from compiler_core.errors import CompileError
-from compiler_core.options import CompileOptions
+from compiler_core.lazy_imports import defer_heavy_imports
+
+defer_heavy_imports()  # before anything imports onnx_ir
+
+from compiler_core.errors import CompileError  # noqa: E402
+from compiler_core.options import CompileOptions  # noqa: E402
 
 if TYPE_CHECKING:  # what the lazy attributes below are, for type checkers
     from compiler_core.compile import compile_model

@@ -152,8 +152,7 @@ def infer_shapes(model: ir.Model) -> None:
     propagation expands those element by element (gigabytes for a 300 MB vector).
     """
     _set_initializer_types(model.graph)
-    with _lean_graph(model):
-        lean = ir.serde.serialize_model(model)
+    lean = _lean_model(model)
     _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=False))
     if dynamic_values(model.graph) and not _has_large_vectors(model.graph):
         _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=True))
@@ -183,8 +182,12 @@ def _onnx_infer_shapes(proto: onnx.ModelProto, *, data_prop: bool) -> onnx.Model
 
 
 def _merge_inferred(graph: ir.Graph, inferred: onnx.ModelProto) -> None:
-    infos = {vi.name: vi for vi in (*inferred.graph.value_info, *inferred.graph.output)}
+    # The lean copy's inputs include the Constant outputs it declares (see _lean_model).
+    lean = inferred.graph
+    infos = {vi.name: vi for vi in (*lean.input, *lean.value_info, *lean.output)}
     for value in _main_values(graph):
+        if value.dtype is not None and value.shape is not None and value.shape.is_static():
+            continue  # inference cannot tell more; skipping keeps re-inference rounds cheap
         info = infos.get(value.name or "")
         if info is not None:
             _merge_type(value, info.type)
@@ -296,8 +299,7 @@ def _deserialize(proto: onnx.ModelProto) -> ir.Model:
 
 
 def _run_checker(model: ir.Model) -> None:
-    with _lean_graph(model):
-        lean = ir.serde.serialize_model(model)
+    lean = _lean_model(model)
     try:
         onnx.checker.check_model(lean, full_check=False)
     except (onnx.checker.ValidationError, ValueError) as exc:
@@ -820,6 +822,46 @@ def _merge_type(value: ir.Value, type_proto: onnx.TypeProto) -> None:
         return
     if value.shape is None or (shape.is_static() or not value.shape.is_static()):
         value.shape = shape
+
+
+def _lean_model(model: ir.Model) -> onnx.ModelProto:
+    """The copy of the model that onnx's C++ checker and shape inference receive.
+
+    It holds no weights and no reference to a file: onnx resolves external data against the
+    working directory when it is given a proto (not the model's folder), so a tensor left in
+    a file would make the check depend on where the compile runs. The importer has read every
+    other tensor attribute kept in a file (`load_small_external`).
+    """
+    with _lean_graph(model):
+        lean = ir.serde.serialize_model(model)
+    _external_constants_to_inputs(lean.graph)
+    return lean
+
+
+def _external_constants_to_inputs(graph: onnx.GraphProto) -> None:
+    """Replace each Constant node whose tensor lives in a file by a typed graph input.
+
+    Large Constant-node tensors of the main graph stay in the model file (onnx_wire moves
+    them there like initializers); the lean copy declares their type instead, as it does
+    for large initializers. A Constant that is also a graph output stays one: an input may
+    be listed as an output.
+    """
+    external = [
+        index
+        for index, node in enumerate(graph.node)
+        if node.op_type == "Constant"
+        and node.domain in ("", "ai.onnx")
+        and len(node.attribute) == 1
+        and node.attribute[0].name == "value"
+        and node.attribute[0].t.data_location == onnx.TensorProto.EXTERNAL
+    ]
+    for index in reversed(external):
+        node = graph.node[index]
+        tensor = node.attribute[0].t
+        graph.input.append(
+            onnx.helper.make_tensor_value_info(node.output[0], tensor.data_type, tensor.dims)
+        )
+        del graph.node[index]
 
 
 @contextmanager

@@ -36,20 +36,42 @@ def read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
 
 
 def load_small_external(graph: ir.Graph, limit: int = SMALL_TENSOR_BYTES) -> int:
-    """Replace every small external tensor of the graph (initializers and Constant-node
-    attributes) by an in-memory copy; returns how many were read."""
+    """Replace external tensors by in-memory copies; returns how many were read.
+
+    Read: every initializer of the main graph up to `limit` bytes, and every tensor attribute
+    except the `value` of a main-graph Constant larger than `limit` (a weight: it stays
+    mapped, like a large initializer). Subgraph tensors are read whatever their size: a body
+    travels in the QPC serialized, and must not refer to a file.
+    """
     count = 0
     for value in graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= limit:
             value.const_value = read_external(tensor)
             count += 1
-    for node in graph:
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        in_main = node.graph is graph
         for name, attr in list(node.attributes.items()):
+            if attr.type == ir.AttributeType.GRAPH and attr.value is not None:
+                count += _load_initializers(attr.as_graph())
+            elif attr.type == ir.AttributeType.GRAPHS:
+                count += sum(_load_initializers(body) for body in attr.as_graphs())
             if attr.type != ir.AttributeType.TENSOR:
                 continue
             tensor = attr.as_tensor()
-            if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= limit:
-                node.attributes[name] = ir.AttrTensor(name, read_external(tensor))
-                count += 1
+            if not isinstance(tensor, ir.ExternalTensor):
+                continue
+            if in_main and node.op_type == "Constant" and tensor.nbytes > limit:
+                continue
+            node.attributes[name] = ir.AttrTensor(name, read_external(tensor))
+            count += 1
+    return count
+
+
+def _load_initializers(body: ir.Graph) -> int:
+    count = 0
+    for value in body.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value = read_external(value.const_value)
+            count += 1
     return count
