@@ -107,11 +107,6 @@ def test_large_constant_that_is_a_graph_output_compiles_from_another_working_dir
     assert ours["table"].shape == (256, 256)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="program.bin's attribute encoding (lowering/program.py _jsonable) turns a 0-d "
-    "tensor into shape (1,): np.ascontiguousarray returns at least 1-d",
-)
 def test_0d_constant_that_is_a_graph_output_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -236,7 +236,7 @@ _OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC = 1, 2, 3, 4, 5, 6
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value, order="C")  # keeps 0-d arrays 0-d
         return {
             "__ndarray__": base64.b64encode(arr.tobytes()).decode("ascii"),
             "dtype": str(arr.dtype),
