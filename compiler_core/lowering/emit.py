@@ -46,7 +46,7 @@ from compiler_core.lowering.program import (
     cores_in,
     mask_of,
 )
-from compiler_core.lowering.tiling import TileSpec
+from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
 from compiler_core.ops.registry import Box, full_box
 
@@ -107,12 +107,13 @@ class Schedule:
 
 
 def _tile_out_boxes(graph: LoweredGraph, kernel: int, tile: TileSpec) -> list[Box | None]:
-    outputs = graph.kernels[kernel].desc.outputs
-    single = len(outputs) == 1
-    return [
-        None if t < 0 else (tile.out_box if single else full_box(graph.tensors[t].shape))
-        for t in outputs
-    ]
+    lk = graph.kernels[kernel]
+    outputs = lk.desc.outputs
+    if len(outputs) == 1:
+        return [None if outputs[0] < 0 else tile.out_box]
+    assert lk.request is not None
+    boxes = output_boxes(lk.request.opdef, lk.desc.info, tile.out_box)
+    return [None if t < 0 else boxes[o] for o, t in enumerate(outputs)]
 
 
 def _intersect(a: Box, b: Box) -> Box | None:

@@ -76,12 +76,10 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
     in_boxes = base + extras
     dtypes = (*info.in_dtypes, *req.extra_dtypes)
     ws = sum(_nbytes(b, d) for b, d in zip(in_boxes, dtypes, strict=True))
-    if len(info.out_shapes) == 1:
-        ws += _nbytes(out_box, info.out_dtypes[0])
-    else:
-        ws += sum(
-            _nbytes(full_box(s), d) for s, d in zip(info.out_shapes, info.out_dtypes, strict=True)
-        )
+    ws += sum(
+        _nbytes(b, d)
+        for b, d in zip(output_boxes(req.opdef, info, out_box), info.out_dtypes, strict=True)
+    )
     return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=ws)
 
 
@@ -112,8 +110,19 @@ def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
 
 def split_axes(req: TilingRequest) -> list[int]:
     info = req.info
-    single = len(info.out_shapes) == 1 and len(info.out_shapes[0]) > 0
-    return [a for a in req.opdef.split_axes(info) if single and info.out_shapes[0][a] > 1]
+    tiled = len(info.out_shapes) == 1 or req.opdef.output_boxes is not None
+    if not tiled or not info.out_shapes or not info.out_shapes[0]:
+        return []
+    return [a for a in req.opdef.split_axes(info) if info.out_shapes[0][a] > 1]
+
+
+def output_boxes(opdef: OpDef, info: NodeInfo, out_box: Box) -> list[Box]:
+    """Every output's box in the tile cut as `out_box` of output 0."""
+    if len(info.out_shapes) == 1:
+        return [out_box]
+    if opdef.output_boxes is not None:
+        return opdef.output_boxes(info, out_box)
+    return [full_box(s) for s in info.out_shapes]
 
 
 Probes = dict[tuple[tuple[int, int], ...], tuple[int, int]]

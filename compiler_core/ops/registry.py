@@ -158,6 +158,9 @@ class OpDef:
     macs: Macs = output_elements
     hmx_shape: TileHmx | None = None
     """For HMX ops: the matrix-product shape of a tile (None: priced at full efficiency)."""
+    output_boxes: Callable[[NodeInfo, Box], list[Box]] | None = None
+    """For ops with several outputs: each output's box in a tile cut from output 0's (None:
+    such an op runs whole)."""
     alias: bool = False
     """The output is the input's bytes reinterpreted (Reshape, Squeeze...): no kernel runs."""
     elementwise: bool = False

@@ -245,7 +245,37 @@ def _split(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Ar
     ]
 
 
-register("Split", _split, since=2, dtypes=ALL)
+def _split_axis(node: NodeInfo) -> int:
+    return normalize_axis(int(node.attr("axis", 0)), len(node.out_shapes[0]))
+
+
+def _split_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    """The tile's rows of every output need the same rows of the input, whole along the
+    split axis (and the split sizes, whole)."""
+    axis = _split_axis(node)
+    x = node.in_shapes[0]
+    assert x is not None
+    boxes: list[Box | None] = [out_box[:axis] + ((0, x[axis]),) + out_box[axis + 1 :]]
+    boxes += [None if s is None else full_box(s) for s in node.in_shapes[1:]]
+    return boxes
+
+
+def _split_output_boxes(node: NodeInfo, out_box: Box) -> list[Box]:
+    axis = _split_axis(node)
+    return [out_box[:axis] + ((0, s[axis]),) + out_box[axis + 1 :] for s in node.out_shapes]
+
+
+register(
+    "Split",
+    _split,
+    since=2,
+    dtypes=ALL,
+    split_axes=lambda node: [
+        a for a in all_axes(len(node.out_shapes[0])) if a != _split_axis(node)
+    ],
+    input_boxes=_split_input_boxes,
+    output_boxes=_split_output_boxes,
+)
 
 
 # --- Slice --------------------------------------------------------------------------------------
