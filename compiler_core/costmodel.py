@@ -40,6 +40,7 @@ from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
+    DmaGather,
     DmaLoad,
     DmaStore,
     Instr,
@@ -51,6 +52,7 @@ from compiler_core.lowering.program import (
     box_elements,
     box_nbytes,
     cores_in,
+    gathered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -496,7 +498,7 @@ class _Scheduler:
             return ring
         return start
 
-    def dma(self, core: _Core, instr: DmaLoad | DmaStore | NocCopy) -> tuple[int, int]:
+    def dma(self, core: _Core, instr: DmaLoad | DmaStore | NocCopy | DmaGather) -> tuple[int, int]:
         program = self.program
         t = program.tensors[instr.tensor]
         timeline = self.timeline
@@ -525,6 +527,24 @@ class _Scheduler:
             if fanout > 1:
                 timeline.multicast[c] += nbytes
                 run.multicast_bytes += nbytes
+        elif isinstance(instr, DmaGather):
+            index_dtype = program.tensors[instr.indices].dtype
+            ilo = instr.index_vtcm
+            ihi = ilo + box_nbytes(instr.index_box, index_dtype)
+            out_dtype = program.tensors[instr.out].dtype
+            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, out_dtype)
+            start = max(start, core.vtcm.ready_to_read(ilo, ihi), core.vtcm.ready_to_write(lo, hi))
+            nbytes = gathered_bytes(t, instr)
+            slices = box_elements(instr.index_box)
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES * slices, nbytes, self.engine)
+            core.vtcm.mark_read(ilo, ihi, end)
+            core.vtcm.mark_written(lo, hi, end)
+            timeline.ddr_read[c] += nbytes
+            run = self.run(core, instr.kernel)
+            run.read_bytes += nbytes
+            if t.kind == KIND_CONSTANT:
+                timeline.ddr_read_constant[c] += nbytes
+                run.read_constant_bytes += nbytes
         elif isinstance(instr, DmaStore):
             lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
@@ -620,7 +640,7 @@ def _next_start(core: _Core) -> int:
     """The earliest its next instruction can start: cores go in this order, so the shared
     calendars are booked roughly in time order."""
     instr = core.stream[core.pc]
-    if isinstance(instr, DmaLoad | DmaStore):
+    if isinstance(instr, DmaLoad | DmaStore | DmaGather):
         return max(core.now, core.dma_free)
     if isinstance(instr, NocCopy):
         return max(core.now, core.noc_free)

@@ -31,6 +31,7 @@ from compiler_core.lowering.program import (
     KIND_INPUT,
     KIND_ONCHIP,
     KIND_OUTPUT,
+    DmaGather,
     DmaLoad,
     DmaStore,
     Instr,
@@ -50,7 +51,7 @@ from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
 from compiler_core.ops.registry import Box, full_box
 
-LOAD, STORE, NOC, RUN = 1, 2, 3, 4
+LOAD, STORE, NOC, RUN, GATHER = 1, 2, 3, 4, 5
 
 BufRef = tuple[int, int]
 """(buffer id, byte offset inside the buffer)."""
@@ -226,6 +227,7 @@ class _Builder:
         graph = self.graph
         lk = graph.kernels[k]
         desc = lk.desc
+        block = len(self.ops)
         by_core: dict[int, list[TileSpec]] = defaultdict(list)
         for tile in lk.tiles:
             by_core[tile.core].append(tile)
@@ -281,8 +283,9 @@ class _Builder:
         # inputs
         operand: dict[tuple[int, int, int], tuple[Box, tuple[tuple[BufRef, Box], ...]]] = {}
         streamed: list[int] = []
+        gather = self.gathers(k)
         for i, tid in enumerate(desc.inputs):
-            if tid < 0:
+            if tid < 0 or (gather and i == 0):
                 continue
             root = graph.root(tid)
             if (k, i) in self.resident_refs:
@@ -366,9 +369,35 @@ class _Builder:
                     None if box is None else (box, out_refs[(c, j, o)], box)
                     for o, box in enumerate(out_boxes)
                 )
-                self.ops.append(
-                    Op(core=c, kind=RUN, kernel=k, out_box=tile.out_box, inputs=ins, outputs=outs)
-                )
+                if gather:
+                    index = ins[1]
+                    assert index is not None and len(index[1]) == 1
+                    self.ops.append(
+                        Op(
+                            core=c,
+                            kind=GATHER,
+                            kernel=k,
+                            tensor=desc.inputs[0],
+                            box=tile.in_boxes[0] or (),
+                            src=index[1][0][0],
+                            src_box=index[1][0][1],
+                            dst=out_refs[(c, j, 0)],
+                            dst_box=tile.out_box,
+                            out_box=tile.out_box,
+                            inputs=ins,
+                        )
+                    )
+                else:
+                    self.ops.append(
+                        Op(
+                            core=c,
+                            kind=RUN,
+                            kernel=k,
+                            out_box=tile.out_box,
+                            inputs=ins,
+                            outputs=outs,
+                        )
+                    )
                 for o in stores:
                     box = out_boxes[o]
                     assert box is not None
@@ -396,10 +425,28 @@ class _Builder:
                 loads(j)
                 runs(j)
         if early:
-            at = self.run_start.get(k - 1, len(self.ops))
+            at = self.run_start.get(k - 1, block)
             self.ops[at:at] = early
             if k in self.run_start:  # this kernel's own tiles moved down
                 self.run_start[k] += len(early)
+
+    def gathers(self, k: int) -> bool:
+        """Whether kernel k is an embedding lookup done by a gather DMA: its table is a weight
+        left in DDR, its indices come whole from DDR, and no epilogue is fused into it."""
+        lk = self.graph.kernels[k]
+        request, desc = lk.request, lk.desc
+        if request is None or 0 not in request.indexed or desc.epilogue:
+            return False
+        if (k, 0) in self.resident_refs or len(desc.outputs) != 1 or len(desc.inputs) < 2:
+            return False
+        index = desc.inputs[1]
+        root = self.graph.root(index)
+        return (
+            index >= 0
+            and root not in self.placement.chip
+            and (k, 1) not in self.resident_refs
+            and self.graph.tensors[index].shape == self.graph.tensors[root].shape
+        )
 
     def push(
         self, root: int, slot: _Slot, part: Box, dst: BufRef, dst_box: Box, cores: list[int]
@@ -713,6 +760,13 @@ def materialize(
                 vtcm_used[target] = max(
                     vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
                 )
+        elif op.kind == GATHER:
+            assert op.src is not None and op.dst is not None
+            desc = graph.kernels[op.kernel].desc
+            vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
+            out = desc.outputs[0]
+            vtcm.write(*span(c, op.dst, op.dst_box, out), index, deps)
+            vtcm_used[c] = max(vtcm_used[c], span(0, op.dst, op.dst_box, out)[1])
         else:
             desc = graph.kernels[op.kernel].desc
             for tid, operand in zip(desc.inputs, op.inputs, strict=True):
@@ -755,7 +809,7 @@ def materialize(
         stream = streams[op.core]
         for sem, _ in waits[index]:
             stream.append(SemWait(sem=sem, count=1))
-        stream.append(_instr(op, at, id_map))
+        stream.append(_instr(op, at, id_map, graph))
         if index in post_after:
             stream.append(SemPost(sem=post_after[index]))
     setup: list[list[Instr]] = [[] for _ in range(cores)]
@@ -766,7 +820,12 @@ def materialize(
     return streams, setup, len(post_after), vtcm_used
 
 
-def _instr(op: Op, resolve: Callable[[BufRef], int], id_map: dict[int, int]) -> Instr:
+def _instr(
+    op: Op,
+    resolve: Callable[[BufRef], int],
+    id_map: dict[int, int],
+    graph: LoweredGraph | None = None,
+) -> Instr:
     if op.kind == LOAD:
         assert op.dst is not None
         return DmaLoad(id_map[op.tensor], op.box, resolve(op.dst), op.dst_box, op.mask, op.kernel)
@@ -784,6 +843,23 @@ def _instr(op: Op, resolve: Callable[[BufRef], int], id_map: dict[int, int]) -> 
             op.dst_box,
             op.mask,
             op.kernel,
+        )
+    if op.kind == GATHER:
+        assert op.src is not None and op.dst is not None and graph is not None
+        desc = graph.kernels[op.kernel].desc
+        axis = int(desc.info.attr("axis", 0)) % len(graph.tensors[desc.inputs[0]].shape)
+        return DmaGather(
+            tensor=id_map[op.tensor],
+            axis=axis,
+            box=op.box,
+            indices=id_map[desc.inputs[1]],
+            index_vtcm=resolve(op.src),
+            index_box=op.src_box,
+            out=id_map[desc.outputs[0]],
+            out_box=op.out_box,
+            vtcm=resolve(op.dst),
+            buf_box=op.dst_box,
+            kernel=op.kernel,
         )
     ins = tuple(
         None

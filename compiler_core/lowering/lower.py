@@ -187,6 +187,14 @@ class _Builder:
             budget=self.config.vtcm_budget,
             granularity=self.config.granularity,
             rotate=kid,
+            indexed=frozenset(
+                i
+                for i in opdef.indexed_inputs
+                if i < len(inputs)
+                and inputs[i] >= 0
+                and self.tensors[inputs[i]].kind == KIND_CONSTANT
+                and not whole
+            ),
         )
         tiles = [] if self.config.device is not None else plan_tiles(request)
         macs = int(opdef.macs(info))
@@ -348,15 +356,18 @@ holds activations and tiles (placement fills whatever is left over with more wei
 def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> None:
     """Cut every kernel by modelled time (see `splits`), in program order."""
     producer: dict[int, int] = {}
+    slot_of: dict[int, int] = {}
     for index, lk in enumerate(lowered.kernels):
-        for t in lk.desc.outputs:
+        for slot, t in enumerate(lk.desc.outputs):
             if t >= 0:
                 producer[t] = index
+                slot_of[t] = slot
     items = []
     for lk in lowered.kernels:
         assert lk.request is not None
-        kinds, producers, reshaped, sizes = [], [], [], []
+        kinds, producers, reshaped, sizes, slots = [], [], [], [], []
         for tid in lk.desc.inputs:
+            slots.append(slot_of.get(lowered.root(tid), 0) if tid >= 0 else 0)
             if tid < 0:
                 kinds.append("none")
                 producers.append(-1)
@@ -384,6 +395,7 @@ def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> 
                 inputs=lk.desc.inputs,
                 kinds=tuple(kinds),
                 producers=tuple(producers),
+                slots=tuple(slots),
                 reshaped=tuple(reshaped),
                 nbytes=tuple(sizes),
             )

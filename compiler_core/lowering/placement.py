@@ -23,6 +23,10 @@ from compiler_core.lowering.lower import LoweredGraph
 from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
 from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
 
+MIN_SAVING = 16
+"""A weight stays resident only if an inference would stream at least 1/16 of its size (a
+lookup table read a few rows at a time is left in DDR for the gather DMA)."""
+
 
 @dataclass(frozen=True)
 class CodegenPolicy:
@@ -68,8 +72,9 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                 continue
             dtype = graph.tensors[tid].dtype
             per_core: dict[int, list] = {}
+            gathered = lk.request is not None and i in lk.request.indexed
             for tile in lk.tiles:
-                box = tile.in_boxes[i]
+                box = tile.out_box if gathered else tile.in_boxes[i]
                 if box is not None:
                     per_core.setdefault(tile.core, []).append(box)
             if not per_core:
@@ -89,6 +94,9 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                         traffic += box_nbytes(b, dtype)
                         distinct.add(b)
                     previous = b
+            if gathered:  # a lookup table streams only the rows it is asked for
+                table = tuple(tile.in_boxes[i] for tile in lk.tiles if tile.in_boxes[i] is not None)
+                cost = max(box_nbytes(b, dtype) for b in table)
             out[(k, i)] = (align(cost), traffic)
     return out
 
@@ -137,11 +145,11 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
     # other layer, then every fourth...), so streamed weights fall between resident ones and
     # load while those compute instead of all at the end.
     order = {key: _spread(i) for i, key in enumerate(sorted(weights))}
-    for key, (cost, _traffic) in sorted(
+    for key, (cost, traffic) in sorted(
         weights.items(),
         key=lambda kv: (-round(kv[1][1] / max(1, kv[1][0]), 2), order[kv[0]]),
     ):
-        if cost <= room:
+        if cost <= room and traffic * MIN_SAVING >= cost:
             resident.add(key)
             room -= cost
     while resident:

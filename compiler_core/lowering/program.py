@@ -100,6 +100,12 @@ def stored_bytes(t: TensorDesc, box: Box) -> int:
     return n
 
 
+def gathered_bytes(t: TensorDesc, instr: DmaGather) -> int:
+    """DDR bytes a gather reads: one slice of `box` per index (whatever the values)."""
+    slice_box = tuple((0, 1) if a == instr.axis else rng for a, rng in enumerate(instr.box))
+    return box_elements(instr.index_box) * stored_bytes(t, slice_box)
+
+
 def mask_of(cores: Iterable[int]) -> Mask:
     mask = 0
     for core in cores:
@@ -154,6 +160,28 @@ class NocCopy:
 
 
 @dataclass(frozen=True)
+class DmaGather:
+    """DDR -> VTCM by indices known only at run time (an embedding lookup): for every element
+    of the index buffer at `index_vtcm` (holding `index_box` of the integer tensor
+    `indices`), the slice of `tensor` at that index along `axis`, over `box` on the other
+    axes, lands at the element's place in the destination buffer at `vtcm` (holding
+    `buf_box` of the gathered result `out`), which receives `out_box`. Only those slices
+    cross DDR."""
+
+    tensor: int
+    axis: int
+    box: Box
+    indices: int
+    index_vtcm: int
+    index_box: Box
+    out: int
+    out_box: Box
+    vtcm: int
+    buf_box: Box
+    kernel: int = -1
+
+
+@dataclass(frozen=True)
 class Piece:
     """A VTCM buffer at `vtcm` holding `box` of a tensor (C order)."""
 
@@ -202,7 +230,7 @@ class SemWait:
     count: int
 
 
-Instr = DmaLoad | DmaStore | NocCopy | RunKernel | SemPost | SemWait
+Instr = DmaLoad | DmaStore | NocCopy | DmaGather | RunKernel | SemPost | SemWait
 
 
 @dataclass
@@ -231,7 +259,7 @@ class Program:
 
 # ----------------------------------------------------------------------------------- encoding
 
-_OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC = 1, 2, 3, 4, 5, 6
+_OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC, _OP_GATHER = 1, 2, 3, 4, 5, 6, 7
 
 
 def _jsonable(value: Any) -> Any:
@@ -387,6 +415,23 @@ def _pack_stream(stream: list[Instr]) -> list[bytes]:
             _pack_box(body, instr.box)
             _pack_box(body, instr.src_box)
             _pack_box(body, instr.buf_box)
+        elif isinstance(instr, DmaGather):
+            body.append(
+                struct.pack(
+                    "<BIiIBIIQQ",
+                    _OP_GATHER,
+                    instr.tensor,
+                    instr.kernel,
+                    instr.indices,
+                    instr.axis,
+                    instr.out,
+                    0,
+                    instr.index_vtcm,
+                    instr.vtcm,
+                )
+            )
+            for box in (instr.box, instr.index_box, instr.out_box, instr.buf_box):
+                _pack_box(body, box)
         elif isinstance(instr, RunKernel):
             body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
             _pack_box(body, instr.out_box)
@@ -468,6 +513,24 @@ class _Reader:
                 tensor, kernel, src_vtcm, vtcm, cores = self.take("<IiQQQ")
                 box, src_box, buf_box = self.box(), self.box(), self.box()
                 stream.append(NocCopy(tensor, box, src_vtcm, src_box, vtcm, buf_box, cores, kernel))
+            elif code == _OP_GATHER:
+                tensor, kernel, indices, axis, out, _, index_vtcm, vtcm = self.take("<IiIBIIQQ")
+                box, index_box, out_box, buf_box = self.box(), self.box(), self.box(), self.box()
+                stream.append(
+                    DmaGather(
+                        tensor,
+                        axis,
+                        box,
+                        indices,
+                        index_vtcm,
+                        index_box,
+                        out,
+                        out_box,
+                        vtcm,
+                        buf_box,
+                        kernel,
+                    )
+                )
             elif code == _OP_KERNEL:
                 (kernel,) = self.take("<I")
                 out_box = self.box()
@@ -581,8 +644,10 @@ def check_program(program: Program) -> None:
     for core, stream in enumerate((*program.streams, *program.setup)):
         core %= max(1, program.num_cores)
         for instr in stream:
-            if isinstance(instr, DmaLoad | DmaStore | NocCopy) and instr.tensor >= n_t:
+            if isinstance(instr, DmaLoad | DmaStore | NocCopy | DmaGather) and instr.tensor >= n_t:
                 raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
+            if isinstance(instr, DmaGather) and (instr.indices >= n_t or instr.out >= n_t):
+                raise CompileError("invalid_program", f"core {core}: gather names tensor")
             if isinstance(instr, DmaLoad | NocCopy) and (
                 instr.cores == 0 or instr.cores & ~all_cores
             ):

@@ -28,6 +28,7 @@ from compiler_core.lowering.tiling import (
     TilingRequest,
     assign_cores,
     fit_tiles,
+    output_boxes,
     split_axes,
     tiles_of,
 )
@@ -78,6 +79,8 @@ class KernelSplit:
     """Per operand: 'constant', 'ddr' (graph input) or 'chip' (another kernel's output)."""
     producers: tuple[int, ...]
     """Per operand: the producing kernel (-1 for constants and graph inputs)."""
+    slots: tuple[int, ...]
+    """Per operand: which output of its producer it is."""
     reshaped: tuple[bool, ...]
     """Per operand: read through a reshape of the producer's output (needs all of it)."""
     nbytes: tuple[int, ...]
@@ -234,7 +237,7 @@ class SplitChooser:
                 costs[key] = cycles
             compute[t.core] = compute.get(t.core, 0.0) + cycles
             for i, box in enumerate(t.in_boxes):
-                if box is not None and ks.kinds[i] == "constant":
+                if box is not None and ks.kinds[i] == "constant" and i not in req.indexed:
                     resident.setdefault(i, {}).setdefault(t.core, []).append(box)
         weight_bytes = 0
         distinct: set[tuple[int, Box]] = set()
@@ -284,7 +287,14 @@ class SplitChooser:
                     seen.add(box)
                     need = _bytes(box, dtype)
                     if kind == "chip" and producer is not None and not ks.reshaped[i]:
-                        held = sum(_overlap(box, p.out_box) for p in producer.by_core.get(core, []))
+                        source = self.kernels[ks.producers[i]].request
+                        held = sum(
+                            _overlap(
+                                box,
+                                output_boxes(source.opdef, source.info, p.out_box)[ks.slots[i]],
+                            )
+                            for p in producer.by_core.get(core, [])
+                        )
                         need -= held * _itemsize(dtype) if dtype else 0
                     if need > 0:
                         remote += need

@@ -44,6 +44,9 @@ class TilingRequest:
     budget: int
     granularity: int
     rotate: int = 0
+    indexed: frozenset[int] = frozenset()
+    """Inputs a gather DMA fetches slice by slice (see OpDef.indexed_inputs): a tile holds
+    only what it gathers, the size of its output."""
 
 
 def _aligned(n: int) -> int:
@@ -75,7 +78,10 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
     extras = tuple(broadcast_input_box(s, out_shape, out_box) for s in req.extra_shapes)
     in_boxes = base + extras
     dtypes = (*info.in_dtypes, *req.extra_dtypes)
-    ws = sum(_nbytes(b, d) for b, d in zip(in_boxes, dtypes, strict=True))
+    ws = sum(
+        _nbytes(out_box if i in req.indexed else b, d)
+        for i, (b, d) in enumerate(zip(in_boxes, dtypes, strict=True))
+    )
     ws += sum(
         _nbytes(b, d)
         for b, d in zip(output_boxes(req.opdef, info, out_box), info.out_dtypes, strict=True)

@@ -158,6 +158,9 @@ class OpDef:
     macs: Macs = output_elements
     hmx_shape: TileHmx | None = None
     """For HMX ops: the matrix-product shape of a tile (None: priced at full efficiency)."""
+    indexed_inputs: frozenset[int] = frozenset()
+    """Inputs read by index (Gather's data): when such an input is a weight in DDR, a tile
+    needs only the slices its indices name, which a gather DMA fetches, not its whole box."""
     output_boxes: Callable[[NodeInfo, Box], list[Box]] | None = None
     """For ops with several outputs: each output's box in a tile cut from output 0's (None:
     such an op runs whole)."""

@@ -407,6 +407,7 @@ register(
     dtypes=ALL,
     split_axes=_gather_split,
     input_boxes=_gather_boxes,
+    indexed_inputs=frozenset({0}),
 )
 
 

@@ -112,6 +112,13 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
         reasons.append(f"{label} ({producer.op_type}) has no kernel")
     elif base.alias:
         reasons.append(f"{label} ({producer.op_type}) is an alias and runs no kernel")
+    elif any(
+        i < len(producer.inputs)
+        and producer.inputs[i] is not None
+        and producer.inputs[i].const_value is not None  # type: ignore[union-attr]
+        for i in base.indexed_inputs
+    ):
+        reasons.append(f"{label} ({producer.op_type}) gathers from a weight: a DMA does it")
     if out.is_graph_output():
         reasons.append(f"output of {label} is a graph output")
     if len(readers) != 1:

@@ -18,6 +18,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     KIND_INPUT,
     KIND_ONCHIP,
+    DmaGather,
     DmaLoad,
     DmaStore,
     KernelDesc,
@@ -29,6 +30,7 @@ from compiler_core.lowering.program import (
     SemWait,
     TensorDesc,
     cores_in,
+    gathered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -351,10 +353,47 @@ class Executor:
             traffic.noc += nbytes
             if len(targets) > 1:
                 traffic.multicast += nbytes
+        elif isinstance(instr, DmaGather):
+            self._gather(core, instr, traffic)
         elif isinstance(instr, RunKernel):
             self._run_kernel(core, instr)
         else:
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
+
+    def _gather(self, core: int, instr: DmaGather, traffic: Traffic) -> None:
+        tensors = self.program.tensors
+        t, out = tensors[instr.tensor], tensors[instr.out]
+        index_t = tensors[instr.indices]
+        _check_box(instr.box, t.shape, f"gather of {t.name}")
+        if not 0 <= instr.axis < len(t.shape):
+            raise RuntimeFault(f"core {core}: gather of {t.name} along axis {instr.axis}")
+        index = self.machine.part(
+            core, instr.index_vtcm, instr.index_box, instr.index_box, index_t.dtype
+        ).astype(np.int64)
+        size = t.shape[instr.axis]
+        rows = np.where(index < 0, index + size, index)
+        if rows.size and (rows.min() < 0 or rows.max() >= size):
+            bad = int(index.flat[int(np.argmax((rows < 0) | (rows >= size)))])
+            raise RuntimeFault(
+                f"core {core}: index {bad} is out of range for {t.name} axis {instr.axis} "
+                f"of size {size}"
+            )
+        window = tuple(
+            slice(None) if a == instr.axis else slice(lo, hi)
+            for a, (lo, hi) in enumerate(instr.box)
+        )
+        gathered = np.take(self.machine.tensor(t)[window], rows, axis=instr.axis)
+        dst = self.machine.part(
+            core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True
+        )
+        if gathered.shape != dst.shape:
+            raise RuntimeFault(
+                f"core {core}: gather of {t.name} gives {gathered.shape} for a box of {dst.shape}"
+            )
+        dst[...] = gathered
+        nbytes = gathered_bytes(t, instr)
+        traffic.ddr_read += nbytes
+        traffic.ddr_read_constant += nbytes if t.kind == KIND_CONSTANT else 0
 
     def _operand(self, core: int, tensor_id: int, operand: Operand | None) -> np.ndarray | None:
         """An input operand: a view of the one buffer that holds it, or its pieces joined."""
