@@ -6,7 +6,9 @@ figures, for 1, 4 and 14 cores and batch 1, 8 and 16.
         decoder-decode] [--cores 1,4,14] [--batches 1,8,16] [--before DIR] [--json OUT]
 
 Every figure is the compiler's own estimate (`-aic-perf-metrics`) of the program it emitted:
-latency, throughput (batch / latency), HMX utilisation (useful MACs over the peak of every core
+latency (the input crossing PCIe included), device latency (inputs already in DDR), throughput
+(batch / the larger of the device latency and the PCIe transfers: queued inferences overlap
+them), HMX utilisation (useful MACs over the peak of every core
 for the whole latency), and the two floors no schedule can beat: every MAC at the peak rate,
 and every byte that must cross DDR (inputs, outputs, weights not resident on chip) at the DDR
 bandwidth. `--before DIR` compiles the same configurations with another checkout of the
@@ -42,6 +44,7 @@ class Row:
     cores: int
     batch: int
     latency_us: float
+    device_us: float
     per_second: float
     hmx_percent: float
     floor_compute_us: float
@@ -86,7 +89,7 @@ def measure(name: str, cores: int, batch: int, work: Path) -> Row:
         seconds = time.perf_counter() - start
         m = result.metrics
     except Exception as exc:  # noqa: BLE001 - a failed configuration is a row, not a crash
-        return Row(name, cores, batch, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"{type(exc).__name__}: {exc}")
+        return Row(name, cores, batch, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, f"{type(exc).__name__}: {exc}")
     latency = float(m["estimated_latency_us"])
     floor_c = float(m.get("floor_compute_us", 0.0))
     floor_d = float(m.get("floor_ddr_us", 0.0))
@@ -97,7 +100,8 @@ def measure(name: str, cores: int, batch: int, work: Path) -> Row:
         cores=cores,
         batch=batch,
         latency_us=latency,
-        per_second=batch / latency * 1e6 if latency else 0.0,
+        device_us=float(m.get("estimated_device_latency_us", latency)),
+        per_second=float(m["estimated_inferences_per_second"] or 0.0),
         hmx_percent=float(m.get("hmx_utilization_percent", m["unit_busy_percent"]["hmx"])),
         floor_compute_us=floor_c,
         floor_ddr_us=floor_d,
@@ -116,7 +120,7 @@ def measure_elsewhere(checkout: Path, name: str, cores: int, batch: int, work: P
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         error = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        return Row(name, cores, batch, 0, 0, 0, 0, 0, 0, 0, 0, 0, error)
+        return Row(name, cores, batch, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, error)
     return Row(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -141,20 +145,21 @@ def _fmt(row: Row | None, field: str, spec: str) -> str:
 
 def render(rows: list[tuple[Row, Row | None]]) -> str:
     head = (
-        "| model | cores | batch | latency us (before) | per s (before) | HMX % | floor us "
-        "(compute / DDR) | x floor | resident MiB/core | DDR MiB/inf | published |"
+        "| model | cores | batch | latency us (before) | device us | per s (before) | HMX % | "
+        "floor us (compute / DDR) | x floor | resident MiB/core | DDR MiB/inf | published |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for after, before in rows:
         if after.error:
             lines.append(
                 f"| {after.model} | {after.cores} | {after.batch} | failed: {after.error} |"
-                + " |" * 7
+                + " |" * 8
             )
             continue
         lines.append(
             f"| {after.model} | {after.cores} | {after.batch} "
             f"| {after.latency_us:,.0f} ({_fmt(before, 'latency_us', ',.0f')}) "
+            f"| {after.device_us:,.0f} "
             f"| {after.per_second:,.0f} ({_fmt(before, 'per_second', ',.0f')}) "
             f"| {after.hmx_percent:.1f} "
             f"| {after.floor_compute_us:,.0f} / {after.floor_ddr_us:,.0f} "

@@ -447,7 +447,13 @@ class _Core:
 
 
 class _Scheduler:
-    def __init__(self, program: Program, device: DeviceProfile, timeline: Timeline) -> None:
+    def __init__(
+        self,
+        program: Program,
+        device: DeviceProfile,
+        timeline: Timeline,
+        inputs_ready: bool = False,
+    ) -> None:
         self.program = program
         self.device = device
         self.timeline = timeline
@@ -465,7 +471,8 @@ class _Scheduler:
         landed = 0.0
         for t in program.inputs:
             landed += tensors[t].nbytes
-            self.ring.append(int(np.ceil(landed / HOST_LINK_BYTES_PER_S * device.clock_hz)))
+            ring = 0 if inputs_ready else landed / HOST_LINK_BYTES_PER_S * device.clock_hz
+            self.ring.append(int(np.ceil(ring)))
         self.input_ranges = [
             (tensors[t].ddr_offset, tensors[t].ddr_offset + tensors[t].nbytes)
             for t in program.inputs
@@ -652,11 +659,12 @@ def _simulate(
     device: DeviceProfile,
     streams: list[list[Instr]],
     timeline: Timeline,
+    inputs_ready: bool = False,
 ) -> tuple[list[int], _Scheduler, bool]:
     """Run every core's stream through the scoreboard, one instruction at a time from the core
     whose DMA engine or issue point is earliest, so the shared calendars are booked roughly in
     time order."""
-    sched = _Scheduler(program, device, timeline)
+    sched = _Scheduler(program, device, timeline, inputs_ready)
     cores = [_Core(c, s) for c, s in enumerate(streams)]
     posted: dict[int, list[int]] = {}
     blocked: dict[int, list[_Core]] = {}
@@ -728,8 +736,12 @@ def _empty_timeline(device: DeviceProfile, cores: int, ports: int) -> Timeline:
     )
 
 
-def build_timeline(program: Program, device: DeviceProfile) -> Timeline:
-    """Schedule one inference of `program` on `device` (estimated)."""
+def build_timeline(
+    program: Program, device: DeviceProfile, *, inputs_ready: bool = False
+) -> Timeline:
+    """Schedule one inference of `program` on `device` (estimated). The inputs cross PCIe
+    from the host first, unless `inputs_ready` (already in DDR: the inference after this
+    one, when the host queues several)."""
     cores = program.num_cores
     n_in = len(program.inputs)
     ports = [*program.inputs, *program.outputs]
@@ -747,7 +759,7 @@ def build_timeline(program: Program, device: DeviceProfile) -> Timeline:
     ]
     timeline.activation_ddr_read = setup.ddr_read
 
-    core_end, sched, complete = _simulate(program, device, program.streams, timeline)
+    core_end, sched, complete = _simulate(program, device, program.streams, timeline, inputs_ready)
     timeline.complete = complete
     timeline.port_ring = [*sched.ring, *([0] * len(program.outputs))]
     timeline.runs = _windows(list(sched.runs.values()), cores)
