@@ -87,6 +87,8 @@ class Placement:
     prefetch: bool = True
     """A kernel's input buffers may be filled while the previous kernel still computes
     (their lifetimes overlap it); off when VTCM is too tight for that."""
+    weights_ahead: int = 1
+    """How many kernels ahead streamed weights are loaded (their buffers live that long)."""
 
 
 @dataclass
@@ -164,6 +166,7 @@ class _Builder:
         runs no tile of the kernel they feed."""
         self.chip_bytes: dict[int, int] = {}
         self.resident_refs: dict[tuple[int, int], dict[int, tuple[BufRef, Box]]] = {}
+        self.ahead = placement.weights_ahead if placement.prefetch else 0
         self.run_start: dict[int, int] = {}
         """Where each kernel's last tiles sit in `ops`, after its last loads: the next
         kernel's weights are hoisted there, to load while those tiles compute."""
@@ -309,8 +312,10 @@ class _Builder:
                 for t in lk.tiles
                 if t.in_boxes[i] is not None
             )
+            weight = graph.tensors[graph.root(tid)].kind == KIND_CONSTANT
+            early_first = step_of(max(0, k - self.ahead), True) - 1 if weight else first
             scratch[i] = [
-                self.buffer(size, first, compute, f"input tile of {desc.name}")
+                self.buffer(size, min(first, early_first), compute, f"input tile of {desc.name}")
                 for _ in range(parities)
             ]
         held: dict[tuple[int, int], tuple[Box, int]] = {}  # (core, slot) -> (box, parity)
@@ -425,10 +430,11 @@ class _Builder:
                 loads(j)
                 runs(j)
         if early:
-            at = self.run_start.get(k - 1, block)
+            at = self.run_start.get(k - self.ahead, block) if self.ahead else block
             self.ops[at:at] = early
-            if k in self.run_start:  # this kernel's own tiles moved down
-                self.run_start[k] += len(early)
+            for later in range(max(0, k - self.ahead) + 1, k + 1):
+                if later in self.run_start:  # their tiles moved down
+                    self.run_start[later] += len(early)
 
     def gathers(self, k: int) -> bool:
         """Whether kernel k is an embedding lookup done by a gather DMA: its table is a weight

@@ -23,6 +23,9 @@ from compiler_core.lowering.lower import LoweredGraph
 from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
 from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
 
+WEIGHTS_AHEAD = 1
+"""Streamed weights load up to this many kernels ahead of the one that reads them (fewer
+when VTCM is short): DDR keeps streaming while the kernels in between compute."""
 MIN_SAVING = 16
 """A weight stays resident only if an inference would stream at least 1/16 of its size (a
 lookup table read a few rows at a time is left in DDR for the gather DMA)."""
@@ -107,6 +110,7 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
     spilled: dict[int, int] = {}
 
     prefetch = True
+    ahead = WEIGHTS_AHEAD
 
     def build(resident: frozenset[tuple[int, int]], double: bool) -> tuple[Schedule, Allocation]:
         placement = Placement(
@@ -115,6 +119,7 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
             double_buffer=double,
             multicast=policy.multicast,
             prefetch=prefetch,
+            weights_ahead=ahead,
         )
         schedule = build_schedule(graph, placement)
         return schedule, allocate(schedule.buffers)
@@ -128,6 +133,9 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
         for root in victims:
             spilled[root] = schedule.chip_bytes.get(root, 0)
             chip.discard(root)
+        schedule, allocation = build(frozenset(), double)
+    while allocation.peak > budget and ahead > 1:
+        ahead -= 1
         schedule, allocation = build(frozenset(), double)
     if allocation.peak > budget and double:
         double = False
