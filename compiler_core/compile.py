@@ -466,20 +466,17 @@ def _constant_key(t: LTensor) -> Hashable:
     return (t.name, t.dtype, t.shape, encoding, content)
 
 
-_NO_EFFECT = {
-    "multicast_weights": "-multicast-weights",
-    "aic_enable_depth_first": "-aic-enable-depth-first",
-}
-
-
 def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:
+    """Options this compiler accepts but does not act on say so (never silently)."""
+    if not opts.aic_enable_depth_first:
+        return []
     return [
         _warning(
             "option_without_effect",
-            f"{flag} is accepted but changes nothing in this compiler's device model",
+            "-aic-enable-depth-first is accepted but changes nothing: activations already stay "
+            "in VTCM whenever they fit (liveness-based planning across kernels); depth-first "
+            "tile fusion of conv chains is not implemented",
         )
-        for attr, flag in _NO_EFFECT.items()
-        if getattr(opts, attr)
     ]
 
 

@@ -431,7 +431,7 @@ def _spill(f: _Facts) -> list[dict[str, Any]]:
     elif program.num_cores < 16:
         hint = "more cores (-aic-num-cores) give the activations more VTCM to stay in"
     else:
-        hint = "a smaller batch (-batchsize) or -aic-enable-depth-first keeps less on chip at once"
+        hint = "a smaller batch (-batchsize) keeps less on chip at once"
     return [
         _warning(
             "spill_to_ddr",

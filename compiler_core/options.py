@@ -165,7 +165,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     _spec(
         "multicast-weights",
         "bool",
-        "Multicast shared weights to all cores.",
+        "Multicast shared weights to all cores (always done here).",
         default=False,
         group=TARGET,
     ),
