@@ -167,6 +167,9 @@ class _Builder:
         self.chip_bytes: dict[int, int] = {}
         self.resident_refs: dict[tuple[int, int], dict[int, tuple[BufRef, Box]]] = {}
         self.ahead = placement.weights_ahead if placement.prefetch else 0
+        self.weight_tail: tuple[int, int] | None = None
+        """(position in `ops` just after the last hoisted weight loads, the kernel whose
+        tiles they precede): the next streamed weights queue behind them."""
         self.run_start: dict[int, int] = {}
         """Where each kernel's last tiles sit in `ops`, after its last loads: the next
         kernel's weights are hoisted there, to load while those tiles compute."""
@@ -313,7 +316,7 @@ class _Builder:
                 if t.in_boxes[i] is not None
             )
             weight = graph.tensors[graph.root(tid)].kind == KIND_CONSTANT
-            early_first = step_of(max(0, k - self.ahead), True) - 1 if weight else first
+            early_first = step_of(self.hoist_to(k), True) - 1 if weight else first
             scratch[i] = [
                 self.buffer(size, min(first, early_first), compute, f"input tile of {desc.name}")
                 for _ in range(parities)
@@ -430,11 +433,29 @@ class _Builder:
                 loads(j)
                 runs(j)
         if early:
-            at = self.run_start.get(k - self.ahead, block) if self.ahead else block
+            host = self.hoist_to(k)
+            if host == k or not self.ahead:
+                at = block
+            elif self.weight_tail is not None and self.weight_tail[1] == host:
+                at = self.weight_tail[0]
+            else:
+                at = self.run_start[host]
             self.ops[at:at] = early
-            for later in range(max(0, k - self.ahead) + 1, k + 1):
-                if later in self.run_start:  # their tiles moved down
-                    self.run_start[later] += len(early)
+            for other, position in self.run_start.items():
+                if position >= at and other != host:  # their tiles moved down
+                    self.run_start[other] = position + len(early)
+            self.weight_tail = (at + len(early), host)
+
+    def hoist_to(self, k: int) -> int:
+        """The kernel before whose last tiles kernel k's streamed weights are issued: right
+        behind the previous streamed weights (so DDR streams one weight after another while
+        the kernels in between compute), at most `weights_ahead` kernels back."""
+        if not self.ahead or k == 0:
+            return k
+        host = max(0, k - self.ahead)
+        if self.weight_tail is not None:
+            host = max(host, self.weight_tail[1])
+        return min(host, k - 1)
 
     def gathers(self, k: int) -> bool:
         """Whether kernel k is an embedding lookup done by a gather DMA: its table is a weight
