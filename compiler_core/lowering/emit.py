@@ -124,6 +124,13 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return None if any(lo >= hi for lo, hi in out) else out
 
 
+def _meets(a: Box, b: Box) -> bool:
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        if a1 <= b0 or b1 <= a0:
+            return False
+    return True
+
+
 def _bounding(boxes: list[Box]) -> Box:
     return tuple(
         (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes)) for a in range(len(boxes[0]))
@@ -548,7 +555,7 @@ class _Builder:
                 box = t.in_boxes[i]
                 if box is None:
                     continue
-                hit = [s for s in slots if _intersect(s.box, box) is not None]
+                hit = [s for s in slots if _meets(s.box, box)]
                 mine = [s for s in hit if s.core == c]
                 remote = [s for s in hit if s.core != c]
                 needs[(c, j)] = (box, mine, remote)

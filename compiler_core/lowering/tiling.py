@@ -96,22 +96,21 @@ def _tiles_for(req: TilingRequest, parts: dict[int, int]) -> list[Box]:
 
 
 def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
-    """Largest working set and output bytes among representative tiles (first, middle, last)."""
+    """Working set and output bytes of the largest tile: along every axis the longest range,
+    the one nearest the middle (an interior tile reads a full halo; edge tiles read less)."""
     shape = req.info.out_shapes[0]
-    picks = []
+    box = []
     for a, d in enumerate(shape):
         ranges = _ranges(d, parts.get(a, 1))
-        picks.append(sorted({0, len(ranges) // 2, len(ranges) - 1}))
-    worst_ws = worst_out = 0
-    for combo in itertools.product(*picks):
-        box = tuple(
-            _ranges(d, parts.get(a, 1))[i]
-            for a, (d, i) in enumerate(zip(shape, combo, strict=True))
+        longest = max(hi - lo for lo, hi in ranges)
+        middle = len(ranges) // 2
+        pick = min(
+            (i for i, (lo, hi) in enumerate(ranges) if hi - lo == longest),
+            key=lambda i: abs(i - middle),
         )
-        tile = _tile(req, box)
-        worst_ws = max(worst_ws, tile.working_set)
-        worst_out = max(worst_out, _nbytes(box, req.info.out_dtypes[0]))
-    return worst_ws, worst_out
+        box.append(ranges[pick])
+    tile = _tile(req, tuple(box))
+    return tile.working_set, _nbytes(tuple(box), req.info.out_dtypes[0])
 
 
 def split_axes(req: TilingRequest) -> list[int]:

@@ -176,6 +176,10 @@ def channel_part(
 
 
 def _conv_windows(node: NodeInfo) -> list[Window]:
+    return node.once("conv_windows", lambda: _compute_conv_windows(node))
+
+
+def _compute_conv_windows(node: NodeInfo) -> list[Window]:
     x_shape, w_shape = node.in_shapes[0], node.in_shapes[1]
     assert x_shape is not None and w_shape is not None
     kernel = ints(node, "kernel_shape", w_shape[2:])

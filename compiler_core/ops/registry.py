@@ -59,6 +59,15 @@ class NodeInfo:
     consts: dict[int, np.ndarray] = field(default_factory=dict)
     """Values of the small constant inputs (axes, pads, shapes, starts, scales...), by input
     index, so that tiling rules can use them; kernels still receive them in `inputs` too."""
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What tiling rules work out from the attributes once (a conv's windows), kept here
+    because the split chooser asks for thousands of tiles of the same node."""
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        found = self.derived.get(key)
+        if found is None:
+            found = self.derived[key] = compute()
+        return found
 
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
