@@ -96,13 +96,16 @@ async def get_store(request: Request) -> BlobStore:
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for this request; routes commit what they change, the rest rolls back.
 
-    Making one does no I/O, and closing one whose route committed only drops it; a session
-    left inside a transaction is rolled back in the thread pool."""
+    Making one does no I/O, and closing one whose route committed only drops it. A session
+    left inside a transaction (a route that raised) is rolled back: on PostgreSQL in the
+    thread pool (a round trip), on SQLite at once, here. A SQLite write transaction holds
+    the engine's writer lock, and the pool may be full of writers waiting for that lock:
+    its rollback must not wait for a pool thread (see `app.db.session.unit_of_work`)."""
     session: Session = request.app.state.session_factory()
     try:
         yield session
     finally:
-        if session.in_transaction():
+        if session.in_transaction() and not request.app.state.settings.is_sqlite:
             await run_in_threadpool(session.close)
         else:
             session.close()

@@ -24,7 +24,8 @@ from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDe
 from app.api.errors import ApiError
 from app.api.schemas import ProfileCreate, ProfileOut
 from app.api.uploads import Upload, receive_upload
-from app.db.models import JobStatus, ProfileJob, Team
+from app.db.models import JobStatus, ProfileJob, Qpc, Team
+from app.db.session import unit_of_work
 from app.services import profiles
 
 router = APIRouter(tags=["profiles"])
@@ -92,9 +93,10 @@ async def submit_profile(
         def consume(upload: Upload, chunks: Iterator[bytes]) -> ProfileJob:
             body = _settings(dict(upload.fields))
             ref = profiles.store_inputs(store, chunks, max_bytes=settings.max_upload_bytes)
-            return profiles.submit(
-                session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
-            )
+            with unit_of_work(session):
+                return profiles.submit(
+                    session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
+                )
 
         job = await receive_upload(
             request, consume, max_bytes=settings.max_upload_bytes, file_field="inputs"
@@ -108,19 +110,21 @@ async def submit_profile(
         if not isinstance(parsed, dict):
             raise ApiError("invalid_request", "the body must be a JSON object", 422)
         data = _settings(parsed)
-        job = await run_in_threadpool(
-            profiles.submit, session, team, qpc, iterations=data.iterations
-        )
+        job = await run_in_threadpool(_submit_random, session, team, qpc, data.iterations)
     else:
         raise ApiError(
             "unsupported_media_type",
             f"send application/json or multipart/form-data, not {media_type}",
             415,
         )
-    await run_in_threadpool(session.commit)
     queue.enqueue(job.id)
     response.headers["Location"] = f"/v1/profiles/{job.id}"
     return ProfileOut.of(job)
+
+
+def _submit_random(session: Session, team: Team, qpc: Qpc, iterations: int) -> ProfileJob:
+    with unit_of_work(session):
+        return profiles.submit(session, team, qpc, iterations=iterations)
 
 
 def _team_profile(profile_id: uuid.UUID, session: Session, team: Team) -> ProfileJob:

@@ -157,6 +157,25 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         session.close()
 
 
+@contextmanager
+def unit_of_work(session: Session) -> Iterator[Session]:
+    """Commit `session` when the block ends normally, roll it back when it raises: in the
+    thread that ran the block.
+
+    The rule that keeps the embedded mode from deadlocking: a write transaction begins and
+    ends in one thread call. SQLite writers take turns on a lock (`_serialized_writes`); a
+    transaction left open for a later thread-pool call (an upload's INSERT in its thread, its
+    commit in another) holds that lock while the pool fills with writers waiting for it, and
+    the commit never gets a thread.
+    """
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
 def wait_for_database(url: str, timeout: float = 30.0, interval: float = 0.5) -> None:
     """Block until the database answers `SELECT 1` (start-up in compose waits for postgres).
 
