@@ -5,7 +5,7 @@ Service commands (each parses its own arguments, so clients may take qaic-compil
   serve    the HTTP API; with no configuration the embedded mode (SQLite and blobs under
            `./qpcfarm-data`, in-process worker), creating team `local` and its key on first start
   worker   a Celery worker for `QPCFARM_BROKER_URL` (farm mode)
-  admin    create-team NAME | create-key --team NAME
+  admin    create-team NAME | create-key --team NAME | verify-blobs
   db       upgrade
   submit   (slot) the HTTP client: add `"submit": (help, handler)` to SERVICE_COMMANDS
 
@@ -253,7 +253,15 @@ def admin_command(argv: list[str]) -> int:
     key = actions.add_parser("create-key", help="create an API key; prints it on its own line")
     key.add_argument("--team", required=True, metavar="NAME")
     key.add_argument("--name", metavar="LABEL", help="a label to tell keys apart")
+    scrub = actions.add_parser(
+        "verify-blobs",
+        help="read and hash every stored blob, quarantine the corrupt ones, list the blobs "
+        "rows name that are gone; exit 1 when anything was found",
+    )
+    scrub.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if args.action == "verify-blobs":
+        return verify_blobs_command(args.json)
 
     from app.db.session import make_engine, make_session_factory, session_scope, upgrade_database
     from app.services import teams
@@ -277,6 +285,38 @@ def admin_command(argv: list[str]) -> int:
         return 0
     finally:
         engine.dispose()
+
+
+def verify_blobs_command(as_json: bool) -> int:
+    import json
+
+    from app.blobs import blob_store_from_settings
+    from app.db.session import make_engine, make_session_factory, upgrade_database
+    from app.services.scrub import scrub
+    from app.settings import get_settings
+
+    settings = get_settings()
+    upgrade_database(settings.database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        sessions = make_session_factory(engine)
+        with sessions() as session:
+            report = scrub(session, blob_store_from_settings(settings, sessions))
+    finally:
+        engine.dispose()
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(
+            f"checked {report.checked} blobs ({report.bytes:,} bytes): "
+            f"{len(report.corrupt)} corrupt, {len(report.missing)} missing"
+        )
+        for sha256 in report.corrupt:
+            print(f"corrupt {sha256}: quarantined")
+        for gone in report.missing:
+            why = "quarantined as corrupt" if gone.quarantined else "not in the store"
+            print(f"missing {gone.sha256} ({gone.referenced_by}): {why}")
+    return 0 if report.clean else 1
 
 
 def db_command(argv: list[str]) -> int:

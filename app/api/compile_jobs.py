@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.deps import CurrentTeam, QueueDep, SessionDep, TeamJob
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, StoreDep, TeamJob
 from app.api.models import Limit, Offset
 from app.api.schemas import JobCreate, JobList, JobOut
 from app.db.models import CompileJob, CompileReport, JobStatus
@@ -76,11 +76,16 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
     },
 )
 def submit_job(
-    body: JobCreate, response: Response, session: SessionDep, team: CurrentTeam, queue: QueueDep
+    body: JobCreate,
+    response: Response,
+    session: SessionDep,
+    team: CurrentTeam,
+    queue: QueueDep,
+    store: StoreDep,
 ) -> JobOut:
     options = parse_options(body)
     model = models.get_model(session, team, body.model_id)
-    job, created = jobs.submit_job(session, team, model, options)
+    job, created = jobs.submit_job(session, team, model, options, store=store)
     session.commit()
     if created and job.status == JobStatus.queued:
         queue.enqueue(job.id)

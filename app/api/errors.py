@@ -11,12 +11,14 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.blobs import BlobNotFound
+from app.blobs import BlobCorrupt, BlobNotFound
+from app.blobs.quarantine import was_quarantined
 from app.services.errors import ServiceError, from_compile_error
 from compiler_core import CompileError
 
@@ -103,11 +105,36 @@ async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(ApiError(code, message, exc.status_code, headers=headers))
 
 
-async def _blob_missing(_request: Request, exc: Exception) -> JSONResponse:
+def blob_corrupt() -> ServiceError:
+    return ServiceError(
+        "blob_corrupt",
+        "stored content failed its integrity check and was quarantined; it is not served "
+        "(a QPC is rebuilt by submitting its compile again)",
+        500,
+    )
+
+
+async def _blob_corrupt(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BlobCorrupt)
+    return error_response(blob_corrupt())
+
+
+async def _blob_missing(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, BlobNotFound)
+    if await run_in_threadpool(_quarantined, request, exc.sha256):
+        return error_response(blob_corrupt())
     log.error("blob missing from the store: %s", exc)
     return error_response(
         ServiceError("blob_missing", "stored content is missing from the blob store", 500)
     )
+
+
+def _quarantined(request: Request, sha256: str) -> bool:
+    try:
+        with request.app.state.session_factory() as session:
+            return was_quarantined(session, sha256)
+    except Exception:  # noqa: BLE001 - the answer stays a coded 500 either way
+        return False
 
 
 async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -121,4 +148,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(BlobNotFound, _blob_missing)
+    app.add_exception_handler(BlobCorrupt, _blob_corrupt)
     app.add_exception_handler(Exception, _internal_error)

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamQpc
+from app.api.downloads import blob_response
 from app.api.errors import ApiError
 from app.api.schemas import ProfileCreate, ProfileOut
 from app.api.uploads import Upload, receive_upload
@@ -183,17 +184,15 @@ def summary_csv(profile_id: uuid.UUID, session: SessionDep, team: CurrentTeam) -
 )
 def trace_json(
     profile_id: uuid.UUID, session: SessionDep, team: CurrentTeam, store: StoreDep
-) -> StreamingResponse:
+) -> Response:
     """The Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing)."""
     job = _finished(_team_profile(profile_id, session, team))
     if job.trace_sha256 is None:
         raise profiles.not_ready(job)
-    size = store.size(job.trace_sha256)
-    return StreamingResponse(
-        store.read_range(job.trace_sha256, 0, size),
+    return blob_response(
+        store,
+        job.trace_sha256,
+        filename=profiles.TRACE_NAME,
         media_type="application/json",
-        headers={
-            "Content-Length": str(size),
-            "Content-Disposition": f"attachment; filename={profiles.TRACE_NAME}",
-        },
+        found_by="download",
     )

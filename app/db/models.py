@@ -258,3 +258,20 @@ class BlobChunk(Base):
     sha256: Mapped[str] = mapped_column(String(SHA256_LEN), primary_key=True)
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class QuarantinedBlob(Base):
+    """A blob whose bytes did not hash to its name when read: moved out of the store to
+    `location` (kept for inspection) by whoever found it (`download`, `cache`, `compile`,
+    `profile`, `validation`, `scrub`). The same sha256 may be quarantined again after a
+    compile or upload stored it afresh and it was damaged once more."""
+
+    __tablename__ = "quarantined_blobs"
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)
+    actual_sha256: Mapped[str] = mapped_column(String(SHA256_LEN))
+    size: Mapped[int] = mapped_column(BigInteger)
+    found_by: Mapped[str] = mapped_column(String(32))
+    location: Mapped[str] = mapped_column(String(255))
+    found_at: Mapped[dt.datetime] = _created()

@@ -22,7 +22,8 @@ from typing import Any
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobNotFound, BlobRef, BlobStore
+from app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.blobs.integrity import verify_blob
 from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, CompileJob, CompileReport, JobStatus, Model, Qpc, Team
 from app.db.ops import insert_or_ignore, rowcount
@@ -53,11 +54,18 @@ def options_key(model_sha256: str, options: CompileOptions) -> str:
 
 
 def submit_job(
-    session: Session, team: Team, model: Model, options: CompileOptions
+    session: Session,
+    team: Team,
+    model: Model,
+    options: CompileOptions,
+    *,
+    store: BlobStore | None = None,
 ) -> tuple[CompileJob, bool]:
     """Ask for a compile of `model` with `options`. Returns (job, created).
 
-    - a QPC for the same cache key exists: a new job, already succeeded, `cache_hit` set;
+    - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
+      a corrupt one is quarantined and compiled again): a new job, already succeeded,
+      `cache_hit` set;
     - the team already has a queued/running job for the key: that job, created=False;
     - otherwise a new queued job. The caller commits, then enqueues a created queued job.
     """
@@ -72,6 +80,8 @@ def submit_job(
         "device": options.device.name,
     }
     qpc_id = _cached_qpc_id(session, key)
+    if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
+        qpc_id = None
     if qpc_id is not None:
         now = utcnow()
         job = CompileJob(
@@ -120,6 +130,17 @@ def _cached_qpc_id(session: Session, key: str) -> uuid.UUID | None:
             .limit(1)
         ).scalar_one_or_none()
     return qpc_id
+
+
+def _blob_intact(session: Session, store: BlobStore, qpc_id: uuid.UUID) -> bool:
+    """Whether a cached QPC's blob is there and hashes to its name (read whole: a cache hit
+    must never hand out damaged bytes)."""
+    sha256 = session.execute(select(Qpc.sha256).where(Qpc.id == qpc_id)).scalar_one()
+    try:
+        verify_blob(store, sha256, found_by="cache")
+    except (BlobCorrupt, BlobNotFound):
+        return False
+    return True
 
 
 def get_job(session: Session, team: Team, job_id: uuid.UUID) -> CompileJob:
@@ -544,6 +565,12 @@ def run_compile(
             except BlobNotFound:
                 raise CompileError(
                     "model_missing", f"the blob of model {model.id} is missing"
+                ) from None
+            except BlobCorrupt:
+                raise CompileError(
+                    "blob_corrupt",
+                    f"the stored bytes of model {model.id} failed their integrity check and "
+                    "were quarantined; upload the model again",
                 ) from None
             except ServiceError as exc:
                 raise CompileError(exc.code, exc.message) from None

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from app.blobs import BlobStore, BlobTooLarge, local_path
 from app.blobs.base import Source
+from app.blobs.integrity import spill_verified, verified_path, verify_blob
 from app.db.models import Model, Team
 from app.services.archives import bad_archive, extract_archive, is_archive_name, sniff_kind
 from app.services.errors import ServiceError, from_compile_error, not_found
@@ -98,20 +99,18 @@ def list_models(session: Session, team: Team, *, limit: int = 50, offset: int = 
 
 def materialize_model(store: BlobStore, model: Model, work: Path) -> Path:
     """A local path of the model's .onnx for the compiler, inside `work` (a private temp
-    folder) so that external data resolves only against the model's own files."""
+    folder) so that external data resolves only against the model's own files. The blob is
+    checked against its sha256 first (BlobCorrupt: quarantined)."""
     if model.kind == KIND_ARCHIVE:
-        with local_path(store, model.sha256, work, "archive") as archive:
+        with verified_path(store, model.sha256, work, "archive", found_by="compile") as archive:
             return extract_archive(archive, work / "model", max_bytes=EXTRACT_LIMIT)
-    target = work / "model.onnx"
     hint = store.path_hint(model.sha256)
     if hint is None:
-        with store.open(model.sha256) as src, open(target, "wb") as out:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
-        return target
+        return spill_verified(store, model.sha256, work / "model.onnx", found_by="compile")
     # Compiled in place: the upload check guarantees a bare .onnx references no external
     # files, and the compiler maps its weights straight from this file (a hard link would
     # have two links, which the IR refuses to map).
+    verify_blob(store, model.sha256, found_by="compile")
     return hint
 
 

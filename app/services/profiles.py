@@ -28,8 +28,9 @@ import numpy as np
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobNotFound, BlobRef, BlobStore, BlobTooLarge, local_path
+from app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore, BlobTooLarge
 from app.blobs.base import Source
+from app.blobs.integrity import verified_bytes, verified_path
 from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, JobStatus, ProfileJob, Qpc, Team
 from app.db.ops import rowcount
@@ -132,8 +133,7 @@ def trace_bytes(store: BlobStore, job: ProfileJob) -> bytes:
     """The stored Chrome trace of a finished profile (409 `not_ready` before that)."""
     if job.trace_sha256 is None:
         raise not_ready(job)
-    with store.open(job.trace_sha256) as src:
-        return src.read()
+    return verified_bytes(store, job.trace_sha256, found_by="profile")
 
 
 def not_ready(job: ProfileJob) -> ServiceError:
@@ -311,7 +311,9 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="qpcfarm-profile-") as tmp:
         work = Path(tmp)
         try:
-            with local_path(store, qpc.sha256, work, "programqpc.bin") as qpc_path:
+            with verified_path(
+                store, qpc.sha256, work, "programqpc.bin", found_by="profile"
+            ) as qpc_path:
                 layout, _ = opstats.load_layout(qpc_path)
                 if layout.level < opstats.OPSTATS_LEVEL:
                     opstats.analyse(qpc_path, [])  # raises stats_level_too_low, saying why
@@ -326,8 +328,13 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
                 raw_dir = work / "raw"
                 run_qpc(qpc_path, inputs, profiling_out_dir=raw_dir, iterations=job.iterations)
                 stats = opstats.analyse(qpc_path, opstats.read_stats_dir(raw_dir))
-        except BlobNotFound as exc:
-            raise CompileError("blob_missing", f"stored content is missing: {exc}") from None
+        except BlobNotFound:
+            raise CompileError("blob_missing", "the QPC or its inputs are missing") from None
+        except BlobCorrupt:
+            raise CompileError(
+                "blob_corrupt",
+                "the stored QPC or inputs failed their integrity check and were quarantined",
+            ) from None
         trace = json.dumps(opstats.chrome_trace(stats), separators=(",", ":")).encode()
     ref = store.put(io.BytesIO(trace))
     return {
@@ -339,7 +346,8 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
 
 
 def _load_inputs(store: BlobStore, sha256: str) -> dict[str, np.ndarray]:
-    with store.open(sha256) as src, np.load(src, allow_pickle=False) as archive:
+    data = io.BytesIO(verified_bytes(store, sha256, found_by="profile"))
+    with np.load(data, allow_pickle=False) as archive:
         return {name: archive[name] for name in archive.files}
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobStore, BlobTooLarge, local_path
+from app.blobs import BlobStore, BlobTooLarge
 from app.blobs.base import Source
+from app.blobs.integrity import verified_path
 from app.db.models import Qpc, Team, Validation
 from app.services.errors import from_compile_error, not_found
 from app.services.models import too_large
@@ -92,7 +93,9 @@ def _record(
 
     _check_device(device)
     with tempfile.TemporaryDirectory(prefix="qpcfarm-validate-") as tmp:
-        with local_path(store, sha256, Path(tmp), "programqpc.bin") as path:
+        with verified_path(
+            store, sha256, Path(tmp), "programqpc.bin", found_by="validation"
+        ) as path:
             try:
                 report = validate_qpc(path, device)
             except CompileError as exc:

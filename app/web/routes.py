@@ -214,7 +214,7 @@ def submit(
         row = models.store_model(
             session, store, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
         )
-        job, created = jobs.submit_job(session, team, row, options)
+        job, created = jobs.submit_job(session, team, row, options, store=store)
         session.commit()
     except (CompileError, ServiceError) as exc:
         session.rollback()
