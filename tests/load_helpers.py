@@ -104,3 +104,39 @@ def upload_and_submit(
     """`clients` concurrent clients, each uploading `model(n)` and submitting it `rounds`
     times; every answer counted."""
     return asyncio.run(_run(url, key, clients, rounds, model, options))
+
+
+async def _identical(
+    url: str, key: str, body: dict[str, object], clients: int, rounds: int
+) -> list[dict[str, object]]:
+    answers: list[dict[str, object]] = []
+    start = asyncio.Event()
+    ready: list[int] = []
+
+    async def one(index: int) -> None:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120.0) as http:
+            await http.get("/healthz")
+            ready.append(index)
+            await start.wait()
+            for _ in range(rounds):
+                answer = await http.post("/v1/compile-jobs", json=body)
+                assert answer.status_code in (200, 202), answer.text
+                answers.append(answer.json())
+
+    tasks = [asyncio.create_task(one(i)) for i in range(clients)]
+    for _ in range(3000):
+        if len(ready) == clients or any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    start.set()
+    await asyncio.gather(*tasks)
+    return answers
+
+
+def identical_submits(
+    url: str, key: str, body: dict[str, object], *, clients: int, rounds: int
+) -> list[dict[str, object]]:
+    """The same submit from `clients` concurrent clients, `rounds` times each: every
+    answer's JSON (each must be 200 or 202)."""
+    return asyncio.run(_identical(url, key, body, clients, rounds))

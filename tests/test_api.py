@@ -644,7 +644,7 @@ def test_readyz_answers_503_while_the_queue_is_unreachable(server: LiveServer) -
     with server.client() as client:
         assert client.get("/readyz").json() == {
             "status": "ok",
-            "checks": {"database": "ok", "queue": "ok"},
+            "checks": {"database": "ok", "queue": "ok", "blobs": "ok"},
         }
         server.queue.reachable = False
         try:

@@ -826,3 +826,51 @@ def test_a_bare_onnx_with_large_inline_weights_is_accepted(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     stored = add_model(farm, session, team, model.SerializeToString())
     assert stored.inputs[0]["name"] == "x"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
+    kind: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import insert
+
+    from app.db.models import ACTIVE_JOB_PREDICATE
+
+    with empty_database(kind, tmp_path) as db:
+        upgrade_database(db.engine, "0003")
+        with db.sessions() as session:
+            team = make_team(session)
+            model = Model(team_id=team.id, sha256="a" * 64, size=1, name="m", opset=17,
+                          inputs=[], outputs=[])  # fmt: skip
+            session.add(model)
+            session.flush()
+            start = utcnow()
+            rows = [
+                (JobStatus.running, 0),
+                (JobStatus.queued, 1),
+                (JobStatus.running, 2),
+                (JobStatus.succeeded, 3),
+            ]
+            ids = [uuid.uuid4() for _ in rows]
+            for job_id, (status, age) in zip(ids, rows, strict=True):
+                session.execute(
+                    insert(CompileJob).values(
+                        id=job_id, team_id=team.id, model_id=model.id, options={},
+                        options_key="k" * 64, device="aic100-standard", status=status,
+                        created_at=start + dt.timedelta(seconds=age),
+                    )  # fmt: skip
+                )
+            session.commit()
+
+        upgrade_database(db.engine)
+
+        with db.sessions() as session:
+            active = session.execute(
+                select(CompileJob.id).where(ACTIVE_JOB_PREDICATE)
+            ).scalars().all()
+            assert active == [ids[0]]
+            states = {j.id: (j.status, j.cancel_requested) for j in session.scalars(
+                select(CompileJob))}  # fmt: skip
+            assert states[ids[1]] == (JobStatus.cancelled, False)
+            assert states[ids[2]] == (JobStatus.running, True)
+            assert states[ids[3]] == (JobStatus.succeeded, False)

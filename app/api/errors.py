@@ -8,8 +8,10 @@ into that one shape, so clients switch on `code` and never parse prose.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
@@ -23,6 +25,14 @@ from app.services.errors import ServiceError, from_compile_error
 from compiler_core import CompileError
 
 log = logging.getLogger(__name__)
+
+DATABASE_FAULTS: tuple[type[Exception], ...] = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.TimeoutError,
+    sqlalchemy.exc.PendingRollbackError,
+)
+"""The database went away, restarted, or has no connection free: transient, answered 503."""
 
 _HTTP_CODES = {
     400: "bad_request",
@@ -72,7 +82,20 @@ def error_response(exc: ServiceError) -> JSONResponse:
     headers = dict(getattr(exc, "headers", {}) or {})
     if exc.status == 401:
         headers.setdefault("WWW-Authenticate", "Bearer")
-    return JSONResponse(jsonable_encoder(exc.to_dict()), exc.status, headers=headers or None)
+    body = _finite(jsonable_encoder(exc.to_dict()))
+    return JSONResponse(body, exc.status, headers=headers or None)
+
+
+def _finite(value: Any) -> Any:
+    """The body with NaN and infinities as strings: JSON has no such numbers, and an error
+    that quotes a client's `NaN` must still be answered."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 async def _service_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -137,6 +160,30 @@ def _quarantined(request: Request, sha256: str) -> bool:
         return False
 
 
+RETRY_AFTER_S = 5
+"""What a 503 asks a client to wait: a restarting database or a full disk being cleared."""
+
+
+def unavailable(code: str, what: str) -> ApiError:
+    """503 with a stable code and `Retry-After`; the message names no server detail."""
+    return ApiError(
+        code,
+        f"the {what} is unavailable; retry in a few seconds",
+        503,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _database_fault(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("database unavailable: %s", type(exc).__name__, exc_info=exc)
+    return error_response(unavailable("database_unavailable", "database"))
+
+
+async def _storage_fault(_request: Request, exc: Exception) -> JSONResponse:
+    log.error("blob store unavailable: %s", type(exc).__name__, exc_info=exc)
+    return error_response(unavailable("storage_unavailable", "blob store"))
+
+
 async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error", exc_info=exc)
     return error_response(ServiceError("internal_error", "internal server error", 500))
@@ -149,4 +196,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(BlobNotFound, _blob_missing)
     app.add_exception_handler(BlobCorrupt, _blob_corrupt)
+    for fault in DATABASE_FAULTS:
+        app.add_exception_handler(fault, _database_fault)
+    app.add_exception_handler(OSError, _storage_fault)
     app.add_exception_handler(Exception, _internal_error)

@@ -13,12 +13,12 @@ from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
 from app.db.models import Model
 from app.db.session import unit_of_work
 from app.services import models
-from app.services.pages import MAX_LIMIT
+from app.services.pages import MAX_LIMIT, MAX_OFFSET
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 
 
 @router.post(

@@ -19,11 +19,13 @@ from sqlalchemy import (
     Enum,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
     Text,
     Uuid,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
@@ -120,8 +122,24 @@ class Qpc(Base):
     report: Mapped[CompileReport | None] = relationship(back_populates="qpc", uselist=False)
 
 
+ACTIVE_JOB_PREDICATE = text("status IN ('queued', 'running') AND NOT cancel_requested")
+"""A compile job in flight that an identical submit attaches to (see `compile_jobs`' index)."""
+
+
 class CompileJob(Base):
     __tablename__ = "compile_jobs"
+    __table_args__ = (
+        # One compile in flight per team and cache key, whatever number of API processes
+        # take identical submits at once: the database refuses the second row.
+        Index(
+            "uq_compile_jobs_active_team_key",
+            "team_id",
+            "options_key",
+            unique=True,
+            sqlite_where=ACTIVE_JOB_PREDICATE,
+            postgresql_where=ACTIVE_JOB_PREDICATE,
+        ),
+    )
 
     id: Mapped[uuid.UUID] = _uuid_pk()
     team_id: Mapped[uuid.UUID] = mapped_column(

@@ -25,7 +25,16 @@ from sqlalchemy.orm import Session
 from app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
 from app.blobs.integrity import verify_blob
 from app.db.base import utcnow
-from app.db.models import ACTIVE_STATUSES, CompileJob, CompileReport, JobStatus, Model, Qpc, Team
+from app.db.models import (
+    ACTIVE_JOB_PREDICATE,
+    ACTIVE_STATUSES,
+    CompileJob,
+    CompileReport,
+    JobStatus,
+    Model,
+    Qpc,
+    Team,
+)
 from app.db.ops import insert_or_ignore, rowcount
 from app.services.errors import ServiceError, not_found
 from app.services.heartbeat import HeartbeatThread
@@ -68,6 +77,12 @@ def submit_job(
       `cache_hit` set;
     - the team already has a queued/running job for the key: that job, created=False;
     - otherwise a new queued job. The caller commits, then enqueues a created queued job.
+
+    "Already has" is the database's word, not a check-then-insert: a partial unique index
+    allows one active job per (team, key), so of identical submits racing in any number of
+    API processes one inserts and the others attach to it. A job that finished between the
+    cache lookup and the insert left its QPC behind; the lookup after the insert finds it,
+    and the new row becomes a cache hit instead of a second compile.
     """
     if model.team_id != team.id:
         raise not_found("model", model.id)
@@ -79,44 +94,72 @@ def submit_job(
         "options_key": key,
         "device": options.device.name,
     }
-    qpc_id = _cached_qpc_id(session, key)
-    if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
-        qpc_id = None
+    qpc_id = _usable_cached_qpc(session, store, key)
     if qpc_id is not None:
-        now = utcnow()
-        job = CompileJob(
-            **common,
-            status=JobStatus.succeeded,
-            stage="done",
-            progress=1.0,
-            cache_hit=True,
-            qpc_id=qpc_id,
-            created_at=now,
-            started_at=now,
-            finished_at=now,
-        )
+        job = CompileJob(**common, **_cache_hit_values(qpc_id))
         session.add(job)
         session.flush()
         return job, True
 
-    running = session.execute(
-        select(CompileJob)
-        .where(
-            CompileJob.team_id == team.id,
-            CompileJob.options_key == key,
-            CompileJob.status.in_(ACTIVE_STATUSES),
-            CompileJob.cancel_requested.is_(False),
+    for _ in range(ATTACH_ATTEMPTS):
+        job_id = uuid.uuid4()
+        inserted = insert_or_ignore(
+            session,
+            CompileJob,
+            {**common, "id": job_id, "status": JobStatus.queued},
+            ["team_id", "options_key"],
+            where=ACTIVE_JOB_PREDICATE,
         )
-        .order_by(CompileJob.created_at)
-        .limit(1)
-    ).scalar_one_or_none()
-    if running is not None:
-        return running, False
+        if inserted:
+            qpc_id = _usable_cached_qpc(session, store, key)
+            if qpc_id is not None:
+                session.execute(
+                    update(CompileJob)
+                    .where(CompileJob.id == job_id)
+                    .values(**_cache_hit_values(qpc_id)),
+                    execution_options={"synchronize_session": False},
+                )
+            made = session.get(CompileJob, job_id, populate_existing=True)
+            assert made is not None
+            return made, True
+        active = session.execute(
+            select(CompileJob)
+            .where(
+                CompileJob.team_id == team.id,
+                CompileJob.options_key == key,
+                CompileJob.status.in_(ACTIVE_STATUSES),
+                CompileJob.cancel_requested.is_(False),
+            )
+            .limit(1)
+        ).scalar_one_or_none()
+        if active is not None:
+            return active, False
+        # The job we collided with finished in between: try again (it left a QPC or failed).
+    raise ServiceError("busy", "identical submits keep colliding; retry", 503)
 
-    job = CompileJob(**common, status=JobStatus.queued)
-    session.add(job)
-    session.flush()
-    return job, True
+
+ATTACH_ATTEMPTS = 5
+
+
+def _cache_hit_values(qpc_id: uuid.UUID) -> dict[str, Any]:
+    now = utcnow()
+    return {
+        "status": JobStatus.succeeded,
+        "stage": "done",
+        "progress": 1.0,
+        "cache_hit": True,
+        "qpc_id": qpc_id,
+        "created_at": now,
+        "started_at": now,
+        "finished_at": now,
+    }
+
+
+def _usable_cached_qpc(session: Session, store: BlobStore | None, key: str) -> uuid.UUID | None:
+    qpc_id = _cached_qpc_id(session, key)
+    if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
+        return None
+    return qpc_id
 
 
 def _cached_qpc_id(session: Session, key: str) -> uuid.UUID | None:

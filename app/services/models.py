@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import uuid
@@ -21,6 +22,8 @@ from app.services.errors import ServiceError, from_compile_error, not_found
 from app.services.pages import Page, paginate
 from compiler_core import CompileError
 from compiler_core.importer import import_model
+
+log = logging.getLogger(__name__)
 
 KIND_ONNX = "onnx"
 KIND_ARCHIVE = "archive"
@@ -49,6 +52,7 @@ def store_model(
     the client sent are the bytes the cache key names. The kind is decided by content; a
     name that says archive over content that is not one is a `bad_archive`.
     """
+    check_filename(filename)
     try:
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
@@ -81,6 +85,14 @@ def store_model(
     session.add(model)
     session.flush()
     return model
+
+
+def check_filename(filename: str | None) -> None:
+    """A model's name is shown and stored as text: no NUL or other control characters."""
+    if filename is not None and any(ord(c) < 32 or ord(c) == 127 for c in filename):
+        raise ServiceError(
+            "invalid_filename", "the file name contains a control character (e.g. NUL)", 422
+        )
 
 
 def get_model(session: Session, team: Team, model_id: uuid.UUID) -> Model:
@@ -132,6 +144,13 @@ def describe_model(
             error.message = error.message.replace(str(path), "the model")
             raise error from None
         return _declared_io(path)
+    except Exception as exc:  # an importer bug met on this input: still a refused model
+        log.warning("the importer failed unexpectedly on an upload", exc_info=True)
+        raise ServiceError(
+            "invalid_model",
+            f"the model cannot be read (the importer failed with {type(exc).__name__})",
+            422,
+        ) from None
     graph = imported.model.graph
     return imported.opset, [_ir_io(v) for v in graph.inputs], [_ir_io(v) for v in graph.outputs]
 

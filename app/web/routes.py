@@ -26,6 +26,7 @@ from app.blobs import BlobStore
 from app.db.models import CompileJob, JobStatus, ProfileJob, Team
 from app.services import jobs, models, profiles, qpcs, teams, validations
 from app.services.errors import ServiceError
+from app.services.farm_options import farm_options
 from app.web import auth, profile_views, views
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import list_devices
@@ -208,7 +209,7 @@ def submit(
         context = dashboard_context(session, team, form=form, error=csrf_refused())
         return render(request, "dashboard.html", context, 403)
     try:
-        options = CompileOptions.from_flags(compile_flags(flags, cores, bool(fp16), device))
+        options = farm_options(flags=compile_flags(flags, cores, bool(fp16), device))
         if model is None or not model.filename:
             raise ServiceError("no_file", "choose an .onnx model (or a .zip/.tar of one)", 422)
         row = models.store_model(
