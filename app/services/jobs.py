@@ -36,7 +36,7 @@ from app.db.models import (
     Team,
 )
 from app.db.ops import insert_or_ignore, rowcount
-from app.services.errors import ServiceError, not_found
+from app.services.errors import ServiceError, internal_error_message, not_found
 from app.services.heartbeat import HeartbeatThread
 from app.services.model_files import resolve_model_files
 from app.services.models import KIND_ARCHIVE, materialize_model
@@ -650,7 +650,7 @@ def run_compile(
     except Exception as exc:
         log.exception("job %s failed unexpectedly", job.id)
         session.rollback()
-        fail(session, job, "internal_error", f"{type(exc).__name__}: {exc}")
+        fail(session, job, "internal_error", internal_error_message(exc))
     return job
 
 

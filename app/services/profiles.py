@@ -34,7 +34,7 @@ from app.blobs.integrity import verified_bytes, verified_path
 from app.db.base import utcnow
 from app.db.models import ACTIVE_STATUSES, JobStatus, ProfileJob, Qpc, Team
 from app.db.ops import rowcount
-from app.services.errors import ServiceError, not_found
+from app.services.errors import ServiceError, internal_error_message, not_found
 from app.services.heartbeat import HeartbeatThread
 from app.services.jobs import (
     DEFAULT_HEARTBEAT_S,
@@ -296,7 +296,7 @@ def run_profile(session: Session, store: BlobStore, job: ProfileJob) -> ProfileJ
     except Exception as exc:
         log.exception("profile %s failed unexpectedly", job.id)
         session.rollback()
-        fail(session, job, "internal_error", f"{type(exc).__name__}: {exc}")
+        fail(session, job, "internal_error", internal_error_message(exc))
     return job
 
 
