@@ -17,9 +17,10 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.api import compile_jobs, meta, models, profiles, qpcs, validations
+from app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
 from app.api.errors import install_error_handlers
 from app.api.schemas import OPTIONS_SCHEMA_NAME
+from app.security_headers import SecurityHeaders
 from app.settings import Settings, get_settings
 from app.web import router as web_router
 from compiler_core.version import COMPILER_VERSION
@@ -57,12 +58,14 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(SecurityHeaders)
     for router in (
         models.router,
         compile_jobs.router,
         qpcs.router,
         profiles.router,
         validations.router,
+        keys.router,
         meta.router,
         meta.health_router,
         web_router,

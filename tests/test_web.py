@@ -259,11 +259,11 @@ def test_a_page_without_the_cookie_redirects_to_sign_in_and_back(
     css(browser, "#api_key").send_keys("qpf_not-a-key")
     css(browser, "#sign-in").click()
     assert "unauthorized" in css(browser, "#error").text
-    assert browser.get_cookie("qpcfarm_key") is None
+    assert browser.get_cookie("qpcfarm_session") is None
 
     sign_in(browser, server, "/")
     assert browser.current_url == server.url + "/"
-    cookie = browser.get_cookie("qpcfarm_key")
+    cookie = browser.get_cookie("qpcfarm_session")
     assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert "web-team" in css(browser, "header").text
 

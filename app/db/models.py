@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Text,
     Uuid,
+    false,
     text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
@@ -77,10 +78,30 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(SHA256_LEN), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     name: Mapped[str | None] = mapped_column(String(100))
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """A team admin's key: it may list, create and revoke the team's keys (`/v1/keys`)."""
     created_at: Mapped[dt.datetime] = _created()
     revoked_at: Mapped[dt.datetime | None] = mapped_column()
 
     team: Mapped[Team] = relationship()
+
+
+class WebSession(Base):
+    """A signed-in browser: its cookie holds a random token, this row only the token's
+    sha256. It ends at `expires_at`, at sign-out, or when the key it was opened with is
+    revoked (the lookup joins the key)."""
+
+    __tablename__ = "web_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(SHA256_LEN), primary_key=True)
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    api_key_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[dt.datetime] = _created()
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
 
 
 class Model(Base):
