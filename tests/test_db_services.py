@@ -429,14 +429,43 @@ def test_an_identical_compile_after_success_is_a_cache_hit(
     farm: Farm, session: Session, team: Team
 ) -> None:
     done = compiled_job(farm, session, team)
-    other = make_team(session)
-    model = add_model(farm, session, other)  # same bytes, another team
-    hit, created = jobs.submit_job(session, other, model, OPTIONS)
+    model = session.get(Model, done.model_id)
+    assert model is not None
+    hit, created = jobs.submit_job(session, team, model, OPTIONS)
     session.commit()
     assert created and hit.id != done.id
     assert hit.status == JobStatus.succeeded and hit.cache_hit and hit.qpc_id == done.qpc_id
     assert hit.progress == 1.0 and hit.finished_at is not None
-    assert qpcs.get_qpc(session, other, qpc_id_of(done)).id == done.qpc_id  # now theirs too
+
+
+def test_by_default_another_team_compiles_its_own_and_sees_no_other_teams_qpc(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    done = compiled_job(farm, session, team)
+    other = make_team(session)
+    model = add_model(farm, session, other)  # same bytes, another team
+    theirs, created = jobs.submit_job(session, other, model, OPTIONS)
+    session.commit()
+    assert created and (theirs.status, theirs.cache_hit) == (JobStatus.queued, False)
+    raises_service_error("not_found", 404)(lambda: qpcs.get_qpc(session, other, qpc_id_of(done)))
+
+
+def test_with_the_farm_scope_another_teams_hit_gets_a_copy_of_its_own(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    done = compiled_job(farm, session, team)
+    other = make_team(session)
+    model = add_model(farm, session, other)
+    hit, _ = jobs.submit_job(session, other, model, OPTIONS, cache_scope="farm")
+    session.commit()
+    assert hit.status == JobStatus.succeeded and hit.cache_hit and hit.qpc_id is not None
+    assert hit.qpc_id != done.qpc_id  # their own row: nothing names the first team's QPC
+    mine, theirs = qpcs.get_qpc(session, team, qpc_id_of(done)), session.get(Qpc, hit.qpc_id)
+    assert theirs is not None and theirs.team_id == other.id and theirs.sha256 == mine.sha256
+    report = qpcs.get_report(session, theirs)
+    assert report is not None and report.metrics == qpcs.get_report(session, mine).metrics
+    again, _ = jobs.submit_job(session, other, model, OPTIONS, cache_scope="farm")
+    assert again.qpc_id == hit.qpc_id  # one copy, not one per hit
 
 
 def test_claim_makes_a_queued_job_running_once(farm: Farm, session: Session, team: Team) -> None:
@@ -669,10 +698,11 @@ def test_run_compile_extracts_an_archive_model(
     assert jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
 
 
-def test_two_runs_of_the_same_compile_store_one_qpc_and_one_report(
+def test_two_runs_of_the_same_compile_store_one_qpc_and_one_report_per_team(
     farm: Farm, session: Session, team: Team
 ) -> None:
-    # Two teams submit the same bytes and options before either finishes: two compiles.
+    # Two teams submit the same bytes and options before either finishes: two compiles,
+    # a QPC row for each team (its own id), one blob.
     first = queued_job(farm, session, team)
     other = make_team(session)
     second, _ = jobs.submit_job(session, other, add_model(farm, session, other), OPTIONS)
@@ -681,14 +711,15 @@ def test_two_runs_of_the_same_compile_store_one_qpc_and_one_report(
         claimed = jobs.claim(session, job.id, "w")
         assert claimed is not None
         assert jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
-    assert first.qpc_id == second.qpc_id
-    assert (count(session, Qpc), count(session, CompileReport)) == (1, 1)
-    # And a late duplicate `succeed` of a finished job changes nothing.
+    assert first.qpc_id != second.qpc_id
+    assert (count(session, Qpc), count(session, CompileReport)) == (2, 2)
+    # A late duplicate `succeed` of a finished job (a redelivered message) changes nothing.
     qpc = session.get(Qpc, first.qpc_id)
     assert qpc is not None
     outcome = jobs.CompileOutcome(metrics={}, warnings=[], pass_times={}, requirements={})
     jobs.succeed(session, first, BlobRef(qpc.sha256, qpc.size), outcome)
-    assert (count(session, Qpc), count(session, CompileReport)) == (1, 1)
+    assert (count(session, Qpc), count(session, CompileReport)) == (2, 2)
+    assert len(list(farm.store.list_blobs())) == 2  # the model and the QPC, once each
 
 
 def test_a_compile_error_fails_the_job_with_the_compilers_structured_error(
@@ -875,3 +906,60 @@ def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
             assert states[ids[1]] == (JobStatus.cancelled, False)
             assert states[ids[2]] == (JobStatus.running, True)
             assert states[ids[3]] == (JobStatus.succeeded, False)
+
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothing(
+    kind: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import insert
+
+    from app.db.models import ProfileJob, Validation
+
+    with empty_database(kind, tmp_path) as db:
+        upgrade_database(db.engine, "0005")
+        with db.sessions() as session:
+            a, b = make_team(session, "a"), make_team(session, "b")
+            model = Model(team_id=a.id, sha256="a" * 64, size=1, name="m", opset=17,
+                          inputs=[], outputs=[])  # fmt: skip
+            session.add(model)
+            session.flush()
+            qpc_id, orphan_id = uuid.uuid4(), uuid.uuid4()
+            for ident, sha in ((qpc_id, "b" * 64), (orphan_id, "c" * 64)):
+                session.execute(
+                    insert(Qpc.__table__).values(
+                        id=ident, sha256=sha, size=9, compiler_version="v", options_key="k" * 64,
+                        device="aic100-standard", requirements={}, created_at=utcnow(),
+                    )  # fmt: skip
+                )
+            session.execute(insert(CompileReport.__table__).values(
+                id=uuid.uuid4(), qpc_id=qpc_id, metrics={"x": 1}, warnings=[], pass_times={},
+                log="", created_at=utcnow()))  # fmt: skip
+            start = utcnow()
+            for team, age in ((a, 0), (b, 5)):
+                session.execute(insert(CompileJob.__table__).values(
+                    id=uuid.uuid4(), team_id=team.id, model_id=model.id, options={},
+                    options_key="k" * 64, device="aic100-standard", status="succeeded",
+                    qpc_id=qpc_id, cache_hit=team is b, cancel_requested=False, attempts=1,
+                    progress=1.0, created_at=start + dt.timedelta(seconds=age)))  # fmt: skip
+            session.execute(insert(Validation.__table__).values(
+                id=uuid.uuid4(), team_id=b.id, qpc_id=qpc_id, qpc_sha256="b" * 64, ok=True,
+                checks=[], created_at=utcnow()))  # fmt: skip
+            session.execute(insert(ProfileJob.__table__).values(
+                id=uuid.uuid4(), team_id=a.id, qpc_id=qpc_id, status="queued", iterations=1,
+                attempts=0, created_at=utcnow()))  # fmt: skip
+            session.commit()
+            a_id, b_id = a.id, b.id
+
+        upgrade_database(db.engine)
+
+        with db.sessions() as session:
+            rows = {q.team_id: q for q in session.scalars(select(Qpc))}
+            assert set(rows) == {a_id, b_id}  # the orphan is gone, the shared one split
+            assert rows[a_id].id == qpc_id and rows[b_id].sha256 == "b" * 64
+            by_team = {j.team_id: j.qpc_id for j in session.scalars(select(CompileJob))}
+            assert by_team == {a_id: qpc_id, b_id: rows[b_id].id}
+            assert session.scalars(select(Validation.qpc_id)).one() == rows[b_id].id
+            assert session.scalars(select(ProfileJob.qpc_id)).one() == qpc_id  # not cascaded
+            assert count(session, CompileReport) == 2

@@ -160,19 +160,22 @@ def test_running_a_job_twice_compiles_it_once_and_stores_one_qpc(
     assert count(farm, Qpc) == 1 and count(farm, CompileReport) == 1
 
 
-def test_two_jobs_compiling_the_same_thing_store_one_qpc(
+def test_two_teams_compiling_the_same_thing_store_one_blob_and_a_qpc_row_each(
     farm: Farm, session: Session, team: Team
 ) -> None:
     # Two teams submit the same bytes and options before either compiles: two real compiles
-    # (no attaching across teams), one QPC by content.
+    # (no attaching across teams), one blob by content, a QPC row in each team's records.
     first = queued_job(farm, session, team)
     second = queued_job(farm, session, make_team(session))
 
     assert run(farm, first.id) == JobStatus.succeeded
     assert run(farm, second.id) == JobStatus.succeeded
 
-    assert reload(farm, first.id).qpc_id == reload(farm, second.id).qpc_id is not None
-    assert count(farm, Qpc) == 1 and count(farm, CompileReport) == 1
+    mine, theirs = reload(farm, first.id).qpc_id, reload(farm, second.id).qpc_id
+    assert None not in (mine, theirs) and mine != theirs
+    assert count(farm, Qpc) == 2 and count(farm, CompileReport) == 2
+    with farm.session() as s:
+        assert len({q.sha256 for q in s.scalars(select(Qpc))}) == 1
 
 
 def test_a_cancel_requested_while_compiling_stops_the_compile(

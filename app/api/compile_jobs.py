@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.deps import CurrentTeam, QueueDep, SessionDep, StoreDep, TeamJob
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
 from app.api.models import Limit, Offset
 from app.api.schemas import JobCreate, JobList, JobOut
 from app.db.models import CompileJob, CompileReport, JobStatus
@@ -61,10 +61,13 @@ def submit_job(
     team: CurrentTeam,
     queue: QueueDep,
     store: StoreDep,
+    settings: SettingsDep,
 ) -> JobOut:
     options = parse_options(body)
     model = models.get_model(session, team, body.model_id)
-    job, created = jobs.submit_job(session, team, model, options, store=store)
+    job, created = jobs.submit_job(
+        session, team, model, options, store=store, cache_scope=settings.cache_scope
+    )
     session.commit()
     if created and job.status == JobStatus.queued:
         queue.enqueue(job.id)

@@ -24,6 +24,7 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    UniqueConstraint,
     Uuid,
     false,
     text,
@@ -125,12 +126,17 @@ class Model(Base):
 
 
 class Qpc(Base):
-    """A compiled program, stored once per content whatever number of jobs produced it."""
+    """A compiled program in a team's records: one row per team and content, whatever number
+    of the team's jobs produced it (the bytes are one blob, however many teams hold it)."""
 
     __tablename__ = "qpcs"
+    __table_args__ = (UniqueConstraint("team_id", "sha256"),)
 
     id: Mapped[uuid.UUID] = _uuid_pk()
-    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), unique=True)
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)
     size: Mapped[int] = mapped_column(BigInteger)
     compiler_version: Mapped[str] = mapped_column(String(32))
     options_key: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)

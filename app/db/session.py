@@ -222,9 +222,27 @@ def upgrade_database(target: str | Engine, revision: str = "head") -> None:
 
 
 def _upgrade(engine: Engine, revision: str) -> None:
+    """On SQLite, foreign keys are off while migrations run (SQLite's own procedure for
+    changing a table: a batch migration copies it to a new one and drops the old, and with
+    foreign keys on, that drop would cascade into the rows that point at it), then checked
+    before they are switched on again."""
     from alembic import command
 
     config = alembic_config()
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as connection:
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()  # no BEGIN was sent: the pragma is in force for what follows
+        try:
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+                if sqlite:
+                    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+                    if broken:
+                        raise RuntimeError(f"migration left dangling references: {broken[:5]}")
+        finally:
+            if sqlite:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()

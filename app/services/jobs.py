@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -51,6 +51,7 @@ DEFAULT_REQUEUE_AFTER_S = 300.0
 DEFAULT_HEARTBEAT_S = 5.0
 
 ProgressCallback = Callable[[str, float], None]
+CacheScope = Literal["team", "farm"]
 
 
 def options_key(model_sha256: str, options: CompileOptions) -> str:
@@ -69,12 +70,15 @@ def submit_job(
     options: CompileOptions,
     *,
     store: BlobStore | None = None,
+    cache_scope: CacheScope = "team",
 ) -> tuple[CompileJob, bool]:
     """Ask for a compile of `model` with `options`. Returns (job, created).
 
     - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
       a corrupt one is quarantined and compiled again): a new job, already succeeded,
       `cache_hit` set;
+      (`cache_scope` "team": a QPC of the team's; "farm": of any team, copied into the
+      team's records);
     - the team already has a queued/running job for the key: that job, created=False;
     - otherwise a new queued job. The caller commits, then enqueues a created queued job.
 
@@ -94,7 +98,7 @@ def submit_job(
         "options_key": key,
         "device": options.device.name,
     }
-    qpc_id = _usable_cached_qpc(session, store, key)
+    qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
     if qpc_id is not None:
         job = CompileJob(**common, **_cache_hit_values(qpc_id))
         session.add(job)
@@ -111,7 +115,7 @@ def submit_job(
             where=ACTIVE_JOB_PREDICATE,
         )
         if inserted:
-            qpc_id = _usable_cached_qpc(session, store, key)
+            qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
             if qpc_id is not None:
                 session.execute(
                     update(CompileJob)
@@ -155,24 +159,82 @@ def _cache_hit_values(qpc_id: uuid.UUID) -> dict[str, Any]:
     }
 
 
-def _usable_cached_qpc(session: Session, store: BlobStore | None, key: str) -> uuid.UUID | None:
-    qpc_id = _cached_qpc_id(session, key)
+def _usable_cached_qpc(
+    session: Session, store: BlobStore | None, team: Team, key: str, scope: CacheScope
+) -> uuid.UUID | None:
+    """The team's QPC for the cache key, if it has one whose blob is intact. With the farm
+    scope, another team's QPC of the key is copied into the team's records first (a row of
+    its own, same bytes): the answer is the one a team's own cache hit gets, and names no
+    other team's QPC."""
+    qpc_id = _cached_qpc_id(session, key, team.id)
+    if qpc_id is None and scope == "farm":
+        theirs = _cached_qpc_id(session, key, None)
+        if theirs is not None:
+            qpc_id = copy_qpc(session, theirs, team)
     if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
         return None
     return qpc_id
 
 
-def _cached_qpc_id(session: Session, key: str) -> uuid.UUID | None:
-    qpc_id = session.execute(
-        select(Qpc.id).where(Qpc.options_key == key).limit(1)
-    ).scalar_one_or_none()
+def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uuid.UUID | None:
+    """A QPC of the cache key: the team's (`team_id`), or any team's (None)."""
+    query = select(Qpc.id).where(Qpc.options_key == key)
+    if team_id is not None:
+        query = query.where(Qpc.team_id == team_id)
+    qpc_id = session.execute(query.limit(1)).scalar_one_or_none()
     if qpc_id is None:  # the same bytes may have been stored first under another key
-        qpc_id = session.execute(
-            select(CompileJob.qpc_id)
-            .where(CompileJob.options_key == key, CompileJob.qpc_id.is_not(None))
-            .limit(1)
-        ).scalar_one_or_none()
+        by_job = select(CompileJob.qpc_id).where(
+            CompileJob.options_key == key, CompileJob.qpc_id.is_not(None)
+        )
+        if team_id is not None:
+            by_job = by_job.where(CompileJob.team_id == team_id)
+        qpc_id = session.execute(by_job.limit(1)).scalar_one_or_none()
     return qpc_id
+
+
+def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID:
+    """The team's own row for the content of QPC `qpc_id` (made, with a copy of its report,
+    unless the team has one)."""
+    source = session.get(Qpc, qpc_id)
+    assert source is not None
+    now = utcnow()
+    new_id = uuid.uuid4()
+    made = insert_or_ignore(
+        session,
+        Qpc,
+        {
+            "id": new_id,
+            "team_id": team.id,
+            "sha256": source.sha256,
+            "size": source.size,
+            "compiler_version": source.compiler_version,
+            "options_key": source.options_key,
+            "device": source.device,
+            "requirements": source.requirements,
+            "created_at": now,
+        },
+        ["team_id", "sha256"],
+    )
+    if made:
+        report = session.execute(
+            select(CompileReport).where(CompileReport.qpc_id == source.id)
+        ).scalar_one_or_none()
+        if report is not None:
+            session.add(
+                CompileReport(
+                    qpc_id=new_id,
+                    metrics=report.metrics,
+                    warnings=report.warnings,
+                    pass_times=report.pass_times,
+                    log=report.log,
+                    created_at=now,
+                )
+            )
+            session.flush()
+        return new_id
+    return session.execute(
+        select(Qpc.id).where(Qpc.team_id == team.id, Qpc.sha256 == source.sha256)
+    ).scalar_one()
 
 
 def _blob_intact(session: Session, store: BlobStore, qpc_id: uuid.UUID) -> bool:
@@ -435,7 +497,7 @@ def succeed(
     *,
     now: dt.datetime | None = None,
 ) -> Qpc:
-    """Store the QPC row (get-or-create by sha256) and its report, and mark the job
+    """Store the team's QPC row (get-or-create by team and sha256) and its report, and mark the job
     succeeded if it is still running. Safe to call twice or from two workers. Commits."""
     now = now or utcnow()
     insert_or_ignore(
@@ -443,6 +505,7 @@ def succeed(
         Qpc,
         {
             "id": uuid.uuid4(),
+            "team_id": job.team_id,
             "sha256": qpc_ref.sha256,
             "size": qpc_ref.size,
             "compiler_version": COMPILER_VERSION,
@@ -451,9 +514,11 @@ def succeed(
             "requirements": outcome.requirements,
             "created_at": now,
         },
-        ["sha256"],
+        ["team_id", "sha256"],
     )
-    qpc = session.execute(select(Qpc).where(Qpc.sha256 == qpc_ref.sha256)).scalar_one()
+    qpc = session.execute(
+        select(Qpc).where(Qpc.team_id == job.team_id, Qpc.sha256 == qpc_ref.sha256)
+    ).scalar_one()
     insert_or_ignore(
         session,
         CompileReport,

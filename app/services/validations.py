@@ -16,7 +16,7 @@ from app.db.models import Qpc, Team, Validation
 from app.services.errors import from_compile_error, not_found
 from app.services.models import too_large
 from app.services.pages import Page, paginate
-from app.services.qpcs import get_qpc, team_can_see
+from app.services.qpcs import get_qpc
 from compiler_core import CompileError
 
 
@@ -46,9 +46,9 @@ def validate_uploaded(
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
-    qpc_id = session.execute(select(Qpc.id).where(Qpc.sha256 == ref.sha256)).scalar_one_or_none()
-    if qpc_id is not None and not team_can_see(session, team, qpc_id):
-        qpc_id = None
+    qpc_id = session.execute(
+        select(Qpc.id).where(Qpc.team_id == team.id, Qpc.sha256 == ref.sha256)
+    ).scalar_one_or_none()
     return _record(session, store, team, ref.sha256, qpc_id, device)
 
 

@@ -222,7 +222,9 @@ def submit(
         row = models.store_model(
             session, store, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
         )
-        job, created = jobs.submit_job(session, team, row, options, store=store)
+        job, created = jobs.submit_job(
+            session, team, row, options, store=store, cache_scope=settings.cache_scope
+        )
         session.commit()
     except (CompileError, ServiceError) as exc:
         session.rollback()
