@@ -19,6 +19,7 @@ from fastapi.openapi.utils import get_openapi
 
 from app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
 from app.api.errors import install_error_handlers
+from app.api.openapi import complete
 from app.api.schemas import OPTIONS_SCHEMA_NAME
 from app.security_headers import SecurityHeaders
 from app.settings import Settings, get_settings
@@ -123,5 +124,5 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         schema.setdefault("components", {}).setdefault("schemas", {})[OPTIONS_SCHEMA_NAME] = (
             options_json_schema()
         )
-        app.openapi_schema = schema
+        app.openapi_schema = complete(schema)
     return app.openapi_schema

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 import sqlalchemy.exc
@@ -120,12 +121,28 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     return error_response(invalid_request(message, errors=errors))
 
 
-async def _http_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = _HTTP_CODES.get(exc.status_code, "http_error")
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    headers = dict(exc.headers) if exc.headers else None
-    return error_response(ApiError(code, message, exc.status_code, headers=headers))
+    headers = dict(exc.headers) if exc.headers else {}
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request)) or headers.get("Allow", "")
+    return error_response(ApiError(code, message, exc.status_code, headers=headers or None))
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method the OpenAPI document lists for this path (Starlette names only the
+    first route's, and a path's GET and POST are often two routes); Starlette's own answer
+    for paths outside the document (the web pages)."""
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        pattern = "^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, request.url.path):
+            methods |= {m.upper() for m in operations}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
 
 
 def blob_corrupt() -> ServiceError:

@@ -54,9 +54,12 @@ class ModelList(BaseModel):
 
 
 class JobCreate(BaseModel):
-    """Options as a JSON object (keys are flag names) or as `qaic-compile` flag strings."""
+    """Options as a JSON object (keys are flag names) or as `qaic-compile` flag strings, not
+    both (neither: the defaults)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"not": {"required": ["options", "flags"]}}
+    )
 
     model_id: uuid.UUID
     options: OptionsJSON | None = Field(

@@ -56,7 +56,10 @@ async def validate_upload(
     settings: SettingsDep,
     device: Annotated[
         str | None,
-        Query(description="Device profile; or the form field `device` (before the file)."),
+        Query(
+            description="Device profile; or the form field `device` (before the file).",
+            min_length=1,
+        ),
     ] = None,
 ) -> ValidationOut:
     """Validate an uploaded QPC (multipart field `file`, or the raw body) against a device.

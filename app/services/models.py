@@ -57,6 +57,8 @@ def store_model(
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
+    if ref.size == 0:
+        raise ServiceError("empty_upload", "the upload is empty: send an .onnx or an archive", 422)
     with tempfile.TemporaryDirectory(prefix="qpcfarm-upload-") as tmp:
         work = Path(tmp)
         with local_path(store, ref.sha256, work, "upload") as path:

@@ -13,7 +13,7 @@ from app.blobs import BlobStore, BlobTooLarge
 from app.blobs.base import Source
 from app.blobs.integrity import verified_path
 from app.db.models import Qpc, Team, Validation
-from app.services.errors import from_compile_error, not_found
+from app.services.errors import ServiceError, from_compile_error, not_found
 from app.services.models import too_large
 from app.services.pages import Page, paginate
 from app.services.qpcs import get_qpc
@@ -46,6 +46,8 @@ def validate_uploaded(
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
+    if ref.size == 0:
+        raise ServiceError("empty_upload", "the upload is empty: send a QPC file", 422)
     qpc_id = session.execute(
         select(Qpc.id).where(Qpc.team_id == team.id, Qpc.sha256 == ref.sha256)
     ).scalar_one_or_none()
