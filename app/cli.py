@@ -135,7 +135,7 @@ def _start_farm_sweeper(settings: Settings) -> None:
     too (workers sweep as well; more sweepers are harmless). In the embedded mode the
     in-process queue sweeps for itself."""
     from app.db.session import make_engine, make_session_factory
-    from app.queue import CeleryQueue
+    from worker.queues import CeleryQueue
     from worker.sweep import start_sweeper
 
     sessions = make_session_factory(make_engine(settings.database_url))
@@ -239,7 +239,7 @@ def worker_command(argv: list[str]) -> int:
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
     if not args.no_sweep:
-        from app.queue import CeleryQueue
+        from worker.queues import CeleryQueue
         from worker.sweep import start_sweeper
 
         # In the main process, before the pool forks: children build their own engines.

@@ -1,7 +1,7 @@
 """The FastAPI application: `create_app()` wires settings, database, blob store and job queue.
 
 Nothing is built at import. The lifespan waits for the database, upgrades it with Alembic,
-builds the blob store and the job queue (`app.queue.queue_from_settings`: an in-process worker
+builds the blob store and the job queue (`worker.queues.queue_from_settings`: an in-process worker
 in the embedded mode, Celery when a broker is configured) and keeps them on `app.state`
 (`settings`, `engine`, `session_factory`, `store`, `queue`); on shutdown it closes the queue
 it built and disposes of the engine. A queue passed in is the caller's to close.
@@ -91,7 +91,7 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     session_factory = make_session_factory(engine)
     store = blob_store_from_settings(settings, session_factory)
     if queue is None:
-        from app.queue import queue_from_settings
+        from worker.queues import queue_from_settings
 
         queue = queue_from_settings(settings, session_factory, store)
     app.state.settings = settings

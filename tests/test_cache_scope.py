@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.services import jobs
 from tests.api_helpers import LiveServer, live_server
 from tests.conftest import tiny_model_bytes
+from worker import compile_jobs
 
 
 def compile_for(server: LiveServer, client: httpx.Client, data: bytes) -> httpx.Response:
@@ -23,9 +23,9 @@ def compile_for(server: LiveServer, client: httpx.Client, data: bytes) -> httpx.
     answer = client.post("/v1/compile-jobs", json={"model_id": model["id"], "options": {}})
     if answer.json()["status"] == "queued":
         with server.state.session_factory() as session:
-            job = jobs.claim(session, uuid.UUID(answer.json()["id"]), "w")
+            job = compile_jobs.claim(session, uuid.UUID(answer.json()["id"]), "w")
             assert job is not None
-            jobs.run_compile(session, server.state.store, job)
+            compile_jobs.run_compile(session, server.state.store, job)
     return answer
 
 

@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import select
 
 from app.db.models import QuarantinedBlob
-from app.services import jobs
 from tests.api_helpers import LiveServer, Servers
 from tests.conftest import corrupt_blob, tiny_model_bytes
+from worker import compile_jobs
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +46,15 @@ def api(server: LiveServer) -> Iterator[httpx.Client]:
 
 def play_worker(server: LiveServer, job_id: str) -> None:
     with server.state.session_factory() as session:
-        job = jobs.claim(session, uuid.UUID(job_id), "test-worker")
+        job = compile_jobs.claim(session, uuid.UUID(job_id), "test-worker")
         assert job is not None
-        jobs.run_compile(session, server.state.store, job)
+        compile_jobs.run_compile(session, server.state.store, job)
 
 
 def compile_new(server: LiveServer, api: httpx.Client) -> tuple[str, dict]:
     """(model id, finished job) of a model no other test uploads."""
-    model = api.post(
-        "/v1/models", files={"file": ("m.onnx", tiny_model_bytes(uuid.uuid4().int % 997 / 97))}
-    ).json()
+    data = tiny_model_bytes(0.01 + uuid.uuid4().int % 10**9 / 10**9)
+    model = api.post("/v1/models", files={"file": ("m.onnx", data)}).json()
     job = api.post("/v1/compile-jobs", json={"model_id": model["id"], "options": {}}).json()
     play_worker(server, job["id"])
     done = api.get(f"/v1/compile-jobs/{job['id']}").json()

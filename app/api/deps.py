@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from app.api.errors import unauthorized
 from app.blobs import BlobStore
 from app.db.models import CompileJob, Model, Qpc, Team
+from app.queue import JobKind
 from app.services import jobs, models, qpcs, teams, web_sessions
 from app.settings import Settings
 
@@ -78,7 +79,7 @@ def team_cache(request: Request) -> TeamCache:
 class Enqueuer(Protocol):
     """What the API needs of `app.queue.JobQueue`: hand a committed job id to the workers."""
 
-    def enqueue(self, job_id: uuid.UUID) -> None: ...
+    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None: ...
 
 
 async def get_queue(request: Request) -> Enqueuer:

@@ -1,8 +1,8 @@
 """Profile jobs: `POST /v1/qpcs/{id}/profile` runs a QPC on the runtime with stats, and
 `/v1/profiles/{id}` reads the opstats summary and downloads the text, CSV and trace.
 
-The submit commits the row, then enqueues its id on the compile jobs' queue (the worker tells
-the kinds apart by the id). Inputs come as an uploaded `.npz` (multipart field `inputs`, form
+The submit commits the row, then enqueues its id as a `profile` job (a task of its own).
+Inputs come as an uploaded `.npz` (multipart field `inputs`, form
 fields first, streamed into the blob store) or are made up from the QPC's I/O description.
 """
 
@@ -118,7 +118,7 @@ async def submit_profile(
             f"send application/json or multipart/form-data, not {media_type}",
             415,
         )
-    queue.enqueue(job.id)
+    queue.enqueue(job.id, "profile")
     response.headers["Location"] = f"/v1/profiles/{job.id}"
     return ProfileOut.of(job)
 

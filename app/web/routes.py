@@ -388,7 +388,7 @@ def start_profile(
             ) from None
         row = profiles.submit(session, team, qpc, iterations=count)
         session.commit()
-        queue.enqueue(row.id)
+        queue.enqueue(row.id, "profile")
         return f"/profiles/{row.id}"
 
     return job_action(request, session, settings, job_id, csrf, act)
