@@ -33,6 +33,7 @@ from compiler_core import CompileError, CompileOptions
 from compiler_core.version import COMPILER_VERSION
 from worker import claims
 from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
+from worker.compile_process import CompileProcess
 from worker.heartbeat import JobHeartbeat
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,7 @@ def run_compile(
     should_cancel: Callable[[], bool] | None = None,
     *,
     progress_interval_s: float = 1.0,
+    compiler: CompileProcess | None = None,
 ) -> CompileJob:
     """Compile a job this worker has claimed, from model blob to stored QPC and report.
 
@@ -292,7 +294,7 @@ def run_compile(
             farm_options = resolve_model_files(options, model_dir).with_(
                 aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
             )
-            result = _compile(model_path, farm_options, progress)
+            result = _compile(model_path, farm_options, progress, compiler)
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
@@ -322,7 +324,11 @@ def run_compile(
     return job
 
 
-def _compile(model_path: Path, options: CompileOptions, progress: _Progress) -> Any:
+def _compile(
+    model_path: Path, options: CompileOptions, progress: _Progress, compiler: Any
+) -> Any:
+    if compiler is not None:  # a process of its own (the embedded mode's worker threads)
+        return compiler.compile(model_path, options, progress)
     from compiler_core.compile import compile_model  # heavy: loaded on the first compile
 
     return compile_model(model_path, options, progress=progress)

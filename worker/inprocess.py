@@ -26,6 +26,7 @@ from worker.claims import (
     queued_ids,
     stale_ids,
 )
+from worker.compile_process import CompileProcess
 from worker.runner import default_worker_name, process_job
 from worker.sweep import JOB_TABLES, Sweeper
 
@@ -49,6 +50,7 @@ class InProcessQueue:
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
         sweep_interval_s: float | None = None,
+        isolate_compiles: bool = True,
     ) -> None:
         self._sessions = session_factory
         self._store = store
@@ -61,6 +63,9 @@ class InProcessQueue:
         self._closed = False
         self._sweep_interval_s = sweep_interval_s
         self._sweeper: Sweeper | None = None
+        self._isolate = isolate_compiles
+        """Each thread compiles in a child process of its own (`worker.compile_process`): the
+        API's process keeps its CPU and GIL for requests."""
 
     def start(self) -> InProcessQueue:
         """Re-enqueue what the database says is pending, then start the threads."""
@@ -138,6 +143,14 @@ class InProcessQueue:
             thread.join(timeout)
 
     def _run(self, worker_name: str) -> None:
+        compiler = CompileProcess() if self._isolate else None
+        try:
+            self._serve(worker_name, compiler)
+        finally:
+            if compiler is not None:
+                compiler.close()
+
+    def _serve(self, worker_name: str, compiler: CompileProcess | None) -> None:
         while True:
             item = self._ids.get()
             if item is _STOP or self._closed:  # left queued in the database for a restart
@@ -148,6 +161,7 @@ class InProcessQueue:
                 process_job(
                     job_id,
                     kind=kind,
+                    compiler=compiler,
                     session_factory=self._sessions,
                     store=self._store,
                     worker_name=worker_name,

@@ -24,6 +24,7 @@ from app.db.models import JobStatus, ProfileJob
 from app.queue import JobKind
 from worker import compile_jobs, profile_jobs
 from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
+from worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,15 @@ def process_job(
     progress_interval_s: float = PROGRESS_INTERVAL_S,
     max_attempts: int = MAX_ATTEMPTS,
     progress_cb: compile_jobs.ProgressCallback | None = None,
+    compiler: CompileProcess | None = None,
 ) -> JobStatus | None:
     """Claim and run job `job_id` of `kind` (None: looked up); returns its final status, or
     None when this call did not get the job (unknown, finished, cancelled, or running on a
     live worker).
 
-    Transient database errors while claiming propagate (the Celery task retries them); every
+    With `compiler`, a compile runs in that child process instead of this one (the
+    embedded mode's worker threads share the API's process). Transient database errors
+    while claiming propagate (the Celery task retries them); every
     error of the work itself ends the job `failed` with a structured error.
     """
     session = session_factory()
@@ -94,6 +98,7 @@ def process_job(
                 progress_cb,
                 beat.stop_requested,
                 progress_interval_s=progress_interval_s,
+                compiler=compiler,
             )
         log.info("job %s: %s", job_id, job.status.value)
         return job.status
