@@ -39,6 +39,9 @@ Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
 """
 
 
+BLOB_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 20}
+
+
 def create_app(settings: Settings | None = None, *, queue: JobQueue | None = None) -> FastAPI:
     """The API app. `settings` default to the environment's (`get_settings()`, read at
     start-up); `queue` replaces the one built from settings (tests, embedding)."""
@@ -89,13 +92,19 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     engine = make_engine(settings.database_url)
     upgrade_database(engine)
     session_factory = make_session_factory(engine)
-    store = blob_store_from_settings(settings, session_factory)
+    # Blob reads and the quarantine's record use a pool of their own: a request holds a
+    # connection of the API's pool while it reads a blob (a download, a cache hit's check),
+    # and a reader waiting for a second connection of the same, exhausted pool would wait
+    # for itself.
+    blob_engine = engine if settings.is_sqlite else make_engine(settings.database_url, **BLOB_POOL)
+    store = blob_store_from_settings(settings, make_session_factory(blob_engine))
     if queue is None:
         from worker.queues import queue_from_settings
 
         queue = queue_from_settings(settings, session_factory, store)
     app.state.settings = settings
     app.state.engine = engine
+    app.state.blob_engine = blob_engine
     app.state.session_factory = session_factory
     app.state.store = store
     app.state.queue = queue
@@ -107,6 +116,7 @@ def _stop(app: FastAPI, owns_queue: bool) -> None:
             app.state.queue.close()
     finally:
         app.state.engine.dispose()
+        app.state.blob_engine.dispose()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -203,3 +203,28 @@ def test_farm_mode_compiles_identical_submits_to_two_api_processes_once(
         assert len(answers) == 200 and len(compiled) == 1, compiled
         done = api.wait(str(compiled.pop()), ("succeeded", "failed", "cancelled"))
         assert done["status"] == "succeeded"
+
+
+def test_farm_mode_answers_50_concurrent_cache_hits_without_starving_its_pool(
+    tmp_path: Path,
+) -> None:
+    """A cache hit reads the cached QPC from the database blob store while its request holds
+    a connection: blob reads have a pool of their own, so a burst cannot wait for itself."""
+    import uuid
+
+    from tests.api_helpers import live_server
+    from worker import compile_jobs
+
+    with live_server("postgresql", tmp_path) as server, server.client(server.new_key()) as http:
+        model = http.post("/v1/models", files={"file": ("m.onnx", distinct_model(7))}).json()
+        body = {"model_id": model["id"], "options": {}}
+        job = http.post("/v1/compile-jobs", json=body).json()
+        with server.state.session_factory() as session:
+            claimed = compile_jobs.claim(session, uuid.UUID(job["id"]), "w")
+            assert claimed is not None
+            compile_jobs.run_compile(session, server.state.store, claimed)
+        key = http.headers["Authorization"].removeprefix("Bearer ")
+
+        answers = identical_submits(server.url, key, body, clients=50, rounds=2)
+
+        assert len(answers) == 100 and all(a["cache_hit"] for a in answers)

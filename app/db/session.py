@@ -23,6 +23,10 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 SQLITE_POOL_SIZE = 32
 """SQLite connections kept open: as many as API threads that use one at a time, so a burst
 never opens (and PRAGMA-configures) connections that are thrown away on return."""
+SERVER_POOL_SIZE = 10
+SERVER_POOL_OVERFLOW = 30
+"""PostgreSQL connections per engine: kept, and the burst on top (a request holds one while
+it runs in one of the API's ~40 pool threads or 64 upload threads)."""
 _WRITE_KEYWORDS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER")
 
 
@@ -33,6 +37,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         kwargs.setdefault("pool_pre_ping", True)
+        kwargs.setdefault("pool_size", SERVER_POOL_SIZE)
+        kwargs.setdefault("max_overflow", SERVER_POOL_OVERFLOW)
         return create_engine(url, **kwargs)
 
     if parsed.database and parsed.database != ":memory:":
