@@ -150,6 +150,7 @@ def test_revoking_a_key_ends_its_browser_sessions_and_sign_out_ends_one(site: An
     site.cookies.clear()
     with site.app.state.session_factory() as session:
         team = teams.get_team_by_name(session, "web")
+        assert team is not None
         fresh, _ = teams.create_api_key(session, team)
         session.commit()
     sign_in(site, fresh)

@@ -67,7 +67,7 @@ def test_every_operation_answers_only_documented_statuses_and_never_a_server_err
 ) -> None:
     api = schemathesis.openapi.from_url(f"{fuzzed.url}/openapi.json")
     failures: dict[str, str] = {}
-    operations = [result.ok() for result in api.get_all_operations()]
+    operations = [result.ok() for result in api.get_all_operations()]  # type: ignore[union-attr]
     assert len(operations) >= 25
     for operation in operations:
         try:
