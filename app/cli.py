@@ -5,7 +5,7 @@ Service commands (each parses its own arguments, so clients may take qaic-compil
   serve    the HTTP API; with no configuration the embedded mode (SQLite and blobs under
            `./qpcfarm-data`, in-process worker), creating team `local` and its key on first start
   worker   a Celery worker for `QPCFARM_BROKER_URL` (farm mode)
-  admin    create-team NAME | create-key --team NAME
+  admin    create-team | create-key | list-keys | revoke-key | verify-blobs
   db       upgrade
   submit   (slot) the HTTP client: add `"submit": (help, handler)` to SERVICE_COMMANDS
 
@@ -22,7 +22,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from app.submit import submit_command
 
@@ -64,6 +64,8 @@ def serve_command(argv: list[str]) -> int:
         "threads (QPCFARM_WORKER_CONCURRENCY each): safe, since a job is claimed by one "
         "conditional UPDATE, but N processes compile up to N x that many jobs at once",
     )
+    parser.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    parser.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise CliError("--workers must be at least 1")
@@ -74,6 +76,10 @@ def serve_command(argv: list[str]) -> int:
     from app.settings import get_settings
 
     settings = get_settings()
+    if settings.environment == "production":
+        problems = production_problems(settings, args.host, tls=bool(args.ssl_certfile))
+        if problems:
+            raise CliError("refusing to start in production: " + "; ".join(problems))
     if not settings.is_sqlite:
         wait_for_database(settings.database_url, timeout=60.0)
     upgrade_database(settings.database_url)
@@ -92,8 +98,36 @@ def serve_command(argv: list[str]) -> int:
         port=args.port,
         log_level=args.log_level,
         workers=args.workers,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips or "127.0.0.1",
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
     )
     return 0
+
+
+DEFAULT_SECRETS = frozenset({"qpcfarm", "postgres", "password", "secret", "changeme", "admin"})
+"""Passwords of examples and images (docker-compose.yml's among them): not a secret."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def production_problems(settings: Settings, host: str, *, tls: bool) -> list[str]:
+    """Why `settings` and the bind address are not fit for production (none: fit)."""
+    from sqlalchemy.engine import make_url
+
+    problems = []
+    if not settings.require_auth:
+        problems.append("QPCFARM_REQUIRE_AUTH=false lets anyone in")
+    for name, url in (("database", settings.database_url), ("broker", settings.broker_url)):
+        if url and make_url(url).password in DEFAULT_SECRETS:
+            problems.append(f"the {name} password in QPCFARM_{name.upper()}_URL is a default one")
+    if host not in LOOPBACK_HOSTS and not tls and not settings.forwarded_allow_ips:
+        problems.append(
+            f"--host {host} is reachable from other machines without TLS: put a TLS-terminating "
+            "reverse proxy in front and set QPCFARM_FORWARDED_ALLOW_IPS to its address, or "
+            "give --ssl-certfile/--ssl-keyfile"
+        )
+    return problems
 
 
 def _start_farm_sweeper(settings: Settings) -> None:
@@ -101,7 +135,7 @@ def _start_farm_sweeper(settings: Settings) -> None:
     too (workers sweep as well; more sweepers are harmless). In the embedded mode the
     in-process queue sweeps for itself."""
     from app.db.session import make_engine, make_session_factory
-    from app.queue import CeleryQueue
+    from worker.queues import CeleryQueue
     from worker.sweep import start_sweeper
 
     sessions = make_session_factory(make_engine(settings.database_url))
@@ -139,7 +173,9 @@ def ensure_local_key(settings: Settings) -> str | None:
             if session.execute(select(func.count()).select_from(Team)).scalar_one():
                 return None
             team = teams.create_team(session, LOCAL_TEAM)
-            key, _ = teams.create_api_key(session, team, name="created by qpcfarm serve")
+            key, _ = teams.create_api_key(
+                session, team, name="created by qpcfarm serve", admin=True
+            )
             # Written before the commit: if the key cannot be saved, no team is created.
             write_secret(Path(settings.data_dir) / API_KEY_FILE, key + "\n")
         return key
@@ -203,7 +239,7 @@ def worker_command(argv: list[str]) -> int:
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
     if not args.no_sweep:
-        from app.queue import CeleryQueue
+        from worker.queues import CeleryQueue
         from worker.sweep import start_sweeper
 
         # In the main process, before the pool forks: children build their own engines.
@@ -253,7 +289,25 @@ def admin_command(argv: list[str]) -> int:
     key = actions.add_parser("create-key", help="create an API key; prints it on its own line")
     key.add_argument("--team", required=True, metavar="NAME")
     key.add_argument("--name", metavar="LABEL", help="a label to tell keys apart")
+    key.add_argument(
+        "--admin", action="store_true", help="a team admin's key (may manage keys over /v1/keys)"
+    )
+    listing = actions.add_parser("list-keys", help="list API keys (never the keys themselves)")
+    listing.add_argument("--team", metavar="NAME", help="only this team's keys")
+    revoke = actions.add_parser(
+        "revoke-key", help="revoke an API key by id or prefix (effective within 1 s)"
+    )
+    revoke.add_argument("key", metavar="ID|PREFIX")
+    revoke.add_argument("--team", metavar="NAME", help="the key must be this team's")
+    scrub = actions.add_parser(
+        "verify-blobs",
+        help="read and hash every stored blob, quarantine the corrupt ones, list the blobs "
+        "rows name that are gone; exit 1 when anything was found",
+    )
+    scrub.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if args.action == "verify-blobs":
+        return verify_blobs_command(args.json)
 
     from app.db.session import make_engine, make_session_factory, session_scope, upgrade_database
     from app.services import teams
@@ -268,15 +322,74 @@ def admin_command(argv: list[str]) -> int:
                 made = teams.create_team(session, args.name)
                 print(f"{PROG}: created team {made.name!r}", file=sys.stderr)
                 return 0
-            found = teams.get_team_by_name(session, args.team)
-            if found is None:
-                raise CliError(f"no team named {args.team!r} (qpcfarm admin create-team NAME)")
-            secret, _ = teams.create_api_key(session, found, name=args.name)
+            found = _team_arg(session, args.team) if args.team else None
+            if args.action == "list-keys":
+                print_keys(teams.list_keys(session, found))
+                return 0
+            if args.action == "revoke-key":
+                row = teams.revoke_key(session, teams.find_key(session, args.key, found))
+                print(f"{PROG}: revoked key {row.prefix} ({row.id})", file=sys.stderr)
+                return 0
+            assert found is not None
+            secret, _ = teams.create_api_key(session, found, name=args.name, admin=args.admin)
         print(f"{PROG}: created an API key for team {args.team!r}:", file=sys.stderr)
         print(secret, flush=True)
         return 0
     finally:
         engine.dispose()
+
+
+def _team_arg(session: Any, name: str) -> Any:
+    from app.services import teams
+
+    found = teams.get_team_by_name(session, name)
+    if found is None:
+        raise CliError(f"no team named {name!r} (qpcfarm admin create-team NAME)")
+    return found
+
+
+def print_keys(rows: list[tuple[Any, Any]]) -> None:
+    """One line per key: team, prefix, id, admin, created, revoked."""
+    for team, key in rows:
+        state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+        role = "admin" if key.admin else "member"
+        label = f"  {key.name}" if key.name else ""
+        print(
+            f"{team.name}\t{key.prefix}\t{key.id}\t{role}\t"
+            f"created {key.created_at:%Y-%m-%d %H:%M}\t{state}{label}"
+        )
+
+
+def verify_blobs_command(as_json: bool) -> int:
+    import json
+
+    from app.blobs import blob_store_from_settings
+    from app.db.session import make_engine, make_session_factory, upgrade_database
+    from app.services.scrub import scrub
+    from app.settings import get_settings
+
+    settings = get_settings()
+    upgrade_database(settings.database_url)
+    engine = make_engine(settings.database_url)
+    try:
+        sessions = make_session_factory(engine)
+        with sessions() as session:
+            report = scrub(session, blob_store_from_settings(settings, sessions))
+    finally:
+        engine.dispose()
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(
+            f"checked {report.checked} blobs ({report.bytes:,} bytes): "
+            f"{len(report.corrupt)} corrupt, {len(report.missing)} missing"
+        )
+        for sha256 in report.corrupt:
+            print(f"corrupt {sha256}: quarantined")
+        for gone in report.missing:
+            why = "quarantined as corrupt" if gone.quarantined else "not in the store"
+            print(f"missing {gone.sha256} ({gone.referenced_by}): {why}")
+    return 0 if report.clean else 1
 
 
 def db_command(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """The FastAPI application: `create_app()` wires settings, database, blob store and job queue.
 
 Nothing is built at import. The lifespan waits for the database, upgrades it with Alembic,
-builds the blob store and the job queue (`app.queue.queue_from_settings`: an in-process worker
+builds the blob store and the job queue (`worker.queues.queue_from_settings`: an in-process worker
 in the embedded mode, Celery when a broker is configured) and keeps them on `app.state`
 (`settings`, `engine`, `session_factory`, `store`, `queue`); on shutdown it closes the queue
 it built and disposes of the engine. A queue passed in is the caller's to close.
@@ -17,9 +17,11 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.api import compile_jobs, meta, models, profiles, qpcs, validations
+from app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
 from app.api.errors import install_error_handlers
+from app.api.openapi import complete
 from app.api.schemas import OPTIONS_SCHEMA_NAME
+from app.security_headers import SecurityHeaders
 from app.settings import Settings, get_settings
 from app.web import router as web_router
 from compiler_core.version import COMPILER_VERSION
@@ -35,6 +37,9 @@ profile it on the runtime (opstats summary and trace).
 Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
 `{"code", "message", ...}` with a stable `code`.
 """
+
+
+BLOB_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 20}
 
 
 def create_app(settings: Settings | None = None, *, queue: JobQueue | None = None) -> FastAPI:
@@ -57,12 +62,14 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(SecurityHeaders)
     for router in (
         models.router,
         compile_jobs.router,
         qpcs.router,
         profiles.router,
         validations.router,
+        keys.router,
         meta.router,
         meta.health_router,
         web_router,
@@ -85,13 +92,19 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     engine = make_engine(settings.database_url)
     upgrade_database(engine)
     session_factory = make_session_factory(engine)
-    store = blob_store_from_settings(settings, session_factory)
+    # Blob reads and the quarantine's record use a pool of their own: a request holds a
+    # connection of the API's pool while it reads a blob (a download, a cache hit's check),
+    # and a reader waiting for a second connection of the same, exhausted pool would wait
+    # for itself.
+    blob_engine = engine if settings.is_sqlite else make_engine(settings.database_url, **BLOB_POOL)
+    store = blob_store_from_settings(settings, make_session_factory(blob_engine))
     if queue is None:
-        from app.queue import queue_from_settings
+        from worker.queues import queue_from_settings
 
         queue = queue_from_settings(settings, session_factory, store)
     app.state.settings = settings
     app.state.engine = engine
+    app.state.blob_engine = blob_engine
     app.state.session_factory = session_factory
     app.state.store = store
     app.state.queue = queue
@@ -103,6 +116,7 @@ def _stop(app: FastAPI, owns_queue: bool) -> None:
             app.state.queue.close()
     finally:
         app.state.engine.dispose()
+        app.state.blob_engine.dispose()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -120,5 +134,5 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         schema.setdefault("components", {}).setdefault("schemas", {})[OPTIONS_SCHEMA_NAME] = (
             options_json_schema()
         )
-        app.openapi_schema = schema
+        app.openapi_schema = complete(schema)
     return app.openapi_schema

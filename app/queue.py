@@ -1,5 +1,6 @@
-"""Where the API hands job ids to workers: a Celery broker (farm) or in-process threads
-(embedded). Both carry ids only; the database row is the job.
+"""What the API needs of the job queue: hand a committed job's id to the workers. The queues
+themselves (Celery in the farm, threads in the embedded mode) live in `worker.queues`; the
+API holds one through this protocol only.
 
 The API commits a job row, then enqueues its id. A failed enqueue is logged, not raised: the
 job is safely in the database and the sweep enqueues it again after `requeue_after_s`.
@@ -7,23 +8,16 @@ job is safely in the database and the sweep enqueues it again after `requeue_aft
 
 from __future__ import annotations
 
-import logging
 import uuid
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from celery import Celery
-    from sqlalchemy.orm import Session, sessionmaker
-
-    from app.blobs import BlobStore
-    from app.settings import Settings
-
-log = logging.getLogger(__name__)
+JobKind = Literal["compile", "profile"]
+"""The table a job id names (`compile_jobs`, `profile_jobs`); each kind has its own task."""
 
 
 @runtime_checkable
 class JobQueue(Protocol):
-    def enqueue(self, job_id: uuid.UUID) -> None:
+    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
         """Ask a worker to run the job (at least once; the worker's claim decides)."""
         ...
 
@@ -34,57 +28,3 @@ class JobQueue(Protocol):
     def ping(self) -> bool:
         """Whether jobs can be handed over now (readiness)."""
         ...
-
-
-class CeleryQueue:
-    """Sends `qpcfarm.compile(job_id)` through the Celery broker of `settings.broker_url`."""
-
-    def __init__(self, settings: Settings) -> None:
-        from worker.celery_app import make_celery_app
-
-        self._app = make_celery_app(settings)
-
-    @property
-    def celery(self) -> Celery:
-        return self._app
-
-    def enqueue(self, job_id: uuid.UUID) -> None:
-        from worker.celery_app import TASK_NAME
-
-        try:
-            self._app.send_task(TASK_NAME, args=[str(job_id)])
-        except Exception:  # broker down: the job stays queued and the sweep sends it later
-            log.warning("could not enqueue job %s; the sweep will retry", job_id, exc_info=True)
-
-    def ping(self) -> bool:
-        try:
-            with self._app.connection_for_write() as connection:
-                connection.ensure_connection(max_retries=1, timeout=2)
-            return True
-        except Exception:
-            return False
-
-    def close(self) -> None:
-        self._app.close()
-
-
-def queue_from_settings(
-    settings: Settings, session_factory: sessionmaker[Session], store: BlobStore
-) -> JobQueue:
-    """The configured queue: Celery when a broker URL is set, else a started in-process
-    worker (which re-enqueues the database's pending jobs as it starts, and sweeps for
-    itself). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
-    if settings.broker_url:
-        return CeleryQueue(settings)
-    from worker.inprocess import InProcessQueue
-    from worker.sweep import sweep_interval
-
-    return InProcessQueue(
-        session_factory,
-        store,
-        concurrency=settings.worker_concurrency,
-        heartbeat_s=settings.heartbeat_s,
-        stale_after_s=settings.stale_after_s,
-        requeue_after_s=settings.requeue_after_s,
-        sweep_interval_s=sweep_interval(settings),
-    ).start()

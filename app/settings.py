@@ -40,6 +40,14 @@ class Settings(BaseSettings):
     """A job still queued this long after its last enqueue is enqueued again (lost message)."""
     require_auth: bool = True
     environment: Literal["development", "production"] = "development"
+    """`production` refuses to start with a default secret, without required keys, or bound to
+    an open address with no TLS in front (`app.cli.production_problems`); cookies are then
+    always `Secure`."""
+    forwarded_allow_ips: str | None = None
+    """The TLS-terminating reverse proxy's address(es) (comma-separated, `*` for any): its
+    `X-Forwarded-Proto`/`-For` are believed, so the farm knows a request came over HTTPS."""
+    cache_scope: Literal["team", "farm"] = "team"
+    """Whose QPCs a submit may reuse: the team's own (default), or any team's (`farm`)."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

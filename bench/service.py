@@ -15,6 +15,9 @@ in-process worker; with `--farm` also a PostgreSQL database of its own, Redis an
   together) submit compile jobs, each (model, options) new, so every answer is a queued job and
   the worker compiles them meanwhile. p50/p99 from the client's send to its answer. Target
   p99 < 50 ms.
+- **upload+submit load**: 100 concurrent clients, each uploading a model of its own and
+  submitting its compile, twice (the embedded mode's SQLite writers and the farm's pool under
+  a burst). Target: 0 server errors and 0 dropped connections; p50/p99 of each request.
 - **cache-hit answer**: once the queue drained, the same submits again: each answer is a
   stored QPC (`cache_hit: true`). p50 of one client on an idle farm (the target, < 20 ms), and
   with 50 concurrent clients; the peer is a compile of a new job, submit to `succeeded`.
@@ -68,6 +71,8 @@ class Plan:
     submits_per_client: int
     sequential_hits: int
     compiles: int
+    load_clients: int = 100
+    load_rounds: int = 2
 
 
 FULL = Plan(
@@ -465,6 +470,85 @@ async def _concurrent_submits(
     return latencies, errors, answers
 
 
+async def _load_client(
+    url: str,
+    key: str,
+    index: int,
+    rounds: int,
+    start: asyncio.Event,
+    ready: list[int],
+    out: dict[str, Any],
+) -> None:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120.0) as client:
+        await client.get("/healthz")
+        ready.append(index)
+        await start.wait()
+        for r in range(rounds):
+            seed = 1_000_000 + index * rounds + r  # no model of the submit run
+            try:
+                t0 = time.perf_counter()
+                up = await client.post(
+                    "/v1/models",
+                    content=tiny_model(seed),
+                    params={"filename": f"load{seed}.onnx"},
+                    headers={"Content-Type": "application/octet-stream"},
+                )
+                out["upload_s"].append(time.perf_counter() - t0)
+                out["statuses"].append(up.status_code)
+                if up.status_code != 201:
+                    continue
+                t0 = time.perf_counter()
+                job = await client.post(
+                    "/v1/compile-jobs", json={"model_id": up.json()["id"], "flags": _flags(0)}
+                )
+                out["submit_s"].append(time.perf_counter() - t0)
+                out["statuses"].append(job.status_code)
+            except httpx.HTTPError as exc:
+                out["dropped"].append(f"{type(exc).__name__}: {exc}")
+
+
+async def _load(farm: Farm, clients: int, rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"upload_s": [], "submit_s": [], "statuses": [], "dropped": []}
+    start = asyncio.Event()
+    ready: list[int] = []
+    tasks = [
+        asyncio.create_task(_load_client(farm.url, farm.api_key, i, rounds, start, ready, out))
+        for i in range(clients)
+    ]
+    for _ in range(6000):  # bounded: every client connected (or failed)
+        if len(ready) == len(tasks) or any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    start.set()
+    await asyncio.gather(*tasks)
+    return out
+
+
+def measure_load(farm: Farm, plan: Plan) -> dict[str, Any]:
+    """`load_clients` concurrent clients uploading and submitting `load_rounds` times."""
+    print(
+        f"  {plan.load_clients} clients x {plan.load_rounds} uploads + submits ...", flush=True
+    )
+    began = time.perf_counter()
+    out = asyncio.run(_load(farm, plan.load_clients, plan.load_rounds))
+    wall = time.perf_counter() - began
+    statuses: dict[str, int] = {}
+    for status in out["statuses"]:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    return {
+        "clients": plan.load_clients,
+        "rounds": plan.load_rounds,
+        "wall_s": wall,
+        "upload": summary_ms(out["upload_s"]),
+        "submit": summary_ms(out["submit_s"]),
+        "statuses": statuses,
+        "server_errors": sum(n for s, n in statuses.items() if int(s) >= 500),
+        "dropped": len(out["dropped"]),
+        "dropped_examples": out["dropped"][:5],
+    }
+
+
 def _active_jobs(client: httpx.Client) -> int:
     total = 0
     for status in ("queued", "running"):
@@ -575,8 +659,16 @@ def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- report
 
 
-def verdicts(upload: dict[str, Any], submit: dict[str, Any]) -> list[dict[str, Any]]:
+def verdicts(
+    upload: dict[str, Any], submit: dict[str, Any], load: dict[str, Any]
+) -> list[dict[str, Any]]:
     return [
+        {
+            "target": f"{load['clients']} concurrent clients uploading + submitting: "
+            "0 server errors, 0 dropped connections",
+            "value": float(load["server_errors"] + load["dropped"]),
+            "met": load["server_errors"] == 0 and load["dropped"] == 0,
+        },
         {
             "target": "upload throughput >= 0.8x a plain file copy",
             "value": upload["ratio_vs_copy"],
@@ -608,7 +700,13 @@ def _row(name: str, s: dict[str, float]) -> str:
     )
 
 
-def render(mode: str, upload: dict[str, Any], submit: dict[str, Any], workers: int = 1) -> str:
+def render(
+    mode: str,
+    upload: dict[str, Any],
+    submit: dict[str, Any],
+    load: dict[str, Any],
+    workers: int = 1,
+) -> str:
     mib = upload["bytes"] / MIB
     lines = [
         f"== qpcfarm service benchmark ({mode} mode, loopback, {os.cpu_count()} CPUs, "
@@ -641,8 +739,16 @@ def render(mode: str, upload: dict[str, Any], submit: dict[str, Any], workers: i
     hit_p50 = submit["cache_hit_sequential"]["p50_ms"]
     if compile_p50 == compile_p50 and hit_p50 > 0:
         lines.append(f"    cache hit p50 = {hit_p50 / compile_p50:.2f}x a compile's p50")
+    lines += [
+        f"{load['clients']} clients x {load['rounds']} uploads + submits "
+        f"({load['wall_s']:.1f} s):",
+        _row("upload (raw body, tiny model)", load["upload"]),
+        _row("submit after it", load["submit"]),
+        f"    answers {load['statuses']}, {load['server_errors']} server errors, "
+        f"{load['dropped']} dropped connections",
+    ]
     lines.append("targets:")
-    for v in verdicts(upload, submit):
+    for v in verdicts(upload, submit, load):
         lines.append(f"  [{'MET' if v['met'] else 'NOT MET'}] {v['target']}: {v['value']:.2f}")
     return "\n".join(lines) + "\n"
 
@@ -656,14 +762,17 @@ def run(mode_farm: bool, plan: Plan, args: argparse.Namespace) -> dict[str, Any]
             upload = measure_uploads(farm, work, plan)
             print("submits:", flush=True)
             submit = measure_submits(farm, plan)
-    text = render(farm.mode, upload, submit, args.workers)
+            print("load:", flush=True)
+            load = measure_load(farm, plan)
+    text = render(farm.mode, upload, submit, load, args.workers)
     sys.stdout.write(text)
     return {
         "mode": farm.mode,
         "plan": plan.__dict__,
         "upload": upload,
         "submit": submit,
-        "verdicts": verdicts(upload, submit),
+        "load": load,
+        "verdicts": verdicts(upload, submit, load),
         "report": text,
     }
 

@@ -33,11 +33,13 @@ class RecordingQueue:
     """A JobQueue double: records the ids the API enqueues; runs nothing."""
 
     ids: list[uuid.UUID] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
     closed: bool = False
     reachable: bool = True
 
-    def enqueue(self, job_id: uuid.UUID) -> None:
+    def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None:
         self.ids.append(job_id)
+        self.kinds.append(kind)
 
     def close(self) -> None:
         self.closed = True

@@ -163,6 +163,32 @@ def blob_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlobS
         yield DatabaseBlobStore(db.sessions)
 
 
+def corrupt_blob(store: BlobStore, sha256: str, offset: int = -1) -> None:
+    """Flip one byte of a stored blob in place (a disk or a database going bad), at `offset`
+    (negative: from the end)."""
+    from sqlalchemy import select, update
+
+    from app.blobs.database import DatabaseBlobStore
+    from app.blobs.filesystem import FilesystemBlobStore
+    from app.db.models import BlobChunk
+
+    if isinstance(store, FilesystemBlobStore):
+        path = store.root / sha256[:2] / sha256[2:]
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    assert isinstance(store, DatabaseBlobStore)
+    size = store.size(sha256)
+    seq, at = divmod(offset % size, 1 << 20)
+    with store._sessions() as session:
+        where = (BlobChunk.sha256 == sha256, BlobChunk.seq == seq)
+        chunk = bytearray(session.execute(select(BlobChunk.data).where(*where)).scalar_one())
+        chunk[at] ^= 0xFF
+        session.execute(update(BlobChunk).where(*where).values(data=bytes(chunk)))
+        session.commit()
+
+
 # ------------------------------------------------------------------------------- factories
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -274,6 +275,111 @@ def redis_server(work_dir: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def postgres_binaries() -> tuple[Path, str] | None:
+    """(folder of initdb/postgres, the user to run them as), or None when a private server
+    cannot be started here (PostgreSQL refuses to run as root)."""
+    initdb = shutil.which("initdb")
+    if initdb is None:
+        return None
+    user = "postgres" if os.geteuid() == 0 else ""
+    if user and shutil.which("runuser") is None:
+        return None
+    return Path(os.path.realpath(initdb)).parent, user
+
+
+class PostgresServer:
+    """A private PostgreSQL cluster on a free port: created with initdb, started, and crashed
+    (`kill`, recovered on the next start) by the test, never the machine's own server."""
+
+    def __init__(self) -> None:
+        found = postgres_binaries()
+        assert found is not None, "initdb is not installed"
+        self._bin, self._user = found
+        self.port = free_port()
+        # A folder of its own: the server's user must reach it (pytest's tmp is root-only).
+        self.home = Path(tempfile.mkdtemp(prefix="qpcfarm-pg-"))
+        self.data = self.home / "pgdata"
+        self.log = self.home / "postgres.log"
+        self._popen: subprocess.Popen[bytes] | None = None
+        self.data.mkdir()
+        self._own(self.home)
+        self._run([str(self._bin / "initdb"), "-D", str(self.data), "-U", "postgres",
+                   "--auth=trust", "--no-sync", "-E", "UTF8"])  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _own(self, path: Path) -> None:
+        if self._user:
+            shutil.chown(path, self._user)
+            for inner in path.rglob("*"):
+                shutil.chown(inner, self._user)
+
+    def _argv(self, argv: list[str]) -> list[str]:
+        return ["runuser", "-u", self._user, "--", *argv] if self._user else argv
+
+    def _run(self, argv: list[str]) -> None:
+        done = subprocess.run(self._argv(argv), capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self._popen = subprocess.Popen(
+                self._argv([str(self._bin / "postgres"), "-D", str(self.data),
+                            "-p", str(self.port), "-k", str(self.data),
+                            "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]),
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            )  # fmt: skip
+
+        def answers() -> bool:
+            import psycopg
+
+            if self._popen is not None and self._popen.poll() is not None:
+                raise AssertionError(f"postgres exited:\n{self.log.read_text()[-2000:]}")
+            try:
+                psycopg.connect(
+                    f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres",
+                    connect_timeout=1,
+                ).close()
+                return True
+            except psycopg.OperationalError:
+                return False
+
+        wait_until(answers, f"postgres on port {self.port}", timeout=60)
+
+    def kill(self) -> None:
+        """Crash the server: an immediate shutdown ends every backend at once, without a
+        checkpoint, so clients lose their connections mid-statement and the next start runs
+        crash recovery. (A SIGKILL would leave the postmaster's children orphaned: it leads
+        a session of its own.)"""
+        if self._popen is None or self._popen.poll() is not None:
+            self._popen = None
+            return
+        subprocess.run(
+            self._argv([str(self._bin / "pg_ctl"), "-D", str(self.data), "stop", "-m",
+                        "immediate", "-w"]),
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+        try:
+            self._popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._popen.pid, signal.SIGKILL)
+            self._popen.wait(timeout=30)
+        self._popen = None
+
+
+@contextmanager
+def postgres_server() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()
+        shutil.rmtree(server.home, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- HTTP client

@@ -2,7 +2,8 @@
 
 Core flows run against both databases: SQLite with the filesystem blob store (embedded) and
 PostgreSQL with the database blob store (farm). The job queue is a recording double; where a
-test needs a compiled QPC it plays the worker itself (`jobs.claim` + `jobs.run_compile`).
+test needs a compiled QPC it plays the worker itself (`worker.compile_jobs`: claim, then
+run_compile).
 Each test works in its own team, so tests sharing a server do not see each other's rows.
 """
 
@@ -28,7 +29,6 @@ from sqlalchemy import func, select
 
 from app.api.uploads import UploadInterrupted
 from app.db.models import BlobChunk, CompileJob
-from app.services import jobs
 from compiler_core.devices import device_names
 from compiler_core.options import options_json_schema
 from tests.api_helpers import (
@@ -42,6 +42,7 @@ from tests.api_helpers import (
     zip_of_folder,
 )
 from tests.conftest import external_data_model_dir, tiny_model, tiny_model_bytes
+from worker import compile_jobs
 
 LIMIT = 1 << 20
 ZERO_ID = "00000000-0000-0000-0000-000000000000"
@@ -104,9 +105,9 @@ def submit(client: httpx.Client, model_id: str, **body: Any) -> httpx.Response:
 def play_worker(server: LiveServer, job_id: str) -> None:
     """Do what a worker does with an enqueued id: claim the job and compile it."""
     with server.state.session_factory() as session:
-        job = jobs.claim(session, uuid.UUID(job_id), "test-worker")
+        job = compile_jobs.claim(session, uuid.UUID(job_id), "test-worker")
         assert job is not None
-        jobs.run_compile(session, server.state.store, job)
+        compile_jobs.run_compile(session, server.state.store, job)
 
 
 def compiled(server: LiveServer, client: httpx.Client, cores: int = 2) -> dict:
@@ -459,7 +460,7 @@ def test_a_queued_job_cancels_at_once_and_a_finished_one_is_409(
     again = api.post(f"/v1/compile-jobs/{job['id']}/cancel")
     assert again.status_code == 409 and error_code(again) == "not_cancellable"
     with server.state.session_factory() as session:  # a worker given the id runs nothing
-        assert jobs.claim(session, uuid.UUID(job["id"]), "test-worker") is None
+        assert compile_jobs.claim(session, uuid.UUID(job["id"]), "test-worker") is None
 
 
 def test_a_finished_compile_is_reported_and_an_identical_submit_is_a_cache_hit(
@@ -644,7 +645,7 @@ def test_readyz_answers_503_while_the_queue_is_unreachable(server: LiveServer) -
     with server.client() as client:
         assert client.get("/readyz").json() == {
             "status": "ok",
-            "checks": {"database": "ok", "queue": "ok"},
+            "checks": {"database": "ok", "queue": "ok", "blobs": "ok"},
         }
         server.queue.reachable = False
         try:

@@ -241,3 +241,70 @@ def test_settings_pick_the_filesystem_store_for_sqlite_and_the_database_store_ot
     farm = Settings(data_dir=tmp_path, database_url="postgresql+psycopg://db/qpcfarm")
     assert farm.blob_store == "database"
     assert isinstance(blob_store_from_settings(farm, sessions), DatabaseBlobStore)
+
+
+# ------------------------------------------------------------------------------ integrity
+
+
+def test_a_corrupt_blob_is_never_read_whole_and_is_quarantined_by_its_first_reader(
+    blob_store: BlobStore,
+) -> None:
+    from app.blobs import BlobCorrupt
+    from app.blobs.integrity import verified_range
+    from tests.conftest import corrupt_blob
+
+    data = os.urandom(3 * CHUNK_SIZE + 5)
+    ref = blob_store.put(io.BytesIO(data))
+    corrupt_blob(blob_store, ref.sha256, offset=-2)
+
+    pieces: list[bytes] = []
+    with pytest.raises(BlobCorrupt):
+        for piece in verified_range(blob_store, ref.sha256, 0, ref.size, found_by="test"):
+            pieces.append(piece)
+    assert 0 < len(b"".join(pieces)) < ref.size  # the last piece was held back
+    assert not blob_store.exists(ref.sha256)
+    assert ref.sha256 not in list(blob_store.list_blobs())
+
+    assert blob_store.put(io.BytesIO(data)) == ref  # good bytes again: stored afresh
+    whole = b"".join(verified_range(blob_store, ref.sha256, 0, ref.size, found_by="test"))
+    assert whole == data
+
+
+def test_a_checked_range_is_exactly_the_bytes_asked_for(blob_store: BlobStore) -> None:
+    from app.blobs.integrity import verified_range
+
+    data = os.urandom(2 * CHUNK_SIZE + 100)
+    ref = blob_store.put(io.BytesIO(data))
+    for start, length in ((0, 10), (CHUNK_SIZE - 3, 7), (5, 2 * CHUNK_SIZE), (len(data) - 4, 99)):
+        got = b"".join(verified_range(blob_store, ref.sha256, start, length, found_by="test"))
+        assert got == data[start : start + length]
+
+
+def test_storing_known_content_again_repairs_an_undetected_damaged_file(tmp_path: Path) -> None:
+    from app.blobs.integrity import verify_blob
+    from tests.conftest import corrupt_blob
+
+    store = FilesystemBlobStore(tmp_path / "blobs")
+    ref = store.put(io.BytesIO(b"qpc bytes" * 1000))
+    corrupt_blob(store, ref.sha256)
+    store.put(io.BytesIO(b"qpc bytes" * 1000))
+    assert verify_blob(store, ref.sha256, found_by="test") == ref.size
+
+
+def test_the_store_reports_each_quarantined_blob_once_with_where_it_went(
+    tmp_path: Path,
+) -> None:
+    from app.blobs import BlobCorrupt
+    from app.blobs.base import Quarantined
+    from app.blobs.integrity import verify_blob
+    from tests.conftest import corrupt_blob
+
+    events: list[Quarantined] = []
+    store = FilesystemBlobStore(tmp_path / "blobs", on_quarantine=events.append)
+    ref = store.put(io.BytesIO(b"x" * 100))
+    corrupt_blob(store, ref.sha256, offset=0)
+    with pytest.raises(BlobCorrupt):
+        verify_blob(store, ref.sha256, found_by="scrub")
+    store.quarantine(ref.sha256, actual_sha256="0" * 64, size=100, found_by="again")  # gone
+    assert [(e.sha256, e.found_by, e.size) for e in events] == [(ref.sha256, "scrub", 100)]
+    assert (store.root / events[0].location).read_bytes() == bytes([ord("x") ^ 0xFF]) + b"x" * 99

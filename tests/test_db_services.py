@@ -39,6 +39,8 @@ from tests.conftest import (
     tiny_model,
     tiny_model_bytes,
 )
+from worker import claims, compile_jobs
+from worker.heartbeat import JobHeartbeat
 
 LIMIT = 64 << 20
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
@@ -71,9 +73,9 @@ def queued_job(
 
 def compiled_job(farm: Farm, session: Session, team: Team) -> CompileJob:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "worker-1")
+    claimed = compile_jobs.claim(session, job.id, "worker-1")
     assert claimed is not None
-    done = jobs.run_compile(session, farm.store, claimed)
+    done = compile_jobs.run_compile(session, farm.store, claimed)
     assert done.status == JobStatus.succeeded, (done.error_code, done.error_message)
     return done
 
@@ -407,7 +409,7 @@ def test_submitting_the_same_compile_again_attaches_to_the_active_job(
         session, team, model, CompileOptions.from_flags(["-aic-num-cores=2"])
     )
     assert (again.id, created) == (job.id, False)
-    jobs.claim(session, job.id, "w")
+    compile_jobs.claim(session, job.id, "w")
     running, created = jobs.submit_job(session, team, model, OPTIONS)
     assert (running.id, created) == (job.id, False)
 
@@ -429,24 +431,53 @@ def test_an_identical_compile_after_success_is_a_cache_hit(
     farm: Farm, session: Session, team: Team
 ) -> None:
     done = compiled_job(farm, session, team)
-    other = make_team(session)
-    model = add_model(farm, session, other)  # same bytes, another team
-    hit, created = jobs.submit_job(session, other, model, OPTIONS)
+    model = session.get(Model, done.model_id)
+    assert model is not None
+    hit, created = jobs.submit_job(session, team, model, OPTIONS)
     session.commit()
     assert created and hit.id != done.id
     assert hit.status == JobStatus.succeeded and hit.cache_hit and hit.qpc_id == done.qpc_id
     assert hit.progress == 1.0 and hit.finished_at is not None
-    assert qpcs.get_qpc(session, other, qpc_id_of(done)).id == done.qpc_id  # now theirs too
+
+
+def test_by_default_another_team_compiles_its_own_and_sees_no_other_teams_qpc(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    done = compiled_job(farm, session, team)
+    other = make_team(session)
+    model = add_model(farm, session, other)  # same bytes, another team
+    theirs, created = jobs.submit_job(session, other, model, OPTIONS)
+    session.commit()
+    assert created and (theirs.status, theirs.cache_hit) == (JobStatus.queued, False)
+    raises_service_error("not_found", 404)(lambda: qpcs.get_qpc(session, other, qpc_id_of(done)))
+
+
+def test_with_the_farm_scope_another_teams_hit_gets_a_copy_of_its_own(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    done = compiled_job(farm, session, team)
+    other = make_team(session)
+    model = add_model(farm, session, other)
+    hit, _ = jobs.submit_job(session, other, model, OPTIONS, cache_scope="farm")
+    session.commit()
+    assert hit.status == JobStatus.succeeded and hit.cache_hit and hit.qpc_id is not None
+    assert hit.qpc_id != done.qpc_id  # their own row: nothing names the first team's QPC
+    mine, theirs = qpcs.get_qpc(session, team, qpc_id_of(done)), session.get(Qpc, hit.qpc_id)
+    assert theirs is not None and theirs.team_id == other.id and theirs.sha256 == mine.sha256
+    report = qpcs.get_report(session, theirs)
+    assert report is not None and report.metrics == qpcs.get_report(session, mine).metrics
+    again, _ = jobs.submit_job(session, other, model, OPTIONS, cache_scope="farm")
+    assert again.qpc_id == hit.qpc_id  # one copy, not one per hit
 
 
 def test_claim_makes_a_queued_job_running_once(farm: Farm, session: Session, team: Team) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "worker-a")
+    claimed = compile_jobs.claim(session, job.id, "worker-a")
     assert claimed is not None
     assert (claimed.status, claimed.worker, claimed.attempts) == (JobStatus.running, "worker-a", 1)
     assert claimed.started_at is not None and claimed.heartbeat_at is not None
-    assert jobs.claim(session, job.id, "worker-b") is None
-    assert jobs.claim(session, uuid.uuid4(), "worker-b") is None
+    assert compile_jobs.claim(session, job.id, "worker-b") is None
+    assert compile_jobs.claim(session, uuid.uuid4(), "worker-b") is None
 
 
 def race_to_claim(farm: Farm, job_id: uuid.UUID, workers: tuple[str, ...]) -> list[str]:
@@ -459,7 +490,7 @@ def race_to_claim(farm: Farm, job_id: uuid.UUID, workers: tuple[str, ...]) -> li
         with farm.session() as own:
             try:
                 barrier.wait()
-                if jobs.claim(own, job_id, name) is not None:
+                if compile_jobs.claim(own, job_id, name) is not None:
                     winners.append(name)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
@@ -488,28 +519,30 @@ def test_a_job_whose_worker_stopped_heartbeating_is_reclaimed_with_one_more_atte
 ) -> None:
     job = queued_job(farm, session, team)
     t0 = utcnow()
-    first = jobs.claim(session, job.id, "worker-a", now=t0, stale_after_s=60)
+    first = compile_jobs.claim(session, job.id, "worker-a", now=t0, stale_after_s=60)
     assert first is not None
     assert (
-        jobs.claim(session, job.id, "worker-b", now=t0 + dt.timedelta(seconds=59), stale_after_s=60)
+        compile_jobs.claim(
+            session, job.id, "worker-b", now=t0 + dt.timedelta(seconds=59), stale_after_s=60
+        )
         is None
     )
     with farm.session() as other_session:
-        second = jobs.claim(
+        second = compile_jobs.claim(
             other_session, job.id, "worker-b", now=t0 + dt.timedelta(seconds=61), stale_after_s=60
         )
         assert second is not None and (second.worker, second.attempts) == ("worker-b", 2)
     # The first worker learns at its next report that the job is no longer its own.
-    assert jobs.report_progress(session, first, "lower", 0.6) is True
+    assert compile_jobs.report_progress(session, first, "lower", 0.6) is True
 
 
 def test_report_progress_records_stage_and_progress_and_says_when_to_stop(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
-    assert jobs.report_progress(session, claimed, "graph-passes", 0.3) is False
+    assert compile_jobs.report_progress(session, claimed, "graph-passes", 0.3) is False
     with farm.session() as api:
         row = api.get(CompileJob, job.id)
         assert row is not None and (row.stage, row.progress) == ("graph-passes", 0.3)
@@ -518,17 +551,17 @@ def test_report_progress_records_stage_and_progress_and_says_when_to_stop(
         jobs.cancel(api, owner, row)
         api.commit()
         assert row.status == JobStatus.running and row.cancel_requested
-    assert jobs.report_progress(session, claimed, "lower", 0.6) is True
+    assert compile_jobs.report_progress(session, claimed, "lower", 0.6) is True
 
 
 def test_a_heartbeat_thread_keeps_a_job_fresh_and_notices_a_cancel(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None and claimed.heartbeat_at is not None
     first_beat = claimed.heartbeat_at
-    with jobs.Heartbeat(farm.db.sessions, job.id, "w", interval_s=0.02) as heartbeat:
+    with JobHeartbeat(farm.db.sessions, CompileJob, job.id, "w", interval_s=0.02) as heartbeat:
         while heartbeat.beats < 2:
             threading.Event().wait(0.01)
         assert not heartbeat.stop_requested()
@@ -545,7 +578,7 @@ def test_cancelling_a_queued_job_ends_it_at_once(farm: Farm, session: Session, t
     cancelled = jobs.cancel(session, team, job)
     session.commit()
     assert cancelled.status == JobStatus.cancelled and cancelled.finished_at is not None
-    assert jobs.claim(session, job.id, "w") is None
+    assert compile_jobs.claim(session, job.id, "w") is None
     raises_service_error("not_cancellable", 409)(lambda: jobs.cancel(session, team, job))
 
 
@@ -553,7 +586,7 @@ def test_cancelling_a_running_job_stops_its_compile(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
     with farm.session() as api:
         row = api.get(CompileJob, job.id)
@@ -562,7 +595,9 @@ def test_cancelling_a_running_job_stops_its_compile(
         jobs.cancel(api, owner, row)
         api.commit()
     stages: list[str] = []
-    done = jobs.run_compile(session, farm.store, claimed, progress_cb=lambda s, f: stages.append(s))
+    done = compile_jobs.run_compile(
+        session, farm.store, claimed, progress_cb=lambda s, f: stages.append(s)
+    )
     assert done.status == JobStatus.cancelled and done.qpc_id is None
     assert stages == ["import"]  # stopped at the first progress report
     assert count(session, Qpc) == 0
@@ -570,9 +605,9 @@ def test_cancelling_a_running_job_stops_its_compile(
 
 def test_should_cancel_stops_a_compile_too(farm: Farm, session: Session, team: Team) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
-    done = jobs.run_compile(session, farm.store, claimed, should_cancel=lambda: True)
+    done = compile_jobs.run_compile(session, farm.store, claimed, should_cancel=lambda: True)
     assert done.status == JobStatus.cancelled
 
 
@@ -588,11 +623,11 @@ def test_a_dead_workers_job_with_a_cancel_request_ends_cancelled_not_rerun(
 ) -> None:
     job = queued_job(farm, session, team)
     t0 = utcnow()
-    claimed = jobs.claim(session, job.id, "dead", now=t0)
+    claimed = compile_jobs.claim(session, job.id, "dead", now=t0)
     assert claimed is not None
     jobs.cancel(session, team, claimed)
     session.commit()
-    assert jobs.claim(session, job.id, "w2", now=t0 + dt.timedelta(hours=1)) is None
+    assert compile_jobs.claim(session, job.id, "w2", now=t0 + dt.timedelta(hours=1)) is None
     session.refresh(claimed)
     assert claimed.status == JobStatus.cancelled
 
@@ -604,21 +639,29 @@ def test_the_sweep_finds_lost_queued_jobs_and_dead_workers_jobs_once(
     dead = queued_job(farm, session, team, CompileOptions.from_json({"aic-num-cores": 3}))
     alive = queued_job(farm, session, team, CompileOptions.from_json({"aic-num-cores": 4}))
     t0 = utcnow()
-    jobs.claim(session, dead.id, "dead", now=t0)
-    jobs.claim(session, alive.id, "alive", now=t0)
+    compile_jobs.claim(session, dead.id, "dead", now=t0)
+    compile_jobs.claim(session, alive.id, "alive", now=t0)
     later = t0 + dt.timedelta(seconds=120)
-    jobs.report_progress(session, alive, "lower", 0.5, now=later)
-    found = jobs.stale_jobs(session, later, stale_after_s=60, requeue_after_s=100)
+    compile_jobs.report_progress(session, alive, "lower", 0.5, now=later)
+    found = claims.stale_ids(session, CompileJob, later, stale_after_s=60, requeue_after_s=100)
     session.commit()
     assert set(found) == {lost.id, dead.id}
     assert (
-        jobs.stale_jobs(
-            session, later + dt.timedelta(seconds=1), stale_after_s=60, requeue_after_s=100
+        claims.stale_ids(
+            session,
+            CompileJob,
+            later + dt.timedelta(seconds=1),
+            stale_after_s=60,
+            requeue_after_s=100,
         )
         == []
     )
-    again = jobs.stale_jobs(
-        session, later + dt.timedelta(seconds=200), stale_after_s=60, requeue_after_s=100
+    again = claims.stale_ids(
+        session,
+        CompileJob,
+        later + dt.timedelta(seconds=200),
+        stale_after_s=60,
+        requeue_after_s=100,
     )
     assert lost.id in again
 
@@ -627,10 +670,10 @@ def test_run_compile_stores_a_qpc_that_validates_and_its_report(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "worker-1")
+    claimed = compile_jobs.claim(session, job.id, "worker-1")
     assert claimed is not None
     seen: list[tuple[str, float]] = []
-    done = jobs.run_compile(
+    done = compile_jobs.run_compile(
         session, farm.store, claimed, progress_cb=lambda s, f: seen.append((s, f))
     )
     assert done.status == JobStatus.succeeded, done.error_message
@@ -664,31 +707,33 @@ def test_run_compile_extracts_an_archive_model(
     )
     job, _ = jobs.submit_job(session, team, model, OPTIONS)
     session.commit()
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
-    assert jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
+    assert compile_jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
 
 
-def test_two_runs_of_the_same_compile_store_one_qpc_and_one_report(
+def test_two_runs_of_the_same_compile_store_one_qpc_and_one_report_per_team(
     farm: Farm, session: Session, team: Team
 ) -> None:
-    # Two teams submit the same bytes and options before either finishes: two compiles.
+    # Two teams submit the same bytes and options before either finishes: two compiles,
+    # a QPC row for each team (its own id), one blob.
     first = queued_job(farm, session, team)
     other = make_team(session)
     second, _ = jobs.submit_job(session, other, add_model(farm, session, other), OPTIONS)
     session.commit()
     for job in (first, second):
-        claimed = jobs.claim(session, job.id, "w")
+        claimed = compile_jobs.claim(session, job.id, "w")
         assert claimed is not None
-        assert jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
-    assert first.qpc_id == second.qpc_id
-    assert (count(session, Qpc), count(session, CompileReport)) == (1, 1)
-    # And a late duplicate `succeed` of a finished job changes nothing.
+        assert compile_jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
+    assert first.qpc_id != second.qpc_id
+    assert (count(session, Qpc), count(session, CompileReport)) == (2, 2)
+    # A late duplicate `succeed` of a finished job (a redelivered message) changes nothing.
     qpc = session.get(Qpc, first.qpc_id)
     assert qpc is not None
-    outcome = jobs.CompileOutcome(metrics={}, warnings=[], pass_times={}, requirements={})
-    jobs.succeed(session, first, BlobRef(qpc.sha256, qpc.size), outcome)
-    assert (count(session, Qpc), count(session, CompileReport)) == (1, 1)
+    outcome = compile_jobs.CompileOutcome(metrics={}, warnings=[], pass_times={}, requirements={})
+    compile_jobs.succeed(session, first, BlobRef(qpc.sha256, qpc.size), outcome)
+    assert (count(session, Qpc), count(session, CompileReport)) == (2, 2)
+    assert len(list(farm.store.list_blobs())) == 2  # the model and the QPC, once each
 
 
 def test_a_compile_error_fails_the_job_with_the_compilers_structured_error(
@@ -697,33 +742,34 @@ def test_a_compile_error_fails_the_job_with_the_compilers_structured_error(
     model = add_model(farm, session, team, tiny_model(batch="N").SerializeToString())
     job, _ = jobs.submit_job(session, team, model, OPTIONS)  # no -batchsize: N stays unbound
     session.commit()
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
-    done = jobs.run_compile(session, farm.store, claimed)
+    done = compile_jobs.run_compile(session, farm.store, claimed)
     assert done.status == JobStatus.failed and done.error_code == "dynamic_shape"
     assert done.error_detail is not None and done.error_detail["code"] == "dynamic_shape"
     assert "-onnx-define-symbol=N" in (done.error_message or "")
 
     fixed, _ = jobs.submit_job(session, team, model, OPTIONS.with_(batchsize=3))
     session.commit()
-    claimed = jobs.claim(session, fixed.id, "w")
+    claimed = compile_jobs.claim(session, fixed.id, "w")
     assert claimed is not None
-    assert jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
+    assert compile_jobs.run_compile(session, farm.store, claimed).status == JobStatus.succeeded
 
 
 def test_an_unexpected_exception_fails_the_job_as_internal_error(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
 
     def broken(stage: str, fraction: float) -> None:
-        raise RuntimeError("disk on fire")
+        raise RuntimeError("disk on fire at /srv/qpcfarm/tmp/qpcfarm-job-x/model.onnx")
 
-    done = jobs.run_compile(session, farm.store, claimed, progress_cb=broken)
+    done = compile_jobs.run_compile(session, farm.store, claimed, progress_cb=broken)
     assert done.status == JobStatus.failed and done.error_code == "internal_error"
-    assert "disk on fire" in (done.error_message or "")
+    assert "RuntimeError" in (done.error_message or "")
+    assert "/srv" not in (done.error_message or "")  # no server path reaches the client
 
 
 def test_a_job_whose_model_blob_vanished_fails_as_model_missing(
@@ -733,9 +779,9 @@ def test_a_job_whose_model_blob_vanished_fails_as_model_missing(
     model = session.get(Model, job.model_id)
     assert model is not None
     farm.store.delete(model.sha256)
-    claimed = jobs.claim(session, job.id, "w")
+    claimed = compile_jobs.claim(session, job.id, "w")
     assert claimed is not None
-    assert jobs.run_compile(session, farm.store, claimed).error_code == "model_missing"
+    assert compile_jobs.run_compile(session, farm.store, claimed).error_code == "model_missing"
 
 
 def test_jobs_are_listed_per_team_newest_first_and_filtered_by_status(
@@ -826,3 +872,118 @@ def test_a_bare_onnx_with_large_inline_weights_is_accepted(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     stored = add_model(farm, session, team, model.SerializeToString())
     assert stored.inputs[0]["name"] == "x"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
+    kind: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import insert
+
+    from app.db.models import ACTIVE_JOB_PREDICATE
+
+    with empty_database(kind, tmp_path) as db:
+        upgrade_database(db.engine, "0003")
+        with db.sessions() as session:
+            team = make_team(session)
+            model = Model(team_id=team.id, sha256="a" * 64, size=1, name="m", opset=17,
+                          inputs=[], outputs=[])  # fmt: skip
+            session.add(model)
+            session.flush()
+            start = utcnow()
+            rows = [
+                (JobStatus.running, 0),
+                (JobStatus.queued, 1),
+                (JobStatus.running, 2),
+                (JobStatus.succeeded, 3),
+            ]
+            ids = [uuid.uuid4() for _ in rows]
+            for job_id, (status, age) in zip(ids, rows, strict=True):
+                session.execute(
+                    insert(CompileJob).values(
+                        id=job_id,
+                        team_id=team.id,
+                        model_id=model.id,
+                        options={},
+                        options_key="k" * 64,
+                        device="aic100-standard",
+                        status=status,
+                        created_at=start + dt.timedelta(seconds=age),
+                    )  # fmt: skip
+                )
+            session.commit()
+
+        upgrade_database(db.engine)
+
+        with db.sessions() as session:
+            active = (
+                session.execute(select(CompileJob.id).where(ACTIVE_JOB_PREDICATE)).scalars().all()
+            )
+            assert active == [ids[0]]
+            states = {j.id: (j.status, j.cancel_requested) for j in session.scalars(
+                select(CompileJob))}  # fmt: skip
+            assert states[ids[1]] == (JobStatus.cancelled, False)
+            assert states[ids[2]] == (JobStatus.running, True)
+            assert states[ids[3]] == (JobStatus.succeeded, False)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothing(
+    kind: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import insert
+
+    from app.db.models import ProfileJob, Validation
+
+    with empty_database(kind, tmp_path) as db:
+        upgrade_database(db.engine, "0005")
+        with db.sessions() as session:
+            a, b = make_team(session, "a"), make_team(session, "b")
+            model = Model(team_id=a.id, sha256="a" * 64, size=1, name="m", opset=17,
+                          inputs=[], outputs=[])  # fmt: skip
+            session.add(model)
+            session.flush()
+            qpc_id, orphan_id = uuid.uuid4(), uuid.uuid4()
+            for ident, sha in ((qpc_id, "b" * 64), (orphan_id, "c" * 64)):
+                session.execute(
+                    insert(Qpc.__table__).values(
+                        id=ident,
+                        sha256=sha,
+                        size=9,
+                        compiler_version="v",
+                        options_key="k" * 64,
+                        device="aic100-standard",
+                        requirements={},
+                        created_at=utcnow(),
+                    )  # fmt: skip
+                )
+            session.execute(insert(CompileReport.__table__).values(
+                id=uuid.uuid4(), qpc_id=qpc_id, metrics={"x": 1}, warnings=[], pass_times={},
+                log="", created_at=utcnow()))  # fmt: skip
+            start = utcnow()
+            for team, age in ((a, 0), (b, 5)):
+                session.execute(insert(CompileJob.__table__).values(
+                    id=uuid.uuid4(), team_id=team.id, model_id=model.id, options={},
+                    options_key="k" * 64, device="aic100-standard", status="succeeded",
+                    qpc_id=qpc_id, cache_hit=team is b, cancel_requested=False, attempts=1,
+                    progress=1.0, created_at=start + dt.timedelta(seconds=age)))  # fmt: skip
+            session.execute(insert(Validation.__table__).values(
+                id=uuid.uuid4(), team_id=b.id, qpc_id=qpc_id, qpc_sha256="b" * 64, ok=True,
+                checks=[], created_at=utcnow()))  # fmt: skip
+            session.execute(insert(ProfileJob.__table__).values(
+                id=uuid.uuid4(), team_id=a.id, qpc_id=qpc_id, status="queued", iterations=1,
+                attempts=0, created_at=utcnow()))  # fmt: skip
+            session.commit()
+            a_id, b_id = a.id, b.id
+
+        upgrade_database(db.engine)
+
+        with db.sessions() as session:
+            rows = {q.team_id: q for q in session.scalars(select(Qpc))}
+            assert set(rows) == {a_id, b_id}  # the orphan is gone, the shared one split
+            assert rows[a_id].id == qpc_id and rows[b_id].sha256 == "b" * 64
+            by_team = {j.team_id: j.qpc_id for j in session.scalars(select(CompileJob))}
+            assert by_team == {a_id: qpc_id, b_id: rows[b_id].id}
+            assert session.scalars(select(Validation.qpc_id)).one() == rows[b_id].id
+            assert session.scalars(select(ProfileJob.qpc_id)).one() == qpc_id  # not cascaded
+            assert count(session, CompileReport) == 2

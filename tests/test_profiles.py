@@ -33,6 +33,7 @@ from app.services import jobs, models, profiles
 from compiler_core import CompileOptions
 from tests.api_helpers import LiveServer, Servers
 from tests.conftest import Farm
+from worker import profile_jobs
 from worker.inprocess import InProcessQueue
 from worker.runner import process_job
 from worker.sweep import sweep_once
@@ -123,7 +124,8 @@ def profiled(server: LiveServer, client: httpx.Client, qpc_id: str, **post: Any)
     profile = response.json()
     assert profile["status"] == "queued"
     assert response.headers["location"] == f"/v1/profiles/{profile['id']}"
-    assert uuid.UUID(profile["id"]) in server.queue.ids
+    sent = list(zip(server.queue.ids, server.queue.kinds, strict=True))
+    assert (uuid.UUID(profile["id"]), "profile") in sent
     play_worker(server, profile["id"])
     done: dict = client.get(f"/v1/profiles/{profile['id']}").json()
     return done
@@ -307,14 +309,14 @@ def test_the_sweep_hands_a_dead_workers_profile_to_another_worker(
 ) -> None:
     profile_id = queued_profile(farm, session, team)
     old = utcnow() - dt.timedelta(minutes=5)
-    assert profiles.claim(session, profile_id, "dead-worker", now=old) is not None
+    assert profile_jobs.claim(session, profile_id, "dead-worker", now=old) is not None
 
     class Recording:
         def __init__(self) -> None:
-            self.ids: list[uuid.UUID] = []
+            self.sent: list[tuple[uuid.UUID, str]] = []
 
-        def enqueue(self, job_id: uuid.UUID) -> None:
-            self.ids.append(job_id)
+        def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None:
+            self.sent.append((job_id, kind))
 
         def close(self) -> None: ...
 
@@ -323,6 +325,7 @@ def test_the_sweep_hands_a_dead_workers_profile_to_another_worker(
 
     recording = Recording()
     assert sweep_once(farm.db.sessions, recording, stale_after_s=60) == [profile_id]
+    assert recording.sent == [(profile_id, "profile")]  # to the profile task
     assert run(farm, profile_id) == JobStatus.succeeded
     done = status_of(farm, profile_id)
     assert (done.attempts, done.worker) == (2, "w1")

@@ -1,7 +1,7 @@
 """The web pages, driven in headless Chromium: what a person does by hand works in a browser.
 
 The real app runs under uvicorn on a free port (embedded mode: SQLite and the filesystem store
-in tmp_path); jobs are run by the in-process worker of `app.queue.queue_from_settings`, behind
+in tmp_path); jobs are run by the in-process worker of `worker.queues.queue_from_settings`, behind
 a gate the test opens, so the page is seen showing a job queued and then, without a reload,
 succeeded. Needs Debian's chromium and chromium-driver (`.ci/run` installs them).
 """
@@ -39,22 +39,22 @@ class GatedQueue:
 
     def __init__(self) -> None:
         self.inner: Any = None
-        self._held: list[uuid.UUID] = []
+        self._held: list[tuple[uuid.UUID, str]] = []
         self._open = False
         self._lock = threading.Lock()
 
-    def enqueue(self, job_id: uuid.UUID) -> None:
+    def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None:
         with self._lock:
             if not self._open:
-                self._held.append(job_id)
+                self._held.append((job_id, kind))
                 return
-        self.inner.enqueue(job_id)
+        self.inner.enqueue(job_id, kind)
 
     def open(self) -> None:
         with self._lock:
             self._open, held, self._held = True, self._held, []
-        for job_id in held:
-            self.inner.enqueue(job_id)
+        for job_id, kind in held:
+            self.inner.enqueue(job_id, kind)
 
     def ping(self) -> bool:
         return True
@@ -79,9 +79,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     import uvicorn
 
     from app.main import create_app
-    from app.queue import queue_from_settings
     from app.services import teams
     from app.settings import Settings
+    from worker.queues import queue_from_settings
 
     data = tmp_path_factory.mktemp("web-data")
     settings = Settings(
@@ -259,11 +259,11 @@ def test_a_page_without_the_cookie_redirects_to_sign_in_and_back(
     css(browser, "#api_key").send_keys("qpf_not-a-key")
     css(browser, "#sign-in").click()
     assert "unauthorized" in css(browser, "#error").text
-    assert browser.get_cookie("qpcfarm_key") is None
+    assert browser.get_cookie("qpcfarm_session") is None
 
     sign_in(browser, server, "/")
     assert browser.current_url == server.url + "/"
-    cookie = browser.get_cookie("qpcfarm_key")
+    cookie = browser.get_cookie("qpcfarm_session")
     assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert "web-team" in css(browser, "header").text
 

@@ -125,15 +125,19 @@ def test_live_fragments_without_the_cookie_answer_401(site: Site) -> None:
     assert site.client.get(f"/jobs/{uuid.uuid4()}/live").status_code == 401
 
 
-def test_sign_in_sets_an_httponly_samesite_strict_key_cookie(site: Site) -> None:
+def test_sign_in_opens_a_server_side_session_in_an_httponly_samesite_strict_cookie(
+    site: Site,
+) -> None:
     csrf = csrf_of(site.client)
     answer = site.client.post(
         "/sign-in", data={"api_key": site.key, "csrf": csrf, "next": "/jobs/x"}
     )
     assert answer.status_code == 303 and answer.headers["location"] == "/jobs/x"
-    cookie = answer.headers["set-cookie"].lower()
-    assert "qpcfarm_key=" in cookie
-    assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
+    cookie = answer.headers["set-cookie"]
+    assert "qpcfarm_session=" in cookie and site.key not in cookie  # the key stays out
+    lowered = cookie.lower()
+    assert "httponly" in lowered and "samesite=strict" in lowered and "path=/" in lowered
+    assert "max-age=43200" in lowered and "secure" not in lowered  # plain http here
 
 
 def test_sign_in_with_a_wrong_key_says_so_and_sets_no_cookie(site: Site) -> None:
@@ -141,7 +145,7 @@ def test_sign_in_with_a_wrong_key_says_so_and_sets_no_cookie(site: Site) -> None
     answer = site.client.post("/sign-in", data={"api_key": "qpf_nope", "csrf": csrf})
     assert answer.status_code == 401
     assert error_of(answer.text)[0] == "unauthorized"
-    assert "qpcfarm_key" not in answer.headers.get("set-cookie", "")
+    assert "qpcfarm_session" not in answer.headers.get("set-cookie", "")
 
 
 def test_sign_in_never_sends_the_browser_to_another_site(site: Site) -> None:

@@ -29,6 +29,7 @@ from app.services import jobs, models, teams
 from app.settings import Settings, get_settings
 from compiler_core import CompileOptions
 from tests.conftest import Farm, make_team, tiny_model, tiny_model_bytes
+from worker import compile_jobs
 from worker.inprocess import InProcessQueue
 from worker.runner import process_job
 from worker.sweep import sweep_once
@@ -107,9 +108,11 @@ class RecordingQueue:
 
     def __init__(self) -> None:
         self.ids: list[uuid.UUID] = []
+        self.kinds: list[str] = []
 
-    def enqueue(self, job_id: uuid.UUID) -> None:
+    def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None:
         self.ids.append(job_id)
+        self.kinds.append(kind)
 
     def close(self) -> None:
         pass
@@ -160,19 +163,22 @@ def test_running_a_job_twice_compiles_it_once_and_stores_one_qpc(
     assert count(farm, Qpc) == 1 and count(farm, CompileReport) == 1
 
 
-def test_two_jobs_compiling_the_same_thing_store_one_qpc(
+def test_two_teams_compiling_the_same_thing_store_one_blob_and_a_qpc_row_each(
     farm: Farm, session: Session, team: Team
 ) -> None:
     # Two teams submit the same bytes and options before either compiles: two real compiles
-    # (no attaching across teams), one QPC by content.
+    # (no attaching across teams), one blob by content, a QPC row in each team's records.
     first = queued_job(farm, session, team)
     second = queued_job(farm, session, make_team(session))
 
     assert run(farm, first.id) == JobStatus.succeeded
     assert run(farm, second.id) == JobStatus.succeeded
 
-    assert reload(farm, first.id).qpc_id == reload(farm, second.id).qpc_id is not None
-    assert count(farm, Qpc) == 1 and count(farm, CompileReport) == 1
+    mine, theirs = reload(farm, first.id).qpc_id, reload(farm, second.id).qpc_id
+    assert None not in (mine, theirs) and mine != theirs
+    assert count(farm, Qpc) == 2 and count(farm, CompileReport) == 2
+    with farm.session() as s:
+        assert len({q.sha256 for q in s.scalars(select(Qpc))}) == 1
 
 
 def test_a_cancel_requested_while_compiling_stops_the_compile(
@@ -227,7 +233,7 @@ def test_a_job_whose_workers_keep_dying_is_failed_as_worker_lost(
     long_ago = utcnow() - dt.timedelta(hours=1)
     for attempt in range(3):  # three claims whose workers died without a word
         then = long_ago + dt.timedelta(minutes=10 * attempt)
-        claimed = jobs.claim(session, job.id, f"dead-{attempt}", now=then)
+        claimed = compile_jobs.claim(session, job.id, f"dead-{attempt}", now=then)
         assert claimed is not None
 
     assert run(farm, job.id, max_attempts=3) == JobStatus.failed
@@ -244,10 +250,10 @@ def test_the_sweep_reenqueues_a_dead_workers_job_and_the_reclaim_counts_an_attem
 ) -> None:
     job = queued_job(farm, session, team)
     now = utcnow()
-    dead = jobs.claim(session, job.id, "dead-worker", now=now - dt.timedelta(seconds=120))
+    dead = compile_jobs.claim(session, job.id, "dead-worker", now=now - dt.timedelta(seconds=120))
     assert dead is not None and dead.attempts == 1
     live = queued_job(farm, session, make_team(session), tiny_model_bytes(0.2))
-    assert jobs.claim(session, live.id, "live-worker") is not None
+    assert compile_jobs.claim(session, live.id, "live-worker") is not None
     queue = RecordingQueue()
 
     assert sweep_once(farm.db.sessions, queue, now, stale_after_s=60) == [job.id]
@@ -276,7 +282,7 @@ def test_concurrent_sweeps_hand_out_a_dead_job_and_only_one_worker_runs_it(
     farm: Farm, session: Session, team: Team
 ) -> None:
     job = queued_job(farm, session, team)
-    assert jobs.claim(session, job.id, "dead", now=utcnow() - dt.timedelta(minutes=5))
+    assert compile_jobs.claim(session, job.id, "dead", now=utcnow() - dt.timedelta(minutes=5))
     queues = [RecordingQueue(), RecordingQueue()]
     for queue in queues:
         sweep_once(farm.db.sessions, queue, stale_after_s=60)
@@ -325,7 +331,9 @@ def test_the_in_process_queue_picks_up_queued_and_dead_jobs_when_it_starts(
     # Left behind by a previous process: two jobs never run, one whose worker died.
     waiting = [queued_job(farm, session, team, tiny_model_bytes(s)).id for s in (0.3, 0.4)]
     orphan = queued_job(farm, session, team, tiny_model_bytes(0.5)).id
-    assert jobs.claim(session, orphan, "old-process", now=utcnow() - dt.timedelta(minutes=5))
+    assert compile_jobs.claim(
+        session, orphan, "old-process", now=utcnow() - dt.timedelta(minutes=5)
+    )
 
     in_process(stale_after_s=60)
 
@@ -340,7 +348,9 @@ def test_the_in_process_queue_sweeps_for_itself_while_it_runs(
     in_process(stale_after_s=60, sweep_interval_s=0.05)
     # After the start: a job whose worker died and whose id no thread was ever given.
     orphan = queued_job(farm, session, team).id
-    assert jobs.claim(session, orphan, "lost-thread", now=utcnow() - dt.timedelta(minutes=5))
+    assert compile_jobs.claim(
+        session, orphan, "lost-thread", now=utcnow() - dt.timedelta(minutes=5)
+    )
 
     wait_for(lambda: reload(farm, orphan).status == JobStatus.succeeded, "the swept job")
     assert reload(farm, orphan).attempts == 2
@@ -362,7 +372,8 @@ def test_a_closed_in_process_queue_refuses_work_and_reports_not_ready(
 def test_without_a_broker_the_queue_is_in_process_and_with_one_it_is_celery(
     farm: Farm, tmp_path: Path
 ) -> None:
-    from app.queue import CeleryQueue, JobQueue, queue_from_settings
+    from app.queue import JobQueue
+    from worker.queues import CeleryQueue, queue_from_settings
 
     embedded = queue_from_settings(Settings(data_dir=tmp_path), farm.db.sessions, farm.store)
     try:
@@ -431,8 +442,10 @@ def test_the_compile_task_runs_the_job_named_in_its_message_and_retries_database
             session.commit()
             job_id = job.id
 
-        task = register_tasks(make_celery_app(settings), settings)
+        tasks = register_tasks(make_celery_app(settings), settings)
+        task = tasks["compile"]
         assert task.name == TASK_NAME and OperationalError in task.autoretry_for
+        assert tasks["profile"].name == "qpcfarm.profile"
         assert task.apply(args=[str(job_id)]).get() == "succeeded"
         assert task.apply(args=[str(job_id)]).get() is None  # redelivered: nothing to do
         assert task.apply(args=["not-a-uuid"]).get() is None

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
     from app.settings import Settings
 
-TASK_NAME = "qpcfarm.compile"
+TASK_NAMES = {"compile": "qpcfarm.compile", "profile": "qpcfarm.profile"}
+"""One task per kind of job; a message carries the job's id."""
+TASK_NAME = TASK_NAMES["compile"]
 QUEUE_NAME = "qpcfarm"
 VISIBILITY_MARGIN_S = 600
 """How much longer than the hard time limit Redis waits before redelivering a message."""

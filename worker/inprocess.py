@@ -14,15 +14,21 @@ import queue
 import threading
 import uuid
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.blobs import BlobStore
-from app.db.models import CompileJob, JobStatus
 from app.db.session import session_scope
-from app.services import jobs, profiles
+from app.queue import JobKind
+from worker.claims import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_REQUEUE_AFTER_S,
+    DEFAULT_STALE_AFTER_S,
+    queued_ids,
+    stale_ids,
+)
+from worker.compile_process import CompileProcess
 from worker.runner import default_worker_name, process_job
-from worker.sweep import Sweeper
+from worker.sweep import JOB_TABLES, Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,8 @@ _STOP = object()
 
 
 class InProcessQueue:
-    """A `JobQueue` (see app.queue) run by `concurrency` daemon threads of this process."""
+    """A `JobQueue` (see app.queue) run by `concurrency` daemon threads of this process;
+    its items are (kind, job id)."""
 
     def __init__(
         self,
@@ -39,10 +46,11 @@ class InProcessQueue:
         store: BlobStore,
         *,
         concurrency: int = 1,
-        heartbeat_s: float = jobs.DEFAULT_HEARTBEAT_S,
-        stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
-        requeue_after_s: float = jobs.DEFAULT_REQUEUE_AFTER_S,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
         sweep_interval_s: float | None = None,
+        isolate_compiles: bool = True,
     ) -> None:
         self._sessions = session_factory
         self._store = store
@@ -55,13 +63,16 @@ class InProcessQueue:
         self._closed = False
         self._sweep_interval_s = sweep_interval_s
         self._sweeper: Sweeper | None = None
+        self._isolate = isolate_compiles
+        """Each thread compiles in a child process of its own (`worker.compile_process`): the
+        API's process keeps its CPU and GIL for requests."""
 
     def start(self) -> InProcessQueue:
         """Re-enqueue what the database says is pending, then start the threads."""
         if self._threads:
             return self
-        for job_id in self.recover():
-            self._ids.put(job_id)
+        for item in self.recover():
+            self._ids.put(item)
         for index in range(self._concurrency):
             thread = threading.Thread(
                 target=self._run,
@@ -81,36 +92,29 @@ class InProcessQueue:
             ).start()
         return self
 
-    def recover(self) -> list[uuid.UUID]:
-        """Ids of the jobs to run after a restart: all queued compiles (oldest first) and
-        profiles, then the running ones presumed dead (`jobs.stale_jobs`,
-        `profiles.pending_ids`)."""
+    def recover(self) -> list[tuple[JobKind, uuid.UUID]]:
+        """(kind, id) of the jobs to run after a restart: all queued compiles (oldest first)
+        and profiles, then the running ones presumed dead (`claims.stale_ids`)."""
+        queued: list[tuple[JobKind, uuid.UUID]] = []
+        stale: list[tuple[JobKind, uuid.UUID]] = []
         with session_scope(self._sessions) as session:
-            queued = list(
-                session.execute(
-                    select(CompileJob.id)
-                    .where(CompileJob.status == JobStatus.queued)
-                    .order_by(CompileJob.created_at)
-                ).scalars()
-            )
-            queued += profiles.queued_ids(session)
-            stale = jobs.stale_jobs(
-                session,
-                stale_after_s=self._stale_after_s,
-                requeue_after_s=self._requeue_after_s,
-            )
-            stale += profiles.pending_ids(
-                session,
-                stale_after_s=self._stale_after_s,
-                requeue_after_s=self._requeue_after_s,
-            )
+            for kind, table in JOB_TABLES.items():
+                queued += [(kind, i) for i in queued_ids(session, table)]
+            for kind, table in JOB_TABLES.items():
+                ids = stale_ids(
+                    session,
+                    table,
+                    stale_after_s=self._stale_after_s,
+                    requeue_after_s=self._requeue_after_s,
+                )
+                stale += [(kind, i) for i in ids]
         seen = set(queued)
-        return queued + [job_id for job_id in stale if job_id not in seen]
+        return queued + [item for item in stale if item not in seen]
 
-    def enqueue(self, job_id: uuid.UUID) -> None:
+    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
         if self._closed:
             raise RuntimeError("the in-process job queue is closed")
-        self._ids.put(job_id)
+        self._ids.put((kind, job_id))
 
     def ping(self) -> bool:
         """True while every worker thread is alive."""
@@ -139,14 +143,25 @@ class InProcessQueue:
             thread.join(timeout)
 
     def _run(self, worker_name: str) -> None:
+        compiler = CompileProcess() if self._isolate else None
+        try:
+            self._serve(worker_name, compiler)
+        finally:
+            if compiler is not None:
+                compiler.close()
+
+    def _serve(self, worker_name: str, compiler: CompileProcess | None) -> None:
         while True:
             item = self._ids.get()
             if item is _STOP or self._closed:  # left queued in the database for a restart
                 return
-            assert isinstance(item, uuid.UUID)
+            assert isinstance(item, tuple)
+            kind, job_id = item
             try:
                 process_job(
-                    item,
+                    job_id,
+                    kind=kind,
+                    compiler=compiler,
                     session_factory=self._sessions,
                     store=self._store,
                     worker_name=worker_name,
@@ -154,4 +169,4 @@ class InProcessQueue:
                     stale_after_s=self._stale_after_s,
                 )
             except Exception:  # a database outage: the sweep re-enqueues the job later
-                log.exception("job %s: worker error; the sweep will retry it", item)
+                log.exception("%s %s: worker error; the sweep will retry it", kind, job_id)

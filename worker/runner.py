@@ -1,17 +1,11 @@
-"""Run one compile job by id: the whole of a worker's job, shared by Celery and the in-process
-worker.
+"""Run one job by kind and id: the whole of a worker's job, shared by Celery and the
+in-process worker.
 
 The job row is the truth. `process_job` claims the job (a conditional UPDATE: a duplicate
 message, a finished or cancelled job, or one another live worker holds, gets None and nothing
-happens), compiles it while a heartbeat thread keeps the row fresh, and stores the outcome.
-Stage and progress are written as the compiler reports them (every stage change, otherwise at
-most every `progress_interval_s`); a cancel, or losing the job to another worker, stops the
-compile at its next progress report or heartbeat (`jobs.run_compile` raises its private stop
-exception from the progress callback, a BaseException no `except Exception` in the compiler
-swallows). The QPC is stored by sha256, so a job run twice stores one QPC.
-
-Profile jobs share the queue and the task: a message carries an id, and the id's table says
-the kind (`profiles.is_profile`), so `process_job` hands a profile id to `process_profile`.
+happens), runs it while a heartbeat thread keeps the row fresh, and stores the outcome
+(`worker.compile_jobs`, `worker.profile_jobs`). After `MAX_ATTEMPTS` claims whose workers
+died, the job fails `worker_lost` instead of being run again.
 """
 
 from __future__ import annotations
@@ -22,11 +16,15 @@ import socket
 import uuid
 from collections.abc import Callable
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.blobs import BlobStore
-from app.db.models import JobStatus
-from app.services import jobs, profiles
+from app.db.models import JobStatus, ProfileJob
+from app.queue import JobKind
+from worker import compile_jobs, profile_jobs
+from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
+from worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 
@@ -43,61 +41,64 @@ def default_worker_name(suffix: str = "") -> str:
     return f"{name}:{suffix}" if suffix else name
 
 
+def kind_of(session: Session, job_id: uuid.UUID) -> JobKind:
+    """The kind of a job id (messages sent before each kind had its own task carried a
+    profile's id to the compile task)."""
+    found = session.execute(
+        select(ProfileJob.id).where(ProfileJob.id == job_id)
+    ).scalar_one_or_none()
+    session.commit()
+    return "profile" if found is not None else "compile"
+
+
 def process_job(
     job_id: uuid.UUID,
     *,
     session_factory: Callable[[], Session],
     store: BlobStore,
     worker_name: str,
-    heartbeat_s: float = jobs.DEFAULT_HEARTBEAT_S,
-    stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
+    kind: JobKind | None = None,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
     max_attempts: int = MAX_ATTEMPTS,
-    progress_cb: jobs.ProgressCallback | None = None,
+    progress_cb: compile_jobs.ProgressCallback | None = None,
+    compiler: CompileProcess | None = None,
 ) -> JobStatus | None:
-    """Claim and run job `job_id`; returns its final status, or None when this call did not
-    get the job (unknown, finished, cancelled, or running on a live worker).
+    """Claim and run job `job_id` of `kind` (None: looked up); returns its final status, or
+    None when this call did not get the job (unknown, finished, cancelled, or running on a
+    live worker).
 
-    Transient database errors while claiming propagate (the Celery task retries them); every
-    error of the compile itself ends the job `failed` with a structured error.
+    With `compiler`, a compile runs in that child process instead of this one (the
+    embedded mode's worker threads share the API's process). Transient database errors
+    while claiming propagate (the Celery task retries them); every
+    error of the work itself ends the job `failed` with a structured error.
     """
     session = session_factory()
     try:
-        if profiles.is_profile(session, job_id):
-            return process_profile(
-                session,
-                job_id,
-                session_factory=session_factory,
-                store=store,
-                worker_name=worker_name,
-                heartbeat_s=heartbeat_s,
-                stale_after_s=stale_after_s,
-                max_attempts=max_attempts,
-            )
-        job = jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
+        if kind is None:
+            kind = kind_of(session, job_id)
+        if kind == "profile":
+            return _profile(session, job_id, session_factory, store, worker_name, heartbeat_s,
+                            stale_after_s, max_attempts)  # fmt: skip
+        job = compile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
         if job is None:
             log.info("job %s: not claimable (finished, cancelled or taken); skipped", job_id)
             return None
         if job.attempts > max_attempts:
-            jobs.fail(
-                session,
-                job,
-                "worker_lost",
-                f"the job's worker stopped {job.attempts - 1} times while compiling it; "
-                "giving up (the model may need more memory than a worker has)",
-                {"attempts": job.attempts - 1},
-            )
+            compile_jobs.fail(session, job, "worker_lost", _lost(job.attempts, "compiling"),
+                              {"attempts": job.attempts - 1})  # fmt: skip
             return job.status
         log.info("job %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
-        assert job.worker is not None
-        with jobs.Heartbeat(session_factory, job.id, job.worker, heartbeat_s) as heartbeat:
-            jobs.run_compile(
+        with compile_jobs.heartbeat(session_factory, job, heartbeat_s) as beat:
+            compile_jobs.run_compile(
                 session,
                 store,
                 job,
                 progress_cb,
-                heartbeat.stop_requested,
+                beat.stop_requested,
                 progress_interval_s=progress_interval_s,
+                compiler=compiler,
             )
         log.info("job %s: %s", job_id, job.status.value)
         return job.status
@@ -105,33 +106,33 @@ def process_job(
         session.close()
 
 
-def process_profile(
+def _lost(attempts: int, doing: str) -> str:
+    return (
+        f"the job's worker stopped {attempts - 1} times while {doing} it; giving up (the "
+        "model may need more memory than a worker has)"
+    )
+
+
+def _profile(
     session: Session,
     job_id: uuid.UUID,
-    *,
     session_factory: Callable[[], Session],
     store: BlobStore,
     worker_name: str,
-    heartbeat_s: float = jobs.DEFAULT_HEARTBEAT_S,
-    stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
-    max_attempts: int = MAX_ATTEMPTS,
+    heartbeat_s: float,
+    stale_after_s: float,
+    max_attempts: int,
 ) -> JobStatus | None:
-    """Claim and run profile job `job_id` on `session`, as `process_job` does a compile."""
-    job = profiles.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
+    job = profile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
     if job is None:
         log.info("profile %s: not claimable (finished or taken); skipped", job_id)
         return None
     if job.attempts > max_attempts:
-        profiles.fail(
-            session,
-            job,
-            "worker_lost",
-            f"the profile's worker stopped {job.attempts - 1} times while running it; giving up",
-            {"attempts": job.attempts - 1},
-        )
+        profile_jobs.fail(session, job, "worker_lost", _lost(job.attempts, "running"),
+                          {"attempts": job.attempts - 1})  # fmt: skip
         return job.status
     log.info("profile %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
-    with profiles.Heartbeat(session_factory, job, heartbeat_s):
-        profiles.run_profile(session, store, job)
+    with profile_jobs.heartbeat(session_factory, job, heartbeat_s):
+        profile_jobs.run_profile(session, store, job)
     log.info("profile %s: %s", job_id, job.status.value)
     return job.status

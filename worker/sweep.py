@@ -1,7 +1,7 @@
 """The sweep: re-enqueue jobs whose message was lost or whose worker died.
 
 The broker only carries job ids; the database says which jobs still need a worker
-(`jobs.stale_jobs`: queued too long since their last enqueue, or running with a stale
+(`claims.stale_ids`: queued too long since their last enqueue, or running with a stale
 heartbeat). Any number of sweepers may run (every API process, optionally every Celery worker):
 `stale_jobs` stamps what it returns so the next sweep leaves it alone for a while, and a
 duplicate message is harmless because `claim` is conditional.
@@ -17,14 +17,18 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.db.models import CompileJob, ProfileJob
 from app.db.session import session_scope
-from app.services import jobs, profiles
+from app.queue import JobKind
+from worker.claims import DEFAULT_REQUEUE_AFTER_S, DEFAULT_STALE_AFTER_S, JobTable, stale_ids
 
 if TYPE_CHECKING:
     from app.queue import JobQueue
     from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+JOB_TABLES: dict[JobKind, JobTable] = {"compile": CompileJob, "profile": ProfileJob}
 
 
 def sweep_interval(settings: Settings) -> float:
@@ -38,22 +42,22 @@ def sweep_once(
     queue: JobQueue,
     now: dt.datetime | None = None,
     *,
-    stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
-    requeue_after_s: float = jobs.DEFAULT_REQUEUE_AFTER_S,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
-    """Enqueue the stale jobs (compiles and profiles) again, committed first, then enqueued;
-    returns their ids."""
+    """Enqueue the stale jobs of every kind again, committed first, then enqueued; returns
+    their ids."""
+    found: list[tuple[JobKind, uuid.UUID]] = []
     with session_scope(session_factory) as session:
-        ids = jobs.stale_jobs(
-            session, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
-        )
-        ids += profiles.pending_ids(
-            session, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
-        )
-    for job_id in ids:
-        log.warning("sweep: job %s looks lost or its worker died; enqueueing it again", job_id)
-        queue.enqueue(job_id)
-    return ids
+        for kind, table in JOB_TABLES.items():
+            ids = stale_ids(
+                session, table, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
+            )
+            found += [(kind, job_id) for job_id in ids]
+    for kind, job_id in found:
+        log.warning("sweep: %s %s looks lost or its worker died; enqueueing it again", kind, job_id)
+        queue.enqueue(job_id, kind)
+    return [job_id for _, job_id in found]
 
 
 class Sweeper:
@@ -65,8 +69,8 @@ class Sweeper:
         queue: JobQueue,
         interval_s: float,
         *,
-        stale_after_s: float = jobs.DEFAULT_STALE_AFTER_S,
-        requeue_after_s: float = jobs.DEFAULT_REQUEUE_AFTER_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
     ) -> None:
         self._sessions = session_factory
         self._queue = queue

@@ -1,5 +1,5 @@
-"""The `qpcfarm.compile` Celery task: a job id in, `worker.runner.process_job` on it (a
-compile job's id, or a profile job's: the runner tells them apart by the id's table).
+"""The Celery tasks, one per kind of job (`qpcfarm.compile`, `qpcfarm.profile`): a job id in,
+`worker.runner.process_job` on it.
 
 The message carries only the id; the task re-reads the row and the logic lives in the
 runner. Only named transient database errors are retried (with backoff); any other error of
@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from worker.celery_app import TASK_NAME
+from app.queue import JobKind
+from worker.celery_app import TASK_NAMES
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -66,37 +67,43 @@ class ProcessResources:
         return _Resources(pid, factory, blob_store_from_settings(self._settings, factory))
 
 
-def register_tasks(app: Celery, settings: Settings) -> Any:
-    """Add the compile task to `app`; returns the task."""
+def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
+    """Add one task per kind of job to `app` (`qpcfarm.compile`, `qpcfarm.profile`); returns
+    them by kind. A compile task given a profile's id (a message from before the kinds had
+    tasks of their own) looks the kind up."""
     from worker.runner import default_worker_name, process_job
 
     resources = ProcessResources(settings)
 
-    @app.task(
-        name=TASK_NAME,
-        acks_late=True,
-        ignore_result=True,
-        autoretry_for=TRANSIENT_ERRORS,
-        retry_backoff=True,
-        retry_backoff_max=60,
-        retry_jitter=True,
-        max_retries=5,
-    )
-    def compile_job(job_id: str) -> str | None:
-        try:
-            parsed = uuid.UUID(job_id)
-        except (ValueError, TypeError):
-            log.error("ignoring a message with a malformed job id %r", job_id)
-            return None
-        current = resources.get()
-        status = process_job(
-            parsed,
-            session_factory=current.session_factory,
-            store=current.store,
-            worker_name=default_worker_name("celery"),
-            heartbeat_s=settings.heartbeat_s,
-            stale_after_s=settings.stale_after_s,
+    def make(kind: JobKind) -> Any:
+        @app.task(
+            name=TASK_NAMES[kind],
+            acks_late=True,
+            ignore_result=True,
+            autoretry_for=TRANSIENT_ERRORS,
+            retry_backoff=True,
+            retry_backoff_max=60,
+            retry_jitter=True,
+            max_retries=5,
         )
-        return None if status is None else status.value
+        def run(job_id: str) -> str | None:
+            try:
+                parsed = uuid.UUID(job_id)
+            except (ValueError, TypeError):
+                log.error("ignoring a message with a malformed job id %r", job_id)
+                return None
+            current = resources.get()
+            status = process_job(
+                parsed,
+                session_factory=current.session_factory,
+                store=current.store,
+                worker_name=default_worker_name("celery"),
+                kind=None if kind == "compile" else kind,
+                heartbeat_s=settings.heartbeat_s,
+                stale_after_s=settings.stale_after_s,
+            )
+            return None if status is None else status.value
 
-    return compile_job
+        return run
+
+    return {kind: make(kind) for kind in ("compile", "profile")}

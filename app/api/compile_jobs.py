@@ -15,40 +15,19 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.deps import CurrentTeam, QueueDep, SessionDep, TeamJob
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
 from app.api.models import Limit, Offset
 from app.api.schemas import JobCreate, JobList, JobOut
 from app.db.models import CompileJob, CompileReport, JobStatus
 from app.services import jobs, models
-from app.services.model_files import check_model_file_paths
-from compiler_core import CompileError, CompileOptions
-from compiler_core.options import spec_for
+from app.services.farm_options import farm_options
+from compiler_core import CompileOptions
 
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 
-SERVER_SIDE_OPTIONS = {
-    "model": "the model is the upload named by `model_id`",
-    "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
-    "operators_supported": "see GET /v1/operators",
-}
-"""Options that name paths on the machine running the compile: refused over HTTP. (Options
-naming an input file travel in the model's archive instead: services/model_files.py.)"""
-
-
 def parse_options(body: JobCreate) -> CompileOptions:
-    """The request's options, validated by the compiler's schema (CompileError -> 422)."""
-    if body.flags is not None:
-        options = CompileOptions.from_flags(body.flags)
-    else:
-        options = CompileOptions.from_json(body.options or {})
-    for attr, why in SERVER_SIDE_OPTIONS.items():
-        if getattr(options, attr):
-            flag = spec_for(attr).flag
-            raise CompileError(
-                "invalid_option", f"{flag} is not accepted by the farm: {why}", flag=flag
-            )
-    check_model_file_paths(options)
-    return options
+    """The request's options, through the farm's one door (CompileError -> 422)."""
+    return farm_options(flags=body.flags, values=body.options)
 
 
 def reports_by_qpc(session: Session, job_list: list[CompileJob]) -> dict[uuid.UUID, CompileReport]:
@@ -76,11 +55,19 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
     },
 )
 def submit_job(
-    body: JobCreate, response: Response, session: SessionDep, team: CurrentTeam, queue: QueueDep
+    body: JobCreate,
+    response: Response,
+    session: SessionDep,
+    team: CurrentTeam,
+    queue: QueueDep,
+    store: StoreDep,
+    settings: SettingsDep,
 ) -> JobOut:
     options = parse_options(body)
     model = models.get_model(session, team, body.model_id)
-    job, created = jobs.submit_job(session, team, model, options)
+    job, created = jobs.submit_job(
+        session, team, model, options, store=store, cache_scope=settings.cache_scope
+    )
     session.commit()
     if created and job.status == JobStatus.queued:
         queue.enqueue(job.id)

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Request
@@ -24,39 +25,42 @@ from sqlalchemy.orm import Session
 from app.api.errors import unauthorized
 from app.blobs import BlobStore
 from app.db.models import CompileJob, Model, Qpc, Team
-from app.services import jobs, models, qpcs, teams
+from app.queue import JobKind
+from app.services import jobs, models, qpcs, teams, web_sessions
 from app.settings import Settings
 
 LOCAL_TEAM = "local"
 """The team of unauthenticated requests when `require_auth` is off (a one-person setup)."""
-WEB_KEY_COOKIE = "qpcfarm_key"
-"""The HttpOnly, SameSite=Strict cookie holding a signed-in browser's API key (app.web)."""
+WEB_SESSION_COOKIE = "qpcfarm_session"
+"""The HttpOnly, SameSite=Strict cookie holding a signed-in browser's session token
+(app.web, app.services.web_sessions); never the API key itself."""
 
 _bearer = HTTPBearer(
     auto_error=False,
     description="A team's API key: `Authorization: Bearer qpf_...` "
     "(`qpcfarm admin create-key --team NAME`).",
 )
-TEAM_CACHE_TTL_S = 5.0
-"""How long a key's team is remembered: a revoked key still works for at most this long."""
+TEAM_CACHE_TTL_S = 0.5
+"""How long a key's caller is remembered: a revoked key or an ended session still works for
+at most this long in a process that saw it (the target is within 1 s everywhere)."""
 
 
 class TeamCache:
-    """Teams of recently seen keys (by the key's sha256), for `TEAM_CACHE_TTL_S`: most
+    """Callers of recently seen keys and sessions (by sha256), for `TEAM_CACHE_TTL_S`: most
     requests then need no authentication query. Unknown keys are not remembered."""
 
     def __init__(self, ttl_s: float = TEAM_CACHE_TTL_S) -> None:
         self._ttl = ttl_s
-        self._teams: dict[str, tuple[float, Team]] = {}
+        self._teams: dict[str, tuple[float, Any]] = {}
         self._lock = threading.Lock()
 
-    def get(self, key_hash: str) -> Team | None:
+    def get(self, key_hash: str) -> Any:
         entry = self._teams.get(key_hash)
         if entry is None or entry[0] < time.monotonic():
             return None
         return entry[1]
 
-    def put(self, key_hash: str, team: Team) -> None:
+    def put(self, key_hash: str, team: Any) -> None:
         with self._lock:
             now = time.monotonic()
             if len(self._teams) > 10_000:  # keys are few; a flood of distinct ones is not kept
@@ -75,7 +79,7 @@ def team_cache(request: Request) -> TeamCache:
 class Enqueuer(Protocol):
     """What the API needs of `app.queue.JobQueue`: hand a committed job id to the workers."""
 
-    def enqueue(self, job_id: uuid.UUID) -> None: ...
+    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None: ...
 
 
 async def get_queue(request: Request) -> Enqueuer:
@@ -96,13 +100,16 @@ async def get_store(request: Request) -> BlobStore:
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for this request; routes commit what they change, the rest rolls back.
 
-    Making one does no I/O, and closing one whose route committed only drops it; a session
-    left inside a transaction is rolled back in the thread pool."""
+    Making one does no I/O, and closing one whose route committed only drops it. A session
+    left inside a transaction (a route that raised) is rolled back: on PostgreSQL in the
+    thread pool (a round trip), on SQLite at once, here. A SQLite write transaction holds
+    the engine's writer lock, and the pool may be full of writers waiting for that lock:
+    its rollback must not wait for a pool thread (see `app.db.session.unit_of_work`)."""
     session: Session = request.app.state.session_factory()
     try:
         yield session
     finally:
-        if session.in_transaction():
+        if session.in_transaction() and not request.app.state.settings.is_sqlite:
             await run_in_threadpool(session.close)
         else:
             session.close()
@@ -114,56 +121,89 @@ SessionDep = Annotated[Session, Depends(get_session)]
 QueueDep = Annotated[Enqueuer, Depends(get_queue)]
 
 
-async def current_team(
+@dataclass(frozen=True)
+class Caller:
+    """Who a request comes from: a detached snapshot of the team (read its columns, don't
+    add it to a session), the key's id and whether it is a team admin's."""
+
+    team: Team
+    key_id: uuid.UUID | None
+    """None: the local team of a farm that requires no key, or a web session."""
+    admin: bool
+
+
+async def current_caller(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Team:
-    """The team whose bearer key came with the request (401 otherwise). A GET or HEAD may
-    carry the key in the web pages' sign-in cookie instead (the pages' QPC download link);
+) -> Caller:
+    """The caller of the bearer key that came with the request (401 otherwise). A GET or
+    HEAD may carry the web pages' session cookie instead (the pages' QPC download link);
     nothing that changes state is accepted on the cookie alone.
 
-    The Team is a detached snapshot (read its columns, e.g. `team.id`; don't add it to a
-    session): a cached one for a key seen in the last `TEAM_CACHE_TTL_S`."""
-    key = credentials.credentials if credentials is not None else None
-    if key is None and request.method in ("GET", "HEAD"):
-        key = request.cookies.get(WEB_KEY_COOKIE)
+    Callers are cached for `TEAM_CACHE_TTL_S` per key or session, so a revoked key or an
+    ended session stops working in every API process within that time."""
     cache = team_cache(request)
-    if key is None:
-        if not settings.require_auth:
-            return await _cached(cache, f"team:{LOCAL_TEAM}", _local_team, session)
-        raise unauthorized("an API key is required: send `Authorization: Bearer <key>`")
-    team = await _cached(cache, teams.hash_key(key), _team_for_key, session, key)
-    if team is None:
-        raise unauthorized("the API key is unknown or revoked")
-    return team
+    if credentials is not None:
+        key = credentials.credentials
+        found = await _cached(cache, teams.hash_key(key), _caller_for_key, session, key)
+        if found is None:
+            raise unauthorized("the API key is unknown or revoked")
+        return found  # type: ignore[no-any-return]
+    token = request.cookies.get(WEB_SESSION_COOKIE)
+    if token and request.method in ("GET", "HEAD"):
+        slot = f"session:{web_sessions.token_hash(token)}"
+        found = await _cached(cache, slot, _caller_for_session, session, token)
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+    if not settings.require_auth:
+        return await _cached(cache, f"team:{LOCAL_TEAM}", _local_caller, session)  # type: ignore[no-any-return]
+    raise unauthorized("an API key is required: send `Authorization: Bearer <key>`")
+
+
+CurrentCaller = Annotated[Caller, Depends(current_caller)]
+
+
+async def current_team(caller: CurrentCaller) -> Team:
+    return caller.team
 
 
 async def _cached(cache: TeamCache, slot: str, find: Any, *args: Any) -> Any:
-    team = cache.get(slot)
-    if team is None:
-        team = await run_in_threadpool(find, *args)
-        if team is not None:
-            cache.put(slot, team)
-    return team
+    caller = cache.get(slot)
+    if caller is None:
+        caller = await run_in_threadpool(find, *args)
+        if caller is not None:
+            cache.put(slot, caller)
+    return caller
 
 
-def _team_for_key(session: Session, key: str) -> Team | None:
-    team = teams.team_for_key(session, key)
+def _caller_for_key(session: Session, key: str) -> Caller | None:
+    found = teams.key_for(session, key)
     session.commit()  # end the read transaction: an upload may hold this session for minutes
-    if team is not None:
-        session.expunge(team)
-    return team
+    if found is None:
+        return None
+    team, row = found
+    session.expunge(team)
+    return Caller(team, row.id, row.admin)
 
 
-def _local_team(session: Session) -> Team:
+def _caller_for_session(session: Session, token: str) -> Caller | None:
+    team = web_sessions.session_team(session, token)
+    session.commit()
+    if team is None:
+        return None
+    session.expunge(team)
+    return Caller(team, None, False)
+
+
+def _local_caller(session: Session) -> Caller:
     team = teams.get_team_by_name(session, LOCAL_TEAM)
     if team is None:
         team = teams.create_team(session, LOCAL_TEAM)
     session.commit()
     session.expunge(team)
-    return team
+    return Caller(team, None, True)
 
 
 CurrentTeam = Annotated[Team, Depends(current_team)]

@@ -84,7 +84,8 @@ def healthz() -> Health:
 
 @health_router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> Any:
-    """The database answers, and the job queue (broker) pings (readiness); 503 if not."""
+    """The database answers, the job queue (broker) pings and the blob store takes a write
+    (readiness); 503 if not, `checks` saying which."""
     checks: dict[str, str] = {}
     ready = True
     try:
@@ -107,8 +108,16 @@ async def readyz(request: Request) -> Any:
             log.warning("readiness: job queue %s", problem)
             checks["queue"] = problem
             ready = False
+    try:
+        await run_in_threadpool(request.app.state.store.check_writable)
+        checks["blobs"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - any failure means: not ready
+        log.warning("readiness: blob store unavailable: %s", type(exc).__name__)
+        checks["blobs"] = f"unavailable: {type(exc).__name__}"
+        ready = False
     health = Health(status="ok" if ready else "unavailable", checks=checks)
-    return JSONResponse(health.model_dump(), status_code=200 if ready else 503)
+    headers = None if ready else {"Retry-After": "5"}
+    return JSONResponse(health.model_dump(), status_code=200 if ready else 503, headers=headers)
 
 
 def _ping_database(engine: Any) -> None:

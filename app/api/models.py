@@ -6,19 +6,19 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 
 from app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep, TeamModel
 from app.api.schemas import ModelList, ModelOut
 from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
 from app.db.models import Model
+from app.db.session import unit_of_work
 from app.services import models
-from app.services.pages import MAX_LIMIT
+from app.services.pages import MAX_LIMIT, MAX_OFFSET
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
 
 
 @router.post(
@@ -47,19 +47,19 @@ async def upload_model(
     compiler's importer; the answer's `id` is what compile jobs name."""
 
     def consume(upload: Upload, chunks: Iterator[bytes]) -> Model:
-        return models.store_model(
-            session,
-            store,
-            team,
-            chunks,
-            upload.filename or filename,
-            max_bytes=settings.max_upload_bytes,
-        )
+        with unit_of_work(session):
+            return models.store_model(
+                session,
+                store,
+                team,
+                chunks,
+                upload.filename or filename,
+                max_bytes=settings.max_upload_bytes,
+            )
 
     model = await receive_upload(
         request, consume, max_bytes=settings.max_upload_bytes, filename=filename
     )
-    await run_in_threadpool(session.commit)
     response.headers["Location"] = f"/v1/models/{model.id}"
     return ModelOut.model_validate(model)
 

@@ -1,8 +1,8 @@
 """Profile jobs: `POST /v1/qpcs/{id}/profile` runs a QPC on the runtime with stats, and
 `/v1/profiles/{id}` reads the opstats summary and downloads the text, CSV and trace.
 
-The submit commits the row, then enqueues its id on the compile jobs' queue (the worker tells
-the kinds apart by the id). Inputs come as an uploaded `.npz` (multipart field `inputs`, form
+The submit commits the row, then enqueues its id as a `profile` job (a task of its own).
+Inputs come as an uploaded `.npz` (multipart field `inputs`, form
 fields first, streamed into the blob store) or are made up from the QPC's I/O description.
 """
 
@@ -21,10 +21,12 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamQpc
+from app.api.downloads import blob_response
 from app.api.errors import ApiError
 from app.api.schemas import ProfileCreate, ProfileOut
 from app.api.uploads import Upload, receive_upload
-from app.db.models import JobStatus, ProfileJob, Team
+from app.db.models import JobStatus, ProfileJob, Qpc, Team
+from app.db.session import unit_of_work
 from app.services import profiles
 
 router = APIRouter(tags=["profiles"])
@@ -92,9 +94,10 @@ async def submit_profile(
         def consume(upload: Upload, chunks: Iterator[bytes]) -> ProfileJob:
             body = _settings(dict(upload.fields))
             ref = profiles.store_inputs(store, chunks, max_bytes=settings.max_upload_bytes)
-            return profiles.submit(
-                session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
-            )
+            with unit_of_work(session):
+                return profiles.submit(
+                    session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
+                )
 
         job = await receive_upload(
             request, consume, max_bytes=settings.max_upload_bytes, file_field="inputs"
@@ -108,19 +111,21 @@ async def submit_profile(
         if not isinstance(parsed, dict):
             raise ApiError("invalid_request", "the body must be a JSON object", 422)
         data = _settings(parsed)
-        job = await run_in_threadpool(
-            profiles.submit, session, team, qpc, iterations=data.iterations
-        )
+        job = await run_in_threadpool(_submit_random, session, team, qpc, data.iterations)
     else:
         raise ApiError(
             "unsupported_media_type",
             f"send application/json or multipart/form-data, not {media_type}",
             415,
         )
-    await run_in_threadpool(session.commit)
-    queue.enqueue(job.id)
+    queue.enqueue(job.id, "profile")
     response.headers["Location"] = f"/v1/profiles/{job.id}"
     return ProfileOut.of(job)
+
+
+def _submit_random(session: Session, team: Team, qpc: Qpc, iterations: int) -> ProfileJob:
+    with unit_of_work(session):
+        return profiles.submit(session, team, qpc, iterations=iterations)
 
 
 def _team_profile(profile_id: uuid.UUID, session: Session, team: Team) -> ProfileJob:
@@ -179,17 +184,15 @@ def summary_csv(profile_id: uuid.UUID, session: SessionDep, team: CurrentTeam) -
 )
 def trace_json(
     profile_id: uuid.UUID, session: SessionDep, team: CurrentTeam, store: StoreDep
-) -> StreamingResponse:
+) -> Response:
     """The Chrome/Perfetto trace (open it in ui.perfetto.dev or chrome://tracing)."""
     job = _finished(_team_profile(profile_id, session, team))
     if job.trace_sha256 is None:
         raise profiles.not_ready(job)
-    size = store.size(job.trace_sha256)
-    return StreamingResponse(
-        store.read_range(job.trace_sha256, 0, size),
+    return blob_response(
+        store,
+        job.trace_sha256,
+        filename=profiles.TRACE_NAME,
         media_type="application/json",
-        headers={
-            "Content-Length": str(size),
-            "Content-Disposition": f"attachment; filename={profiles.TRACE_NAME}",
-        },
+        found_by="download",
     )

@@ -54,9 +54,12 @@ class ModelList(BaseModel):
 
 
 class JobCreate(BaseModel):
-    """Options as a JSON object (keys are flag names) or as `qaic-compile` flag strings."""
+    """Options as a JSON object (keys are flag names) or as `qaic-compile` flag strings, not
+    both (neither: the defaults)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"not": {"required": ["options", "flags"]}}
+    )
 
     model_id: uuid.UUID
     options: OptionsJSON | None = Field(
@@ -316,3 +319,31 @@ class OperatorOut(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, str] = Field(default_factory=dict)
+
+
+class KeyOut(BaseModel):
+    """An API key as its team's admins see it: never the key itself (only its sha256 is
+    stored), but the prefix people recognise it by."""
+
+    id: uuid.UUID
+    prefix: str
+    name: str | None
+    admin: bool
+    created_at: dt.datetime
+    revoked_at: dt.datetime | None
+
+
+class KeyList(BaseModel):
+    items: list[KeyOut]
+    count: int
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, max_length=100, description="A label.")
+    admin: bool = Field(default=False, description="May manage the team's keys.")
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="The key: shown this once, stored only as its sha256.")

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 
 from app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep
 from app.api.errors import invalid_request
@@ -15,6 +14,7 @@ from app.api.models import Limit, Offset
 from app.api.schemas import ValidationList, ValidationOut
 from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
 from app.db.models import Validation
+from app.db.session import unit_of_work
 from app.services import validations
 
 router = APIRouter(prefix="/v1/validations", tags=["validations"])
@@ -56,7 +56,10 @@ async def validate_upload(
     settings: SettingsDep,
     device: Annotated[
         str | None,
-        Query(description="Device profile; or the form field `device` (before the file)."),
+        Query(
+            description="Device profile; or the form field `device` (before the file).",
+            min_length=1,
+        ),
     ] = None,
 ) -> ValidationOut:
     """Validate an uploaded QPC (multipart field `file`, or the raw body) against a device.
@@ -66,17 +69,17 @@ async def validate_upload(
         form_device = upload.fields.get("device") or None
         if device is not None and form_device is not None and form_device != device:
             raise invalid_request("`device` given twice with different values")
-        return validations.validate_uploaded(
-            session,
-            store,
-            team,
-            chunks,
-            device or form_device,
-            max_bytes=settings.max_upload_bytes,
-        )
+        with unit_of_work(session):
+            return validations.validate_uploaded(
+                session,
+                store,
+                team,
+                chunks,
+                device or form_device,
+                max_bytes=settings.max_upload_bytes,
+            )
 
     row = await receive_upload(request, consume, max_bytes=settings.max_upload_bytes)
-    await run_in_threadpool(session.commit)
     response.headers["Location"] = f"/v1/validations/{row.id}"
     return ValidationOut.of(row)
 

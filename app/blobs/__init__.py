@@ -1,6 +1,7 @@
 """Content-addressed blob storage (sha256 -> bytes), streamed both ways."""
 
 from app.blobs.base import (
+    BlobCorrupt,
     BlobNotFound,
     BlobRef,
     BlobStore,
@@ -10,6 +11,7 @@ from app.blobs.base import (
 )
 
 __all__ = [
+    "BlobCorrupt",
     "BlobNotFound",
     "BlobRef",
     "BlobStore",

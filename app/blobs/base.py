@@ -43,6 +43,32 @@ class BlobTooLarge(Exception):
         self.max_bytes = max_bytes
 
 
+class BlobCorrupt(Exception):
+    """A stored blob's bytes do not hash to its name. It has been quarantined (moved out of
+    the store) by the time this is raised, so the next read finds it missing."""
+
+    def __init__(self, sha256: str, actual_sha256: str, size: int) -> None:
+        super().__init__(f"blob {sha256} is corrupt (its bytes hash to {actual_sha256})")
+        self.sha256 = sha256
+        self.actual_sha256 = actual_sha256
+        self.size = size
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """What a store reports of a blob it moved aside: where its bytes went (a path under
+    the store's root, or a key of the database store) and who found it."""
+
+    sha256: str
+    actual_sha256: str
+    size: int
+    found_by: str
+    location: str
+
+
+QuarantineRecorder = Callable[[Quarantined], None]
+
+
 class BlobNotFound(KeyError):
     def __init__(self, sha256: str) -> None:
         super().__init__(sha256)
@@ -80,6 +106,20 @@ class BlobStore(Protocol):
     def path_hint(self, sha256: str) -> Path | None:
         """A local file holding the blob, for readers that want a path (the compiler), or
         None when the store has no such file and the caller must spill (`local_path`)."""
+        ...
+
+    def quarantine(self, sha256: str, *, actual_sha256: str, size: int, found_by: str) -> None:
+        """Move a blob whose bytes do not match its name out of the store (kept aside for
+        inspection, recorded), so that it is never read again and a new `put` of the right
+        bytes stores them afresh."""
+        ...
+
+    def list_blobs(self) -> Iterator[str]:
+        """The sha256 of every stored blob (the scrub's work list)."""
+        ...
+
+    def check_writable(self) -> None:
+        """Raise if the store cannot take a blob now (readiness)."""
         ...
 
 
@@ -201,13 +241,16 @@ def blob_store_from_settings(
     settings: Settings, session_factory: sessionmaker[Session] | Callable[[], Session]
 ) -> BlobStore:
     """The configured store: a directory under `data_dir`, or the database's blob tables."""
+    from app.blobs.quarantine import recorder
+
+    record = recorder(session_factory)
     if settings.blob_store == "filesystem":
         from app.blobs.filesystem import FilesystemBlobStore
 
-        return FilesystemBlobStore(Path(settings.data_dir) / "blobs")
+        return FilesystemBlobStore(Path(settings.data_dir) / "blobs", on_quarantine=record)
     from app.blobs.database import DatabaseBlobStore
 
-    return DatabaseBlobStore(session_factory)
+    return DatabaseBlobStore(session_factory, on_quarantine=record)
 
 
 def fsync_dir(path: Path) -> None:

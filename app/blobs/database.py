@@ -9,8 +9,10 @@ Reads fetch one chunk per query, so memory stays at a chunk whatever the blob's 
 from __future__ import annotations
 
 import io
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -21,7 +23,10 @@ from app.blobs.base import (
     CHUNK_SIZE,
     BlobNotFound,
     BlobRef,
+    BlobTooLarge,
     HashingCounter,
+    Quarantined,
+    QuarantineRecorder,
     Source,
     check_range,
     check_sha256,
@@ -33,10 +38,23 @@ from app.db.ops import insert_or_ignore, rowcount
 
 
 class DatabaseBlobStore:
-    def __init__(self, session_factory: Callable[[], Session]) -> None:
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        on_quarantine: QuarantineRecorder | None = None,
+    ) -> None:
         self._sessions = session_factory
+        self._on_quarantine = on_quarantine
 
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
+        with self._sessions() as probe:
+            sqlite = probe.get_bind().dialect.name == "sqlite"
+        if sqlite:
+            with _spooled(data, max_bytes) as spooled:
+                return self._put(spooled, max_bytes)
+        return self._put(data, max_bytes)
+
+    def _put(self, data: Source, max_bytes: int | None) -> BlobRef:
         counter = HashingCounter(max_bytes)
         upload_key = f"tmp-{uuid.uuid4().hex}"
         with self._sessions() as session, session.begin():
@@ -106,6 +124,44 @@ class DatabaseBlobStore:
 
     def path_hint(self, sha256: str) -> Path | None:
         return None
+
+    def quarantine(self, sha256: str, *, actual_sha256: str, size: int, found_by: str) -> None:
+        """The chunks move under a key of their own (`q-<hex>`), the `blobs` row goes."""
+        location = f"q-{uuid.uuid4().hex}"
+        with self._sessions() as session, session.begin():
+            gone = rowcount(session.execute(delete(Blob).where(Blob.sha256 == sha256)))
+            if not gone:
+                return  # another reader moved it first
+            session.execute(
+                update(BlobChunk).where(BlobChunk.sha256 == sha256).values(sha256=location)
+            )
+        if self._on_quarantine is not None:
+            self._on_quarantine(Quarantined(sha256, actual_sha256, size, found_by, location))
+
+    def list_blobs(self) -> Iterator[str]:
+        with self._sessions() as session:
+            names = list(session.execute(select(Blob.sha256).order_by(Blob.sha256)).scalars())
+        yield from names
+
+    def check_writable(self) -> None:
+        with self._sessions() as session:
+            session.execute(select(Blob.sha256).limit(1)).all()
+
+
+@contextmanager
+def _spooled(data: Source, max_bytes: int | None) -> Iterator[BinaryIO]:
+    """The stream copied to a temporary file first (refused as soon as it passes
+    `max_bytes`). On SQLite a write transaction holds the one writer slot of the database,
+    so it must not stay open while an upload trickles in from the network."""
+    with tempfile.TemporaryFile(prefix="qpcfarm-blob-") as spool:
+        size = 0
+        for chunk in iter_chunks(data):
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise BlobTooLarge(max_bytes)
+            spool.write(chunk)
+        spool.seek(0)
+        yield cast(BinaryIO, spool)
 
 
 def _exact_chunks(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:

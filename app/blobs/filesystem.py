@@ -1,7 +1,14 @@
-"""Blobs as files `<root>/ab/cdef...` (the embedded default): the compiler reads them in place."""
+"""Blobs as files `<root>/ab/cdef...` (the embedded default): the compiler reads them in place.
+
+A blob found corrupt is moved to `<root>/quarantine/<sha256>.<utc time>` (never read again,
+kept for inspection); a `put` of content already stored replaces the file with the bytes it
+just wrote and hashed, so storing good bytes again also repairs a damaged copy no reader has
+caught yet.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import uuid
 from collections.abc import Iterator
@@ -13,6 +20,8 @@ from app.blobs.base import (
     BackgroundHashingCounter,
     BlobNotFound,
     BlobRef,
+    Quarantined,
+    QuarantineRecorder,
     Source,
     check_range,
     check_sha256,
@@ -25,10 +34,14 @@ class FilesystemBlobStore:
     """Writes go to `<root>/tmp/` while hashing, then are renamed into place atomically, so a
     reader never sees a partial blob and a crash leaves only a temp file."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], on_quarantine: QuarantineRecorder | None = None
+    ) -> None:
         self.root = Path(root)
         self._tmp = self.root / "tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
+        self._quarantine_dir = self.root / "quarantine"
+        self._on_quarantine = on_quarantine
 
     def _path(self, sha256: str) -> Path:
         check_sha256(sha256)
@@ -45,12 +58,9 @@ class FilesystemBlobStore:
                 os.fsync(out.fileno())  # once, at the end
                 ref = counter.ref()
             final = self._path(ref.sha256)
-            if final.exists():
-                tmp.unlink()
-            else:
-                final.parent.mkdir(exist_ok=True)
-                os.replace(tmp, final)
-                fsync_dir(final.parent)
+            final.parent.mkdir(exist_ok=True)
+            os.replace(tmp, final)  # over a stored copy too: these bytes are known good
+            fsync_dir(final.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -91,6 +101,39 @@ class FilesystemBlobStore:
         if not path.is_file():
             raise BlobNotFound(sha256)
         return path
+
+
+    def quarantine(self, sha256: str, *, actual_sha256: str, size: int, found_by: str) -> None:
+        self._quarantine_dir.mkdir(exist_ok=True)
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        target = self._quarantine_dir / f"{sha256}.{stamp}"
+        try:
+            os.replace(self._path(sha256), target)
+        except FileNotFoundError:
+            return  # another reader moved it first
+        event = Quarantined(
+            sha256, actual_sha256, size, found_by, str(target.relative_to(self.root))
+        )
+        if self._on_quarantine is not None:
+            self._on_quarantine(event)
+
+    def list_blobs(self) -> Iterator[str]:
+        for folder in sorted(self.root.iterdir()):
+            if len(folder.name) != 2 or not folder.is_dir():
+                continue
+            for path in sorted(folder.iterdir()):
+                name = folder.name + path.name
+                if len(name) == 64 and path.is_file():
+                    yield name
+
+    def check_writable(self) -> None:
+        probe = self._tmp / f"ready-{uuid.uuid4().hex}"
+        try:
+            with open(probe, "wb", 0) as out:
+                out.write(b"ok")
+                os.fsync(out.fileno())
+        finally:
+            probe.unlink(missing_ok=True)
 
 
 def _write_all(out: BinaryIO, chunk: bytes) -> None:

@@ -19,11 +19,15 @@ from sqlalchemy import (
     Enum,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     String,
     Text,
+    UniqueConstraint,
     Uuid,
+    false,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
@@ -75,10 +79,30 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(SHA256_LEN), unique=True)
     prefix: Mapped[str] = mapped_column(String(16))
     name: Mapped[str | None] = mapped_column(String(100))
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """A team admin's key: it may list, create and revoke the team's keys (`/v1/keys`)."""
     created_at: Mapped[dt.datetime] = _created()
     revoked_at: Mapped[dt.datetime | None] = mapped_column()
 
     team: Mapped[Team] = relationship()
+
+
+class WebSession(Base):
+    """A signed-in browser: its cookie holds a random token, this row only the token's
+    sha256. It ends at `expires_at`, at sign-out, or when the key it was opened with is
+    revoked (the lookup joins the key)."""
+
+    __tablename__ = "web_sessions"
+
+    token_hash: Mapped[str] = mapped_column(String(SHA256_LEN), primary_key=True)
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    api_key_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), index=True
+    )
+    created_at: Mapped[dt.datetime] = _created()
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
 
 
 class Model(Base):
@@ -102,12 +126,17 @@ class Model(Base):
 
 
 class Qpc(Base):
-    """A compiled program, stored once per content whatever number of jobs produced it."""
+    """A compiled program in a team's records: one row per team and content, whatever number
+    of the team's jobs produced it (the bytes are one blob, however many teams hold it)."""
 
     __tablename__ = "qpcs"
+    __table_args__ = (UniqueConstraint("team_id", "sha256"),)
 
     id: Mapped[uuid.UUID] = _uuid_pk()
-    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), unique=True)
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)
     size: Mapped[int] = mapped_column(BigInteger)
     compiler_version: Mapped[str] = mapped_column(String(32))
     options_key: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)
@@ -120,8 +149,24 @@ class Qpc(Base):
     report: Mapped[CompileReport | None] = relationship(back_populates="qpc", uselist=False)
 
 
+ACTIVE_JOB_PREDICATE = text("status IN ('queued', 'running') AND NOT cancel_requested")
+"""A compile job in flight that an identical submit attaches to (see `compile_jobs`' index)."""
+
+
 class CompileJob(Base):
     __tablename__ = "compile_jobs"
+    __table_args__ = (
+        # One compile in flight per team and cache key, whatever number of API processes
+        # take identical submits at once: the database refuses the second row.
+        Index(
+            "uq_compile_jobs_active_team_key",
+            "team_id",
+            "options_key",
+            unique=True,
+            sqlite_where=ACTIVE_JOB_PREDICATE,
+            postgresql_where=ACTIVE_JOB_PREDICATE,
+        ),
+    )
 
     id: Mapped[uuid.UUID] = _uuid_pk()
     team_id: Mapped[uuid.UUID] = mapped_column(
@@ -258,3 +303,20 @@ class BlobChunk(Base):
     sha256: Mapped[str] = mapped_column(String(SHA256_LEN), primary_key=True)
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class QuarantinedBlob(Base):
+    """A blob whose bytes did not hash to its name when read: moved out of the store to
+    `location` (kept for inspection) by whoever found it (`download`, `cache`, `compile`,
+    `profile`, `validation`, `scrub`). The same sha256 may be quarantined again after a
+    compile or upload stored it afresh and it was damaged once more."""
+
+    __tablename__ = "quarantined_blobs"
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    sha256: Mapped[str] = mapped_column(String(SHA256_LEN), index=True)
+    actual_sha256: Mapped[str] = mapped_column(String(SHA256_LEN))
+    size: Mapped[int] = mapped_column(BigInteger)
+    found_by: Mapped[str] = mapped_column(String(32))
+    location: Mapped[str] = mapped_column(String(255))
+    found_at: Mapped[dt.datetime] = _created()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Result
+from sqlalchemy import ColumnElement, CursorResult, Result, TextClause
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -12,10 +12,15 @@ from app.db.base import Base
 
 
 def insert_or_ignore(
-    session: Session, entity: type[Base], values: dict[str, Any], conflict: list[str]
+    session: Session,
+    entity: type[Base],
+    values: dict[str, Any],
+    conflict: list[str],
+    where: ColumnElement[bool] | TextClause | None = None,
 ) -> bool:
     """Insert one row unless one with the same `conflict` columns exists (also one being
-    inserted concurrently: PostgreSQL waits for it). True if this call inserted it.
+    inserted concurrently: PostgreSQL waits for it). True if this call inserted it. With
+    `where`, the conflict is with the partial unique index of that predicate.
 
     Get-or-create without savepoints: two workers storing the same QPC both succeed.
     """
@@ -30,7 +35,7 @@ def insert_or_ignore(
     # RETURNING, not rowcount: the ORM-level execute does not report rowcount reliably here.
     key = entity.__table__.c[conflict[0]]
     returned = session.execute(
-        stmt.on_conflict_do_nothing(index_elements=conflict).returning(key)
+        stmt.on_conflict_do_nothing(index_elements=conflict, index_where=where).returning(key)
     ).first()
     return returned is not None
 

@@ -23,6 +23,10 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 SQLITE_POOL_SIZE = 32
 """SQLite connections kept open: as many as API threads that use one at a time, so a burst
 never opens (and PRAGMA-configures) connections that are thrown away on return."""
+SERVER_POOL_SIZE = 10
+SERVER_POOL_OVERFLOW = 30
+"""PostgreSQL connections per engine: kept, and the burst on top (a request holds one while
+it runs in one of the API's ~40 pool threads or 64 upload threads)."""
 _WRITE_KEYWORDS = ("INSERT", "UPDATE", "DELETE", "REPLACE", "CREATE", "DROP", "ALTER")
 
 
@@ -33,6 +37,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         kwargs.setdefault("pool_pre_ping", True)
+        kwargs.setdefault("pool_size", SERVER_POOL_SIZE)
+        kwargs.setdefault("max_overflow", SERVER_POOL_OVERFLOW)
         return create_engine(url, **kwargs)
 
     if parsed.database and parsed.database != ":memory:":
@@ -157,6 +163,25 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
         session.close()
 
 
+@contextmanager
+def unit_of_work(session: Session) -> Iterator[Session]:
+    """Commit `session` when the block ends normally, roll it back when it raises: in the
+    thread that ran the block.
+
+    The rule that keeps the embedded mode from deadlocking: a write transaction begins and
+    ends in one thread call. SQLite writers take turns on a lock (`_serialized_writes`); a
+    transaction left open for a later thread-pool call (an upload's INSERT in its thread, its
+    commit in another) holds that lock while the pool fills with writers waiting for it, and
+    the commit never gets a thread.
+    """
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
 def wait_for_database(url: str, timeout: float = 30.0, interval: float = 0.5) -> None:
     """Block until the database answers `SELECT 1` (start-up in compose waits for postgres).
 
@@ -203,9 +228,27 @@ def upgrade_database(target: str | Engine, revision: str = "head") -> None:
 
 
 def _upgrade(engine: Engine, revision: str) -> None:
+    """On SQLite, foreign keys are off while migrations run (SQLite's own procedure for
+    changing a table: a batch migration copies it to a new one and drops the old, and with
+    foreign keys on, that drop would cascade into the rows that point at it), then checked
+    before they are switched on again."""
     from alembic import command
 
     config = alembic_config()
-    with engine.begin() as connection:
-        config.attributes["connection"] = connection
-        command.upgrade(config, revision)
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as connection:
+        if sqlite:
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()  # no BEGIN was sent: the pragma is in force for what follows
+        try:
+            with connection.begin():
+                config.attributes["connection"] = connection
+                command.upgrade(config, revision)
+                if sqlite:
+                    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+                    if broken:
+                        raise RuntimeError(f"migration left dangling references: {broken[:5]}")
+        finally:
+            if sqlite:
+                connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+                connection.commit()

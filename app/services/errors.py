@@ -35,3 +35,13 @@ def from_compile_error(exc: Any, status: int = 422) -> ServiceError:
     """A compiler_core CompileError as a ServiceError with the compiler's code and fields."""
     detail = {k: v for k, v in exc.to_dict().items() if k not in ("code", "message")}
     return ServiceError(exc.code, exc.message, status, detail)
+
+
+def internal_error_message(exc: BaseException) -> str:
+    """What a job that failed on an unexpected exception tells its owner: the exception's
+    type, never its text (which may hold server paths or a traceback's details; the
+    worker's log has them)."""
+    return (
+        f"the farm failed unexpectedly ({type(exc).__name__}); this is a bug of the farm, "
+        "not of the request: the worker's log has the details"
+    )

@@ -12,6 +12,8 @@ from app.services.errors import ServiceError
 
 T = TypeVar("T")
 MAX_LIMIT = 500
+MAX_OFFSET = 1_000_000_000
+"""Far past any real listing, and far from the 64-bit bound the databases' OFFSET has."""
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,10 @@ class Page(Generic[T]):
 
 def paginate(session: Session, query: Select[Any], limit: int, offset: int) -> Page[Any]:
     """Run `query` (already ordered) for one page, plus the total count of its rows."""
-    if not 1 <= limit <= MAX_LIMIT or offset < 0:
-        raise ServiceError("bad_page", f"limit must be 1..{MAX_LIMIT} and offset >= 0", status=422)
+    if not 1 <= limit <= MAX_LIMIT or not 0 <= offset <= MAX_OFFSET:
+        raise ServiceError(
+            "bad_page", f"limit must be 1..{MAX_LIMIT} and offset 0..{MAX_OFFSET}", status=422
+        )
     total = session.execute(
         select(func.count()).select_from(query.order_by(None).subquery())
     ).scalar_one()

@@ -1,4 +1,5 @@
-"""Compiled QPCs as a team sees them: a team sees a QPC one of its jobs produced or reused."""
+"""Compiled QPCs as a team sees them: each team has its own rows (a QPC its jobs produced,
+or one copied into its records by a farm-wide cache hit)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,19 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.db.models import CompileJob, CompileReport, Qpc, Team
+from app.db.models import CompileReport, Qpc, Team
 from app.services.errors import not_found
 
 
 def team_can_see(session: Session, team: Team, qpc_id: uuid.UUID) -> bool:
-    found = session.execute(
-        select(CompileJob.id)
-        .where(CompileJob.team_id == team.id, CompileJob.qpc_id == qpc_id)
-        .limit(1)
-    ).scalar_one_or_none()
-    return found is not None
+    qpc = session.get(Qpc, qpc_id)
+    return qpc is not None and qpc.team_id == team.id
 
 
 def get_qpc(session: Session, team: Team, qpc_id: uuid.UUID) -> Qpc:
+    """A QPC in the team's records (404 for another team's, like a missing one)."""
     qpc = session.get(Qpc, qpc_id)
-    if qpc is None or not team_can_see(session, team, qpc.id):
+    if qpc is None or qpc.team_id != team.id:
         raise not_found("qpc", qpc_id)
     return qpc
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobStore, BlobTooLarge, local_path
+from app.blobs import BlobStore, BlobTooLarge
 from app.blobs.base import Source
+from app.blobs.integrity import verified_path
 from app.db.models import Qpc, Team, Validation
-from app.services.errors import from_compile_error, not_found
+from app.services.errors import ServiceError, from_compile_error, not_found
 from app.services.models import too_large
 from app.services.pages import Page, paginate
-from app.services.qpcs import get_qpc, team_can_see
+from app.services.qpcs import get_qpc
 from compiler_core import CompileError
 
 
@@ -45,9 +46,11 @@ def validate_uploaded(
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
-    qpc_id = session.execute(select(Qpc.id).where(Qpc.sha256 == ref.sha256)).scalar_one_or_none()
-    if qpc_id is not None and not team_can_see(session, team, qpc_id):
-        qpc_id = None
+    if ref.size == 0:
+        raise ServiceError("empty_upload", "the upload is empty: send a QPC file", 422)
+    qpc_id = session.execute(
+        select(Qpc.id).where(Qpc.team_id == team.id, Qpc.sha256 == ref.sha256)
+    ).scalar_one_or_none()
     return _record(session, store, team, ref.sha256, qpc_id, device)
 
 
@@ -92,7 +95,9 @@ def _record(
 
     _check_device(device)
     with tempfile.TemporaryDirectory(prefix="qpcfarm-validate-") as tmp:
-        with local_path(store, sha256, Path(tmp), "programqpc.bin") as path:
+        with verified_path(
+            store, sha256, Path(tmp), "programqpc.bin", found_by="validation"
+        ) as path:
             try:
                 report = validate_qpc(path, device)
             except CompileError as exc:

@@ -1,8 +1,11 @@
-"""Who a browser is: the API key in an HttpOnly cookie, and a double-submit CSRF token.
+"""Who a browser is: a server-side session in an HttpOnly cookie, and a double-submit CSRF
+token.
 
-The key cookie is SameSite=Strict and HttpOnly, so other sites can neither read it nor send it
-with their forms; the CSRF token (a second cookie echoed in every form) also stops a forged
-post from a same-site page, and login CSRF on the sign-in form itself.
+Signing in with an API key opens a session (app.services.web_sessions); the cookie holds the
+session's random token, never the key. It is HttpOnly, SameSite=Strict, and Secure when the
+page came over HTTPS (or the farm runs in production), so other sites can neither read it nor
+send it with their forms; the CSRF token (a second cookie echoed in every form) also stops a
+forged post from a same-site page, and login CSRF on the sign-in form itself.
 """
 
 from __future__ import annotations
@@ -14,24 +17,23 @@ from fastapi import Request, Response
 from fastapi.responses import RedirectResponse
 from sqlalchemy.orm import Session
 
-from app.api.deps import LOCAL_TEAM, WEB_KEY_COOKIE
+from app.api.deps import LOCAL_TEAM, WEB_SESSION_COOKIE
 from app.db.models import Team
-from app.services import teams
+from app.services import teams, web_sessions
 from app.settings import Settings
 
-KEY_COOKIE = WEB_KEY_COOKIE
-"""The signed-in browser's API key (the same key `Authorization: Bearer` carries); the API
-accepts it on GET, so the QPC download link works from the pages."""
+SESSION_COOKIE = WEB_SESSION_COOKIE
+"""The signed-in browser's session token; the API accepts it on GET, so the QPC download
+link works from the pages."""
 CSRF_COOKIE = "qpcfarm_csrf"
 CSRF_FIELD = "csrf"
-KEY_COOKIE_MAX_AGE_S = 30 * 24 * 3600
 
 
 def web_team(request: Request, session: Session, settings: Settings) -> Team | None:
-    """The team of the key cookie; with auth off, the local team; else None (sign in)."""
-    key = request.cookies.get(KEY_COOKIE)
-    if key:
-        team = teams.team_for_key(session, key)
+    """The team of the session cookie; with auth off, the local team; else None (sign in)."""
+    token = request.cookies.get(SESSION_COOKIE)
+    if token:
+        team = web_sessions.session_team(session, token)
         session.commit()  # end the read transaction before long work
         if team is not None:
             return team
@@ -48,8 +50,8 @@ def sign_in_redirect(request: Request) -> RedirectResponse:
     """303 to the sign-in page, remembering where the browser wanted to go."""
     target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     response = RedirectResponse(f"/sign-in?next={quote(target, safe='/')}", status_code=303)
-    if request.cookies.get(KEY_COOKIE):  # a revoked or unknown key: forget it
-        response.delete_cookie(KEY_COOKIE, path="/")
+    if request.cookies.get(SESSION_COOKIE):  # an ended session: forget it
+        response.delete_cookie(SESSION_COOKIE, path="/")
     return response
 
 
@@ -60,14 +62,23 @@ def safe_next(target: str | None) -> str:
     return target
 
 
-def set_key_cookie(response: Response, key: str) -> None:
+def secure_cookies(request: Request, settings: Settings) -> bool:
+    """Cookies are `Secure` when the page came over HTTPS (directly, or by a trusted TLS
+    proxy's X-Forwarded-Proto), and always in production."""
+    return request.url.scheme == "https" or settings.environment == "production"
+
+
+def set_session_cookie(
+    request: Request, response: Response, token: str, settings: Settings
+) -> None:
     response.set_cookie(
-        KEY_COOKIE,
-        key,
-        max_age=KEY_COOKIE_MAX_AGE_S,
+        SESSION_COOKIE,
+        token,
+        max_age=web_sessions.SESSION_TTL_S,
         path="/",
         httponly=True,
         samesite="strict",
+        secure=secure_cookies(request, settings),
     )
 
 
@@ -87,7 +98,14 @@ def remember_csrf(request: Request, response: Response) -> None:
     """Set the CSRF cookie when this request made a new token."""
     token: str | None = getattr(request.state, "new_csrf", None)
     if token is not None:
-        response.set_cookie(CSRF_COOKIE, token, path="/", httponly=True, samesite="strict")
+        response.set_cookie(
+            CSRF_COOKIE,
+            token,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
 
 
 def csrf_ok(request: Request, submitted: str | None) -> bool:

@@ -24,8 +24,9 @@ from sqlalchemy.orm import Session
 from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
 from app.blobs import BlobStore
 from app.db.models import CompileJob, JobStatus, ProfileJob, Team
-from app.services import jobs, models, profiles, qpcs, teams, validations
+from app.services import jobs, models, profiles, qpcs, teams, validations, web_sessions
 from app.services.errors import ServiceError
+from app.services.farm_options import farm_options
 from app.web import auth, profile_views, views
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import list_devices
@@ -129,6 +130,7 @@ def sign_in_page(request: Request, next: str = "/") -> HTMLResponse:
 def sign_in(
     request: Request,
     session: SessionDep,
+    settings: SettingsDep,
     api_key: FormStr = "",
     csrf: FormStr = "",
     next: FormStr = "/",
@@ -137,22 +139,28 @@ def sign_in(
     if not auth.csrf_ok(request, csrf):
         context = {"next": target, "error": csrf_refused()}
         return render(request, "sign_in.html", context, 403)
-    team = teams.team_for_key(session, api_key.strip())
-    session.commit()
-    if team is None:
+    found = teams.key_for(session, api_key.strip())
+    if found is None:
+        session.commit()
         error = problem("unauthorized", "the API key is unknown or revoked")
         return render(request, "sign_in.html", {"next": target, "error": error}, 401)
+    token = web_sessions.open_session(session, *found)
+    session.commit()
     response = RedirectResponse(target, status_code=303)
-    auth.set_key_cookie(response, api_key.strip())
+    auth.set_session_cookie(request, response, token, settings)
     return response
 
 
 @router.post("/sign-out", response_model=None)
-def sign_out(request: Request, csrf: FormStr = "") -> Response:
+def sign_out(request: Request, session: SessionDep, csrf: FormStr = "") -> Response:
     if not auth.csrf_ok(request, csrf):
         return render(request, "error.html", {"error": csrf_refused()}, 403)
+    token = request.cookies.get(auth.SESSION_COOKIE)
+    if token:
+        web_sessions.close_session(session, token)
+        session.commit()
     response = RedirectResponse("/sign-in", status_code=303)
-    response.delete_cookie(auth.KEY_COOKIE, path="/")
+    response.delete_cookie(auth.SESSION_COOKIE, path="/")
     return response
 
 
@@ -208,13 +216,15 @@ def submit(
         context = dashboard_context(session, team, form=form, error=csrf_refused())
         return render(request, "dashboard.html", context, 403)
     try:
-        options = CompileOptions.from_flags(compile_flags(flags, cores, bool(fp16), device))
+        options = farm_options(flags=compile_flags(flags, cores, bool(fp16), device))
         if model is None or not model.filename:
             raise ServiceError("no_file", "choose an .onnx model (or a .zip/.tar of one)", 422)
         row = models.store_model(
             session, store, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
         )
-        job, created = jobs.submit_job(session, team, row, options)
+        job, created = jobs.submit_job(
+            session, team, row, options, store=store, cache_scope=settings.cache_scope
+        )
         session.commit()
     except (CompileError, ServiceError) as exc:
         session.rollback()
@@ -378,7 +388,7 @@ def start_profile(
             ) from None
         row = profiles.submit(session, team, qpc, iterations=count)
         session.commit()
-        queue.enqueue(row.id)
+        queue.enqueue(row.id, "profile")
         return f"/profiles/{row.id}"
 
     return job_action(request, session, settings, job_id, csrf, act)

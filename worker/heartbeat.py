@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 
 from sqlalchemy.orm import Session
+
+from app.db.base import utcnow
+from worker.claims import DEFAULT_HEARTBEAT_S, JobTable, touch
 
 log = logging.getLogger(__name__)
 
@@ -60,3 +64,23 @@ class HeartbeatThread:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
+
+
+class JobHeartbeat(HeartbeatThread):
+    """Keeps a claimed job's heartbeat fresh while its work runs (a compile inside one long
+    stage, a profile run), on its own session. `stop_requested()` turns True once the job is
+    cancelled or taken over; a compile passes it to run_compile as `should_cancel`."""
+
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        table: JobTable,
+        job_id: uuid.UUID,
+        worker: str,
+        interval_s: float = DEFAULT_HEARTBEAT_S,
+    ) -> None:
+        def beat(session: Session) -> bool:
+            mine, cancel = touch(session, table, job_id, worker, {"heartbeat_at": utcnow()})
+            return mine and not cancel
+
+        super().__init__(session_factory, beat, interval_s, f"{table.__tablename__} {job_id}")

@@ -1,0 +1,80 @@
+"""Compiles in a child process (the embedded mode's worker threads): results, compiler
+refusals, cancels and a crashed child, each coming back to the parent as it would in process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import pytest
+
+from compiler_core import CompileError, CompileOptions
+from tests.conftest import tiny_model
+from worker.compile_process import CompileProcess
+
+
+@pytest.fixture(scope="module")
+def child() -> Iterator[CompileProcess]:
+    process = CompileProcess()
+    try:
+        yield process
+    finally:
+        process.close()
+
+
+def model_file(tmp_path: Path, batch: int | str = 2) -> Path:
+    path = tmp_path / "m.onnx"
+    onnx.save(tiny_model(batch=batch), path)
+    return path
+
+
+def options(tmp_path: Path, *flags: str) -> CompileOptions:
+    return CompileOptions.from_flags([f"-aic-binary-dir={tmp_path / 'out'}", *flags])
+
+
+def test_a_compile_in_the_child_writes_the_qpc_and_reports_progress(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    stages: list[str] = []
+    result = child.compile(model_file(tmp_path), options(tmp_path), lambda s, f: stages.append(s))
+    assert result.qpc_path.is_file() and result.metrics and result.pass_times
+    assert stages and stages[0] == "import"
+
+
+def test_a_compiler_refusal_comes_back_with_its_code_and_flag(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    with pytest.raises(CompileError) as refused:
+        child.compile(model_file(tmp_path, batch="N"), options(tmp_path), lambda s, f: None)
+    assert refused.value.code == "dynamic_shape"
+
+
+class Stop(BaseException):
+    pass
+
+
+def test_a_cancel_stops_the_child_and_the_next_compile_still_runs(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    def cancel(stage: str, fraction: float) -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        child.compile(model_file(tmp_path), options(tmp_path), cancel)
+    assert child.compile(model_file(tmp_path), options(tmp_path), lambda s, f: None).metrics
+
+
+def test_a_child_that_dies_fails_the_compile_cleanly_and_is_replaced(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    def kill_child(stage: str, fraction: float) -> None:
+        os.kill(child._process.pid, signal.SIGKILL)
+
+    with pytest.raises(CompileError) as crashed:
+        child.compile(model_file(tmp_path), options(tmp_path), kill_child)
+    assert crashed.value.code == "compiler_crashed"
+    assert child.compile(model_file(tmp_path), options(tmp_path), lambda s, f: None).metrics

@@ -1,0 +1,342 @@
+"""A compile job on a worker: claim it, compile it with progress and a heartbeat, store
+the QPC and its report, or the structured error.
+
+Results are stored by content: a job run twice (a redelivered message, a re-claim after a
+dead worker) stores one QPC row per team and one blob. A cancel, or losing the job to another
+worker, stops the compile at its next progress report or heartbeat (the progress callback
+raises a private BaseException that no `except Exception` in the compiler swallows).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.db.base import utcnow
+from app.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
+from app.db.ops import insert_or_ignore
+from app.services.errors import ServiceError, internal_error_message
+from app.services.model_files import resolve_model_files
+from app.services.models import KIND_ARCHIVE, materialize_model
+from compiler_core import CompileError, CompileOptions
+from compiler_core.version import COMPILER_VERSION
+from worker import claims
+from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
+from worker.compile_process import CompileProcess
+from worker.heartbeat import JobHeartbeat
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[str, float], None]
+
+
+def claim(
+    session: Session,
+    job_id: uuid.UUID,
+    worker: str,
+    *,
+    now: dt.datetime | None = None,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+) -> CompileJob | None:
+    """`claims.claim` on compile_jobs: the stage starts at `claimed`, progress at 0."""
+    return claims.claim(
+        session,
+        CompileJob,
+        job_id,
+        worker,
+        now=now,
+        stale_after_s=stale_after_s,
+        values={"stage": "claimed", "progress": 0.0},
+    )
+
+
+def fail(
+    session: Session,
+    job: CompileJob,
+    code: str,
+    message: str,
+    detail: dict[str, Any] | None = None,
+    *,
+    now: dt.datetime | None = None,
+) -> None:
+    claims.fail(session, CompileJob, job, code, message, detail, now=now)
+
+
+def heartbeat(
+    session_factory: Callable[[], Session], job: CompileJob, interval_s: float = DEFAULT_HEARTBEAT_S
+) -> JobHeartbeat:
+    """A heartbeat thread for a claimed compile (`with heartbeat(...) as hb:`)."""
+    assert job.worker is not None, "a heartbeat needs a claimed job"
+    return JobHeartbeat(session_factory, CompileJob, job.id, job.worker, interval_s)
+
+
+def report_progress(
+    session: Session,
+    job: CompileJob,
+    stage: str | None = None,
+    progress: float | None = None,
+    *,
+    now: dt.datetime | None = None,
+) -> bool:
+    """Record stage/progress (or just a heartbeat) of a job this worker runs. Commits.
+
+    Returns True when the worker should stop: a cancel was requested, or the job is no longer
+    this worker's (re-claimed after a missed heartbeat, or finished elsewhere).
+    """
+    values: dict[str, Any] = {"heartbeat_at": now or utcnow()}
+    if stage is not None:
+        values["stage"] = stage[:64]
+    if progress is not None:
+        values["progress"] = max(0.0, min(1.0, progress))
+    assert job.worker is not None, "report_progress needs a claimed job"
+    mine, cancel_requested = touch(session, CompileJob, job.id, job.worker, values)
+    if mine:
+        for name, value in values.items():
+            setattr(job, name, value)
+        job.cancel_requested = cancel_requested
+    return not mine or cancel_requested
+
+
+@dataclass
+class CompileOutcome:
+    """What a successful compile adds to the database besides the QPC blob."""
+
+    metrics: dict[str, Any]
+    warnings: list[dict[str, Any]]
+    pass_times: dict[str, float]
+    requirements: dict[str, Any]
+    log: str = ""
+
+
+def succeed(
+    session: Session,
+    job: CompileJob,
+    qpc_ref: BlobRef,
+    outcome: CompileOutcome,
+    *,
+    now: dt.datetime | None = None,
+) -> Qpc:
+    """Store the team's QPC row (get-or-create by team and sha256) and its report, and mark the job
+    succeeded if it is still running. Safe to call twice or from two workers. Commits."""
+    now = now or utcnow()
+    insert_or_ignore(
+        session,
+        Qpc,
+        {
+            "id": uuid.uuid4(),
+            "team_id": job.team_id,
+            "sha256": qpc_ref.sha256,
+            "size": qpc_ref.size,
+            "compiler_version": COMPILER_VERSION,
+            "options_key": job.options_key,
+            "device": job.device,
+            "requirements": outcome.requirements,
+            "created_at": now,
+        },
+        ["team_id", "sha256"],
+    )
+    qpc = session.execute(
+        select(Qpc).where(Qpc.team_id == job.team_id, Qpc.sha256 == qpc_ref.sha256)
+    ).scalar_one()
+    insert_or_ignore(
+        session,
+        CompileReport,
+        {
+            "id": uuid.uuid4(),
+            "qpc_id": qpc.id,
+            "metrics": outcome.metrics,
+            "warnings": outcome.warnings,
+            "pass_times": outcome.pass_times,
+            "log": outcome.log,
+            "created_at": now,
+        },
+        ["qpc_id"],
+    )
+    session.execute(
+        update(CompileJob)
+        .where(CompileJob.id == job.id, CompileJob.status == JobStatus.running)
+        .values(
+            status=JobStatus.succeeded,
+            stage="done",
+            progress=1.0,
+            qpc_id=qpc.id,
+            finished_at=now,
+            heartbeat_at=now,
+        ),
+        execution_options={"synchronize_session": False},
+    )
+    session.commit()
+    session.refresh(job)
+    return qpc
+
+
+def _finish_cancelled(session: Session, job: CompileJob) -> None:
+    session.execute(
+        update(CompileJob)
+        .where(CompileJob.id == job.id, CompileJob.status == JobStatus.running)
+        .values(status=JobStatus.cancelled, stage="cancelled", finished_at=utcnow()),
+        execution_options={"synchronize_session": False},
+    )
+    session.commit()
+    session.refresh(job)
+
+
+class _Stop(BaseException):
+    """Raised from the progress callback to abandon a compile. A BaseException so that no
+    `except Exception` inside the compiler swallows it."""
+
+    def __init__(self, cancelled: bool) -> None:
+        super().__init__("cancelled" if cancelled else "job lost")
+        self.cancelled = cancelled
+
+
+@dataclass
+class _Progress:
+    """The compiler's progress callback: writes stage and progress to the job row (every
+    stage change, otherwise at most every `interval` s), keeps a log, and stops the compile
+    when the job is cancelled or taken over."""
+
+    session: Session
+    job: CompileJob
+    interval: float
+    observer: ProgressCallback | None
+    should_cancel: Callable[[], bool] | None
+    started: float = field(default_factory=time.monotonic)
+    lines: list[str] = field(default_factory=list)
+    _stage: str | None = None
+    _written: float = 0.0
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        now = time.monotonic()
+        if self.observer is not None:
+            self.observer(stage, fraction)
+        changed = stage != self._stage
+        if changed:
+            self.note(f"stage {stage}")
+            self._stage = stage
+        if changed or now - self._written >= self.interval:
+            self._written = now
+            if report_progress(self.session, self.job, stage, fraction):
+                raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
+        self.check()
+
+    def check(self) -> None:
+        if self.should_cancel is not None and self.should_cancel():
+            raise _Stop(cancelled=True)
+
+    def _cancel_requested(self) -> bool:
+        flag = self.session.execute(
+            select(CompileJob.cancel_requested).where(CompileJob.id == self.job.id)
+        ).scalar_one_or_none()
+        self.session.commit()
+        return bool(flag)
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"[{time.monotonic() - self.started:8.3f}s] {text}")
+
+
+def run_compile(
+    session: Session,
+    store: BlobStore,
+    job: CompileJob,
+    progress_cb: ProgressCallback | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    *,
+    progress_interval_s: float = 1.0,
+    compiler: CompileProcess | None = None,
+) -> CompileJob:
+    """Compile a job this worker has claimed, from model blob to stored QPC and report.
+
+    Progress goes to the job row (and to `progress_cb`); a cancel (the row's flag or
+    `should_cancel()`) stops the compile at its next progress report. Ends the job
+    succeeded, failed (a CompileError keeps its code, flag and node; anything else is
+    `internal_error`) or cancelled. A job that is not running is returned untouched. Commits.
+    """
+    if job.status != JobStatus.running:
+        return job
+    progress = _Progress(session, job, progress_interval_s, progress_cb, should_cancel)
+    try:
+        model = session.get(Model, job.model_id)
+        if model is None:
+            raise CompileError("model_missing", f"model {job.model_id} no longer exists")
+        options = CompileOptions.from_json(job.options)
+        with tempfile.TemporaryDirectory(prefix="qpcfarm-job-") as tmp:
+            work = Path(tmp)
+            try:
+                model_path = materialize_model(store, model, work)
+            except BlobNotFound:
+                raise CompileError(
+                    "model_missing", f"the blob of model {model.id} is missing"
+                ) from None
+            except BlobCorrupt:
+                raise CompileError(
+                    "blob_corrupt",
+                    f"the stored bytes of model {model.id} failed their integrity check and "
+                    "were quarantined; upload the model again",
+                ) from None
+            except ServiceError as exc:
+                raise CompileError(exc.code, exc.message) from None
+            progress.note(f"compiling {model.name} ({model.size:,} bytes) on {job.worker}")
+            # The farm's report always carries perf metrics and warnings: they are outputs of
+            # the compile, not choices that change the QPC (and not part of the cache key).
+            model_dir = model_path.parent if model.kind == KIND_ARCHIVE else None
+            farm_options = resolve_model_files(options, model_dir).with_(
+                aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
+            )
+            result = _compile(model_path, farm_options, progress, compiler)
+            progress.check()
+            with open(result.qpc_path, "rb") as qpc_file:
+                ref = store.put(qpc_file)
+            progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
+            outcome = CompileOutcome(
+                metrics=result.metrics,
+                warnings=result.warnings,
+                pass_times=result.pass_times,
+                requirements=_requirements(result.qpc_path),
+                log="\n".join(progress.lines) + "\n",
+            )
+        succeed(session, job, ref, outcome)
+    except _Stop as stop:
+        session.rollback()
+        if stop.cancelled:
+            _finish_cancelled(session, job)
+        else:
+            log.warning("job %s was taken over by another worker; abandoning it", job.id)
+            session.refresh(job)
+    except CompileError as exc:
+        session.rollback()
+        fail(session, job, exc.code, exc.message, exc.to_dict())
+    except Exception as exc:
+        log.exception("job %s failed unexpectedly", job.id)
+        session.rollback()
+        fail(session, job, "internal_error", internal_error_message(exc))
+    return job
+
+
+def _compile(
+    model_path: Path, options: CompileOptions, progress: _Progress, compiler: Any
+) -> Any:
+    if compiler is not None:  # a process of its own (the embedded mode's worker threads)
+        return compiler.compile(model_path, options, progress)
+    from compiler_core.compile import compile_model  # heavy: loaded on the first compile
+
+    return compile_model(model_path, options, progress=progress)
+
+
+def _requirements(qpc_path: Path) -> dict[str, Any]:
+    from compiler_core.qpc.container import load_qpc
+
+    with load_qpc(qpc_path) as qpc:
+        network = qpc.network
+        return {} if network is None else network.requirements.to_dict()

@@ -1,0 +1,76 @@
+"""The job queues: Celery over a broker (the farm) or threads of the API process (embedded),
+built from settings. Both carry ids only; the database row is the job."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING
+
+from app.queue import JobKind, JobQueue
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from app.blobs import BlobStore
+    from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class CeleryQueue:
+    """Sends `qpcfarm.compile(id)` or `qpcfarm.profile(id)` through the Celery broker of
+    `settings.broker_url`."""
+
+    def __init__(self, settings: Settings) -> None:
+        from worker.celery_app import make_celery_app
+
+        self._app = make_celery_app(settings)
+
+    @property
+    def celery(self) -> Celery:
+        return self._app
+
+    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
+        from worker.celery_app import TASK_NAMES
+
+        try:
+            self._app.send_task(TASK_NAMES[kind], args=[str(job_id)])
+        except Exception:  # broker down: the job stays queued and the sweep sends it later
+            log.warning(
+                "could not enqueue %s %s; the sweep will retry", kind, job_id, exc_info=True
+            )
+
+    def ping(self) -> bool:
+        try:
+            with self._app.connection_for_write() as connection:
+                connection.ensure_connection(max_retries=1, timeout=2)
+            return True
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        self._app.close()
+
+
+def queue_from_settings(
+    settings: Settings, session_factory: sessionmaker[Session], store: BlobStore
+) -> JobQueue:
+    """The configured queue: Celery when a broker URL is set, else a started in-process
+    worker (which re-enqueues the database's pending jobs as it starts, and sweeps for
+    itself). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
+    if settings.broker_url:
+        return CeleryQueue(settings)
+    from worker.inprocess import InProcessQueue
+    from worker.sweep import sweep_interval
+
+    return InProcessQueue(
+        session_factory,
+        store,
+        concurrency=settings.worker_concurrency,
+        heartbeat_s=settings.heartbeat_s,
+        stale_after_s=settings.stale_after_s,
+        requeue_after_s=settings.requeue_after_s,
+        sweep_interval_s=sweep_interval(settings),
+    ).start()
