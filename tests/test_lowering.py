@@ -383,3 +383,31 @@ def test_a_long_chain_waits_only_on_its_neighbours_and_stays_right() -> None:
     np.testing.assert_array_equal(
         run_qpc(result.qpc_path, {"x": x})[prev], _reference(model, {"x": x})
     )
+
+
+def test_a_kernel_with_hundreds_of_fused_operands_encodes_and_runs() -> None:
+    # 300 Adds of graph inputs fuse into one kernel with 301 operands: program.bin counts
+    # operands in 32 bits (a byte overflowed at 256)
+    count = 300
+    nodes, prev = [], "x0"
+    for i in range(1, count + 1):
+        nodes.append(helper.make_node("Add", [prev, f"x{i}"], [f"s{i}"], name=f"add{i}"))
+        prev = f"s{i}"
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x0"], ["r"], name="relu")] + nodes[1:],
+        "long_fusion",
+        [
+            helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [4, 8])
+            for i in range(count + 1)
+        ],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [4, 8])],
+    )
+    graph.node[1].input[0] = "r"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(9)
+    feeds = {f"x{i}": rng.standard_normal((4, 8)).astype(np.float32) for i in range(count + 1)}
+    result = compile_model(model, ["-aic-num-cores=2"])
+    assert max(len(k.inputs) for k in result.program.kernels) > 255
+    np.testing.assert_allclose(
+        run_qpc(result.qpc_path, feeds)[prev], _reference(model, feeds), rtol=1e-5, atol=1e-5
+    )
