@@ -1,5 +1,20 @@
 # qpcfarm: the API (`qpcfarm serve`) and, with another command, a compile worker
 # (`qpcfarm worker`). docker-compose.yml runs both in farm mode (PostgreSQL + Redis).
+#
+# Two stages: the first builds the wheel from the sources, the second installs that wheel (and
+# its service extra) like any user would, so the image runs what `pip install` ships: the
+# service as `qpcfarm.app` / `qpcfarm.worker`, the migrations and alembic.ini as package data.
+FROM python:3.11-slim AS build
+
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY compiler_core ./compiler_core
+COPY app ./app
+COPY worker ./worker
+COPY migrations ./migrations
+RUN pip wheel --no-deps --wheel-dir /dist .
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -8,15 +23,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     QPCFARM_DATA_DIR=/var/lib/qpcfarm
 
-WORKDIR /opt/qpcfarm
-COPY pyproject.toml README.md alembic.ini ./
-COPY compiler_core ./compiler_core
-COPY app ./app
-COPY worker ./worker
-COPY migrations ./migrations
-# Editable: `migrations/` and `alembic.ini` are found beside the packages (app.db.session
-# looks for them in the source tree, which a plain wheel install would not ship).
-RUN pip install -e ".[service]" \
+COPY --from=build /dist /dist
+RUN pip install "$(ls /dist/qpcfarm-*.whl)[service]" \
+    && rm -rf /dist \
     && useradd --system --uid 10001 --home-dir /var/lib/qpcfarm --shell /usr/sbin/nologin qpcfarm \
     && mkdir -p /var/lib/qpcfarm \
     && chown qpcfarm:qpcfarm /var/lib/qpcfarm

@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from app.submit import submit_command
+from qpcfarm.app.submit import submit_command
 
 if TYPE_CHECKING:
-    from app.settings import Settings
+    from qpcfarm.app.settings import Settings
 
 PROG = "qpcfarm"
 LOCAL_TEAM = "local"
@@ -72,8 +72,8 @@ def serve_command(argv: list[str]) -> int:
 
     import uvicorn
 
-    from app.db.session import upgrade_database, wait_for_database
-    from app.settings import get_settings
+    from qpcfarm.app.db.session import upgrade_database, wait_for_database
+    from qpcfarm.app.settings import get_settings
 
     settings = get_settings()
     if settings.environment == "production":
@@ -92,7 +92,7 @@ def serve_command(argv: list[str]) -> int:
     # gives it up for I/O, and a request gives it up a dozen times. 1 ms bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
-        "app.main:create_app",
+        "qpcfarm.app.main:create_app",
         factory=True,
         host=args.host,
         port=args.port,
@@ -134,9 +134,9 @@ def _start_farm_sweeper(settings: Settings) -> None:
     """Farm mode: re-enqueue the jobs of dead workers and lost messages from this API process
     too (workers sweep as well; more sweepers are harmless). In the embedded mode the
     in-process queue sweeps for itself."""
-    from app.db.session import make_engine, make_session_factory
-    from worker.queues import CeleryQueue
-    from worker.sweep import start_sweeper
+    from qpcfarm.app.db.session import make_engine, make_session_factory
+    from qpcfarm.worker.queues import CeleryQueue
+    from qpcfarm.worker.sweep import start_sweeper
 
     sessions = make_session_factory(make_engine(settings.database_url))
     start_sweeper(sessions, CeleryQueue(settings), settings)
@@ -163,9 +163,9 @@ def ensure_local_key(settings: Settings) -> str | None:
     key, or None when there were teams already."""
     from sqlalchemy import func, select
 
-    from app.db.models import Team
-    from app.db.session import make_engine, make_session_factory, session_scope
-    from app.services import teams
+    from qpcfarm.app.db.models import Team
+    from qpcfarm.app.db.session import make_engine, make_session_factory, session_scope
+    from qpcfarm.app.services import teams
 
     engine = make_engine(settings.database_url)
     try:
@@ -198,7 +198,7 @@ def write_secret(path: Path, text: str) -> None:
 
 
 def worker_command(argv: list[str]) -> int:
-    from app.settings import get_settings
+    from qpcfarm.app.settings import get_settings
 
     settings = get_settings()
     parser = _Parser(prog=f"{PROG} worker", description="Run a Celery compile worker.")
@@ -228,9 +228,9 @@ def worker_command(argv: list[str]) -> int:
     if args.concurrency < 1:
         raise CliError(f"--concurrency must be at least 1, not {args.concurrency}")
 
-    from app.db.session import make_engine, make_session_factory, wait_for_database
-    from worker.celery_app import make_celery_app
-    from worker.tasks import register_tasks
+    from qpcfarm.app.db.session import make_engine, make_session_factory, wait_for_database
+    from qpcfarm.worker.celery_app import make_celery_app
+    from qpcfarm.worker.tasks import register_tasks
 
     if args.ping:
         return ping_local_worker(settings)
@@ -239,8 +239,8 @@ def worker_command(argv: list[str]) -> int:
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
     if not args.no_sweep:
-        from worker.queues import CeleryQueue
-        from worker.sweep import start_sweeper
+        from qpcfarm.worker.queues import CeleryQueue
+        from qpcfarm.worker.sweep import start_sweeper
 
         # In the main process, before the pool forks: children build their own engines.
         sessions = make_session_factory(make_engine(settings.database_url))
@@ -265,7 +265,7 @@ def ping_local_worker(settings: Settings, timeout: float = 2.0) -> int:
     """`worker --ping`: 0 when a worker of this host answers a broadcast ping."""
     import socket
 
-    from worker.celery_app import make_celery_app
+    from qpcfarm.worker.celery_app import make_celery_app
 
     celery = make_celery_app(settings)
     try:
@@ -309,9 +309,14 @@ def admin_command(argv: list[str]) -> int:
     if args.action == "verify-blobs":
         return verify_blobs_command(args.json)
 
-    from app.db.session import make_engine, make_session_factory, session_scope, upgrade_database
-    from app.services import teams
-    from app.settings import get_settings
+    from qpcfarm.app.db.session import (
+        make_engine,
+        make_session_factory,
+        session_scope,
+        upgrade_database,
+    )
+    from qpcfarm.app.services import teams
+    from qpcfarm.app.settings import get_settings
 
     settings = get_settings()
     upgrade_database(settings.database_url)
@@ -340,7 +345,7 @@ def admin_command(argv: list[str]) -> int:
 
 
 def _team_arg(session: Any, name: str) -> Any:
-    from app.services import teams
+    from qpcfarm.app.services import teams
 
     found = teams.get_team_by_name(session, name)
     if found is None:
@@ -363,10 +368,10 @@ def print_keys(rows: list[tuple[Any, Any]]) -> None:
 def verify_blobs_command(as_json: bool) -> int:
     import json
 
-    from app.blobs import blob_store_from_settings
-    from app.db.session import make_engine, make_session_factory, upgrade_database
-    from app.services.scrub import scrub
-    from app.settings import get_settings
+    from qpcfarm.app.blobs import blob_store_from_settings
+    from qpcfarm.app.db.session import make_engine, make_session_factory, upgrade_database
+    from qpcfarm.app.services.scrub import scrub
+    from qpcfarm.app.settings import get_settings
 
     settings = get_settings()
     upgrade_database(settings.database_url)
@@ -399,8 +404,8 @@ def db_command(argv: list[str]) -> int:
     upgrade.add_argument("--revision", default="head", help="default head")
     args = parser.parse_args(argv)
 
-    from app.db.session import upgrade_database
-    from app.settings import get_settings
+    from qpcfarm.app.db.session import upgrade_database
+    from qpcfarm.app.settings import get_settings
 
     upgrade_database(get_settings().database_url, args.revision)
     print(f"{PROG}: database upgraded to {args.revision}", file=sys.stderr)
@@ -458,13 +463,13 @@ def _run_service(handler: Handler, argv: list[str]) -> int:
 
 
 def _is_user_error(exc: Exception) -> bool:
-    from app.services.errors import ServiceError
+    from qpcfarm.app.services.errors import ServiceError
 
     return isinstance(exc, ServiceError)
 
 
 def _describe(exc: Exception) -> str:
-    from app.services.errors import ServiceError
+    from qpcfarm.app.services.errors import ServiceError
 
     if isinstance(exc, ServiceError):
         return exc.message

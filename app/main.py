@@ -17,17 +17,17 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
-from app.api.errors import install_error_handlers
-from app.api.openapi import complete
-from app.api.schemas import OPTIONS_SCHEMA_NAME
-from app.security_headers import SecurityHeaders
-from app.settings import Settings, get_settings
-from app.web import router as web_router
 from compiler_core.version import COMPILER_VERSION
+from qpcfarm.app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
+from qpcfarm.app.api.errors import install_error_handlers
+from qpcfarm.app.api.openapi import complete
+from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
+from qpcfarm.app.security_headers import SecurityHeaders
+from qpcfarm.app.settings import Settings, get_settings
+from qpcfarm.app.web import router as web_router
 
 if TYPE_CHECKING:
-    from app.queue import JobQueue
+    from qpcfarm.app.queue import JobQueue
 
 DESCRIPTION = """\
 An ONNX -> QPC compile farm. Upload a model, submit a compile job with `qaic-compile` options
@@ -80,8 +80,8 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
 
 
 def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
-    from app.blobs import blob_store_from_settings
-    from app.db.session import (
+    from qpcfarm.app.blobs import blob_store_from_settings
+    from qpcfarm.app.db.session import (
         make_engine,
         make_session_factory,
         upgrade_database,
@@ -99,7 +99,7 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     blob_engine = engine if settings.is_sqlite else make_engine(settings.database_url, **BLOB_POOL)
     store = blob_store_from_settings(settings, make_session_factory(blob_engine))
     if queue is None:
-        from worker.queues import queue_from_settings
+        from qpcfarm.worker.queues import queue_from_settings
 
         queue = queue_from_settings(settings, session_factory, store)
     app.state.settings = settings

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     import onnx
 
-    from app.client import FarmClient
     from compiler_core.options import CompileOptions
+    from qpcfarm.app.client import FarmClient
 
 PROG = "qpcfarm"
 QPC_FILE_NAME = "programqpc.bin"
@@ -401,7 +401,7 @@ def _submit(args: SubmitArgs) -> int:
     for message in options.warnings:
         print(f"warning: {message}", file=sys.stderr)
 
-    from app.client import FarmClient
+    from qpcfarm.app.client import FarmClient
 
     with (
         FarmClient(args.server, args.api_key) as client,

@@ -53,7 +53,7 @@ from onnx import TensorProto, helper, numpy_helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
+from qpcfarm.app.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
 
 MIB = 1 << 20
 START_ATTEMPTS = 900  # x 0.1 s
@@ -199,7 +199,7 @@ def _free_port() -> int:
 
 
 def _qpcfarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "app.cli", *args]
+    return [sys.executable, "-m", "qpcfarm.app.cli", *args]
 
 
 def _base_env(data_dir: Path, extra: dict[str, str]) -> dict[str, str]:

@@ -11,10 +11,10 @@ import logging.config
 from alembic import context
 from sqlalchemy import Connection
 
-from app.db import models  # noqa: F401  (fills Base.metadata)
-from app.db.base import Base
-from app.db.session import make_engine
-from app.settings import get_settings
+from qpcfarm.app.db import models  # noqa: F401  (fills Base.metadata)
+from qpcfarm.app.db.base import Base
+from qpcfarm.app.db.session import make_engine
+from qpcfarm.app.settings import get_settings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", False):

@@ -33,7 +33,10 @@ def _loaded_after(code: str) -> dict[str, bool]:
 
 @pytest.mark.parametrize("argv", [["--help"], ["compile", "-h"]])
 def test_cli_help_imports_no_heavy_module(argv: list[str]) -> None:
-    code = f"import app.cli\n    try: app.cli.main({argv!r})\n    except SystemExit: pass"
+    code = (
+        f"import qpcfarm.app.cli\n    try: qpcfarm.app.cli.main({argv!r})\n"
+        "    except SystemExit: pass"
+    )
     loaded = _loaded_after(code)
     assert not any(loaded.values()), {name for name, yes in loaded.items() if yes}
 

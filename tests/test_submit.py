@@ -22,16 +22,16 @@ import httpx
 import onnx
 import pytest
 
-from app.cli import main
-from app.client import etag_sha256
-from app.submit import (
+from compiler_core.options import CompileOptions
+from qpcfarm.app.cli import main
+from qpcfarm.app.client import etag_sha256
+from qpcfarm.app.submit import (
     ProgressDisplay,
     external_data_files,
     parse_args,
     remote_flags,
     upload_source,
 )
-from compiler_core.options import CompileOptions
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = _free_port()
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "qpcfarm.app.cli", "serve", "--port", str(port)]
+        + ["--log-level", "warning"],
         cwd=root,
         env=_server_env(data_dir),
         stdout=subprocess.DEVNULL,

@@ -31,7 +31,7 @@ class Site:
 
 
 def new_key(app: Any, team_name: str) -> str:
-    from app.services import teams
+    from qpcfarm.app.services import teams
 
     with app.state.session_factory() as session:
         team = teams.create_team(session, team_name)
@@ -44,8 +44,8 @@ def new_key(app: Any, team_name: str) -> str:
 def site(tmp_path: Path) -> Iterator[Site]:
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from qpcfarm.app.main import create_app
+    from qpcfarm.app.settings import Settings
 
     settings = Settings(
         data_dir=tmp_path,
@@ -100,7 +100,7 @@ def wait_done(site: Site, job_id: str) -> None:
 def job_count(site: Site) -> int:
     from sqlalchemy import func, select
 
-    from app.db.models import CompileJob, Model
+    from qpcfarm.app.db.models import CompileJob, Model
 
     with site.app.state.session_factory() as session:
         jobs = session.execute(select(func.count()).select_from(CompileJob)).scalar_one()
@@ -254,8 +254,8 @@ def test_validation_shows_one_line_per_check_and_an_unknown_device_is_an_error(
 def test_a_queued_job_can_be_cancelled_from_its_page(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
-    from app.settings import Settings
+    from qpcfarm.app.main import create_app
+    from qpcfarm.app.settings import Settings
 
     class HeldQueue:  # never runs anything: the job stays queued
         def enqueue(self, job_id: uuid.UUID) -> None: ...
@@ -293,7 +293,7 @@ def test_sign_out_forgets_the_key(site: Site) -> None:
 
 
 def test_metrics_flatten_to_rows_and_record_lists_to_tables() -> None:
-    from app.web.views import split_metrics
+    from qpcfarm.app.web.views import split_metrics
 
     shown = split_metrics(
         {

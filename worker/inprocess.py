@@ -16,19 +16,19 @@ import uuid
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.blobs import BlobStore
-from app.db.session import session_scope
-from app.queue import JobKind
-from worker.claims import (
+from qpcfarm.app.blobs import BlobStore
+from qpcfarm.app.db.session import session_scope
+from qpcfarm.app.queue import JobKind
+from qpcfarm.worker.claims import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_REQUEUE_AFTER_S,
     DEFAULT_STALE_AFTER_S,
     queued_ids,
     stale_ids,
 )
-from worker.compile_process import CompileProcess
-from worker.runner import default_worker_name, process_job
-from worker.sweep import JOB_TABLES, Sweeper
+from qpcfarm.worker.compile_process import CompileProcess
+from qpcfarm.worker.runner import default_worker_name, process_job
+from qpcfarm.worker.sweep import JOB_TABLES, Sweeper
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from app.queue import JobKind, JobQueue
+from qpcfarm.app.queue import JobKind, JobQueue
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session, sessionmaker
 
-    from app.blobs import BlobStore
-    from app.settings import Settings
+    from qpcfarm.app.blobs import BlobStore
+    from qpcfarm.app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class CeleryQueue:
     `settings.broker_url`."""
 
     def __init__(self, settings: Settings) -> None:
-        from worker.celery_app import make_celery_app
+        from qpcfarm.worker.celery_app import make_celery_app
 
         self._app = make_celery_app(settings)
 
@@ -33,7 +33,7 @@ class CeleryQueue:
         return self._app
 
     def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
-        from worker.celery_app import TASK_NAMES
+        from qpcfarm.worker.celery_app import TASK_NAMES
 
         try:
             self._app.send_task(TASK_NAMES[kind], args=[str(job_id)])
@@ -62,8 +62,8 @@ def queue_from_settings(
     itself). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
         return CeleryQueue(settings)
-    from worker.inprocess import InProcessQueue
-    from worker.sweep import sweep_interval
+    from qpcfarm.worker.inprocess import InProcessQueue
+    from qpcfarm.worker.sweep import sweep_interval
 
     return InProcessQueue(
         session_factory,

@@ -17,14 +17,19 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.db.models import CompileJob, ProfileJob
-from app.db.session import session_scope
-from app.queue import JobKind
-from worker.claims import DEFAULT_REQUEUE_AFTER_S, DEFAULT_STALE_AFTER_S, JobTable, stale_ids
+from qpcfarm.app.db.models import CompileJob, ProfileJob
+from qpcfarm.app.db.session import session_scope
+from qpcfarm.app.queue import JobKind
+from qpcfarm.worker.claims import (
+    DEFAULT_REQUEUE_AFTER_S,
+    DEFAULT_STALE_AFTER_S,
+    JobTable,
+    stale_ids,
+)
 
 if TYPE_CHECKING:
-    from app.queue import JobQueue
-    from app.settings import Settings
+    from qpcfarm.app.queue import JobQueue
+    from qpcfarm.app.settings import Settings
 
 log = logging.getLogger(__name__)
 

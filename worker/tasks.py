@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from app.queue import JobKind
-from worker.celery_app import TASK_NAMES
+from qpcfarm.app.queue import JobKind
+from qpcfarm.worker.celery_app import TASK_NAMES
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session
 
-    from app.blobs import BlobStore
-    from app.settings import Settings
+    from qpcfarm.app.blobs import BlobStore
+    from qpcfarm.app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class ProcessResources:
             return self._current
 
     def _build(self, pid: int) -> _Resources:
-        from app.blobs import blob_store_from_settings
-        from app.db.session import make_engine, make_session_factory
+        from qpcfarm.app.blobs import blob_store_from_settings
+        from qpcfarm.app.db.session import make_engine, make_session_factory
 
         factory = make_session_factory(make_engine(self._settings.database_url))
         return _Resources(pid, factory, blob_store_from_settings(self._settings, factory))
@@ -71,7 +71,7 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
     """Add one task per kind of job to `app` (`qpcfarm.compile`, `qpcfarm.profile`); returns
     them by kind. A compile task given a profile's id (a message from before the kinds had
     tasks of their own) looks the kind up."""
-    from worker.runner import default_worker_name, process_job
+    from qpcfarm.worker.runner import default_worker_name, process_job
 
     resources = ProcessResources(settings)
 

@@ -22,12 +22,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from app.api.errors import unauthorized
-from app.blobs import BlobStore
-from app.db.models import CompileJob, Model, Qpc, Team
-from app.queue import JobKind
-from app.services import jobs, models, qpcs, teams, web_sessions
-from app.settings import Settings
+from qpcfarm.app.api.errors import unauthorized
+from qpcfarm.app.blobs import BlobStore
+from qpcfarm.app.db.models import CompileJob, Model, Qpc, Team
+from qpcfarm.app.queue import JobKind
+from qpcfarm.app.services import jobs, models, qpcs, teams, web_sessions
+from qpcfarm.app.settings import Settings
 
 LOCAL_TEAM = "local"
 """The team of unauthenticated requests when `require_auth` is off (a one-person setup)."""

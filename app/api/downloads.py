@@ -20,9 +20,9 @@ import re
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
-from app.api.errors import ApiError
-from app.blobs import BlobStore
-from app.blobs.integrity import verified_bytes, verified_range
+from qpcfarm.app.api.errors import ApiError
+from qpcfarm.app.blobs import BlobStore
+from qpcfarm.app.blobs.integrity import verified_bytes, verified_range
 
 CHECK_FIRST_BYTES = 16 << 20
 """Blobs up to this size are checked whole before the first byte is sent."""

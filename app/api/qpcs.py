@@ -12,10 +12,10 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 
-from app.api.deps import CurrentTeam, SessionDep, StoreDep, TeamQpc
-from app.api.downloads import blob_response
-from app.api.schemas import QpcOut, ValidateRequest, ValidationOut
-from app.services import qpcs, validations
+from qpcfarm.app.api.deps import CurrentTeam, SessionDep, StoreDep, TeamQpc
+from qpcfarm.app.api.downloads import blob_response
+from qpcfarm.app.api.schemas import QpcOut, ValidateRequest, ValidationOut
+from qpcfarm.app.services import qpcs, validations
 
 router = APIRouter(prefix="/v1/qpcs", tags=["qpcs"])
 

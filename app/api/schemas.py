@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from app.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
+from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
 
 OPTIONS_SCHEMA_NAME = "CompileOptions"
 """Component name of `compiler_core.options.options_json_schema()` in the OpenAPI document."""

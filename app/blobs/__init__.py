@@ -1,6 +1,6 @@
 """Content-addressed blob storage (sha256 -> bytes), streamed both ways."""
 
-from app.blobs.base import (
+from qpcfarm.app.blobs.base import (
     BlobCorrupt,
     BlobNotFound,
     BlobRef,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
-    from app.settings import Settings
+    from qpcfarm.app.settings import Settings
 
 CHUNK_SIZE = 1 << 20
 """Streaming granularity, and the row size of the database store."""
@@ -241,14 +241,14 @@ def blob_store_from_settings(
     settings: Settings, session_factory: sessionmaker[Session] | Callable[[], Session]
 ) -> BlobStore:
     """The configured store: a directory under `data_dir`, or the database's blob tables."""
-    from app.blobs.quarantine import recorder
+    from qpcfarm.app.blobs.quarantine import recorder
 
     record = recorder(session_factory)
     if settings.blob_store == "filesystem":
-        from app.blobs.filesystem import FilesystemBlobStore
+        from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
 
         return FilesystemBlobStore(Path(settings.data_dir) / "blobs", on_quarantine=record)
-    from app.blobs.database import DatabaseBlobStore
+    from qpcfarm.app.blobs.database import DatabaseBlobStore
 
     return DatabaseBlobStore(session_factory, on_quarantine=record)
 

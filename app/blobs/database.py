@@ -19,7 +19,7 @@ from typing import BinaryIO, cast
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
-from app.blobs.base import (
+from qpcfarm.app.blobs.base import (
     CHUNK_SIZE,
     BlobNotFound,
     BlobRef,
@@ -32,9 +32,9 @@ from app.blobs.base import (
     check_sha256,
     iter_chunks,
 )
-from app.db.base import utcnow
-from app.db.models import Blob, BlobChunk
-from app.db.ops import insert_or_ignore, rowcount
+from qpcfarm.app.db.base import utcnow
+from qpcfarm.app.db.models import Blob, BlobChunk
+from qpcfarm.app.db.ops import insert_or_ignore, rowcount
 
 
 class DatabaseBlobStore:

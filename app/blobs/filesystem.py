@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from app.blobs.base import (
+from qpcfarm.app.blobs.base import (
     CHUNK_SIZE,
     BackgroundHashingCounter,
     BlobNotFound,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.blobs.base import BlobCorrupt, BlobStore, check_range
+from qpcfarm.app.blobs.base import BlobCorrupt, BlobStore, check_range
 
 
 def verified_range(

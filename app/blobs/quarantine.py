@@ -14,8 +14,8 @@ from collections.abc import Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs.base import Quarantined, QuarantineRecorder
-from app.db.models import QuarantinedBlob
+from qpcfarm.app.blobs.base import Quarantined, QuarantineRecorder
+from qpcfarm.app.db.models import QuarantinedBlob
 
 log = logging.getLogger(__name__)
 

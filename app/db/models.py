@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from app.db.base import Base, utcnow
+from qpcfarm.app.db.base import Base, utcnow
 
 SHA256_LEN = 64
 

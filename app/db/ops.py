@@ -8,7 +8,7 @@ from sqlalchemy import ColumnElement, CursorResult, Result, TextClause
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from app.db.base import Base
+from qpcfarm.app.db.base import Base
 
 
 def insert_or_ignore(

@@ -16,9 +16,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.settings import get_settings
+from qpcfarm.app.settings import get_settings
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+MIGRATIONS_PACKAGE = "qpcfarm.migrations"
+"""Where `alembic.ini`, `env.py` and `versions/` live: package data of the installed wheel (or
+the source tree's `migrations/`, through an editable install)."""
 SQLITE_BUSY_TIMEOUT_S = 30.0
 SQLITE_POOL_SIZE = 32
 """SQLite connections kept open: as many as API threads that use one at a time, so a burst
@@ -203,12 +205,27 @@ def wait_for_database(url: str, timeout: float = 30.0, interval: float = 0.5) ->
         engine.dispose()
 
 
+def migrations_dir() -> Path:
+    """The folder of the migrations, found through the package (never the working directory),
+    so an installed farm migrates wherever it is started."""
+    from importlib.resources import files
+
+    folder = Path(str(files(MIGRATIONS_PACKAGE)))
+    if not (folder / "alembic.ini").is_file() or not (folder / "versions").is_dir():
+        raise RuntimeError(
+            f"the migrations are missing from {folder} (alembic.ini and versions/ should be "
+            "installed with the package): reinstall qpcfarm"
+        )
+    return folder
+
+
 def alembic_config(url: str | None = None) -> Any:
-    """The Alembic config of the repository's `migrations/`, aimed at `url` if given."""
+    """The Alembic config of the installed `migrations/`, aimed at `url` if given."""
     from alembic.config import Config
 
-    config = Config(str(REPO_ROOT / "alembic.ini"))
-    config.set_main_option("script_location", str(REPO_ROOT / "migrations"))
+    folder = migrations_dir()
+    config = Config(str(folder / "alembic.ini"))
+    config.set_main_option("script_location", str(folder))
     if url is not None:
         config.attributes["database_url"] = url
     return config

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from app.services.errors import ServiceError
+from qpcfarm.app.services.errors import ServiceError
 
 MAX_MEMBERS = 1000
 _COPY_CHUNK = 1 << 20

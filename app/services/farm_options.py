@@ -16,9 +16,9 @@ import logging
 import math
 from typing import Any
 
-from app.services.model_files import check_model_file_paths
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
+from qpcfarm.app.services.model_files import check_model_file_paths
 
 log = logging.getLogger(__name__)
 

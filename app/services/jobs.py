@@ -14,10 +14,12 @@ from typing import Any, Literal
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobCorrupt, BlobNotFound, BlobStore
-from app.blobs.integrity import verify_blob
-from app.db.base import utcnow
-from app.db.models import (
+from compiler_core import CompileOptions
+from compiler_core.version import COMPILER_VERSION
+from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobStore
+from qpcfarm.app.blobs.integrity import verify_blob
+from qpcfarm.app.db.base import utcnow
+from qpcfarm.app.db.models import (
     ACTIVE_JOB_PREDICATE,
     ACTIVE_STATUSES,
     CompileJob,
@@ -27,11 +29,9 @@ from app.db.models import (
     Qpc,
     Team,
 )
-from app.db.ops import insert_or_ignore, rowcount
-from app.services.errors import ServiceError, not_found
-from app.services.pages import Page, paginate
-from compiler_core import CompileOptions
-from compiler_core.version import COMPILER_VERSION
+from qpcfarm.app.db.ops import insert_or_ignore, rowcount
+from qpcfarm.app.services.errors import ServiceError, not_found
+from qpcfarm.app.services.pages import Page, paginate
 
 log = logging.getLogger(__name__)
 

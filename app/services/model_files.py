@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.services.archives import inside_parts
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
+from qpcfarm.app.services.archives import inside_parts
 
 MODEL_FILE_OPTIONS = ("network_specialization_config", "custom_io_list_file", "node_precision_info")
 """Options whose value is a file inside the model's upload."""

@@ -13,15 +13,15 @@ import onnx
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobStore, BlobTooLarge, local_path
-from app.blobs.base import Source
-from app.blobs.integrity import spill_verified, verified_path, verify_blob
-from app.db.models import Model, Team
-from app.services.archives import bad_archive, extract_archive, is_archive_name, sniff_kind
-from app.services.errors import ServiceError, from_compile_error, not_found
-from app.services.pages import Page, paginate
 from compiler_core import CompileError
 from compiler_core.importer import import_model
+from qpcfarm.app.blobs import BlobStore, BlobTooLarge, local_path
+from qpcfarm.app.blobs.base import Source
+from qpcfarm.app.blobs.integrity import spill_verified, verified_path, verify_blob
+from qpcfarm.app.db.models import Model, Team
+from qpcfarm.app.services.archives import bad_archive, extract_archive, is_archive_name, sniff_kind
+from qpcfarm.app.services.errors import ServiceError, from_compile_error, not_found
+from qpcfarm.app.services.pages import Page, paginate
 
 log = logging.getLogger(__name__)
 

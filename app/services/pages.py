@@ -8,7 +8,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from app.services.errors import ServiceError
+from qpcfarm.app.services.errors import ServiceError
 
 T = TypeVar("T")
 MAX_LIMIT = 500

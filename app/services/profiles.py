@@ -11,13 +11,13 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobRef, BlobStore, BlobTooLarge
-from app.blobs.base import Source
-from app.blobs.integrity import verified_bytes
-from app.db.models import JobStatus, ProfileJob, Qpc, Team
-from app.services.errors import ServiceError, not_found
-from app.services.models import too_large
-from app.services.qpcs import get_qpc
+from qpcfarm.app.blobs import BlobRef, BlobStore, BlobTooLarge
+from qpcfarm.app.blobs.base import Source
+from qpcfarm.app.blobs.integrity import verified_bytes
+from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc, Team
+from qpcfarm.app.services.errors import ServiceError, not_found
+from qpcfarm.app.services.models import too_large
+from qpcfarm.app.services.qpcs import get_qpc
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.db.models import CompileReport, Qpc, Team
-from app.services.errors import not_found
+from qpcfarm.app.db.models import CompileReport, Qpc, Team
+from qpcfarm.app.services.errors import not_found
 
 
 def team_can_see(session: Session, team: Team, qpc_id: uuid.UUID) -> bool:

@@ -13,9 +13,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobCorrupt, BlobNotFound, BlobStore
-from app.blobs.integrity import verify_blob
-from app.db.models import Model, ProfileJob, Qpc, QuarantinedBlob
+from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobStore
+from qpcfarm.app.blobs.integrity import verify_blob
+from qpcfarm.app.db.models import Model, ProfileJob, Qpc, QuarantinedBlob
 
 
 @dataclass

@@ -9,9 +9,9 @@ import uuid
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from app.db.base import utcnow
-from app.db.models import ApiKey, Team, WebSession
-from app.services.errors import ServiceError, not_found
+from qpcfarm.app.db.base import utcnow
+from qpcfarm.app.db.models import ApiKey, Team, WebSession
+from qpcfarm.app.services.errors import ServiceError, not_found
 
 KEY_PREFIX = "qpf_"
 _SHOWN_CHARS = 8

@@ -9,15 +9,15 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.blobs import BlobStore, BlobTooLarge
-from app.blobs.base import Source
-from app.blobs.integrity import verified_path
-from app.db.models import Qpc, Team, Validation
-from app.services.errors import ServiceError, from_compile_error, not_found
-from app.services.models import too_large
-from app.services.pages import Page, paginate
-from app.services.qpcs import get_qpc
 from compiler_core import CompileError
+from qpcfarm.app.blobs import BlobStore, BlobTooLarge
+from qpcfarm.app.blobs.base import Source
+from qpcfarm.app.blobs.integrity import verified_path
+from qpcfarm.app.db.models import Qpc, Team, Validation
+from qpcfarm.app.services.errors import ServiceError, from_compile_error, not_found
+from qpcfarm.app.services.models import too_large
+from qpcfarm.app.services.pages import Page, paginate
+from qpcfarm.app.services.qpcs import get_qpc
 
 
 def validate_stored_qpc(

@@ -15,8 +15,8 @@ import secrets
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from app.db.base import utcnow
-from app.db.models import ApiKey, Team, WebSession
+from qpcfarm.app.db.base import utcnow
+from qpcfarm.app.db.models import ApiKey, Team, WebSession
 
 SESSION_TTL_S = 12 * 3600
 """How long a sign-in lasts (a working day); the cookie's Max-Age is the same."""

@@ -17,10 +17,10 @@ from fastapi import Request, Response
 from fastapi.responses import RedirectResponse
 from sqlalchemy.orm import Session
 
-from app.api.deps import LOCAL_TEAM, WEB_SESSION_COOKIE
-from app.db.models import Team
-from app.services import teams, web_sessions
-from app.settings import Settings
+from qpcfarm.app.api.deps import LOCAL_TEAM, WEB_SESSION_COOKIE
+from qpcfarm.app.db.models import Team
+from qpcfarm.app.services import teams, web_sessions
+from qpcfarm.app.settings import Settings
 
 SESSION_COOKIE = WEB_SESSION_COOKIE
 """The signed-in browser's session token; the API accepts it on GET, so the QPC download

@@ -21,15 +21,15 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
-from app.blobs import BlobStore
-from app.db.models import CompileJob, JobStatus, ProfileJob, Team
-from app.services import jobs, models, profiles, qpcs, teams, validations, web_sessions
-from app.services.errors import ServiceError
-from app.services.farm_options import farm_options
-from app.web import auth, profile_views, views
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import list_devices
+from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
+from qpcfarm.app.blobs import BlobStore
+from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
+from qpcfarm.app.services import jobs, models, profiles, qpcs, teams, validations, web_sessions
+from qpcfarm.app.services.errors import ServiceError
+from qpcfarm.app.services.farm_options import farm_options
+from qpcfarm.app.web import auth, profile_views, views
 
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"

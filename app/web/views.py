@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.db.models import CompileJob
+from qpcfarm.app.db.models import CompileJob
 
 
 @dataclass(frozen=True)
