@@ -281,21 +281,82 @@ def ping_local_worker(settings: Settings, timeout: float = 2.0) -> int:
 # --------------------------------------------------------------------------------- admin, db
 
 
+INIT_HELP = (
+    "create the farm's database if there is none (without it, a command run outside the farm's "
+    "folder or database refuses instead of starting an empty farm there)"
+)
+
+
+def _init_option() -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument("--init", action="store_true", help=INIT_HELP)
+    return common
+
+
+def require_database(settings: Settings, init: bool) -> None:
+    """Outside `serve`, a command acts on an existing farm database only, unless `--init`: run
+    in the wrong folder, it would otherwise create an empty farm there and report on that."""
+    if init or database_initialized(settings.database_url):
+        return
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if settings.is_sqlite:
+        where = f"{Path(url.database or '').resolve()} does not exist or holds no farm"
+        how = (
+            f"run the command in the folder where `{PROG} serve` keeps its data "
+            f"(QPCFARM_DATA_DIR is {settings.data_dir}, relative to the current folder) or set "
+            "QPCFARM_DATA_DIR"
+        )
+    else:
+        where = f"{url.render_as_string(hide_password=True)} holds no farm schema"
+        how = "check QPCFARM_DATABASE_URL"
+    raise CliError(f"no farm database: {where}; {how}, or pass --init to create one")
+
+
+def database_initialized(url: str) -> bool:
+    """Whether `url` holds a farm (migrated at least once), without creating anything."""
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+
+    from qpcfarm.app.db.session import make_engine
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            return True
+        if not Path(parsed.database).is_file():
+            return False
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return inspect(connection).has_table("alembic_version")
+    finally:
+        engine.dispose()
+
+
 def admin_command(argv: list[str]) -> int:
     parser = _Parser(prog=f"{PROG} admin", description="Manage teams and API keys.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    team = actions.add_parser("create-team", help="create a team")
+    common = _init_option()
+    team = actions.add_parser("create-team", help="create a team", parents=[common])
     team.add_argument("name", metavar="NAME")
-    key = actions.add_parser("create-key", help="create an API key; prints it on its own line")
+    key = actions.add_parser(
+        "create-key", help="create an API key; prints it on its own line", parents=[common]
+    )
     key.add_argument("--team", required=True, metavar="NAME")
     key.add_argument("--name", metavar="LABEL", help="a label to tell keys apart")
     key.add_argument(
         "--admin", action="store_true", help="a team admin's key (may manage keys over /v1/keys)"
     )
-    listing = actions.add_parser("list-keys", help="list API keys (never the keys themselves)")
+    listing = actions.add_parser(
+        "list-keys", help="list API keys (never the keys themselves)", parents=[common]
+    )
     listing.add_argument("--team", metavar="NAME", help="only this team's keys")
     revoke = actions.add_parser(
-        "revoke-key", help="revoke an API key by id or prefix (effective within 1 s)"
+        "revoke-key",
+        help="revoke an API key by id or prefix (effective within 1 s)",
+        parents=[common],
     )
     revoke.add_argument("key", metavar="ID|PREFIX")
     revoke.add_argument("--team", metavar="NAME", help="the key must be this team's")
@@ -303,9 +364,14 @@ def admin_command(argv: list[str]) -> int:
         "verify-blobs",
         help="read and hash every stored blob, quarantine the corrupt ones, list the blobs "
         "rows name that are gone; exit 1 when anything was found",
+        parents=[common],
     )
     scrub.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    from qpcfarm.app.settings import get_settings
+
+    settings = get_settings()
+    require_database(settings, args.init)
     if args.action == "verify-blobs":
         return verify_blobs_command(args.json)
 
@@ -316,9 +382,7 @@ def admin_command(argv: list[str]) -> int:
         upgrade_database,
     )
     from qpcfarm.app.services import teams
-    from qpcfarm.app.settings import get_settings
 
-    settings = get_settings()
     upgrade_database(settings.database_url)
     engine = make_engine(settings.database_url)
     try:
@@ -400,14 +464,18 @@ def verify_blobs_command(as_json: bool) -> int:
 def db_command(argv: list[str]) -> int:
     parser = _Parser(prog=f"{PROG} db", description="Database schema.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    upgrade = actions.add_parser("upgrade", help="apply the migrations (idempotent)")
+    upgrade = actions.add_parser(
+        "upgrade", help="apply the migrations (idempotent)", parents=[_init_option()]
+    )
     upgrade.add_argument("--revision", default="head", help="default head")
     args = parser.parse_args(argv)
 
     from qpcfarm.app.db.session import upgrade_database
     from qpcfarm.app.settings import get_settings
 
-    upgrade_database(get_settings().database_url, args.revision)
+    settings = get_settings()
+    require_database(settings, args.init)
+    upgrade_database(settings.database_url, args.revision)
     print(f"{PROG}: database upgraded to {args.revision}", file=sys.stderr)
     return 0
 

@@ -24,6 +24,7 @@ from qpcfarm.app.api.openapi import complete
 from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
 from qpcfarm.app.security_headers import SecurityHeaders
 from qpcfarm.app.settings import Settings, get_settings
+from qpcfarm.app.web import docs as web_docs
 from qpcfarm.app.web import router as web_router
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         version=COMPILER_VERSION,
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served by app.web.docs from local assets (no CDN)
+        redoc_url=None,
     )
     install_error_handlers(app)
     app.add_middleware(SecurityHeaders)
@@ -73,6 +76,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         meta.router,
         meta.health_router,
         web_router,
+        web_docs.router,
     ):
         app.include_router(router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

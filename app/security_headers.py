@@ -3,8 +3,10 @@
 - `Content-Security-Policy`: pages load scripts, styles and images from the farm only, no
   inline script (the pages' one script is a static file), no plugins, no framing, forms post
   only to the farm; inline `style` attributes are allowed (progress bars set their width) but
-  not `<style>` elements. `/docs` and `/redoc` load Swagger UI / ReDoc from their CDN and
-  start them with a small inline script, so their policy allows exactly that.
+  not `<style>` elements. `/docs` and `/redoc` load Swagger UI / ReDoc from the farm too
+  (`/docs/assets/`, no CDN) and start them from a static script or a tag; the viewers add
+  `<style>` elements and ReDoc runs its search in a worker made from a `blob:` URL, so their
+  policy allows inline styles and `blob:` workers, and nothing from another origin.
 - `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer`;
 - `Strict-Transport-Security` when the request came over HTTPS.
 
@@ -21,11 +23,10 @@ PAGE_CSP = (
     "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
 )
 DOCS_CSP = (
-    "default-src 'self'; script-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; "
-    "style-src 'self' 'unsafe-inline' https://cdn.jsdelivr.net; "
-    "img-src 'self' data: https://fastapi.tiangolo.com https://cdn.redoc.ly; "
-    "worker-src 'self' blob:; connect-src 'self'; object-src 'none'; base-uri 'none'; "
-    "frame-ancestors 'none'"
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'; "
+    "form-action 'self'"
 )
 DOCS_PATHS = ("/docs", "/redoc")
 HSTS = "max-age=31536000"

@@ -390,6 +390,17 @@ def submit_command(argv: list[str]) -> int:
         return 1
 
 
+def shown_locally(warning: dict[str, Any], options: CompileOptions) -> bool:
+    """Whether `qpcfarm compile` with these flags would print this warning of the farm's
+    report: the farm always runs the perf analysis (its report is for everyone), a local
+    compile only with -aic-perf-warnings; deprecated flags were printed before the upload."""
+    from compiler_core.report import KIND_PERF, warning_kind
+
+    if warning.get("message") in options.warnings:
+        return False
+    return options.aic_perf_warnings or warning_kind(warning) != KIND_PERF
+
+
 def _submit(args: SubmitArgs) -> int:
     from compiler_core.options import CompileOptions
     from compiler_core.report import render_metrics, render_pass_times, render_warning
@@ -418,7 +429,7 @@ def _submit(args: SubmitArgs) -> int:
         client.download_qpc(str(job["qpc_id"]), qpc_path)
 
     for warning in job.get("warnings") or []:
-        if isinstance(warning, dict) and warning.get("message") not in options.warnings:
+        if isinstance(warning, dict) and shown_locally(warning, options):
             print(render_warning(warning), file=sys.stderr)
     if options.aic_perf_metrics:
         sys.stdout.write(render_metrics(job.get("metrics") or {}))

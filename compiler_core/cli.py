@@ -152,13 +152,48 @@ def render_operators() -> str:
 
 
 def qpc_path(arg: str) -> Path:
-    """A QPC file, or a directory holding `programqpc.bin` (as `-aic-binary-dir` writes it)."""
+    """A QPC file, or a directory holding `programqpc.bin` (as `-aic-binary-dir` writes it);
+    a file of another kind (an ONNX model...) is named as what it is."""
+    from compiler_core.file_kinds import ONNX, QPC, sniff_file
+
     path = Path(arg)
     if path.is_dir():
         path = path / QPC_FILE_NAME
     if not path.is_file():
         raise CompileError("file_not_found", f"QPC file not found: {path}")
+    kind = sniff_file(path)
+    if kind == ONNX:
+        raise CompileError(
+            "invalid_qpc",
+            f"{path} is an ONNX model, not a QPC: compile it first "
+            f"({PROG} compile -m={path} -aic-binary-dir=out) and give out/{QPC_FILE_NAME}",
+        )
+    if kind is not None and kind != QPC:
+        raise CompileError("invalid_qpc", f"{path} is {kind}, not a QPC")
     return path
+
+
+def load_inputs(arg: str) -> dict[str, Any]:
+    """`--inputs IN.npz`: arrays by input name; any other file is named as what it is."""
+    import zipfile
+
+    import numpy as np
+
+    from compiler_core.file_kinds import inputs_problem, sniff_file
+
+    path = Path(arg)
+    if not path.is_file():
+        raise CompileError("file_not_found", f"inputs file not found: {path}")
+    problem = inputs_problem(sniff_file(path))
+    if problem is not None:
+        raise CompileError("bad_inputs", f"--inputs {path} {problem}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise CompileError(
+            "bad_inputs", f"--inputs {path} is not a readable .npz archive of arrays: {exc}"
+        ) from None
 
 
 def _configure_run(parser: argparse.ArgumentParser) -> None:
@@ -181,12 +216,7 @@ def run_command(args: argparse.Namespace) -> int:
     from compiler_core.runtime import run_qpc
 
     path = qpc_path(args.qpc)
-    inputs: dict[str, Any] = {}
-    if args.inputs is not None:
-        if not Path(args.inputs).is_file():
-            raise CompileError("file_not_found", f"inputs file not found: {args.inputs}")
-        with np.load(args.inputs, allow_pickle=False) as archive:
-            inputs = {name: archive[name] for name in archive.files}
+    inputs = load_inputs(args.inputs) if args.inputs is not None else {}
     outputs = run_qpc(
         str(path), inputs, profiling_out_dir=args.profiling_out_dir, iterations=args.iterations
     )
@@ -261,11 +291,29 @@ def opstats_command(args: argparse.Namespace) -> int:
     summary, trace = args.summary, args.trace
     if not summary and not trace:
         summary = trace = True
-    for path in write_opstats(
-        qpc_path(args.qpc), args.input_dir, args.output_dir, summary=summary, trace=trace
-    ):
+    qpc = qpc_path(args.qpc)
+    check_stats_belong(qpc, args.input_dir)
+    for path in write_opstats(qpc, args.input_dir, args.output_dir, summary=summary, trace=trace):
         print(path)
     return 0
+
+
+def check_stats_belong(qpc: Path, input_dir: str) -> None:
+    """Raw stats are laid out by the QPC that ran: buffers of another QPC's size are that
+    QPC's stats, and are named so (rather than as a size mismatch)."""
+    from compiler_core.file_kinds import STATS, sniff
+    from compiler_core.profiling.opstats import load_layout, read_stats_dir
+
+    layout, network = load_layout(qpc)
+    for raw in read_stats_dir(input_dir):
+        if sniff(raw[:8]) == STATS and len(raw) != layout.size:
+            raise CompileError(
+                "stats_mismatch",
+                f"the stats in {input_dir} belong to another QPC: their buffers have "
+                f"{len(raw):,} bytes, {qpc} (network {network!r}) lays out {layout.size:,}. "
+                f"Run this QPC with `{PROG} run {qpc} --inputs IN.npz --profiling-out-dir DIR` "
+                "and give that DIR",
+            )
 
 
 def _qpc_dispatch(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ from compiler_core.lowering.memory import (
 )
 from compiler_core.lowering.placement import CodegenPolicy, Planned, plan_schedule
 from compiler_core.lowering.program import Program, encode_program
-from compiler_core.metrics import perf_metrics, perf_warnings
+from compiler_core.metrics import perf_metrics, perf_warnings, pmu_warnings
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
 from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
@@ -55,6 +55,13 @@ from compiler_core.qpc.networkdesc import (
     SpecializationDesc,
     program_segment,
     statsdesc_segment,
+)
+from compiler_core.report import (
+    KIND_IMPORT,
+    KIND_OPTION,
+    KIND_PERF,
+    KIND_PRECISION,
+    PASS_SEPARATOR,
 )
 from compiler_core.specializations import FLAG as SPEC_FLAG
 from compiler_core.specializations import Specialization, load_specializations
@@ -80,6 +87,8 @@ class CompileResult:
     qpc_path: Path
     warnings: list[dict[str, Any]]
     pass_times: dict[str, float]
+    """Seconds per stage in run order, and per graph pass as `graph-passes/<pass>`: the
+    stages (names without `/`) add up to the compile (`compiler_core.report.pass_time_rows`)."""
     options: CompileOptions
     program: Program = field(repr=False)
     """The program (of the first specialization, when there are several)."""
@@ -108,15 +117,19 @@ class CompileResult:
 
 
 class _Stages:
+    """The compile's stages in run order, each with the passes it ran (`graph-passes`)."""
+
     def __init__(self, progress: Progress | None) -> None:
-        self.timing = PassTiming()
+        self.records: list[tuple[str, float, list[tuple[str, float]]]] = []
         self.progress = progress
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
+    def stage(self, name: str, timing: PassTiming | None = None) -> Iterator[None]:
+        """Time the stage; `timing`'s records (the passes run inside it) become its parts."""
         start = time.perf_counter()
         yield
-        self.timing.records.append((name, time.perf_counter() - start))
+        parts = list(timing.records) if timing is not None else []
+        self.records.append((name, time.perf_counter() - start, parts))
         self.report(name, 1.0)
 
     def report(self, name: str, fraction: float) -> None:
@@ -125,13 +138,23 @@ class _Stages:
             self.progress(name, lo + (hi - lo) * fraction)
 
     def pass_times(self) -> dict[str, float]:
+        """Stage -> seconds, and `<stage>/<pass>` -> seconds for the passes inside a stage
+        (a tree: the stages add up to the compile, a stage's passes to most of the stage).
+        A name met again (a pass run twice, a stage per specialization) gets `#2`, `#3`."""
         out: dict[str, float] = {}
-        for name, seconds in self.timing.records:
-            key, n = name, 2
-            while key in out:
-                key, n = f"{name}#{n}", n + 1
+        for name, seconds, parts in self.records:
+            key = _unique(out, name)
             out[key] = seconds
+            for part, part_seconds in parts:
+                out[_unique(out, f"{key}{PASS_SEPARATOR}{part}")] = part_seconds
         return out
+
+
+def _unique(taken: Mapping[str, float], name: str) -> str:
+    key, n = name, 2
+    while key in taken:
+        key, n = f"{name}#{n}", n + 1
+    return key
 
 
 def _as_options(
@@ -280,14 +303,21 @@ def _compile(
     seen: set[tuple[str, str]] = set()
     for index, build in enumerate(builds):
         plan, program = build.done()
-        found = [_warning("import", w) for w in build.imported.warnings]
+        found = [_warning("import", w, KIND_IMPORT) for w in build.imported.warnings]
         found += [
-            _warning("fp16_clipped", w) if isinstance(w, str) else w for w in build.pass_warnings
+            _warning("fp16_clipped", w, KIND_PRECISION)
+            if isinstance(w, str)
+            else {"kind": KIND_PRECISION, **w}
+            for w in build.pass_warnings
         ]
         if opts.aic_perf_warnings:
-            found += perf_warnings(program, build.lowered, opts, device, timeline(index))
+            analysis = perf_warnings(program, build.lowered, opts, device, timeline(index))
         else:
-            found += perf_warnings(program, build.lowered, opts, device)
+            analysis = perf_warnings(program, build.lowered, opts, device)
+        always = {w["code"] for w in pmu_warnings(opts)}  # given with or without the flag
+        found += [
+            {**w, "kind": KIND_OPTION if w["code"] in always else KIND_PERF} for w in analysis
+        ]
         for warning in found:
             key = (warning["code"], warning["message"])
             if key not in seen:
@@ -332,14 +362,15 @@ def _lower(
     if spec is not None:
         symbols.update(spec.symbols)
     with stages.stage("import"):
-        imported = import_model(source, define_symbols=symbols, batchsize=opts.batchsize)
+        imported = _import(source, opts, symbols)
     if spec is not None:
         _check_symbols_exist(imported, spec)
     ir_model = imported.model
     passes = graph_pipeline(opts)
-    with stages.stage("graph-passes"):
+    timing = PassTiming()
+    with stages.stage("graph-passes", timing):
         reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
-        run_passes(ir_model, passes, timing=stages.timing, progress=reporter)
+        run_passes(ir_model, passes, timing=timing, progress=reporter)
         require_static_shapes(ir_model)
     with stages.stage("lower"):
         config = config_from(opts, opts.device)
@@ -355,6 +386,43 @@ def _lower(
         pass_warnings=[w for p in passes for w in getattr(p, "warnings", [])],
         stats_layout=build_layout(opts, lowered),
         planned=planned,
+    )
+
+
+def _import(source: ModelSource, opts: CompileOptions, symbols: dict[str, int]) -> ImportedModel:
+    """`import_model`, with a dimension left symbolic blamed on a misspelt symbol when the
+    options define one the model does not have (`-onnx-define-symbol=bacth,1`)."""
+    try:
+        return import_model(source, define_symbols=symbols, batchsize=opts.batchsize)
+    except CompileError as exc:
+        if exc.code != "dynamic_shape" or not symbols:
+            raise
+        declared = _declared_input_symbols(source)
+        unknown = sorted(set(symbols) - declared)
+        if not unknown:
+            raise
+        raise CompileError(
+            exc.code,
+            f"{exc.message}. -onnx-define-symbol names {', '.join(map(repr, unknown))}, which "
+            f"no input dimension of the model uses (its symbols: "
+            f"{', '.join(sorted(declared)) or 'none'}): a misspelling?",
+            flag=exc.flag,
+            node=exc.node,
+            details={**exc.details, "unknown_symbols": unknown},
+        ) from None
+
+
+def _declared_input_symbols(source: ModelSource) -> frozenset[str]:
+    """The symbolic dimensions the model's inputs declare (the model's bytes are read again:
+    only on the way to an error)."""
+    from compiler_core.importer import _read_model
+
+    proto, _, _ = _read_model(source)
+    return frozenset(
+        dim.dim_param
+        for value in proto.graph.input
+        for dim in value.type.tensor_type.shape.dim
+        if dim.dim_param
     )
 
 
@@ -480,8 +548,8 @@ def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:
     ]
 
 
-def _warning(code: str, message: str) -> dict[str, Any]:
-    return {"code": code, "message": message, "nodes": [], "suggestion": ""}
+def _warning(code: str, message: str, kind: str = KIND_OPTION) -> dict[str, Any]:
+    return {"code": code, "message": message, "nodes": [], "suggestion": "", "kind": kind}
 
 
 def _output_dir(opts: CompileOptions) -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:

@@ -771,8 +771,8 @@ class CompileOptions:
                 flags.append(spec.flag if value else f"{spec.flag}=false")
             elif spec.kind == "symbol_map":
                 flags.extend(f"{spec.flag}={k},{v}" for k, v in value.items())
-            elif spec.kind == "hex_list":
-                flags.append(f"{spec.flag}={','.join(value)}")
+            elif spec.kind == "hex_list":  # as the user writes them: 0x1, not 1
+                flags.append(f"{spec.flag}={','.join('0x' + v for v in value)}")
             else:
                 flags.append(f"{spec.flag}={_flag_text(value)}")
         return flags

@@ -296,6 +296,23 @@ def test_render_pass_times_shows_milliseconds_and_percent() -> None:
     assert rows[-1] == ["total", "1,000.000", "100.0"]
 
 
+def test_render_pass_times_nests_passes_under_their_stage_and_counts_them_once() -> None:
+    text = render_pass_times(
+        {
+            "import": 0.25,
+            "graph-passes": 0.5,
+            "graph-passes/fold-constants": 0.375,
+            "graph-passes/fold-constants#2": 0.125,
+            "lower": 0.25,
+        }
+    )
+    lines = text.splitlines()
+    assert lines[2].split() == ["graph-passes", "500.000", "50.0"]
+    assert lines[3].startswith("  fold-constants ") and lines[4].startswith("  fold-constants#2")
+    assert lines[3].split()[1:] == ["375.000", "37.5"]
+    assert lines[-1].split() == ["total", "1,000.000", "100.0"]  # the stages alone
+
+
 def test_render_warning_is_one_line_with_code_nodes_and_suggestion() -> None:
     line = render_warning(
         {
@@ -305,4 +322,6 @@ def test_render_warning_is_one_line_with_code_nodes_and_suggestion() -> None:
             "suggestion": "check the ranges",
         }
     )
-    assert line == "warning: [fp16_clip] constants clipped (/a, /b) check the ranges"
+    assert line == (
+        "warning: [fp16_clip] constants clipped (nodes: /a, /b); suggestion: check the ranges"
+    )

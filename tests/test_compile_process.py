@@ -45,6 +45,17 @@ def test_a_compile_in_the_child_writes_the_qpc_and_reports_progress(
     assert stages and stages[0] == "import"
 
 
+def test_the_child_honours_options_that_leave_the_qpc_alone(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    """The output folder and -aic-perf-warnings do not change the QPC's bytes, and the child
+    still gets them (the farm's report always carries the perf analysis)."""
+    wanted = options(tmp_path, "-aic-num-cores=2", "-aic-perf-warnings")
+    result = child.compile(model_file(tmp_path), wanted, lambda s, f: None)
+    assert result.qpc_path == tmp_path / "out" / "programqpc.bin"
+    assert any(w["code"] == "fp32_compute" and w["kind"] == "perf" for w in result.warnings)
+
+
 def test_a_compiler_refusal_comes_back_with_its_code_and_flag(
     child: CompileProcess, tmp_path: Path
 ) -> None:

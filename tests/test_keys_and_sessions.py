@@ -183,7 +183,7 @@ def test_admin_lists_and_revokes_keys(
 ) -> None:
     from qpcfarm.app.cli import main
 
-    assert main(["admin", "create-team", "vision"]) == 0
+    assert main(["admin", "create-team", "vision", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "vision", "--name", "ci", "--admin"]) == 0
     key = capsys.readouterr().out.strip()
     assert main(["admin", "list-keys", "--team", "vision"]) == 0

@@ -36,7 +36,7 @@ from qpcfarm.worker.inprocess import InProcessQueue
 from qpcfarm.worker.runner import process_job
 from qpcfarm.worker.sweep import sweep_once
 from tests.api_helpers import LiveServer, Servers
-from tests.conftest import Farm
+from tests.conftest import Farm, tiny_model_bytes
 
 LEVEL_70 = {"aic-num-cores": 2, "stats-level": 70}
 NODES = ("fc1", "act1", "fc2", "probs")
@@ -230,6 +230,13 @@ def test_inputs_that_are_not_an_npz_and_bad_iterations_are_422_and_nothing_is_qu
             f"/v1/qpcs/{qpc_id}/profile", files={"inputs": ("in.npz", b"not a zip at all")}
         )
         assert (not_npz.status_code, not_npz.json()["code"]) == (422, "bad_inputs")
+        a_model = api.post(
+            f"/v1/qpcs/{qpc_id}/profile", files={"inputs": ("m.onnx", tiny_model_bytes())}
+        )
+        assert (a_model.status_code, a_model.json()["code"]) == (422, "bad_inputs")
+        message = a_model.json()["message"]
+        assert "is an ONNX model" in message and "numpy.savez" in message
+        assert "pickle" not in message
         for body in ({"iterations": 0}, {"iterations": 101}, {"iterations": "many"}, [1]):
             response = api.post(f"/v1/qpcs/{qpc_id}/profile", json=body)
             assert (response.status_code, response.json()["code"]) == (422, "invalid_request")

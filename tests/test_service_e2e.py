@@ -167,7 +167,7 @@ def farm(tmp_path: Path) -> Iterator[FarmServices]:
 
 
 def start_farm_api(procs: Processes, env: dict[str, str], tmp_path: Path) -> Api:
-    run_cli(["admin", "create-team", "ci"], env, tmp_path)
+    run_cli(["admin", "create-team", "ci", "--init"], env, tmp_path)
     key = run_cli(["admin", "create-key", "--team", "ci"], env, tmp_path).strip()
     port = free_port()
     serve = procs.start("serve", ["serve", "--port", str(port)], env)

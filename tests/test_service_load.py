@@ -85,7 +85,7 @@ def test_farm_mode_answers_503_while_postgresql_is_down_and_loses_no_job(
             QPCFARM_STALE_AFTER_S="4",
             QPCFARM_REQUEUE_AFTER_S="3",
         )
-        run_cli(["admin", "create-team", "ci"], env, tmp_path)
+        run_cli(["admin", "create-team", "ci", "--init"], env, tmp_path)
         key = run_cli(["admin", "create-key", "--team", "ci"], env, tmp_path).strip()
         port = free_port()
         serve = procs.start("serve", ["serve", "--port", str(port)], env)
@@ -187,7 +187,7 @@ def test_farm_mode_compiles_identical_submits_to_two_api_processes_once(
             QPCFARM_DATABASE_URL=db_url,
             QPCFARM_BROKER_URL=redis.url,
         )
-        run_cli(["admin", "create-team", "ci"], env, tmp_path)
+        run_cli(["admin", "create-team", "ci", "--init"], env, tmp_path)
         key = run_cli(["admin", "create-key", "--team", "ci"], env, tmp_path).strip()
         port = free_port()
         serve = procs.start("serve", ["serve", "--port", str(port), "--workers", "2"], env)

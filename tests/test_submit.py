@@ -113,6 +113,10 @@ def _model_count(server: Server) -> int:
     return int(body["count"])
 
 
+def _warning_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning:")]
+
+
 def _one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("qpcfarm: error:")]
     assert len(lines) == 1, err
@@ -129,9 +133,13 @@ def test_submit_writes_the_qpc_a_local_compile_writes_and_prints_its_report(
     flags = ["-aic-num-cores=2", "-aic-perf-metrics", "-time-passes"]
 
     assert main(["compile", f"-m={model}", f"-aic-binary-dir={tmp_path / 'local'}", *flags]) == 0
-    local_out = capsys.readouterr().out
+    local = capsys.readouterr()
+    local_out = local.out
     assert _submit(server, f"-m={model}", f"-aic-binary-dir={tmp_path / 'remote'}", *flags) == 0
     remote = capsys.readouterr()
+    # The farm's report always holds the perf analysis; without -aic-perf-warnings, submit
+    # prints what the local compile prints, and no more.
+    assert _warning_lines(remote.err) == _warning_lines(local.err)
 
     local_qpc = (tmp_path / "local" / "programqpc.bin").read_bytes()
     assert (tmp_path / "remote" / "programqpc.bin").read_bytes() == local_qpc
@@ -142,6 +150,18 @@ def test_submit_writes_the_qpc_a_local_compile_writes_and_prints_its_report(
     assert remote.out.rstrip().endswith(str(tmp_path / "remote" / "programqpc.bin"))
     assert "succeeded" in remote.err  # the plain-text progress lines (stderr is not a TTY)
     assert not list((tmp_path / "remote").glob("*.part"))
+
+
+def test_with_aic_perf_warnings_submit_prints_the_perf_analysis_a_local_compile_prints(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _save(tiny_model(scale=0.26), tmp_path / "m.onnx")
+    flags = ["-aic-num-cores=2", "-aic-perf-warnings"]
+    assert main(["compile", f"-m={model}", f"-aic-binary-dir={tmp_path / 'local'}", *flags]) == 0
+    local = _warning_lines(capsys.readouterr().err)
+    assert _submit(server, f"-m={model}", f"-aic-binary-dir={tmp_path / 'remote'}", *flags) == 0
+    remote = _warning_lines(capsys.readouterr().err)
+    assert remote == local and any("[fp32_compute]" in line for line in local)
 
 
 def test_a_second_identical_submit_is_a_cache_hit_with_the_same_bytes(

@@ -24,6 +24,7 @@ from tests.conftest import tiny_model
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 QPC_MAGIC = 0x00A1CD7C
+REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
 WAIT_S = 60.0  # generous: CI machines are shared and slow at times
 """How long a wait for the page may take before the test fails rather than hangs."""
 
@@ -141,6 +142,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         options.add_argument(arg)
     downloads = tmp_path / "downloads"
     downloads.mkdir()
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP reports, errors
     options.add_experimental_option(
         "prefs",
         {"download.default_directory": str(downloads), "download.prompt_for_download": False},
@@ -428,3 +430,26 @@ def test_profiling_a_jobs_qpc_shows_the_per_operator_chart_and_the_timeline(
     css(browser, "#job-link").click()
     wait_for(browser, lambda d: f"/jobs/{job_id}" in d.current_url, "back to the job")
     assert "succeeded" in css(browser, "#profiles").text
+
+
+@pytest.mark.parametrize(
+    ("path", "rendered"),
+    [("/docs", "#swagger-ui .opblock"), ("/redoc", "[data-section-id^='tag/'], .api-content")],
+)
+def test_the_api_docs_render_from_the_farm_alone(
+    server: Server, browser: Any, path: str, rendered: str
+) -> None:
+    """Swagger UI and ReDoc come from the farm (a closed network has them too), under a
+    policy that allows no other origin and no inline script. The one thing either viewer
+    reaches for outside is ReDoc's vendor logo: the policy refuses it and ReDoc drops it."""
+    browser.get(server.url + path)
+    wait_for(browser, lambda d: css_all(d, rendered), f"{path} rendered no operation")
+    assert "compile-jobs" in browser.find_element("css selector", "body").text
+    resources = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name);"
+    )
+    outside = {r for r in resources if not r.startswith(server.url + "/")}
+    assert outside <= {REDOC_LOGO}, outside
+    refused = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert all(REDOC_LOGO in m and "Content Security Policy" in m for m in refused), refused
+    assert not css_all(browser, "img[alt='redocly logo']")

@@ -311,3 +311,19 @@ def test_metrics_flatten_to_rows_and_record_lists_to_tables() -> None:
     (table,) = shown.tables
     assert table.name == "per_core" and table.columns == ["core", "busy"]
     assert table.rows == [["c00", "1.5"], ["c01", "2"]]
+
+
+def test_the_api_docs_and_their_assets_are_served_by_the_farm(site: Site) -> None:
+    for path in ("/docs", "/redoc"):
+        page = site.client.get(path)
+        assert page.status_code == 200
+        csp = page.headers["content-security-policy"]
+        scripts = csp.split("script-src")[1].split(";")[0]
+        assert "http" not in csp and scripts.strip() == "'self'"
+        sources = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+        assert sources and all(s.startswith(("/docs/assets/", "/web/static/")) for s in sources)
+        assert "<script>" not in page.text
+    for name in ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js"):
+        asset = site.client.get(f"/docs/assets/{name}")
+        assert asset.status_code == 200 and len(asset.content) > 100_000, name
+    assert site.client.get("/docs/assets/core.py").status_code == 404

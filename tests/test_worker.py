@@ -486,7 +486,7 @@ def test_admin_creates_a_team_and_prints_a_working_key_on_its_own_line(
 ) -> None:
     from qpcfarm.app.cli import main
 
-    assert main(["admin", "create-team", "vision"]) == 0
+    assert main(["admin", "create-team", "vision", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "vision"]) == 0
 
     lines = capsys.readouterr().out.splitlines()
@@ -499,6 +499,7 @@ def test_admin_errors_are_one_line_and_exit_non_zero(
 ) -> None:
     from qpcfarm.app.cli import main
 
+    assert main(["db", "upgrade", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "nobody"]) == 1
     assert main(["admin", "create-team", "twice"]) == 0
     assert main(["admin", "create-team", "twice"]) == 1
@@ -530,12 +531,54 @@ def test_worker_needs_a_broker(embedded_env: Path, capsys: pytest.CaptureFixture
     assert "QPCFARM_BROKER_URL" in capsys.readouterr().err
 
 
-def test_db_upgrade_creates_the_schema(embedded_env: Path) -> None:
+def test_db_upgrade_creates_the_schema_when_asked_and_upgrades_it_again(
+    embedded_env: Path,
+) -> None:
     from qpcfarm.app.cli import main
 
-    assert main(["db", "upgrade"]) == 0
+    assert main(["db", "upgrade", "--init"]) == 0
     assert main(["db", "upgrade"]) == 0  # idempotent
     assert (embedded_env / "qpcfarm.db").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["admin", "create-team", "vision"],
+        ["admin", "list-keys"],
+        ["admin", "verify-blobs"],
+        ["admin", "revoke-key", "qpf_x"],
+        ["db", "upgrade"],
+    ],
+)
+def test_outside_the_farms_folder_admin_and_db_refuse_and_create_nothing(
+    embedded_env: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    from qpcfarm.app.cli import main
+
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("qpcfarm: error: no farm database:")
+    assert str(embedded_env / "qpcfarm.db") in error and "--init" in error
+    assert not embedded_env.exists()
+
+
+def test_a_server_database_without_the_farms_schema_is_refused_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qpcfarm.app.cli import main
+    from tests.api_helpers import postgres_schema_url
+
+    with postgres_schema_url() as url:
+        monkeypatch.setenv("QPCFARM_DATABASE_URL", url)
+        get_settings.cache_clear()
+        try:
+            assert main(["admin", "list-keys"]) == 1
+            assert "holds no farm schema" in capsys.readouterr().err
+            assert main(["admin", "list-keys", "--init"]) == 0
+            assert main(["admin", "list-keys"]) == 0
+        finally:
+            get_settings.cache_clear()
 
 
 def test_compiler_commands_and_help_go_to_the_compiler_cli(

@@ -112,7 +112,9 @@ class CompileProcess:
         may raise to stop the compile (the exception is re-raised once the child stopped)."""
         with self._lock:
             conn = self._ensure()
-            conn.send((str(model_path), options.to_json()))
+            # full=True: the options that leave the QPC's bytes alone count here too (the
+            # output folder, -aic-perf-warnings: the farm's report always has the analysis).
+            conn.send((str(model_path), options.to_json(full=True)))
             stop: BaseException | None = None
             while True:
                 try:

@@ -11,6 +11,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from compiler_core.file_kinds import HEAD_BYTES, inputs_problem, sniff
 from qpcfarm.app.blobs import BlobRef, BlobStore, BlobTooLarge
 from qpcfarm.app.blobs.base import Source
 from qpcfarm.app.blobs.integrity import verified_bytes
@@ -43,6 +44,10 @@ def store_inputs(store: BlobStore, stream: Source, *, max_bytes: int | None = No
     except BlobTooLarge as exc:
         raise too_large(exc) from None
     with store.open(ref.sha256) as src:
+        problem = inputs_problem(sniff(src.read(HEAD_BYTES)))
+        if problem is not None:
+            raise ServiceError("bad_inputs", f"the uploaded inputs {problem}", 422)
+        src.seek(0)
         try:
             archive = np.load(src, allow_pickle=False)
             if not isinstance(archive, np.lib.npyio.NpzFile) or not archive.files:

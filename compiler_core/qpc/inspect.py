@@ -114,6 +114,18 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _flags(options: dict[str, Any]) -> str:
+    """The compile's options as the flags that set them (defaults left out); options this
+    compiler version no longer parses are shown as stored."""
+    from compiler_core.options import CompileOptions
+
+    try:
+        flags = CompileOptions.from_json(options).to_flags()
+    except CompileError:
+        flags = [f"-{k}={v}" for k, v in sorted(options.items()) if v not in (None, [], {})]
+    return " ".join(flags) or "(defaults)"
+
+
 def _io_line(io: dict[str, Any]) -> str:
     dims = "x".join(str(d) for d in io["dims"]) or "scalar"
     return f"    {io['name']}: {io['dtype']} [{dims}] {io['layout']}"
@@ -147,10 +159,7 @@ def render_inspect(d: dict[str, Any]) -> str:
             f"types {', '.join(req['dtypes']) or '-'}",
         ]
         if d["options"]:
-            opts = " ".join(
-                f"-{k}={v}" for k, v in sorted(d["options"].items()) if v not in (None, [], {})
-            )
-            lines.append(f"  options: {opts}")
+            lines.append(f"  options: {_flags(d['options'])}")
         for spec in d["specializations"]:
             symbols = ", ".join(f"{k}={v}" for k, v in spec["symbols"].items())
             shapes = ", ".join(
