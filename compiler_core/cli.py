@@ -211,15 +211,23 @@ def _configure_run(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    import warnings
+
     import numpy as np
 
-    from compiler_core.runtime import run_qpc
+    from compiler_core.runtime import QpcSession
+    from compiler_core.runtime.numerics import NonFiniteWarning
 
     path = qpc_path(args.qpc)
     inputs = load_inputs(args.inputs) if args.inputs is not None else {}
-    outputs = run_qpc(
-        str(path), inputs, profiling_out_dir=args.profiling_out_dir, iterations=args.iterations
-    )
+    with QpcSession(str(path)) as session, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteWarning)  # printed below, as a warning line
+        outputs = session.run(
+            inputs, profiling_out_dir=args.profiling_out_dir, iterations=args.iterations
+        )
+        numerics = session.numerics
+    if numerics is not None:
+        print(render_warning(numerics.to_dict()), file=sys.stderr)
     if args.outputs is not None:
         arrays: dict[str, Any] = {name: np.asarray(v) for name, v in outputs.items()}
         np.savez(args.outputs, **arrays)

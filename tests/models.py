@@ -108,3 +108,47 @@ def transformer_encoder(
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
+
+
+OVERFLOW_WIDTH = 16
+OVERFLOW_INPUTS = {"x": np.ones((1, OVERFLOW_WIDTH), np.float32)}
+
+
+def overflowing_model(with_mask_branch: bool = False) -> onnx.ModelProto:
+    """x @ W (W = 5000): 80,000 with x = 1, past float16's 65,504; scaled by 1e-4 into a
+    Softmax, whose +inf inputs make NaN. With the mask branch, an earlier kernel turns finite
+    inputs into -inf (Log of 0, as an attention mask does) that its Softmax turns back into
+    zeros: not the cause, and not blamed."""
+    nodes = []
+    inits = [
+        numpy_helper.from_array(np.full((OVERFLOW_WIDTH, OVERFLOW_WIDTH), 5000.0, np.float32), "W"),
+        numpy_helper.from_array(np.array(1e-4, np.float32), "s"),
+    ]
+    if with_mask_branch:
+        z = np.zeros((OVERFLOW_WIDTH, OVERFLOW_WIDTH), np.float32)
+        z[:, OVERFLOW_WIDTH // 2 :] = 0.1
+        inits.append(numpy_helper.from_array(z, "Z"))
+        nodes += [
+            helper.make_node("MatMul", ["x", "Z"], ["zx"], name="/mask/MatMul"),
+            helper.make_node("Log", ["zx"], ["logits"], name="/mask/Log"),
+            helper.make_node("Softmax", ["logits"], ["masked"], name="/mask/Softmax", axis=-1),
+        ]
+    nodes += [
+        helper.make_node("MatMul", ["x", "W"], ["h"], name="/proj/MatMul"),
+        helper.make_node("Mul", ["h", "s"], ["hs"], name="/proj/Mul"),
+        helper.make_node("Softmax", ["hs"], ["p"], name="/head/Softmax", axis=-1),
+    ]
+    if with_mask_branch:
+        nodes.append(helper.make_node("Add", ["masked", "p"], ["y"], name="/out/Add"))
+    else:
+        nodes.append(helper.make_node("Identity", ["p"], ["y"], name="/out/Identity"))
+    graph = helper.make_graph(
+        nodes,
+        "overflow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, OVERFLOW_WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, OVERFLOW_WIDTH])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model

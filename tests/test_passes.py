@@ -442,11 +442,33 @@ def test_fp16_conversion_clips_out_of_range_constants_with_one_warning() -> None
     model = load(proto)
     convert = ConvertToFp16Pass()
     assert convert(model).modified
-    assert len(convert.warnings) == 1
-    assert "big" in convert.warnings[0] and "ok" not in convert.warnings[0]
+    (warning,) = convert.warnings
+    assert warning["code"] == "fp16_clipped"
+    assert "big" in warning["message"] and "ok" not in warning["message"]
+    (reader,) = (n.name for n in model.graph if n.op_type == "Mul")
+    assert warning["nodes"] == [reader] and f"FP32NodeInstanceNames: [{reader}]" in (
+        warning["suggestion"]
+    )
     big = model.graph.initializers["big"].const_value
     assert big is not None
     np.testing.assert_array_equal(big.numpy(), np.array([65504, -65504, 1], dtype=np.float16))
+
+
+def test_fp16_conversion_names_constants_it_flushes_to_zero_and_their_readers() -> None:
+    """A norm's epsilon of 1e-12 is 0 in float16: a division by it gives inf or NaN."""
+    proto = parse(
+        "m (float[3] x) => (float[3] y) <float eps = {1e-12}, float[3] w = {1e-9, 0, 1}>"
+        " { v = Mul(x, x) s = Add(v, eps) r = Sqrt(s) q = Div(x, r) y = Mul(q, w) }"
+    )
+    model = load(proto)
+    convert = ConvertToFp16Pass()
+    assert convert(model).modified
+    (warning,) = convert.warnings
+    assert warning["code"] == "fp16_flushed"
+    named = warning["message"].split("become 0: ")[1].split(";")[0]
+    assert named == "eps (|x| <= 1e-12)"  # not w: its 1 survives
+    (add,) = (n.name for n in model.graph if n.op_type == "Add")
+    assert warning["nodes"] == [add] and add in warning["suggestion"]
 
 
 def test_fp16_model_keeps_a_float32_signature_and_matches_ort() -> None:
@@ -480,7 +502,9 @@ def test_fp16_conversion_adjusts_float_tensor_attributes() -> None:
     assert zero_fill.attributes["value"].as_tensor().dtype == ir.DataType.FLOAT16
     value = fill.attributes["value"].as_tensor()
     assert value.dtype == ir.DataType.FLOAT16 and float(value.numpy()[0]) == 65504.0
-    assert len(convert.warnings) == 1 and (fill.name or "?") in convert.warnings[0]
+    (warning,) = convert.warnings
+    assert (fill.name or "?") in warning["message"]
+    assert warning["nodes"] == [n.name for n in model.graph if n.op_type == "Add"][:1]
     (y,) = run_ort(ir.to_proto(model), {"x": np.zeros((2, 3), np.float32)})
     assert y.dtype == np.float32 and np.all(y == 65504.0)
 

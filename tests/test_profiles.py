@@ -220,6 +220,27 @@ def test_uploaded_npz_inputs_are_run_and_inputs_the_qpc_does_not_take_fail_the_j
         assert "image" in wrong["error"]["message"]  # names the input it does not take
 
 
+def test_a_profile_whose_outputs_overflow_float16_says_where_in_its_summary(
+    local: LiveServer,
+) -> None:
+    from tests.models import OVERFLOW_INPUTS, overflowing_model
+
+    with local.client(local.new_key()) as api:
+        body = overflowing_model().SerializeToString()
+        model = api.post("/v1/models", files={"file": ("overflow.onnx", body)}).json()
+        options = {"convert-to-fp16": True, "stats-level": 70}
+        job = api.post("/v1/compile-jobs", json={"model_id": model["id"], "options": options})
+        assert play_worker(local, job.json()["id"]) == JobStatus.succeeded
+        qpc_id = api.get(f"/v1/compile-jobs/{job.json()['id']}").json()["qpc_id"]
+        done = profiled(local, api, qpc_id, files={"inputs": ("in.npz", npz(**OVERFLOW_INPUTS))})
+    assert done["status"] == "succeeded", done["error"]
+    numerics = done["summary"]["numerics"]
+    assert numerics["code"] == "non_finite"
+    assert numerics["nodes"] == ["/proj/MatMul", "/proj/Mul"]
+    assert numerics["outputs"]["y"]["nan"] == 16
+    assert "FP32NodeInstanceNames" in numerics["suggestion"]
+
+
 def test_inputs_that_are_not_an_npz_and_bad_iterations_are_422_and_nothing_is_queued(
     local: LiveServer,
 ) -> None:

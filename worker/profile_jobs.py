@@ -15,6 +15,7 @@ import json
 import logging
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,8 @@ def run_profile(session: Session, store: BlobStore, job: ProfileJob) -> ProfileJ
 def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, Any]:
     from compiler_core.profiling import opstats
     from compiler_core.qpc.container import load_qpc
-    from compiler_core.runtime import run_qpc
+    from compiler_core.runtime import QpcSession
+    from compiler_core.runtime.numerics import NonFiniteWarning
 
     qpc = session.get(Qpc, job.qpc_id)
     if qpc is None:
@@ -123,7 +125,10 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
                 else:
                     inputs = synthetic_inputs(shapes, seed=job.id.int % (1 << 32))
                 raw_dir = work / "raw"
-                run_qpc(qpc_path, inputs, profiling_out_dir=raw_dir, iterations=job.iterations)
+                with QpcSession(qpc_path) as runtime, warnings.catch_warnings():
+                    warnings.simplefilter("ignore", NonFiniteWarning)  # kept in the summary
+                    runtime.run(inputs, profiling_out_dir=raw_dir, iterations=job.iterations)
+                    numerics = runtime.numerics
                 stats = opstats.analyse(qpc_path, opstats.read_stats_dir(raw_dir))
         except BlobNotFound:
             raise CompileError("blob_missing", "the QPC or its inputs are missing") from None
@@ -134,8 +139,11 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
             ) from None
         trace = json.dumps(opstats.chrome_trace(stats), separators=(",", ":")).encode()
     ref = store.put(io.BytesIO(trace))
+    summary = summary_json(stats)
+    if numerics is not None:  # outputs with NaN or infinities: where they began, the fix
+        summary["numerics"] = numerics.to_dict()
     return {
-        "summary": summary_json(stats),
+        "summary": summary,
         "summary_text": opstats.render_summary(stats),
         "summary_csv": opstats.render_csv(stats),
         "trace_sha256": ref.sha256,

@@ -3,13 +3,19 @@
 Every float32 constant and intermediate becomes float16; graph inputs and outputs stay float32
 with a Cast at the boundary, so callers feed and read exactly what the ONNX model declares.
 Constants beyond float16's range would become infinities, so they are clipped to +-65504
-and named in one warning (`warnings`), as the vendor compiler does.
+and named in one warning (`warnings`), as the vendor compiler does, with the nodes that read
+them; constants whose every value is too small for float16 (a norm's epsilon of 1e-12)
+become 0 and are named in another: both say which nodes to keep in float32. What a
+constant cannot show (an activation that outgrows float16) the runtime reports when it runs
+(`compiler_core.runtime.numerics`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -22,6 +28,9 @@ from compiler_core.tensors import SMALL_TENSOR_BYTES, release_mapping
 log = logging.getLogger(__name__)
 
 FP16_MAX = 65504.0
+FP16_ROUNDS_TO_ZERO = 2.0**-25
+"""Magnitudes below this round to 0 in float16 (its smallest subnormal is 2^-24)."""
+NODE_PRECISION_FIX = "-node-precision-info with FP32NodeInstanceNames: [{}]"
 FLOAT = ir.DataType.FLOAT
 FLOAT16 = ir.DataType.FLOAT16
 
@@ -43,7 +52,9 @@ class ConvertToFp16Pass(GraphPass):
         self, keep_fp32: frozenset[str] = frozenset(), only: frozenset[str] | None = None
     ) -> None:
         super().__init__()
-        self.warnings: list[str] = []
+        self.warnings: list[dict[str, Any]] = []
+        """`fp16_clipped` / `fp16_flushed`, each naming the constants and the nodes reading
+        them (`code`, `message`, `nodes`, `suggestion`, as compile warnings are)."""
         self.keep_fp32 = keep_fp32
         self.only = only
 
@@ -60,15 +71,15 @@ class ConvertToFp16Pass(GraphPass):
         original = set(graph)
         converting = {node for node in original if convert(node)}
         kept_fp32 = _float32_only_initializers(graph)
-        clipped: list[str] = []
+        risks = _Risks()
         converted = 0
         for value in list(graph.initializers.values()):
             if value.dtype != FLOAT or value.is_graph_input() or value in kept_fp32:
                 continue
             if all(use.node in converting for use in value.uses()):
-                converted += self._convert_initializer(value, clipped)
+                converted += self._convert_initializer(value, risks)
         for node in converting:
-            converted += _convert_node(node, clipped)
+            converted += _convert_node(node, risks)
         if self.only is None:
             converted += _insert_input_casts(graph, names, converting)
         converted += _insert_output_casts(graph, names)
@@ -76,30 +87,26 @@ class ConvertToFp16Pass(GraphPass):
         odd = converting if self.only is not None else original - converting
         inner, outer = (FLOAT16, FLOAT) if self.only is not None else (FLOAT, FLOAT16)
         converted += _isolate(graph, odd, inner, outer, names)
-        if clipped:
-            message = (
-                f"convert-to-fp16: clipped values outside the float16 range (+-{FP16_MAX:g}) "
-                f"in {len(clipped)} constant(s): {', '.join(clipped)}"
-            )
-            self.warnings.append(message)
-            log.warning(message)
+        self.warnings = risks.warnings()
+        for warning in self.warnings:
+            log.warning("%s (nodes: %s)", warning["message"], ", ".join(warning["nodes"]))
         log.info("convert-to-fp16: converted %d values and attributes", converted)
         return ir.passes.PassResult(model, modified=converted > 0)
 
-    def _convert_initializer(self, value: ir.Value, clipped: list[str]) -> int:
+    def _convert_initializer(self, value: ir.Value, risks: _Risks) -> int:
         tensor = value.const_value
         assert tensor is not None
         name = value.name or "?"
+        readers = [use.node.name or use.node.op_type for use in value.uses()]
         if tensor.nbytes <= SMALL_TENSOR_BYTES:
             value.const_value = ir.tensor(
-                _to_fp16(np.asarray(tensor.numpy()), name, clipped), name=value.name
+                _to_fp16(np.asarray(tensor.numpy()), name, risks, readers), name=value.name
             )
         else:
             # Large weights: look for out-of-range values now (for the warning), convert only
             # when the constants are written, so fp32 and fp16 copies never coexist.
             source = np.asarray(tensor.numpy())
-            if _out_of_range(source):
-                clipped.append(name)
+            risks.look(source, name, readers)
             del source
             release_mapping(tensor)
             value.const_value = ir.LazyTensor(
@@ -111,42 +118,105 @@ class ConvertToFp16Pass(GraphPass):
         return 1
 
 
-def _out_of_range(array: np.ndarray) -> bool:
-    return bool(np.any(np.isfinite(array) & (np.abs(array) > FP16_MAX)))
+@dataclass
+class _Risks:
+    """Constants float16 changes beyond rounding, each with the nodes that read it."""
+
+    clipped: dict[str, list[str]] = field(default_factory=dict)
+    flushed: dict[str, float] = field(default_factory=dict)
+    """Constant -> its largest magnitude (every value of it becomes 0)."""
+    readers: dict[str, list[str]] = field(default_factory=dict)
+
+    def look(self, array: np.ndarray, name: str, readers: list[str]) -> bool:
+        """Note `array` if float16 clips it or flushes it to 0; True when it must be clipped."""
+        if array.size == 0:
+            return False
+        finite = array[np.isfinite(array)] if not np.isfinite(array).all() else array
+        largest = float(max(finite.max(), -finite.min())) if finite.size else 0.0
+        if largest > FP16_MAX:
+            self.clipped[name] = readers
+            self.readers[name] = readers
+            return True
+        if 0.0 < largest < FP16_ROUNDS_TO_ZERO:
+            self.flushed[name] = largest
+            self.readers[name] = readers
+        return False
+
+    def warnings(self) -> list[dict[str, Any]]:
+        out = []
+        if self.clipped:
+            nodes = _readers(self.clipped)
+            out.append(
+                _precision_warning(
+                    "fp16_clipped",
+                    f"convert-to-fp16: clipped values outside the float16 range "
+                    f"(+-{FP16_MAX:g}) in {len(self.clipped)} constant(s): "
+                    f"{', '.join(self.clipped)}",
+                    nodes,
+                    "if the nodes reading them need those values, keep them in float32:",
+                )
+            )
+        if self.flushed:
+            nodes = _readers({name: self.readers[name] for name in self.flushed})
+            shown = ", ".join(f"{name} (|x| <= {v:.3g})" for name, v in self.flushed.items())
+            out.append(
+                _precision_warning(
+                    "fp16_flushed",
+                    f"convert-to-fp16: {len(self.flushed)} constant(s) are too small for "
+                    f"float16 and become 0: {shown}; an epsilon or divisor of 0 gives inf or NaN",
+                    nodes,
+                    "keep the nodes reading them in float32:",
+                )
+            )
+        return out
+
+
+def _readers(constants: dict[str, list[str]]) -> list[str]:
+    return list(dict.fromkeys(n for readers in constants.values() for n in readers))
+
+
+def _precision_warning(
+    code: str, message: str, nodes: list[str], advice: str
+) -> dict[str, Any]:
+    fix = NODE_PRECISION_FIX.format(", ".join(nodes)) if nodes else "-node-precision-info"
+    return {"code": code, "message": message, "nodes": nodes, "suggestion": f"{advice} {fix}"}
 
 
 def _lazy_fp16(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
     source = np.asarray(tensor.numpy())
-    result = _to_fp16(source, "", [])
+    result = _to_fp16(source, "", _Risks(), [])
     del source
     release_mapping(tensor)
     return ir.tensor(result)
 
 
-def _to_fp16(array: np.ndarray, name: str, clipped: list[str]) -> np.ndarray:
-    if _out_of_range(array):
-        clipped.append(name)
+def _to_fp16(array: np.ndarray, name: str, risks: _Risks, readers: list[str]) -> np.ndarray:
+    if risks.look(array, name, readers):
         array = np.where(np.isfinite(array), np.clip(array, -FP16_MAX, FP16_MAX), array)
     return array.astype(np.float16)
 
 
-def _convert_node(node: ir.Node, clipped: list[str]) -> int:
+def _convert_node(node: ir.Node, risks: _Risks) -> int:
     converted = 0
     for out in node.outputs:
         if out.dtype == FLOAT:
             out.type = ir.TensorType(FLOAT16)
             converted += 1
+    # A constant held in an attribute is read by the nodes its output feeds (a Constant,
+    # ConstantOfShape); other ops' tensor attributes by the node itself.
+    fed = [use.node.name or use.node.op_type for out in node.outputs for use in out.uses()]
+    readers = fed if node.op_type in ("Constant", "ConstantOfShape") else [node.name or "?"]
     for name, attr in list(node.attributes.items()):
         if attr.is_ref():
             continue
         if attr.type == ir.AttributeType.TENSOR and attr.as_tensor().dtype == FLOAT:
             label = f"{node.name or node.op_type}.{name}"
-            array = _to_fp16(np.asarray(attr.as_tensor().numpy()), label, clipped)
+            array = _to_fp16(np.asarray(attr.as_tensor().numpy()), label, risks, readers)
             node.attributes[name] = ir.AttrTensor(name, ir.tensor(array))
             converted += 1
         elif node.op_type == "Constant" and name in ("value_float", "value_floats"):
             label = f"{node.name or node.op_type}.{name}"
-            array = _to_fp16(np.asarray(attr.value, dtype=np.float32), label, clipped)
+            array = _to_fp16(np.asarray(attr.value, dtype=np.float32), label, risks, readers)
             node.attributes.pop(name)
             node.attributes["value"] = ir.AttrTensor("value", ir.tensor(array))
             converted += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from compiler_core.lowering.program import (
 )
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
+
+if TYPE_CHECKING:
+    from compiler_core.runtime.numerics import FiniteProbe
 
 
 class RuntimeFault(CompileError):
@@ -209,6 +213,9 @@ class Executor:
             for k in program.kernels
         ]
         self.on_kernel: Callable[[int, int, RunKernel], None] | None = None
+        self.probe: FiniteProbe | None = None
+        """Set for a diagnosis run only: sees every kernel's operands and results (see
+        compiler_core.runtime.numerics); None costs nothing."""
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         """What each core's DMAs moved in the last inference."""
         self.activation_traffic = [Traffic() for _ in range(program.num_cores)]
@@ -468,5 +475,7 @@ class Executor:
                     f"tile of shape {dst.shape}"
                 )
             dst[...] = result
+        if self.probe is not None:
+            self.probe.kernel(instr.kernel, operands, results)
         if self.on_kernel is not None:
             self.on_kernel(core, instr.kernel, instr)

@@ -20,6 +20,13 @@ import numpy as np
 
 from compiler_core.errors import CompileError
 from compiler_core.runtime.executor import Executor, RuntimeFault
+from compiler_core.runtime.numerics import (
+    FiniteProbe,
+    NumericsReport,
+    diagnose,
+    nonfinite_outputs,
+    warn,
+)
 
 if TYPE_CHECKING:
     from compiler_core.qpc.container import Qpc
@@ -52,6 +59,9 @@ class QpcSession:
         self._decoded: dict[int, np.ndarray] | None = None
         self.state: dict[str, np.ndarray] = {}
         """The retained buffers as the device holds them, by input name."""
+        self.numerics: NumericsReport | None = None
+        """The first run whose outputs held NaN or infinities: where they began (also issued
+        as a `NonFiniteWarning`). Later runs are checked too, but not traced again."""
         self.reset()
 
     def reset(self) -> None:
@@ -119,7 +129,11 @@ class QpcSession:
         for inference in range(iterations):
             if recorder is not None:
                 recorder.start()
-            outputs = executor.run({**inputs, **self.state})
+            feeds = {**inputs, **self.state}
+            with np.errstate(all="ignore"):  # non-finite results are reported below, once
+                outputs = executor.run(feeds)
+            if self.numerics is None:
+                self._check_numerics(executor, feeds, outputs)
             for name, output in self.retained.items():
                 self.state[name] = outputs.pop(output)
             if recorder is not None and profiling_out_dir is not None:
@@ -127,6 +141,25 @@ class QpcSession:
 
                 write_stats_file(Path(profiling_out_dir), inference, recorder.finish(inference))
         return outputs
+
+    def _check_numerics(
+        self, executor: Executor, feeds: Mapping[str, np.ndarray], outputs: dict[str, np.ndarray]
+    ) -> None:
+        """Outputs with NaN or infinities: run the inference again with every kernel watched,
+        trace them to where they began, keep the report and warn with it."""
+        bad = nonfinite_outputs(outputs)
+        if not bad:
+            return
+        probe = FiniteProbe()
+        executor.probe, on_kernel, executor.on_kernel = probe, executor.on_kernel, None
+        traffic = executor.traffic
+        try:
+            with np.errstate(all="ignore"):
+                executor.run(feeds)
+        finally:
+            executor.probe, executor.on_kernel, executor.traffic = None, on_kernel, traffic
+        self.numerics = diagnose(executor.program, bad, probe)
+        warn(self.numerics)
 
     def close(self) -> None:
         self._executors.clear()
