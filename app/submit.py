@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TextIO
 
+from qpcfarm.app.stages import stage_words
+
 if TYPE_CHECKING:
     import onnx
 
@@ -305,7 +307,7 @@ class ProgressDisplay:
 
     def update(self, job: dict[str, Any]) -> None:
         status = str(job.get("status") or "")
-        stage = str(job.get("stage") or "")
+        stage = stage_words(str(job.get("stage") or ""))
         percent = int(round(100.0 * float(job.get("progress") or 0.0)))
         state = (status, stage, percent)
         if state == self._last:
@@ -315,7 +317,7 @@ class ProgressDisplay:
             filled = self.WIDTH * percent // 100
             bar = "#" * filled + "-" * (self.WIDTH - filled)
             label = stage if status == "running" and stage else status
-            self.stream.write(f"\r{PROG}: job {self.job} [{bar}] {percent:3d}% {label:<16}")
+            self.stream.write(f"\r{PROG}: job {self.job} [{bar}] {percent:3d}% {label:<31}")
             self._drawn = True
         elif previous is None or previous[:2] != state[:2]:
             where = f" {stage} {percent}%" if status == "running" and stage else ""

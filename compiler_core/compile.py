@@ -125,7 +125,10 @@ class _Stages:
 
     @contextmanager
     def stage(self, name: str, timing: PassTiming | None = None) -> Iterator[None]:
-        """Time the stage; `timing`'s records (the passes run inside it) become its parts."""
+        """Time the stage; `timing`'s records (the passes run inside it) become its parts.
+        Progress is reported as the stage starts (so a job row names the stage it is in, and
+        a failure the stage it failed in) and as it ends."""
+        self.report(name, 0.0)
         start = time.perf_counter()
         yield
         parts = list(timing.records) if timing is not None else []

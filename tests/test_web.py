@@ -8,10 +8,14 @@ succeeded. Needs Debian's chromium and chromium-driver (`.ci/run` installs them)
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import socket
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +29,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 QPC_MAGIC = 0x00A1CD7C
 REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+SCREENSHOTS_ENV = "QPCFARM_SCREENSHOT_DIR"
+"""Set to docs/images to refresh the README's pictures (the tests take them either way)."""
 WAIT_S = 60.0  # generous: CI machines are shared and slow at times
 """How long a wait for the page may take before the test fails rather than hangs."""
 
@@ -250,6 +256,30 @@ def job_id_from_url(url: str) -> str:
     return url.split("submitted=")[1].split("&")[0]
 
 
+def screenshot(browser: Any, tmp_path: Path, name: str) -> Path:
+    """The whole page as a PNG: in $QPCFARM_SCREENSHOT_DIR when set (docs/images for the
+    README), else in tmp_path, to look at."""
+    folder = Path(os.environ.get(SCREENSHOTS_ENV) or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    height = browser.execute_script("return document.documentElement.scrollHeight;")
+    browser.set_window_size(1280, max(900, min(int(height) + 40, 4000)))
+    browser.execute_script("window.scrollTo(0, 0);")
+    path = folder / name
+    browser.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000
+    return path
+
+
+def numbers(text: str) -> float:
+    return float(text.replace(",", "").split()[0])
+
+
+def y_of(driver: Any, selector: str) -> float:
+    return float(driver.execute_script(
+        "return document.querySelector(arguments[0]).getBoundingClientRect().top;", selector
+    ))
+
+
 # -------------------------------------------------------------------------------- tests
 
 
@@ -283,13 +313,19 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
     model_path = tmp_path / "tiny.onnx"
     onnx.save(tiny_model(scale=0.37), str(model_path))
     sign_in(browser, server)
-    upload(browser, model_path, "-aic-num-cores=2")
+    # An unused symbol makes an import warning, to be shown apart from the perf warnings.
+    upload(browser, model_path, "-aic-num-cores=2 -onnx-define-symbol=seq,3")
 
     wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
     job_id = job_id_from_url(browser.current_url)
     row = f"#job-{job_id}"
     assert css(browser, row).get_attribute("data-status") == "queued"
     assert "tiny.onnx" in css(browser, row).text
+    # Said what happened, with the way to the new job; the row shows its flags, in words.
+    assert "tiny.onnx is queued as job" in css(browser, "#notice").text
+    assert css(browser, "#notice-job").get_attribute("href").endswith(f"/jobs/{job_id}")
+    assert "-aic-num-cores=2" in css(browser, f"{row} td.flags").text
+    assert css(browser, f"{row} td.stage").text == "waiting for a worker"
     # A marker that a reload would wipe: the status must change under it.
     browser.execute_script("window.__sameDocument = true;")
     server.gate.open()
@@ -299,6 +335,7 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
         "the job list never showed the job finished",
     )
     assert css(browser, f"{row} .badge").text == "succeeded"
+    assert css(browser, f"{row} td.stage").text == "done"
     assert browser.execute_script("return window.__sameDocument === true;")
 
     css(browser, f"{row} a.job-link").click()
@@ -311,8 +348,24 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
     }
     assert metrics["num_cores"] == "2"
     assert int(metrics["estimated_cycles"].replace(",", "")) > 0
-    assert "import" in css(browser, "#pass-times").text
     assert "c01" in css(browser, "#metric-tables").text  # per-core figures of both cores
+    # Metrics in groups, with units and readable names.
+    groups = [e.text for e in css_all(browser, "#metrics tr.group th")]
+    assert groups[:2] == ["Device", "Latency and throughput"] and "Memory" in groups
+    assert metrics["estimated_latency_us"].endswith(" µs")
+    assert re.fullmatch(r"[\d.,]+ (B|KiB|MiB)", metrics["final_constants_size"])
+    assert css(browser, "tr[data-metric='estimated_latency_us'] th").text == "Estimated latency"
+    # Pass times: the passes under their stage, a total of the stages alone.
+    stages = [numbers(r.find_element("css selector", "td").text)
+              for r in css_all(browser, "#pass-times tr.depth-0")]
+    passes = css_all(browser, "#pass-times tr.depth-1")
+    assert [r.get_attribute("data-pass") for r in passes][:1] == ["canonicalize"]
+    total = numbers(css(browser, "#pass-total td").text)
+    assert total == pytest.approx(sum(stages), abs=0.01 * len(stages))
+    # Import warnings apart from perf warnings.
+    assert "seq" in css(browser, "#warnings-import li[data-code='import']").text
+    assert "seq" not in css(browser, "#warnings-perf").text
+    assert css_all(browser, "#warnings-perf li[data-code='fp32_compute']")
 
     # The link downloads the QPC with the browser's own (HttpOnly) cookie.
     href = css(browser, "#download").get_attribute("href")
@@ -343,18 +396,18 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
     Select(css(browser, "#validate-device").element()).select_by_value("aic100-standard")
     css(browser, "#validate").click()
     wait_for(browser, lambda d: "validation=" in d.current_url, "validation did not run")
+    assert browser.current_url.endswith("#validation")
     assert "aic100-standard" in css(browser, "#validation h2").text
+    assert y_of(browser, "#validation") < y_of(browser, "#job-body")  # on top, not under it
     checks = css_all(browser, "#validation li.check")
     assert checks, "no check lines shown"
     names = {c.get_attribute("data-check") for c in checks}
     assert {"container", "checksums"} <= names
     assert all("PASS" in c.text for c in checks)
 
-    browser.set_window_size(1280, 3200)  # the whole page in one picture, to look at
-    browser.execute_script("window.scrollTo(0, 0);")
-    shot = tmp_path / "job-page.png"
-    browser.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
+    browser.get(f"{server.url}/jobs/{job_id}")  # the page as a visitor first sees it
+    css(browser, "#metrics")
+    screenshot(browser, tmp_path, "job-page.png")
 
 
 def test_a_bad_upload_shows_its_error_on_the_page(
@@ -423,9 +476,18 @@ def test_profiling_a_jobs_qpc_shows_the_per_operator_chart_and_the_timeline(
     assert "MatMul_0" in spans[0].find_element("css selector", "title").get_attribute("textContent")
     for link in ("#download-summary", "#download-csv", "#download-trace"):
         assert "/v1/profiles/" in css(browser, link).get_attribute("href")
-    shot = tmp_path / "profile-page.png"  # to look at
-    browser.save_screenshot(str(shot))
-    assert shot.stat().st_size > 10_000
+    # The legend names every colour the timeline draws.
+    drawn = {
+        cls.removeprefix("span-")
+        for s in css_all(browser, "#timeline rect.span")
+        for cls in s.get_attribute("class").split()
+        if cls.startswith("span-")
+    }
+    keys = css_all(browser, "#timeline-legend [data-kind]")
+    legend = {e.get_attribute("data-kind") for e in keys}
+    assert legend == drawn and {"op", "hmx"} <= legend
+    assert "HMX thread" in css(browser, "#timeline-legend").text
+    screenshot(browser, tmp_path, "profile-page.png")
 
     css(browser, "#job-link").click()
     wait_for(browser, lambda d: f"/jobs/{job_id}" in d.current_url, "back to the job")
@@ -453,3 +515,73 @@ def test_the_api_docs_render_from_the_farm_alone(
     refused = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert all(REDOC_LOGO in m and "Content Security Policy" in m for m in refused), refused
     assert not css_all(browser, "img[alt='redocly logo']")
+
+
+def test_below_stats_level_70_profile_is_disabled_with_why_and_recompile_makes_it_possible(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    import onnx
+
+    server.gate.open()
+    model_path = tmp_path / "tiny.onnx"
+    onnx.save(tiny_model(scale=0.83), str(model_path))
+    sign_in(browser, server)
+    upload(browser, model_path, "-aic-num-cores=2")
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    css(browser, "#notice-job").click()
+    wait_for(browser, lambda d: css(d, "#job-status").text == "succeeded", "the compile")
+
+    assert css(browser, "#profile").get_attribute("disabled") is not None
+    assert "-stats-level=70" in css(browser, "#profile-why").text
+    css(browser, "#recompile").click()
+    wait_for(browser, lambda d: "recompiled_from=" in d.current_url, "no new job")
+    assert "-stats-level=70" in css(browser, "#notice").text
+    wait_for(browser, lambda d: css(d, "#job-status").text == "succeeded", "the recompile")
+    assert "-stats-level=70" in css(browser, "dl.facts").text
+    assert css(browser, "#profile").get_attribute("disabled") is None
+    assert css(browser, "#profile-iterations").get_attribute("value") == "1"
+
+
+def test_a_failed_job_says_where_it_stopped_and_specializations_are_listed(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    server.gate.open()
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"], name="act")],
+        "symbolic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    model_path = tmp_path / "symbolic.onnx"
+    onnx.save(model, str(model_path))
+    sign_in(browser, server)
+
+    upload(browser, model_path)  # nothing binds batch and seq: the import refuses
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    css(browser, "#notice-job").click()
+    wait_for(browser, lambda d: css(d, "#job-status").text == "failed", "the failure")
+    assert css(browser, "#job-stage").text == "failed while importing the model"
+    assert css(browser, "#job-error .code").text == "dynamic_shape"
+
+    specs = {"specializations": [{"name": "prefill", "symbols": {"batch": 1, "seq": 16}},
+                                 {"name": "decode", "symbols": {"batch": 1, "seq": 1}}]}
+    archive = tmp_path / "llm.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.write(model_path, "symbolic.onnx")
+        zf.writestr("specs.json", json.dumps(specs))
+    browser.get(server.url + "/")
+    upload(browser, archive, "-network-specialization-config=specs.json")
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    css(browser, "#notice-job").click()
+    wait_for(browser, lambda d: css(d, "#job-status").text == "succeeded", "the compile")
+    rows = {
+        r.get_attribute("data-program"): r.text for r in css_all(browser, "#programs tr.program")
+    }
+    assert set(rows) == {"prefill", "decode"}
+    assert "seq=16" in rows["prefill"] and "x: float32[1x16x8]" in rows["prefill"]
+    assert "seq=1" in rows["decode"] and "µs" in rows["decode"]

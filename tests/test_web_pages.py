@@ -305,12 +305,67 @@ def test_metrics_flatten_to_rows_and_record_lists_to_tables() -> None:
     )
     assert [(r.name, r.value) for r in shown.rows] == [
         ("num_cores", "2"),
-        ("memory_traffic.total.ddr_read_bytes", "1,234,567"),
+        ("memory_traffic.total.ddr_read_bytes", "1.18 MiB"),
         ("estimated", "true"),
     ]
     (table,) = shown.tables
-    assert table.name == "per_core" and table.columns == ["core", "busy"]
+    assert table.name == "per_core" and table.columns == ["Core", "Busy"]
     assert table.rows == [["c00", "1.5"], ["c01", "2"]]
+
+
+def test_metrics_are_grouped_with_units_and_names_a_person_reads() -> None:
+    from qpcfarm.app.web.views import split_metrics
+
+    shown = split_metrics(
+        {
+            "estimated_latency_us": 4.4491,
+            "hmx_utilization_percent": 3.25,
+            "vtcm_max_used": 158080,
+            "estimated_cycles": 4243,
+            "memory_traffic": {"total": {"noc_bytes": 512}},
+            "a_new_figure": 7,
+            "specializations": {"prefill": {"estimated_latency_us": 1.0}},
+        }
+    )
+    groups = {g.title: [(r.label, r.value, r.exact) for r in g.rows] for g in shown.groups}
+    assert groups == {
+        "Latency and throughput": [
+            ("Estimated latency", "4.449 µs", ""),
+            ("Estimated cycles", "4,243", ""),
+        ],
+        "Compute": [("HMX utilization", "3.2 %", "")],
+        "DDR traffic": [("NoC", "512 B", "")],
+        "Memory": [("VTCM max used", "154.38 KiB", "158,080 bytes")],
+        "Other": [("A new figure", "7", "")],
+    }
+
+
+def test_pass_times_are_a_tree_whose_total_counts_the_stages() -> None:
+    from qpcfarm.app.web.views import pass_times
+
+    times = {"import": 0.5, "graph-passes": 0.25, "graph-passes/fold": 0.2, "lower": 0.25}
+    tree = pass_times(times)
+    assert [(r.name, r.depth) for r in tree.rows] == [
+        ("import", 0), ("graph-passes", 0), ("fold", 1), ("lower", 0)
+    ]
+    assert tree.total_ms == "1,000.000" and tree.rows[2].share == "20.0"
+
+
+@pytest.mark.parametrize(
+    ("status", "stage", "shown"),
+    [
+        ("queued", None, "waiting for a worker"),
+        ("running", "graph-passes", "optimising the graph"),
+        ("failed", "claimed", "failed while starting"),
+        ("failed", "import", "failed while importing the model"),
+        ("succeeded", "done", "done"),
+        ("cancelled", "lower", "cancelled while lowering to kernels"),
+    ],
+)
+def test_stages_are_shown_in_words(status: str, stage: str | None, shown: str) -> None:
+    from qpcfarm.app.stages import describe_stage
+
+    assert describe_stage(status, stage) == shown
 
 
 def test_the_api_docs_and_their_assets_are_served_by_the_farm(site: Site) -> None:

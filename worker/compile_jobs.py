@@ -335,8 +335,25 @@ def _compile(
 
 
 def _requirements(qpc_path: Path) -> dict[str, Any]:
+    """What the QPC needs from a device, and what it takes from its caller: each program's
+    (specialization's) symbols and I/O names, types and shapes (the pages show them)."""
     from compiler_core.qpc.container import load_qpc
 
     with load_qpc(qpc_path) as qpc:
         network = qpc.network
-        return {} if network is None else network.requirements.to_dict()
+        if network is None:
+            return {}
+        programs = [
+            {
+                "name": spec.name,
+                "symbols": dict(spec.symbols),
+                "inputs": [_io(io) for io in spec.inputs],
+                "outputs": [_io(io) for io in spec.outputs],
+            }
+            for spec in network.programs()
+        ]
+        return {**network.requirements.to_dict(), "programs": programs}
+
+
+def _io(io: Any) -> dict[str, Any]:
+    return {"name": io.name, "dtype": io.dtype, "dims": list(io.dims)}

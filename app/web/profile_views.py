@@ -78,6 +78,16 @@ class Lane:
     y: float
 
 
+LEGEND = {
+    "op": "kernel (the core's op lane)",
+    "wait": "waiting on a semaphore",
+    "hmx": "HMX thread (matrix unit)",
+    "hvx": "HVX thread (vector unit)",
+    "dma": "DMA thread (transfers)",
+}
+"""What each span colour means, in the legend's order; a kind not listed shows by its name."""
+
+
 @dataclass(frozen=True)
 class Timeline:
     lanes: list[Lane] = field(default_factory=list)
@@ -87,6 +97,13 @@ class Timeline:
     duration_us: float = 0.0
     truncated: bool = False
     ticks: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def legend(self) -> list[tuple[str, str]]:
+        """(kind, meaning) of every kind of span drawn, in `LEGEND` order."""
+        kinds = {span.kind for span in self.spans}
+        known = [(kind, text) for kind, text in LEGEND.items() if kind in kinds]
+        return known + [(kind, kind) for kind in sorted(kinds - set(LEGEND))]
 
 
 def timeline(trace: dict[str, Any] | None, max_spans: int = MAX_SPANS) -> Timeline:

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import list_devices
+from compiler_core.profiling.opstats import OPSTATS_LEVEL
 from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
 from qpcfarm.app.blobs import BlobStore
 from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
@@ -35,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"
 JOB_LIST_LIMIT = 50
 POLL_DONE_HEADER = "X-Poll-Done"
+STATS_LEVEL_DEFAULT = CompileOptions().stats_level
 
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 templates.env.filters.update(views.FILTERS)
@@ -174,7 +176,8 @@ def dashboard(
     team = auth.web_team(request, session, settings)
     if team is None:
         return auth.sign_in_redirect(request)
-    context = dashboard_context(session, team, submitted=submitted)
+    submitted_job = find_job(session, team, submitted) if submitted else None
+    context = dashboard_context(session, team, submitted_job=submitted_job)
     return render(request, "dashboard.html", context)
 
 
@@ -244,6 +247,7 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
     if job.qpc_id is not None:
         qpc = qpcs.get_qpc(session, team, job.qpc_id)
         report = qpcs.get_report(session, qpc)
+    stats_level = int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
     return {
         "team": team,
         "job": job,
@@ -251,8 +255,14 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
         "report": report,
         "profiles": profiles.profiles_of_qpc(session, team, qpc.id) if qpc else [],
         "metrics": views.split_metrics(report.metrics) if report else views.Metrics(),
-        "flags": CompileOptions.from_json(job.options).to_flags(),
+        "pass_times": views.pass_times(report.pass_times) if report else None,
+        "warning_sections": views.warning_sections(report.warnings) if report else [],
+        "specialized": (report.metrics or {}).get("specializations", {}) if report else {},
+        "programs": (qpc.requirements or {}).get("programs", []) if qpc else [],
+        "flags": views.flags_of(job.options),
         "devices": list_devices(),
+        "stats_level": stats_level,
+        "profile_level": OPSTATS_LEVEL,
     }
 
 
@@ -263,6 +273,7 @@ def job_page(
     session: SessionDep,
     settings: SettingsDep,
     validation: str | None = None,
+    recompiled_from: str | None = None,
 ) -> Response:
     team = auth.web_team(request, session, settings)
     if team is None:
@@ -271,6 +282,7 @@ def job_page(
     if job is None:
         return not_found_page(request, team, "job", job_id)
     context = job_context(session, team, job)
+    context["recompiled_from"] = find_job(session, team, recompiled_from or "")
     shown = parse_uuid(validation or "")
     if shown is not None:
         try:
@@ -363,6 +375,32 @@ def cancel(
     return job_action(request, session, settings, job_id, csrf, act)
 
 
+@router.post("/jobs/{job_id}/recompile-for-profile", response_model=None)
+def recompile_for_profile(
+    request: Request,
+    job_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    queue: QueueDep,
+    csrf: FormStr = "",
+) -> Response:
+    """The job's model and options again, at the stats level profiling needs (a QPC below it
+    holds no per-operator cycles): a new job, shown on its page."""
+
+    def act(team: Team, job: CompileJob) -> str:
+        options = CompileOptions.from_json(job.options).with_(stats_level=OPSTATS_LEVEL)
+        new, created = jobs.submit_job(
+            session, team, job.model, options, store=store, cache_scope=settings.cache_scope
+        )
+        session.commit()
+        if created and new.status == JobStatus.queued:
+            queue.enqueue(new.id)
+        return f"/jobs/{new.id}?recompiled_from={job.id}"
+
+    return job_action(request, session, settings, job_id, csrf, act)
+
+
 # ---------------------------------------------------------------------------- profiles
 
 
@@ -380,6 +418,15 @@ def start_profile(
 
     def act(team: Team, job: CompileJob) -> str:
         qpc = _job_qpc(session, team, job, "profile")
+        level = int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
+        if level < OPSTATS_LEVEL:
+            raise ServiceError(
+                "stats_level_too_low",
+                f"this QPC was compiled with -stats-level={level}: its stats hold no "
+                f"per-operator cycles. Profiling needs -stats-level={OPSTATS_LEVEL}: use "
+                "\"Recompile with -stats-level=70\" below",
+                409,
+            )
         try:
             count = int(iterations.strip() or "1")
         except ValueError:
