@@ -12,6 +12,7 @@ import pytest
 
 from compiler_core import compile_model, run_qpc
 from compiler_core.errors import CompileError
+from compiler_core.runtime.numerics import NonFiniteWarning
 from tests.op_checks import run_onnxruntime
 
 F = onnx.TensorProto.FLOAT
@@ -61,8 +62,9 @@ def _run(result) -> tuple[np.ndarray, dict[str, str]]:
 
 def test_fp32_nodes_keep_a_float16_network_from_overflowing(tmp_path: Path) -> None:
     want = run_onnxruntime(_model(), {"x": X})[0]
-    plain, _ = _run(_compile(tmp_path, None, "-convert-to-fp16"))
-    assert not np.isfinite(plain).all()  # the square overflows in float16
+    with pytest.warns(NonFiniteWarning, match=r"FP32NodeInstanceNames: \[square\]"):
+        plain, _ = _run(_compile(tmp_path, None, "-convert-to-fp16"))
+    assert not np.isfinite(plain).all()  # the square overflows in float16, and the run says so
     text = "FP32NodeInstanceNames:\n  - square\n  - sum\n  - root\n"
     got, types = _run(_compile(tmp_path, text, "-convert-to-fp16"))
     np.testing.assert_allclose(got, want, rtol=2e-3)
