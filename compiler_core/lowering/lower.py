@@ -376,17 +376,17 @@ def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> 
                 sizes.append(0)
                 continue
             root = lowered.root(tid)
-            t = lowered.tensors[root]
-            if t.kind == KIND_CONSTANT:
+            held = lowered.tensors[root]
+            if held.kind == KIND_CONSTANT:
                 kind = "constant"
-            elif root in producer and t.kind in (KIND_ACTIVATION, KIND_OUTPUT):
+            elif root in producer and held.kind in (KIND_ACTIVATION, KIND_OUTPUT):
                 kind = "chip"
             else:
                 kind = "ddr"
             kinds.append(kind)
             producers.append(producer.get(root, -1) if kind == "chip" else -1)
-            reshaped.append(lowered.tensors[tid].shape != t.shape)
-            sizes.append(t.nbytes)
+            reshaped.append(lowered.tensors[tid].shape != held.shape)
+            sizes.append(held.nbytes)
         items.append(
             KernelSplit(
                 request=lk.request,

@@ -134,7 +134,7 @@ def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict
 def _products(n: int, r: int) -> list[tuple[int, ...]]:
     if r == 1:
         return [(n,)]
-    out = []
+    out: list[tuple[int, ...]] = []
     for d in range(1, n + 1):
         if n % d == 0:
             out.extend((d, *rest) for rest in _products(n // d, r - 1))
