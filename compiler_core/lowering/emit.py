@@ -721,9 +721,9 @@ class _DdrHazards:
             # that tensor's accesses (each core's latest is enough: a post is a fence).
             latest: dict[int, int] = {}
             for other in self.overlaps.get(root, ()):
-                for _, op in (*self.writes.get(other, ()), *self.reads.get(other, ())):
-                    core = self.core_of[op]
-                    latest[core] = max(latest.get(core, -1), op)
+                for _, access in (*self.writes.get(other, ()), *self.reads.get(other, ())):
+                    core = self.core_of[access]
+                    latest[core] = max(latest.get(core, -1), access)
             self.inherited[root] = tuple(latest.values())
         deps.update(self.inherited[root])
         if key is None:
