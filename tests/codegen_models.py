@@ -5,11 +5,12 @@
 - `probed_light_model`: a light CNN of the ONNX test data with input-sensitive activations
   added as graph outputs (see its docstring for why the plain outputs prove little).
 - `bench_models`: the benchmark's own model builders (bench/models.py and
-  bench/transformer_models.py), imported the way bench/codegen.py imports them.
+  bench/transformer_models.py), the ones bench/codegen.py uses.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from functools import cache
 from pathlib import Path
@@ -140,13 +141,20 @@ def probed_light_model(name: str, probes: int = 3, *, fp16: bool = False) -> byt
     return model.SerializeToString()
 
 
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _bench_module(name: str) -> ModuleType:
+    """bench/<name>.py (bench/ is not a package), under a name of its own."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
 @cache
 def bench_models() -> tuple[ModuleType, ModuleType]:
-    """bench/models.py and bench/transformer_models.py (bench/ is not a package)."""
-    bench = str(Path(__file__).resolve().parent.parent / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    import models  # type: ignore[import-not-found]
-    import transformer_models  # type: ignore[import-not-found]
-
-    return models, transformer_models
+    """bench/models.py (the ResNet) and bench/transformer_models.py (encoder, decoder)."""
+    return _bench_module("models"), _bench_module("transformer_models")

@@ -6,7 +6,8 @@ functional runtime and to the limits of the modelled chip.
   in fp32 and fp16, and has no race: `races` follows the semaphores between the cores' streams
   and finds any two accesses to the same bytes, one a write, that no semaphore orders. The
   runtime runs the cores one after another, so a missing wait shows there only when that
-  order happens to expose it.
+  order happens to expose it. The light CNNs' own outputs are constants whatever the
+  schedule does, so they are checked at probes (tests/codegen_models.py).
 - The semaphore waits and the multicast core masks carry weight: without one, the answer goes
   wrong or the runtime refuses the program.
 - Resident weights load once, when the program is activated, and inferences cannot write them.
@@ -14,7 +15,7 @@ functional runtime and to the limits of the modelled chip.
 - No estimate beats a physical floor, more cores are faster, and a weight that several cores
   read is read from DDR once.
 
-A representative part of the matrix runs by default; all of it is marked slow (`-m slow`).
+A representative part of the matrix runs by default; the rest is marked slow (`-m slow`).
 """
 
 from __future__ import annotations
@@ -288,17 +289,16 @@ def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], preci
 class Loaded:
     """A compiled program as the runtime sees it, with the inputs it is run on."""
 
-    result: CompileResult
     program: Program
     constants: memoryview
     feeds: dict[str, np.ndarray]
     want: np.ndarray
     """The (first) output ONNX Runtime computes."""
 
-    def run(self, program: Program | None = None) -> np.ndarray | RuntimeFault:
-        """The first output of one inference of `program` (default: the compiled one), or
-        the fault the runtime raised."""
-        executor = Executor(program or self.program, self.constants, VTCM)
+    def run(self, program: Program) -> np.ndarray | RuntimeFault:
+        """The first output of one inference of `program` (the compiled one or a tampered
+        copy), or the fault the runtime raised."""
+        executor = Executor(program, self.constants, VTCM)
         try:
             outputs = executor.run(self.feeds)
         except RuntimeFault as fault:
@@ -311,9 +311,6 @@ class Loaded:
         return isinstance(got, RuntimeFault) or not np.allclose(
             got, self.want, rtol=TOLERANCE["fp32"][0], atol=TOLERANCE["fp32"][1]
         )
-
-    def executor(self) -> Executor:
-        return Executor(self.program, self.constants, VTCM)
 
 
 @contextmanager
@@ -328,7 +325,7 @@ def _loaded(
     want = next(iter(_ort_run(model.SerializeToString(), feeds).values()))
     try:
         with load_qpc(result.qpc_path) as qpc:
-            loaded = Loaded(result, qpc.program(), qpc.segments["constants.bin"], feeds, want)
+            loaded = Loaded(qpc.program(), qpc.segments["constants.bin"], feeds, want)
             assert not loaded.broken(loaded.program), "the untouched program is already wrong"
             yield loaded
     finally:
@@ -413,13 +410,58 @@ DDR_REUSE_WAIT = (
     "access: loads of it on other cores do not wait for that store"
 )
 
+FIRST_KERNEL_FAILS = {
+    # Without residency the first kernel's weights stream (in fp16 the first kernel is the
+    # input's Cast, which has none; on 1 core ResNet-50's and VGG-19's activations leave no
+    # VTCM to load weights early, so nothing is hoisted).
+    *(
+        Case(model, cores, "fp32", "no-residency")
+        for model in (*LIGHT_MODELS, "transformer", "decoder")
+        for cores in CORES
+        if (model, cores) not in {("light_resnet50", 1), ("light_vgg19", 1)}
+    ),
+    # DenseNet-121's first convolution keeps its folded bias in DDR, whatever the policy.
+    *(
+        Case("light_densenet121", cores, "fp32", policy)
+        for cores in CORES
+        for policy in POLICIES
+        if (cores, policy) != (4, "no-on-chip")
+    ),
+    # So does ShuffleNet's on 1 core.
+    *(Case("light_shufflenet", 1, "fp32", policy) for policy in POLICIES),
+}
+"""Where the first known bug breaks the schedule (measured: the race check finds the first
+kernel reading VTCM that nothing wrote)."""
+
+DDR_REUSE_FAILS = {
+    # Activations in DDR, on several cores.
+    *(
+        Case(model, cores, precision, "no-on-chip")
+        for model in (*LIGHT_MODELS, "transformer", "decoder")
+        for precision in ("fp32", "fp16")
+        if precision == "fp32" or not model.startswith("light_") or model in FP16_LIGHT_MODELS
+        for cores in CORES[1:]
+        if (model, cores, precision) != ("light_vgg19", 4, "fp32")
+    ),
+    # VGG-19's activations do not all fit on chip: some spill to DDR under any policy.
+    Case("light_vgg19", 4, "fp32", "no-multicast"),
+    Case("light_vgg19", 14, "fp32", "all-on"),
+    Case("light_vgg19", 14, "fp32", "no-multicast"),
+}
+"""Where the second known bug breaks the schedule (measured: the race check finds a load of
+a DDR activation that does not wait for another core's store of it)."""
+
 
 def _known_bug(case: Case) -> str | None:
-    if case.policy == "no-residency":
-        return FIRST_KERNEL_WEIGHTS
-    if case.policy == "no-on-chip" and case.cores > 1:
-        return DDR_REUSE_WAIT
-    return None
+    bugs = [
+        bug
+        for bug, cases in (
+            (FIRST_KERNEL_WEIGHTS, FIRST_KERNEL_FAILS),
+            (DDR_REUSE_WAIT, DDR_REUSE_FAILS),
+        )
+        if case in cases
+    ]
+    return "; and ".join(bugs) or None
 
 
 DEFAULT_CASES = {
@@ -439,6 +481,7 @@ DEFAULT_CASES = {
     Case("light_squeezenet", 4, "fp32", "all-on"),
     Case("light_squeezenet", 4, "fp32", "no-double-buffer"),
     Case("light_shufflenet", 14, "fp16", "all-on"),
+    Case("light_shufflenet", 1, "fp32", "all-on"),  # the first known bug, everything on
     Case("light_inception_v1", 1, "fp32", "no-multicast"),
 }
 """The part of the matrix every run checks: every model kind, core count, precision and
@@ -462,8 +505,15 @@ def _matrix() -> list[Any]:
     return params
 
 
+@dataclass(frozen=True)
+class Reference:
+    feeds: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]
+    """ONNX Runtime's outputs for `feeds`, by name."""
+
+
 @cache
-def _light_reference(name: str, fp16: bool) -> dict[str, np.ndarray]:
+def _light_reference(name: str, fp16: bool) -> Reference:
     model = probed_light_model(name, fp16=fp16)
     graph = onnx.load_from_string(model).graph
     weights = {i.name for i in graph.initializer}
@@ -472,7 +522,7 @@ def _light_reference(name: str, fp16: bool) -> dict[str, np.ndarray]:
         for i in graph.input
         if i.name not in weights
     }
-    return {"__feeds__": feeds, **_ort_run(model, feeds)}  # type: ignore[dict-item]
+    return Reference(feeds, _ort_run(model, feeds))
 
 
 PROMPT = np.array([[3, 17, 5, 40, 22, 9, 11, 30]], np.int64)
@@ -504,9 +554,8 @@ def _check_light(case: Case) -> None:
     result = compile_model(model, _flags(case.cores, case.precision), policy=POLICIES[case.policy])
     try:
         _assert_race_free(result)
-        want = dict(_light_reference(case.model, fp16))
-        feeds = want.pop("__feeds__")
-        _assert_close(run_qpc(result.qpc_path, feeds), want, case.precision)  # type: ignore[arg-type]
+        want = _light_reference(case.model, fp16)
+        _assert_close(run_qpc(result.qpc_path, want.feeds), want.outputs, case.precision)
     finally:
         result.cleanup()
 
@@ -572,25 +621,25 @@ def test_only_the_light_cnn_probes_notice_a_weight_nobody_loaded() -> None:
     schedule. Without the load of its first convolution's weights, the program still gives
     ONNX Runtime's outputs; the probes do not."""
     name = "light_squeezenet"
-    want = dict(_light_reference(name, False))
-    feeds = want.pop("__feeds__")
+    want = _light_reference(name, False)
     final = onnx.load(light_model_path(name)).graph.output[0].name
-    for model in (Path(light_model_path(name)).read_bytes(), probed_light_model(name)):
+    plain = Path(light_model_path(name)).read_bytes()
+    for model, probes in ((plain, 0), (probed_light_model(name), 3)):
         result = compile_model(model, _flags(1))
-        with load_qpc(result.qpc_path) as qpc:
-            program = qpc.program()
-            weight = program.kernels[0].inputs[1]
-            assert program.tensors[weight].kind == KIND_CONSTANT
-            executor = Executor(
-                _without_load_of(program, weight), qpc.segments["constants.bin"], VTCM
-            )
-            got = executor.run(feeds)  # type: ignore[arg-type]
-        result.cleanup()
-        np.testing.assert_allclose(got[final], want[final], rtol=1e-4, atol=1e-5)
-        probes = [p for p in got if p != final]
-        assert len(probes) == (0 if model is not probed_light_model(name) else 3)
-        for probe in probes[:1]:  # the first probe reads the first convolution
-            assert not np.allclose(got[probe], want[probe], rtol=1e-4, atol=1e-5)
+        try:
+            with load_qpc(result.qpc_path) as qpc:
+                program = qpc.program()
+                weight = program.kernels[0].inputs[1]
+                assert program.tensors[weight].kind == KIND_CONSTANT
+                tampered = _without_load_of(program, weight)
+                got = Executor(tampered, qpc.segments["constants.bin"], VTCM).run(want.feeds)
+        finally:
+            result.cleanup()
+        np.testing.assert_allclose(got[final], want.outputs[final], rtol=1e-4, atol=1e-5)
+        assert len(got) == 1 + probes
+        if probes:  # the first probe is the first convolution's activation
+            first = next(name for name in got if name != final)
+            assert not np.allclose(got[first], want.outputs[first], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.xfail(strict=True, reason=FIRST_KERNEL_WEIGHTS)
@@ -684,7 +733,7 @@ def test_removing_the_waits_before_a_multicast_breaks_the_answer(
     for core, stream in enumerate(program.streams):
         for index, instr in enumerate(stream):
             if isinstance(instr, kind) and _is_multicast(instr):
-                waits = []
+                waits: list[int] = []
                 while index - len(waits) - 1 >= 0 and isinstance(
                     stream[index - len(waits) - 1], SemWait
                 ):
