@@ -399,71 +399,6 @@ class Case:
         return f"{self.model}-{self.cores}c-{self.precision}-{self.policy}"
 
 
-FIRST_KERNEL_WEIGHTS = (
-    "lowering/emit.py _Builder.kernel: the first kernel's streamed weights are inserted at "
-    "run_start.get(k - 1, len(self.ops)), i.e. after the kernel's own tiles when k == 0: "
-    "its tiles read VTCM nothing loaded"
-)
-DDR_REUSE_WAIT = (
-    "lowering/emit.py _DdrHazards.write: the loop over the tensors whose DDR bytes this one "
-    "reuses rebinds `op`, so the tensor's first store is recorded as another tensor's "
-    "access: loads of it on other cores do not wait for that store"
-)
-
-FIRST_KERNEL_FAILS = {
-    # Without residency the first kernel's weights stream (in fp16 the first kernel is the
-    # input's Cast, which has none; on 1 core ResNet-50's and VGG-19's activations leave no
-    # VTCM to load weights early, so nothing is hoisted).
-    *(
-        Case(model, cores, "fp32", "no-residency")
-        for model in (*LIGHT_MODELS, "transformer", "decoder")
-        for cores in CORES
-        if (model, cores) not in {("light_resnet50", 1), ("light_vgg19", 1)}
-    ),
-    # DenseNet-121's first convolution keeps its folded bias in DDR, whatever the policy.
-    *(
-        Case("light_densenet121", cores, "fp32", policy)
-        for cores in CORES
-        for policy in POLICIES
-        if (cores, policy) != (4, "no-on-chip")
-    ),
-    # So does ShuffleNet's on 1 core.
-    *(Case("light_shufflenet", 1, "fp32", policy) for policy in POLICIES),
-}
-"""Where the first known bug breaks the schedule (measured: the race check finds the first
-kernel reading VTCM that nothing wrote)."""
-
-DDR_REUSE_FAILS = {
-    # Activations in DDR, on several cores.
-    *(
-        Case(model, cores, precision, "no-on-chip")
-        for model in (*LIGHT_MODELS, "transformer", "decoder")
-        for precision in ("fp32", "fp16")
-        if precision == "fp32" or not model.startswith("light_") or model in FP16_LIGHT_MODELS
-        for cores in CORES[1:]
-        if (model, cores, precision) != ("light_vgg19", 4, "fp32")
-    ),
-    # VGG-19's activations do not all fit on chip: some spill to DDR under any policy.
-    Case("light_vgg19", 4, "fp32", "no-multicast"),
-    Case("light_vgg19", 14, "fp32", "all-on"),
-    Case("light_vgg19", 14, "fp32", "no-multicast"),
-}
-"""Where the second known bug breaks the schedule (measured: the race check finds a load of
-a DDR activation that does not wait for another core's store of it)."""
-
-
-def _known_bug(case: Case) -> str | None:
-    bugs = [
-        bug
-        for bug, cases in (
-            (FIRST_KERNEL_WEIGHTS, FIRST_KERNEL_FAILS),
-            (DDR_REUSE_WAIT, DDR_REUSE_FAILS),
-        )
-        if case in cases
-    ]
-    return "; and ".join(bugs) or None
-
-
 DEFAULT_CASES = {
     Case("transformer", 1, "fp32", "all-on"),
     Case("transformer", 4, "fp32", "all-on"),
@@ -481,7 +416,7 @@ DEFAULT_CASES = {
     Case("light_squeezenet", 4, "fp32", "all-on"),
     Case("light_squeezenet", 4, "fp32", "no-double-buffer"),
     Case("light_shufflenet", 14, "fp16", "all-on"),
-    Case("light_shufflenet", 1, "fp32", "all-on"),  # the first known bug, everything on
+    Case("light_shufflenet", 1, "fp32", "all-on"),  # its first kernel streams a weight
     Case("light_inception_v1", 1, "fp32", "no-multicast"),
 }
 """The part of the matrix every run checks: every model kind, core count, precision and
@@ -498,9 +433,6 @@ def _matrix() -> list[Any]:
                 for policy in POLICIES:
                     case = Case(model, cores, precision, policy)
                     marks = [] if case in DEFAULT_CASES else [pytest.mark.slow]
-                    bug = _known_bug(case)
-                    if bug is not None:
-                        marks.append(pytest.mark.xfail(strict=True, reason=bug))
                     params.append(pytest.param(case, marks=marks, id=case.id))
     return params
 
@@ -642,7 +574,6 @@ def test_only_the_light_cnn_probes_notice_a_weight_nobody_loaded() -> None:
             assert not np.allclose(got[first], want.outputs[first], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=FIRST_KERNEL_WEIGHTS)
 def test_the_first_kernels_streamed_weights_are_loaded_before_it_runs() -> None:
     """The smallest program the first known bug breaks: one MatMul whose weight streams."""
     weight = np.arange(12, dtype=np.float32).reshape(4, 3)
@@ -667,7 +598,6 @@ def test_the_first_kernels_streamed_weights_are_loaded_before_it_runs() -> None:
     np.testing.assert_allclose(got["y"], feeds["x"] @ weight)
 
 
-@pytest.mark.xfail(strict=True, reason=DDR_REUSE_WAIT)
 def test_a_load_from_reused_ddr_waits_for_every_cores_store_into_it() -> None:
     """A small program the second known bug breaks on the runtime itself: on 3 cores, with
     activations in DDR and no multicast, cores 1 and 2 load all of `kt` (DDR that `q0` used
