@@ -195,10 +195,10 @@ def _conv_group_geometry(node: NodeInfo) -> tuple[int, int, int]:
 
 
 def conv_split_axes(node: NodeInfo) -> list[int]:
-    group, in_per_group, _ = _conv_group_geometry(node)
+    """Batch, output channels (a cut inside a group reads only that group's input channels),
+    then the spatial axes."""
     rank = len(node.out_shapes[0])
-    channels = [1] if group == 1 or in_per_group == 1 else []
-    return [0, *channels, *range(2, rank)]
+    return [0, 1, *range(2, rank)]
 
 
 def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
