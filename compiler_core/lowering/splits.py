@@ -142,14 +142,25 @@ def _products(n: int, r: int) -> list[tuple[int, ...]]:
 
 
 class SplitChooser:
-    def __init__(self, kernels: list[KernelSplit], device: DeviceProfile, room: int) -> None:
+    def __init__(
+        self,
+        kernels: list[KernelSplit],
+        device: DeviceProfile,
+        room: int,
+        active: int | None = None,
+    ) -> None:
+        """`active`: use only the first `active` cores (the rest idle)."""
         self.kernels = kernels
+        self.active = active
         self.device = device
         self.room = room
         self.engine = float(device.dma_bytes_per_cycle)
         self.noc = device.noc_bandwidth_bytes_per_s / device.clock_hz
         self.ddr = device.ddr_bandwidth_bytes_per_s / device.clock_hz
         self.candidates = [self._candidates(k) for k in kernels]
+
+    def cores(self, req: TilingRequest) -> int:
+        return min(self.active or req.num_cores, req.num_cores)
 
     # ----------------------------------------------------------------------- candidates
 
@@ -162,7 +173,7 @@ class SplitChooser:
         limit = {a: shape[a] for a in axes}
         if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
             limit[1] = min(limit[1], max(1, req.mos))
-        cores = req.num_cores
+        cores = self.cores(req)
         want = cores * max(1, req.ols)
         counts = {want, cores, *(d for d in range(1, cores) if cores % d == 0)}
         if 0 in axes and shape[0] % cores:
@@ -214,7 +225,7 @@ class SplitChooser:
             p = parts.get(a, 1)
             tiles *= p
             box.append((0, -(-d // p)))
-        per_core = -(-tiles // req.num_cores)
+        per_core = -(-tiles // self.cores(req))
         tile = _tile_spec(req, tuple(box))
         cost = tile_cost(
             req.info,
@@ -230,7 +241,7 @@ class SplitChooser:
 
     def _candidate(self, ks: KernelSplit, parts: dict[int, int]) -> _Candidate:
         req = ks.request
-        tiles = assign_cores(tiles_of(req, parts), req.num_cores, req.rotate)
+        tiles = assign_cores(tiles_of(req, parts), self.cores(req), req.rotate)
         opdef = req.opdef
         compute: dict[int, float] = {}
         by_core: dict[int, list[TileSpec]] = {}
