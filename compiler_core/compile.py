@@ -381,6 +381,10 @@ def _lower(
         mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
     with stages.stage("schedule"):
         planned = plan_schedule(lowered, config.vtcm_budget, policy)
+        if _worth_fewer_cores(lowered, config):
+            lowered, mxfp6, planned = _fastest_of(
+                ir_model.graph, imported.opset, opts, policy, config, (lowered, mxfp6, planned)
+            )
     return _Build(
         spec=spec,
         imported=imported,
@@ -427,6 +431,41 @@ def _declared_input_symbols(source: ModelSource) -> frozenset[str]:
         for dim in value.type.tensor_type.shape.dim
         if dim.dim_param
     )
+
+
+SMALL_NETWORK_MACS = 500_000_000
+"""Below this, a network's kernels are small enough that spreading them over every core can
+cost more in transfers and semaphores than it saves: the compile also tries fewer cores."""
+FEWER_CORES = 4
+
+
+def _worth_fewer_cores(lowered: LoweredGraph, config: Any) -> bool:
+    macs = sum(k.desc.macs for k in lowered.kernels)
+    return config.num_cores > FEWER_CORES and macs < SMALL_NETWORK_MACS
+
+
+def _fastest_of(
+    graph: ir.Graph,
+    opset: int,
+    opts: CompileOptions,
+    policy: CodegenPolicy,
+    config: Any,
+    first: tuple[LoweredGraph, list[str], Planned],
+) -> tuple[LoweredGraph, list[str], Planned]:
+    """The schedule on every core or on `FEWER_CORES` of them (the others idle), whichever the
+    cost model estimates faster: more cores must never make a network slower."""
+
+    def latency(candidate: tuple[LoweredGraph, list[str], Planned]) -> float:
+        lowered, _, planned = candidate
+        plan = plan_memory(lowered, on_chip=planned.schedule.placement.chip)
+        program = emit_program(lowered, plan, planned.schedule, planned.allocation.resident)
+        return build_timeline(program, opts.device, inputs_ready=True).latency_seconds
+
+    fewer_config = dataclasses.replace(config, active_cores=FEWER_CORES)
+    lowered = lower_graph(graph, opset, fewer_config)
+    mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
+    fewer = (lowered, mxfp6, plan_schedule(lowered, config.vtcm_budget, policy))
+    return fewer if latency(fewer) < latency(first) else first
 
 
 def _check_symbols_exist(imported: ImportedModel, spec: Specialization) -> None:

@@ -255,7 +255,7 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
         else:
             compute += (base + epilogue) / hvx
     io = sum(program.tensors[t].nbytes for t in (*program.inputs, *program.outputs))
-    resident = {i.tensor for s in program.setup for i in s}
+    resident = {i.tensor for s in program.setup for i in s if isinstance(i, DmaLoad)}
     streamed: dict[int, set[Box]] = {}
     for stream in program.streams:
         for instr in stream:

@@ -17,9 +17,11 @@ from compiler_core.compile import CompileResult, compile_model
 from compiler_core.costmodel import (
     HOST_LINK_BYTES_PER_S,
     THREADS,
+    Calendar,
     KernelRun,
     build_timeline,
 )
+from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import DmaLoad, DmaStore, RunKernel, SemPost, SemWait
 from compiler_core.options import CompileOptions
@@ -135,6 +137,58 @@ def test_fp32_on_hmx_is_estimated_16x_slower_than_fp16() -> None:
         assert sum(r.hmx_macs for r in timeline.runs) == macs
         tiles = sum(r.tiles for r in timeline.runs if r.hmx_macs)
         assert hmx == pytest.approx(macs / rate + 16 * tiles, rel=0.01)
+
+
+def integer_matmul_model(m: int, k: int, n: int) -> onnx.ModelProto:
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.integers(-8, 8, (k, n), dtype=np.int8), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", ["x", "w"], ["y"], name="mm")],
+        "int8_net",
+        [helper.make_tensor_value_info("x", TensorProto.INT8, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, [m, n])],
+        [w],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_integer_kernels_are_charged_at_the_int8_rate_of_the_published_tops() -> None:
+    device = get_device("aic100-standard")
+    program = compile_model(
+        integer_matmul_model(256, 512, 512), ["-aic-num-cores=1", "-aic-device=aic100-standard"]
+    ).program
+    timeline = build_timeline(program, device)
+    hmx = sum(r.threads["hmx"].busy for r in timeline.runs if "hmx" in r.threads)
+    tiles = sum(r.tiles for r in timeline.runs if r.hmx_macs)
+    macs = 256 * 512 * 512
+    assert sum(r.hmx_macs for r in timeline.runs) == macs
+    assert hmx == pytest.approx(macs / device.hmx_int8_macs_per_cycle + 16 * tiles, rel=0.01)
+    assert device.hmx_int8_macs_per_cycle == round(325e12 / (14 * device.clock_hz * 2))
+
+
+def test_a_tile_that_does_not_fill_the_hmx_blocks_pays_for_whole_blocks() -> None:
+    # 36 output channels take two 32-channel blocks: 64/36 of the MACs' time
+    device = CompileOptions().device
+    narrow = compile_model(matmul_model(64, 256, 36), ["-aic-num-cores=1", "-convert-to-fp16"])
+    timeline = build_timeline(narrow.program, device)
+    run = next(r for r in timeline.runs if r.hmx_macs)
+    assert run.hmx_macs == 64 * 256 * 36
+    assert run.hmx_padded_macs == 64 * 256 * 64
+    busy = run.threads["hmx"].busy - 16 * run.tiles
+    assert busy == pytest.approx(64 * 256 * 64 / device.hmx_fp16_macs_per_cycle, abs=run.tiles)
+    assert narrow.metrics["hmx_useful_macs"] < narrow.metrics["hmx_padded_macs"]
+
+
+def test_the_ddr_calendar_is_shared_by_transfers_that_overlap_in_time() -> None:
+    rate = 100.0
+    alone = Calendar(rate).book(0, 1_000_000, 64.0)
+    shared = Calendar(rate)
+    first = shared.book(0, 1_000_000, 64.0)
+    second = shared.book(0, 1_000_000, 64.0)
+    assert first == alone  # one engine alone is capped by its own rate
+    assert second > first  # the second gets what the first left of the bandwidth
+    # together they cannot beat the bandwidth: 2 MB at 100 B/cycle
+    assert max(first, second) >= 2_000_000 / rate - 256
 
 
 def test_ddr_bandwidth_is_shared_by_the_cores_running_at_the_same_time() -> None:

@@ -307,8 +307,8 @@ class _Builder:
                     for j, t in enumerate(ts):
                         box = t.in_boxes[i]
                         if box is not None:
-                            ref, held = refs[c]
-                            operand[(c, j, i)] = (box, ((ref, held),))
+                            ref, kept = refs[c]
+                            operand[(c, j, i)] = (box, ((ref, kept),))
             elif root in self.placement.chip:
                 self.chip_input(k, i, tid, root, by_core, operand)
             else:
@@ -318,9 +318,7 @@ class _Builder:
         for i in streamed:
             tid = desc.inputs[i]
             size = max(
-                box_nbytes(t.in_boxes[i], self.dtype(tid))
-                for t in lk.tiles
-                if t.in_boxes[i] is not None
+                box_nbytes(b, self.dtype(tid)) for t in lk.tiles if (b := t.in_boxes[i]) is not None
             )
             weight = graph.tensors[graph.root(tid)].kind == KIND_CONSTANT
             early_first = step_of(self.hoist_to(k), True) - 1 if weight else first
@@ -723,9 +721,9 @@ class _DdrHazards:
             # that tensor's accesses (each core's latest is enough: a post is a fence).
             latest: dict[int, int] = {}
             for other in self.overlaps.get(root, ()):
-                for _, op in (*self.writes.get(other, ()), *self.reads.get(other, ())):
-                    core = self.core_of[op]
-                    latest[core] = max(latest.get(core, -1), op)
+                for _, access in (*self.writes.get(other, ()), *self.reads.get(other, ())):
+                    core = self.core_of[access]
+                    latest[core] = max(latest.get(core, -1), access)
             self.inherited[root] = tuple(latest.values())
         deps.update(self.inherited[root])
         if key is None:
@@ -808,11 +806,11 @@ def materialize(
                     continue
                 for ref, box in operand[1]:
                     vtcm.read(*span(c, ref, box, tid), index, deps)
-            for tid, out in zip(desc.outputs, op.outputs, strict=True):
-                if out is None or tid < 0:
+            for tid, result in zip(desc.outputs, op.outputs, strict=True):
+                if result is None or tid < 0:
                     continue
-                vtcm.write(*span(c, out[1], out[2], tid), index, deps)
-                vtcm_used[c] = max(vtcm_used[c], span(0, out[1], out[2], tid)[1])
+                vtcm.write(*span(c, result[1], result[2], tid), index, deps)
+                vtcm_used[c] = max(vtcm_used[c], span(0, result[1], result[2], tid)[1])
         deps.discard(index)
         mine = clocks[c]
         latest: dict[int, int] = {}  # core -> its latest op this one depends on

@@ -87,6 +87,8 @@ class LoweringConfig:
     granularity: int
     device: DeviceProfile | None = None
     """Whose rates price the splits (None: cut by bytes read alone)."""
+    active_cores: int | None = None
+    """Cut kernels over this many of the cores only (None: all); the rest stay idle."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -344,7 +346,7 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
         network_name=graph.name or "network",
     )
     if config.device is not None:
-        choose_splits(lowered, config.device, config.vtcm_budget)
+        choose_splits(lowered, config.device, config.vtcm_budget, config.active_cores)
     return lowered
 
 
@@ -354,7 +356,9 @@ it (measured: a tighter share forces channel splits whose padding costs more tha
 the weights that then do not fit; placement decides what really stays resident)."""
 
 
-def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> None:
+def choose_splits(
+    lowered: LoweredGraph, device: DeviceProfile, budget: int, active: int | None = None
+) -> None:
     """Cut every kernel by modelled time (see `splits`), in program order."""
     producer: dict[int, int] = {}
     slot_of: dict[int, int] = {}
@@ -376,17 +380,17 @@ def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> 
                 sizes.append(0)
                 continue
             root = lowered.root(tid)
-            t = lowered.tensors[root]
-            if t.kind == KIND_CONSTANT:
+            held = lowered.tensors[root]
+            if held.kind == KIND_CONSTANT:
                 kind = "constant"
-            elif root in producer and t.kind in (KIND_ACTIVATION, KIND_OUTPUT):
+            elif root in producer and held.kind in (KIND_ACTIVATION, KIND_OUTPUT):
                 kind = "chip"
             else:
                 kind = "ddr"
             kinds.append(kind)
             producers.append(producer.get(root, -1) if kind == "chip" else -1)
-            reshaped.append(lowered.tensors[tid].shape != t.shape)
-            sizes.append(t.nbytes)
+            reshaped.append(lowered.tensors[tid].shape != held.shape)
+            sizes.append(held.nbytes)
         items.append(
             KernelSplit(
                 request=lk.request,
@@ -401,6 +405,6 @@ def choose_splits(lowered: LoweredGraph, device: DeviceProfile, budget: int) -> 
                 nbytes=tuple(sizes),
             )
         )
-    chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE))
+    chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE), active)
     for lk, tiles in zip(lowered.kernels, chooser.choose(), strict=True):
         lk.tiles = tiles

@@ -98,8 +98,9 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                         distinct.add(b)
                     previous = b
             if gathered:  # a lookup table streams only the rows it is asked for
-                table = tuple(tile.in_boxes[i] for tile in lk.tiles if tile.in_boxes[i] is not None)
-                cost = max(box_nbytes(b, dtype) for b in table)
+                cost = max(
+                    box_nbytes(b, dtype) for tile in lk.tiles if (b := tile.in_boxes[i]) is not None
+                )
             out[(k, i)] = (align(cost), traffic)
     return out
 

@@ -55,6 +55,25 @@ def _itemsize(dtype: str) -> int:
     return 1 if dtype == "bool" else int(np.dtype(dtype).itemsize)
 
 
+def _volume(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def _bounding(boxes: list[Box]) -> Box:
+    lo = [a for a, _ in boxes[0]]
+    hi = [b for _, b in boxes[0]]
+    for box in boxes[1:]:
+        for axis, (a, b) in enumerate(box):
+            if a < lo[axis]:
+                lo[axis] = a
+            if b > hi[axis]:
+                hi[axis] = b
+    return tuple(zip(lo, hi, strict=True))
+
+
 def _overlap(a: Box, b: Box) -> int:
     n = 1
     for (a0, a1), (b0, b1) in zip(a, b, strict=True):
@@ -98,6 +117,8 @@ class _Candidate:
     """Cycles per inference its weights take if they stream from DDR instead."""
     by_core: dict[int, list[TileSpec]] = field(default_factory=dict)
     moves: dict[tuple[int, ...], float] = field(default_factory=dict)
+    held: dict[tuple[int, int], Box | None] = field(default_factory=dict)
+    held_all: dict[tuple[int, int], list[Box]] = field(default_factory=dict)
 
 
 def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict[int, int]]:
@@ -113,7 +134,7 @@ def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict
 def _products(n: int, r: int) -> list[tuple[int, ...]]:
     if r == 1:
         return [(n,)]
-    out = []
+    out: list[tuple[int, ...]] = []
     for d in range(1, n + 1):
         if n % d == 0:
             out.extend((d, *rest) for rest in _products(n // d, r - 1))
@@ -121,14 +142,25 @@ def _products(n: int, r: int) -> list[tuple[int, ...]]:
 
 
 class SplitChooser:
-    def __init__(self, kernels: list[KernelSplit], device: DeviceProfile, room: int) -> None:
+    def __init__(
+        self,
+        kernels: list[KernelSplit],
+        device: DeviceProfile,
+        room: int,
+        active: int | None = None,
+    ) -> None:
+        """`active`: use only the first `active` cores (the rest idle)."""
         self.kernels = kernels
+        self.active = active
         self.device = device
         self.room = room
         self.engine = float(device.dma_bytes_per_cycle)
         self.noc = device.noc_bandwidth_bytes_per_s / device.clock_hz
         self.ddr = device.ddr_bandwidth_bytes_per_s / device.clock_hz
         self.candidates = [self._candidates(k) for k in kernels]
+
+    def cores(self, req: TilingRequest) -> int:
+        return min(self.active or req.num_cores, req.num_cores)
 
     # ----------------------------------------------------------------------- candidates
 
@@ -141,7 +173,7 @@ class SplitChooser:
         limit = {a: shape[a] for a in axes}
         if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
             limit[1] = min(limit[1], max(1, req.mos))
-        cores = req.num_cores
+        cores = self.cores(req)
         want = cores * max(1, req.ols)
         counts = {want, cores, *(d for d in range(1, cores) if cores % d == 0)}
         if 0 in axes and shape[0] % cores:
@@ -193,7 +225,7 @@ class SplitChooser:
             p = parts.get(a, 1)
             tiles *= p
             box.append((0, -(-d // p)))
-        per_core = -(-tiles // req.num_cores)
+        per_core = -(-tiles // self.cores(req))
         tile = _tile_spec(req, tuple(box))
         cost = tile_cost(
             req.info,
@@ -209,7 +241,7 @@ class SplitChooser:
 
     def _candidate(self, ks: KernelSplit, parts: dict[int, int]) -> _Candidate:
         req = ks.request
-        tiles = assign_cores(tiles_of(req, parts), req.num_cores, req.rotate)
+        tiles = assign_cores(tiles_of(req, parts), self.cores(req), req.rotate)
         opdef = req.opdef
         compute: dict[int, float] = {}
         by_core: dict[int, list[TileSpec]] = {}
@@ -245,17 +277,33 @@ class SplitChooser:
         for i, per_core in resident.items():
             worst = 0
             for boxes in per_core.values():
-                bound = tuple(
-                    (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes))
-                    for a in range(len(boxes[0]))
-                )
-                worst = max(worst, _bytes(bound, dtypes[i]))
+                worst = max(worst, _bytes(_bounding(boxes), dtypes[i]))
                 engine = max(engine, sum(_bytes(b, dtypes[i]) for b in set(boxes)))
                 distinct.update((i, b) for b in boxes)
             weight_bytes += worst
         streamed = sum(_bytes(b, dtypes[i]) for i, b in distinct)
         stream = max(streamed / self.ddr, engine / self.engine)
-        return _Candidate(parts, tiles, compute, weight_bytes, stream, by_core)
+        held: dict[tuple[int, int], Box | None] = {}
+        return _Candidate(parts, tiles, compute, weight_bytes, stream, by_core, held=held)
+
+    def _held(self, cand: _Candidate, ks: KernelSplit, core: int, slot: int) -> list[Box]:
+        """The boxes of output `slot` that `cand` leaves on `core`: one bounding box when the
+        core's tiles tile it exactly (the usual case), else each tile's."""
+        key = (core, slot)
+        if key not in cand.held:
+            req = ks.request
+            boxes = [
+                output_boxes(req.opdef, req.info, t.out_box)[slot]
+                for t in cand.by_core.get(core, [])
+            ]
+            bound = _bounding(boxes) if boxes else None
+            if bound is not None and sum(_volume(b) for b in boxes) == _volume(bound):
+                cand.held[key] = bound
+            else:
+                cand.held[key] = None
+                cand.held_all[key] = boxes
+        found = cand.held[key]
+        return [found] if found is not None else cand.held_all.get(key, [])
 
     # -------------------------------------------------------------------------- pricing
 
@@ -287,13 +335,10 @@ class SplitChooser:
                     seen.add(box)
                     need = _bytes(box, dtype)
                     if kind == "chip" and producer is not None and not ks.reshaped[i]:
-                        source = self.kernels[ks.producers[i]].request
+                        source = self.kernels[ks.producers[i]]
                         held = sum(
-                            _overlap(
-                                box,
-                                output_boxes(source.opdef, source.info, p.out_box)[ks.slots[i]],
-                            )
-                            for p in producer.by_core.get(core, [])
+                            _overlap(box, p)
+                            for p in self._held(producer, source, core, ks.slots[i])
                         )
                         need -= held * _itemsize(dtype) if dtype else 0
                     if need > 0:

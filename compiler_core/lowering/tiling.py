@@ -115,10 +115,11 @@ def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
 
 def split_axes(req: TilingRequest) -> list[int]:
     info = req.info
+    axes = req.opdef.split_axes(info)  # always asked: ops validate their node there
     tiled = len(info.out_shapes) == 1 or req.opdef.output_boxes is not None
     if not tiled or not info.out_shapes or not info.out_shapes[0]:
         return []
-    return [a for a in req.opdef.split_axes(info) if info.out_shapes[0][a] > 1]
+    return [a for a in axes if info.out_shapes[0][a] > 1]
 
 
 def output_boxes(opdef: OpDef, info: NodeInfo, out_box: Box) -> list[Box]:

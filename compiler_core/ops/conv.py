@@ -195,27 +195,25 @@ def _conv_group_geometry(node: NodeInfo) -> tuple[int, int, int]:
 
 
 def conv_split_axes(node: NodeInfo) -> list[int]:
-    group, in_per_group, _ = _conv_group_geometry(node)
+    """Batch, output channels (a cut inside a group reads only that group's input channels),
+    then the spatial axes."""
     rank = len(node.out_shapes[0])
-    channels = [1] if group == 1 or in_per_group == 1 else []
-    return [0, *channels, *range(2, rank)]
+    return [0, 1, *range(2, rank)]
 
 
 def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
-    group, in_per_group, out_per_group = _conv_group_geometry(node)
+    group, in_per_group, out_per_group = node.once(
+        "conv_groups", lambda: _conv_group_geometry(node)
+    )
     (n0, n1), (m0, m1) = out_box[0], out_box[1]
     spatial = tuple(w.clipped(*out_box[2 + i]) for i, w in enumerate(_conv_windows(node)))
     if group == 1:
-        channels = whole_box(node, 0)[1]
+        channels = node.once("conv_channels", lambda: whole_box(node, 0)[1])
     else:
         g0, g1 = m0 // out_per_group, (m1 - 1) // out_per_group + 1
         channels = (g0 * in_per_group, g1 * in_per_group)
-    w_shape = node.in_shapes[1]
-    assert w_shape is not None
-    boxes: list[Box | None] = [
-        ((n0, n1), channels, *spatial),
-        ((m0, m1), *full_box(w_shape[1:])),
-    ]
+    kernel = node.once("conv_kernel_box", lambda: full_box(node.in_shapes[1][1:]))  # type: ignore[index]
+    boxes: list[Box | None] = [((n0, n1), channels, *spatial), ((m0, m1), *kernel)]
     if node.has_input(2):
         boxes.append(((m0, m1),))
     return boxes

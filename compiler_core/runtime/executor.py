@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -161,8 +162,11 @@ class Machine:
         if not contains(buf_box, box):
             raise RuntimeFault(f"core {core}: box {box} is not inside the buffer's {buf_box}")
         view = self.buffer(core, offset, buf_box, dtype, write=write)
-        index = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True))
-        return view[(*index, Ellipsis)]  # a view, 0-d tensors included
+        index: tuple[slice | EllipsisType, ...] = (
+            *(slice(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True)),
+            Ellipsis,  # a view, 0-d tensors included
+        )
+        return view[index]
 
 
 def contains(outer: Box, inner: Box) -> bool:
