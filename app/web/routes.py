@@ -242,12 +242,16 @@ def submit(
 # ------------------------------------------------------------------------------ a job
 
 
+def stats_level_of(job: CompileJob) -> int:
+    """The -stats-level the job's QPC is compiled with (profiling needs OPSTATS_LEVEL)."""
+    return int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
+
+
 def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]:
     qpc = report = None
     if job.qpc_id is not None:
         qpc = qpcs.get_qpc(session, team, job.qpc_id)
         report = qpcs.get_report(session, qpc)
-    stats_level = int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
     return {
         "team": team,
         "job": job,
@@ -261,7 +265,7 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
         "programs": (qpc.requirements or {}).get("programs", []) if qpc else [],
         "flags": views.flags_of(job.options),
         "devices": list_devices(),
-        "stats_level": stats_level,
+        "stats_level": stats_level_of(job),
         "profile_level": OPSTATS_LEVEL,
     }
 
@@ -418,7 +422,7 @@ def start_profile(
 
     def act(team: Team, job: CompileJob) -> str:
         qpc = _job_qpc(session, team, job, "profile")
-        level = int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
+        level = stats_level_of(job)
         if level < OPSTATS_LEVEL:
             raise ServiceError(
                 "stats_level_too_low",
