@@ -355,7 +355,7 @@ def test_the_server_gets_canonical_flags_without_local_paths() -> None:
     assert CompileOptions.from_flags(flags) == options.with_(model=None, aic_binary_dir=None)
 
 
-def test_progress_prints_one_line_per_change_when_not_a_terminal() -> None:
+def test_progress_prints_one_line_per_change_in_words_when_not_a_terminal() -> None:
     stream = io.StringIO()
     display = ProgressDisplay(stream, "0123456789abcdef")
     for status, stage, progress in [
@@ -369,8 +369,8 @@ def test_progress_prints_one_line_per_change_when_not_a_terminal() -> None:
     display.close()
     assert stream.getvalue().splitlines() == [
         "qpcfarm: job 01234567 queued",
-        "qpcfarm: job 01234567 running import 10%",
-        "qpcfarm: job 01234567 running lower 60%",
+        "qpcfarm: job 01234567 running importing the model 10%",
+        "qpcfarm: job 01234567 running lowering to kernels 60%",
         "qpcfarm: job 01234567 succeeded",
     ]
 
