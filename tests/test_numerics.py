@@ -82,7 +82,7 @@ def test_qpcfarm_run_prints_the_report_as_one_warning_line(
 ) -> None:
     model = tmp_path / "overflow.onnx"
     onnx.save(overflowing_model(), model)
-    np.savez(tmp_path / "in.npz", **ONES)
+    np.savez(tmp_path / "in.npz", x=ONES["x"])
     out_dir = tmp_path / "out"
     assert main(["compile", f"-m={model}", f"-aic-binary-dir={out_dir}", "-convert-to-fp16"]) == 0
     capsys.readouterr()

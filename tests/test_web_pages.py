@@ -258,7 +258,7 @@ def test_a_queued_job_can_be_cancelled_from_its_page(tmp_path: Path) -> None:
     from qpcfarm.app.settings import Settings
 
     class HeldQueue:  # never runs anything: the job stays queued
-        def enqueue(self, job_id: uuid.UUID) -> None: ...
+        def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None: ...
 
         def ping(self) -> bool:
             return True
