@@ -79,6 +79,27 @@ def test_a_cancel_stops_the_child_and_the_next_compile_still_runs(
     assert child.compile(model_file(tmp_path), options(tmp_path), lambda s, f: None).metrics
 
 
+def test_a_cancel_sent_after_the_last_report_does_not_poison_the_next_compile(
+    child: CompileProcess, tmp_path: Path
+) -> None:
+    """The last report (write-qpc done) comes after the child's last look for a cancel: the
+    child finishes, and the cancel waits in the pipe where the next request is read."""
+
+    seen: list[str] = []
+
+    def cancel_at_the_end(stage: str, fraction: float) -> None:
+        seen.append(stage)
+        if seen.count("write-qpc") == 2:  # write-qpc reports as it starts and as it ends
+            raise Stop
+
+    with pytest.raises(Stop):
+        child.compile(model_file(tmp_path), options(tmp_path), cancel_at_the_end)
+    process = child._process
+    process.join(2)  # a child that read the stray cancel as a request would be dead by now
+    assert process.is_alive(), "the child died on the cancel that arrived after its compile"
+    assert child.compile(model_file(tmp_path), options(tmp_path), lambda s, f: None).metrics
+
+
 def test_a_child_that_dies_fails_the_compile_cleanly_and_is_replaced(
     child: CompileProcess, tmp_path: Path
 ) -> None:

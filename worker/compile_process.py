@@ -53,6 +53,9 @@ def _child_main(conn: Connection) -> None:
             request = conn.recv()
         except EOFError:
             return
+        if request == _CANCEL:
+            # a cancel that crossed the compile's last report: that compile is over already
+            continue
         model_path, options_json = request
 
         def progress(stage: str, fraction: float) -> None:
