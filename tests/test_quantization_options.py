@@ -90,7 +90,12 @@ def test_json_takes_lists_or_comma_text() -> None:
     ("flags", "flag", "value", "words"),
     [
         (["-quantization-precision=Int4"], "-quantization-precision", "Int4", ["Int8, Int16"]),
-        (["-quantization-precision-bias=Int16"], "-quantization-precision-bias", "Int16", ["Int32"]),
+        (
+            ["-quantization-precision-bias=Int16"],
+            "-quantization-precision-bias",
+            "Int16",
+            ["Int32"],
+        ),
         (
             ["-quantization-schema-activations=asym"],
             "-quantization-schema-activations",

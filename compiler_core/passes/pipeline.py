@@ -16,6 +16,7 @@ from compiler_core.passes.eliminate_common_subexpressions import (
 from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
 from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
 from compiler_core.passes.fold_constants import FoldConstantsPass
+from compiler_core.passes.fold_qdq import FoldQDQPass
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
 
 
@@ -38,6 +39,7 @@ PASS_NAMES = (
     EliminateDeadCodePass.name,
     EliminateCommonSubexpressionsPass.name,
     FoldBatchNormIntoConvPass.name,
+    FoldQDQPass.name,
     FuseEpiloguePass.name,
     ConvertToFp16Pass.name,
     ApplyCustomIOPass.name,
@@ -61,6 +63,7 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         EliminateCommonSubexpressionsPass(),
         FoldBatchNormIntoConvPass(),
         FoldConstantsPass(),
+        FoldQDQPass(),
         FuseEpiloguePass(),
     ]
     precision = (
