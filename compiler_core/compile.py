@@ -189,6 +189,10 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    if opts.dump_profile:
+        from compiler_core.quant.calibrate import dump_profile
+
+        dump_profile(source, opts)  # the profile this compile then quantizes with
     with _gc_paused():
         return _compile(source, opts, progress, policy or CodegenPolicy())
 

@@ -1109,7 +1109,6 @@ QUANT_TUNING = (
     "quantization_schema_constants",
     "quantization_calibration",
     "percentile_calibration_value",
-    "num_histogram_bins",
     "enable_channelwise",
     "enable_rowwise",
     "keep_original_precision_for_nodes",
@@ -1152,6 +1151,12 @@ def _check_quantization_rules(o: CompileOptions) -> None:
                     ",".join(value) if isinstance(value, tuple) else value,
                     f"acts only on a quantized compile (-load-profile or -dump-profile); {why}",
                 )
+    if o.num_histogram_bins != 512 and not o.dump_profile:
+        raise _invalid(
+            spec["num_histogram_bins"],
+            o.num_histogram_bins,
+            "shapes the profile -dump-profile writes; no -dump-profile is given",
+        )
     if o.percentile_calibration_value != 100.0 and o.quantization_calibration != "Percentile":
         raise _invalid(
             spec["percentile_calibration_value"],

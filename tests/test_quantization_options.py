@@ -51,7 +51,6 @@ def test_every_quantization_flag_parses_with_its_canonical_spelling() -> None:
             "-quantization-schema-constants=symmetric_with_power2_scale",
             "-quantization-calibration=percentile",
             "-percentile-calibration-value=99.99",
-            "-num-histogram-bins=1024",
             "-enable-channelwise",
             "-enable-rowwise",
             "-execute-nodes-in-fp16=Softmax,LayerNormalization",
@@ -121,8 +120,8 @@ def test_json_takes_lists_or_comma_text() -> None:
             "100.5",
             ["90 to 100"],
         ),
-        ([PROFILE, "-num-histogram-bins=8"], "-num-histogram-bins", "8", ["16 to 65536"]),
-        ([PROFILE, "-num-histogram-bins=many"], "-num-histogram-bins", "many", ["integer"]),
+        (["-num-histogram-bins=8"], "-num-histogram-bins", "8", ["16 to 65536"]),
+        (["-num-histogram-bins=many"], "-num-histogram-bins", "many", ["integer"]),
         (["-no-quant=maybe"], "-no-quant", "maybe", ["true or false"]),
         (
             ["-execute-nodes-in-fp16=Softmx"],
@@ -150,7 +149,6 @@ def test_bad_values_name_the_flag(flags: list[str], flag: str, value: str, words
         "-quantization-schema-activations=symmetric",
         "-quantization-schema-constants=asymmetric",
         "-quantization-calibration=MSE",
-        "-num-histogram-bins=256",
         "-enable-channelwise",
         "-enable-rowwise",
         "-keep-original-precision-for-nodes=Softmax",
@@ -162,6 +160,13 @@ def test_tuning_without_a_profile_is_refused(flag: str) -> None:
     assert_names(err, name, "", "acts only on a quantized compile", "no profile is given")
     err = rejected([flag, "-dump-profile=p", "-input-list-file=c.npz", "-no-quant"])
     assert_names(err, name, "", "-no-quant is given")
+
+
+def test_histogram_bins_shape_a_dumped_profile_only() -> None:
+    err = rejected([PROFILE, "-num-histogram-bins=1024"])
+    assert_names(err, "-num-histogram-bins", "1024", "-dump-profile")
+    dumped = ["-dump-profile=p", "-input-list-file=c.npz", "-no-quant", "-num-histogram-bins=64"]
+    assert CompileOptions.from_flags(dumped).num_histogram_bins == 64
 
 
 def test_percentile_value_needs_percentile_calibration() -> None:

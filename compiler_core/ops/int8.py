@@ -164,19 +164,40 @@ def _finish(
 ) -> Array:
     """Bias, requantization and saturation of an accumulator tile whose channels lie on
     `axis` (`shape` broadcasts a [C] vector along it)."""
-    acc = _wrap_int32(acc)
+    wide = _wide(node)
+    acc = acc if wide else _wrap_int32(acc)
     bias = _channel_param(node, inputs, tile, BIAS, axis)
     if bias is not None:
         b = bias.astype(np.int64)
         rescale = _channel_param(node, inputs, tile, BIAS_RQ, axis)
         if rescale is not None:
             b = round_shift(b * rescale[:, 0].astype(np.int64), rescale[:, 1])
-        acc = _wrap_int32(acc + b.reshape(shape))
+        acc = acc + b.reshape(shape)
+        acc = acc if wide else _wrap_int32(acc)
     rq = _channel_param(node, inputs, tile, RQ, axis)
     assert rq is not None
     mult = rq[:, 0].astype(np.int64).reshape(shape)
     shift = rq[:, 1].astype(np.int64).reshape(shape)
-    return _saturate(node, round_shift(acc * mult, shift))
+    return _saturate(node, _scaled(acc, mult, shift))
+
+
+def _wide(node: NodeInfo) -> bool:
+    """16-bit operands accumulate in 64 bits (their products overflow an int32 sum)."""
+    return any(d in ("int16", "uint16") for d in node.in_dtypes[:2])
+
+
+def _scaled(acc: Array, mult: Array, shift: Array) -> Array:
+    """round(acc * mult / 2**shift), exact: in Python integers when int64 could overflow
+    (a 16-bit accumulator times a 24-bit mantissa)."""
+    if acc.size and int(np.abs(acc).max()) >= 1 << (62 - MANTISSA_BITS):
+        exact = acc.astype(object) * np.broadcast_to(mult, acc.shape).astype(object)
+        s = np.broadcast_to(shift, acc.shape).astype(object)
+        q = exact >> s
+        r = exact - (q << s)
+        half = np.where(s > 0, 1 << np.maximum(s - 1, 0), 0)
+        up = (r > half) | ((r == half) & (s > 0) & ((q & 1) == 1))
+        return (q + up.astype(object)).astype(np.int64)
+    return round_shift(acc * mult, shift)
 
 
 def _centred(x: Array, zero: Array | int) -> Array:
