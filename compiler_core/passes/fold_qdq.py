@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from compiler_core.fusion import FUSED_NODES_KEY, fused_node_names
 from compiler_core.nodeinfo import node_info
 from compiler_core.ops.int8 import DOMAIN, fixed_point, requant_table
 from compiler_core.ops.registry import REGISTRY, NodeInfo, TileCtx
@@ -291,6 +292,7 @@ class FoldQDQPass(GraphPass):
         for q in quantizers:
             self.graph.remove(q, safe=True)
         if tail is not None:
+            new.meta[FUSED_NODES_KEY] = [*fused_node_names(node), *fused_node_names(tail[0])]
             self.graph.remove(tail[0], safe=True)
             self.folded.setdefault(op_type, []).append(tail[0].name or tail[0].op_type)
         self.graph.remove(node, safe=True)
@@ -577,6 +579,7 @@ class FoldQDQPass(GraphPass):
         attrs = producer.attributes
         old_lo = attrs["y_min"].as_int() if "y_min" in attrs else int(info.min)
         old_hi = attrs["y_max"].as_int() if "y_max" in attrs else int(info.max)
+        producer.meta[FUSED_NODES_KEY] = [*fused_node_names(producer), *fused_node_names(node)]
         attrs["y_min"] = ir.AttrInt64("y_min", max(old_lo, code_lo))
         attrs["y_max"] = ir.AttrInt64("y_max", min(old_hi, code_hi))
         self.folded.setdefault(producer.op_type, []).append(node.name or node.op_type)

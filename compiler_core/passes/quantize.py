@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 HMX = frozenset({"Conv", "MatMul", "Gemm"})
 BINARY = frozenset({"Add", "Sub", "Mul"})
 POOL = frozenset({"GlobalAveragePool", "ReduceMean"})
+WORST = 5
+"""Nodes the quantization-loss warning names."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ class QuantizePass(GraphPass):
         """Names of the nodes given integer form."""
         self.uncovered: list[str] = []
         """Nodes left float because the profile lacks one of their tensors."""
+        self.warnings: list[dict[str, Any]] = []
+        self.losses: list[tuple[str, str, float]] = []
+        """(node, tensor, SQNR in dB) of each quantized activation, worst first: the
+        signal-to-noise ratio its integer form has on the calibration histogram."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -133,6 +140,11 @@ class QuantizePass(GraphPass):
                 self.quantized.append(node.name or node.op_type)
                 if tail:
                     consumed.add(id(tail[0]))
+        self.losses = sorted(
+            (loss for v in self.pairs if (loss := self._loss(v)) is not None),
+            key=lambda item: item[2],
+        )
+        self.warnings = self._loss_warning()
         for value in self.pairs:
             self._insert_pair(value)
         log.info("quantize: %d nodes, %d left float", len(self.quantized), len(self.uncovered))
@@ -184,6 +196,45 @@ class QuantizePass(GraphPass):
             )
         self.params[id(value)] = found
         return found
+
+    def _loss_warning(self) -> list[dict[str, Any]]:
+        """One warning naming the quantized nodes whose outputs lose most (lowest SQNR)."""
+        worst = [item for item in self.losses if item[0] != "(input)"][:WORST]
+        if not worst:
+            return []
+        listed = ", ".join(f"{node} ({sqnr:g} dB)" for node, _, sqnr in worst)
+        return [
+            {
+                "code": "quantization_loss",
+                "message": f"int8 loses most at {listed}: the SQNR of their quantized outputs "
+                "on the calibration histograms",
+                "nodes": [node for node, _, _ in worst],
+                "suggestion": "keep such nodes in fp16 with -node-precision-info "
+                "(FP16NodeInstanceNames) or their op types with -execute-nodes-in-fp16, if the "
+                "accuracy report asks for it",
+            }
+        ]
+
+    def _loss(self, value: ir.Value) -> tuple[str, str, float] | None:
+        """The SQNR (dB) of a tensor's integer form over its profile histogram: rounding
+        noise (scale**2 / 12) inside the representable range, clipping error outside."""
+        stats = self.profile.tensors.get(value.name or "")
+        p = self.params.get(id(value))
+        if stats is None or p is None or stats.counts.sum() == 0:
+            return None
+        edges = stats.edges
+        centres = (edges[:-1] + edges[1:]) / 2
+        info = np.iinfo(np.dtype(p.dtype))
+        scale, zero = float(p.scale), int(p.zero)
+        lo, hi = (int(info.min) - zero) * scale, (int(info.max) - zero) * scale
+        clipped = np.clip(centres, lo, hi)
+        error = np.where(centres == clipped, scale**2 / 12.0, (centres - clipped) ** 2)
+        noise = float(np.sum(stats.counts * error))
+        signal = float(np.sum(stats.counts * centres**2))
+        sqnr = 10.0 * math.log10(max(signal, 1e-30) / max(noise, 1e-30))
+        producer = value.producer()
+        node = (producer.name or producer.op_type) if producer is not None else "(input)"
+        return node, value.name or "", round(sqnr, 2)
 
     def _pair(self, value: ir.Value) -> None:
         if id(value) not in self._paired:

@@ -3,11 +3,13 @@ profile (compiler_core/quant/profile.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from compiler_core.options import QUANT_TUNING, CompileOptions
+from compiler_core.quant.accuracy import poor, report, split
 from compiler_core.quant.inputs import Feeds, InputSpec, load_inputs
-from compiler_core.quant.profile import Profile, collect, write_profile
+from compiler_core.quant.profile import collect, write_profile
 
 FLOAT_ONLY = (
     *QUANT_TUNING,
@@ -61,14 +63,60 @@ def calibration_samples(opts: CompileOptions, program: Any) -> list[Feeds]:
     return load_inputs(opts.input_list_file, input_specs(program))
 
 
-def dump_profile(source: Any, opts: CompileOptions) -> Profile:
-    """Profile the float model on `-input-list-file` and write `-dump-profile`."""
+@dataclass
+class Reference:
+    """The float model compiled with our kernels, and the samples to compare on."""
+
+    result: Any
+    calibration: list[Feeds]
+    held_back: list[Feeds]
+
+
+def dump_profile(source: Any, opts: CompileOptions) -> Reference:
+    """Profile the float model on the calibration part of `-input-list-file` (the last
+    quarter is held back for the accuracy report) and write `-dump-profile`."""
     assert opts.dump_profile is not None
     result = compile_float(source, opts, observable=True)
     try:
         samples = calibration_samples(opts, result.program)
-        profile = collect(result.qpc_path, samples, opts.num_histogram_bins)
-    finally:
+        calibration, held_back = split(samples)
+        profile = collect(result.qpc_path, calibration, opts.num_histogram_bins)
+        write_profile(profile, opts.dump_profile)
+    except BaseException:
         result.cleanup()
-    write_profile(profile, opts.dump_profile)
-    return profile
+        raise
+    return Reference(result, calibration, held_back)
+
+
+def add_accuracy(source: Any, opts: CompileOptions, result: Any, ref: Reference | None) -> None:
+    """The accuracy report of a quantized compile (`result.accuracy`), and a warning when
+    an output falls short, naming the nodes that lose most."""
+    if ref is None:
+        floats = compile_float(source, opts, observable=False)
+        ref = Reference(floats, [], calibration_samples(opts, floats.program))
+    try:
+        accuracy = report(
+            ref.result.qpc_path,
+            result.qpc_path,
+            {"calibration": ref.calibration, "held_back": ref.held_back},
+        )
+    finally:
+        ref.result.cleanup()
+    result.accuracy = accuracy
+    short = poor(accuracy)
+    if short:
+        lossy = next((w for w in result.warnings if w.get("code") == "quantization_loss"), None)
+        nodes = list(lossy["nodes"]) if lossy else []
+        result.warnings.append(
+            {
+                "code": "quantization_accuracy",
+                "kind": "precision",
+                "message": "int8 accuracy against the float model is low at "
+                + "; ".join(short)
+                + (f"; the nodes losing most: {', '.join(nodes)}" if nodes else ""),
+                "nodes": nodes,
+                "suggestion": "keep those nodes in fp16 (-node-precision-info, "
+                "FP16NodeInstanceNames) or their op types (-execute-nodes-in-fp16), try "
+                "-quantization-calibration=Percentile or -enable-channelwise",
+            }
+        )
