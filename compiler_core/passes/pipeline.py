@@ -36,20 +36,8 @@ class PipelineOptions(Protocol):
     @property
     def node_precision_info(self) -> str | None: ...
 
-    @property
-    def quantize(self) -> bool: ...
-
-    @property
-    def load_profile(self) -> str | None: ...
-
-    @property
-    def dump_profile(self) -> str | None: ...
-
-    @property
-    def execute_nodes_in_fp16(self) -> tuple[str, ...]: ...
-
-    @property
-    def keep_original_precision_for_nodes(self) -> tuple[str, ...]: ...
+    # Read when present (CompileOptions has them): quantize, load_profile, dump_profile,
+    # execute_nodes_in_fp16, keep_original_precision_for_nodes.
 
 
 _FUSE_EPILOGUES: ContextVar[bool] = ContextVar("fuse_epilogues", default=True)
@@ -98,14 +86,14 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         FoldBatchNormIntoConvPass(),
         FoldConstantsPass(),
     ]
-    keep = frozenset(options.execute_nodes_in_fp16) | frozenset(
-        options.keep_original_precision_for_nodes
-    )
-    if options.quantize:
+    fp16_types = frozenset(getattr(options, "execute_nodes_in_fp16", ()))
+    keep = fp16_types | frozenset(getattr(options, "keep_original_precision_for_nodes", ()))
+    if getattr(options, "quantize", False):
         from compiler_core.quant.profile import read_profile
 
-        flag = "-load-profile" if options.load_profile else "-dump-profile"
-        path = options.load_profile or options.dump_profile
+        load = getattr(options, "load_profile", None)
+        flag = "-load-profile" if load else "-dump-profile"
+        path = load or getattr(options, "dump_profile", None)
         assert path is not None
         passes.append(QuantizePass(read_profile(path, flag), QuantSettings.from_options(options)))
     passes.append(FoldQDQPass(keep_float=keep))
@@ -114,7 +102,6 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     precision = (
         load_node_precision(options.node_precision_info) if options.node_precision_info else None
     )
-    fp16_types = frozenset(options.execute_nodes_in_fp16)
     if options.convert_to_fp16:
         passes.append(ConvertToFp16Pass(keep_fp32=precision.fp32 if precision else frozenset()))
     elif fp16_types:
