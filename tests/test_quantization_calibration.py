@@ -294,3 +294,19 @@ def test_bad_profiles_are_named_with_load_profile(calib, tmp_path):
         assert info.value.flag == "-load-profile" and name in info.value.message
     profile = read_profile(calib[2])
     assert profile.samples == 5
+
+
+def test_constant_schemas_choose_weight_types_and_zero_points(calib):
+    _, samples, _ = calib
+
+    def first_conv(result):
+        return next(k for k in result.program.kernels if k.info.op_type == "QConv").info
+
+    asym = quantized(calib, "-quantization-schema-constants=asymmetric")
+    conv = first_conv(asym)
+    assert conv.in_dtypes[1] == "uint8" and conv.in_shapes[3] is not None  # w zero points
+    assert relative_error(asym, samples) < 0.05
+    pow2 = quantized(calib, "-quantization-schema-constants=symmetric_with_power2_scale")
+    conv = first_conv(pow2)
+    assert conv.in_dtypes[1] == "int8" and conv.in_shapes[3] is None
+    assert relative_error(pow2, samples) < 0.05
