@@ -310,3 +310,30 @@ def test_constant_schemas_choose_weight_types_and_zero_points(calib):
     conv = first_conv(pow2)
     assert conv.in_dtypes[1] == "int8" and conv.in_shapes[3] is None
     assert relative_error(pow2, samples) < 0.05
+
+
+def test_matmul_bias_add_becomes_the_kernels_bias(tmp_path):
+    """MatMul -> Add(constant per column): the constant is added in the int32 accumulator of
+    the QMatMul (no separate QAdd pass), for a float model quantized from a profile and for a
+    QDQ model written that way."""
+    from tests.quant_models import mlp
+
+    model = mlp()
+    onnx.save(model, tmp_path / "mlp.onnx")
+    samples = calibration(model, 8)
+    np.savez(tmp_path / "c.npz", x=np.stack([s["x"] for s in samples]))
+    for bias in ("Int8", "Int32"):
+        result = compile_model(
+            tmp_path / "mlp.onnx",
+            [
+                f"-dump-profile={tmp_path / 'p.json'}",
+                f"-input-list-file={tmp_path / 'c.npz'}",
+                f"-quantization-precision-bias={bias}",
+            ],
+        )
+        first = result.program.kernels[1]
+        assert first.info.op_type == "QMatMul" and first.info.in_shapes[2] == (32,)
+        assert "Add" in " ".join(first.nodes)
+        adds = [k for k in result.program.kernels if k.info.op_type == "QAdd"]
+        assert len(adds) == 1  # the Sub only
+        assert result.accuracy["held_back"]["outputs"]["y"]["cosine_similarity"] > 0.99

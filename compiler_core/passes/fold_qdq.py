@@ -194,6 +194,8 @@ class FoldQDQPass(GraphPass):
         self.opset = model_opset(model)
         self.folded = {}
         self._tail: tuple[ir.Node, float, float] | None = None
+        self._absorbed: list[ir.Node] = []
+        self._bias_value: ir.Value | None = None
         changed = False
         for node in list(graph):
             if node.graph is None or node.domain not in ("", "ai.onnx"):
@@ -217,6 +219,10 @@ class FoldQDQPass(GraphPass):
             return self._requantize_pair(node)
         if len(node.outputs) != 1 or op == "DequantizeLinear":
             return False
+        if op == "MatMul":
+            found = bias_add(node)
+            if found is not None and self._fold_with_bias(node, *found):
+                return True
         if op in ("Conv", "MatMul", "Gemm", "Add", "Sub"):
             tail = _activation_tail(node)
             if tail is not None and self._fold_with_tail(node, *tail):
@@ -250,6 +256,23 @@ class FoldQDQPass(GraphPass):
             return self._fold_to(node, params, quantizers)
         finally:
             self._tail = None
+
+    def _fold_with_bias(self, node: ir.Node, add: ir.Node, bias: ir.Value) -> bool:
+        """MatMul -> Add(constant [N]) [-> Relu/Clip] -> Q: the constant is the kernel's
+        bias, added in the accumulator (one rounding instead of two, no extra pass)."""
+        tail = _activation_tail(add)
+        last = tail[0] if tail is not None else add
+        out = quantized(last.outputs[0])
+        if out is None:
+            return False
+        params, quantizers = out
+        self._tail = tail
+        self._absorbed = [add]
+        self._bias_value = bias
+        try:
+            return self._matmul(node, params, quantizers)
+        finally:
+            self._tail, self._absorbed, self._bias_value = None, [], None
 
     def _fold_other(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
         op = node.op_type
@@ -291,10 +314,15 @@ class FoldQDQPass(GraphPass):
         result.name = name
         for q in quantizers:
             self.graph.remove(q, safe=True)
-        if tail is not None:
-            new.meta[FUSED_NODES_KEY] = [*fused_node_names(node), *fused_node_names(tail[0])]
-            self.graph.remove(tail[0], safe=True)
-            self.folded.setdefault(op_type, []).append(tail[0].name or tail[0].op_type)
+        chain = [*self._absorbed, *([tail[0]] if tail is not None else [])]
+        if chain:
+            names = [*fused_node_names(node)]
+            for extra in chain:
+                names += fused_node_names(extra)
+                self.folded.setdefault(op_type, []).append(extra.name or extra.op_type)
+            new.meta[FUSED_NODES_KEY] = names
+        for extra in reversed(chain):
+            self.graph.remove(extra, safe=True)
         self.graph.remove(node, safe=True)
         self.folded.setdefault(op_type, []).append(node.name or node.op_type)
         return result
@@ -417,7 +445,7 @@ class FoldQDQPass(GraphPass):
         b_value = node.inputs[1]
         gemm = node.op_type == "Gemm"
         alpha = beta = 1.0
-        bias_value = None
+        bias_value = self._bias_value
         if gemm:
             attrs = {k: v.value for k, v in node.attributes.items()}
             if int(attrs.get("transA", 0)):
@@ -427,6 +455,8 @@ class FoldQDQPass(GraphPass):
             bias_value = node.inputs[2] if len(node.inputs) > 2 else None
         b = dequantized(b_value)
         if b is None or b.value.shape is None or len(b.value.shape) < 1:
+            return False
+        if bias_value is not None and not gemm and b.value.const_value is None:
             return False
         b_int = b.value
         trans_b = gemm and int(
@@ -708,6 +738,32 @@ def _spatial_mean(node: ir.Node, rank: int) -> bool:
         axes = [int(a) for a in array.reshape(-1)]
     axes = sorted(a + rank if a < 0 else a for a in axes)
     return rank > 2 and axes == list(range(2, rank))
+
+
+def bias_add(node: ir.Node) -> tuple[ir.Node, ir.Value] | None:
+    """The Add that alone reads a MatMul's output with a constant (or dequantized constant)
+    vector of one value per output column: (the Add, the vector)."""
+    value = node.outputs[0]
+    uses = list(value.uses())
+    dims = static_dims(value)
+    if value.is_graph_output() or len(uses) != 1 or dims is None or not dims:
+        return None
+    add = uses[0].node
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2:
+        return None
+    other = add.inputs[1 - uses[0].idx]
+    if other is None or static_dims(add.outputs[0]) != dims:
+        return None
+    source = dequantized(other, int32=True)
+    constant = source.value.const_value if source is not None else other.const_value
+    other_dims = static_dims(source.value if source is not None else other)
+    if constant is None or other_dims is None:
+        return None
+    if int(np.prod(other_dims, dtype=np.int64)) != dims[-1] or (
+        other_dims and other_dims[-1] != dims[-1]
+    ):
+        return None
+    return add, other
 
 
 def _activation_tail(node: ir.Node) -> tuple[ir.Node, float, float] | None:

@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from compiler_core.ops.registry import REGISTRY
 from compiler_core.passes.base import GraphPass, NameScope, add_initializer, model_opset
-from compiler_core.passes.fold_qdq import MOVE_OPS, NOT_LUT, _activation_tail, _const
+from compiler_core.passes.fold_qdq import MOVE_OPS, NOT_LUT, _activation_tail, _const, bias_add
 from compiler_core.quant.profile import Profile, TensorStats
 from compiler_core.quant.ranges import abs_histogram, side_histogram, threshold
 
@@ -116,6 +116,7 @@ class QuantizePass(GraphPass):
         self.uncovered: list[str] = []
         """Nodes left float because the profile lacks one of their tensors."""
         self.warnings: list[dict[str, Any]] = []
+        self._bias_add: tuple[ir.Node, ir.Value] | None = None
         self.losses: list[tuple[str, str, float]] = []
         """(node, tensor, SQNR in dB) of each quantized activation, worst first: the
         signal-to-noise ratio its integer form has on the calibration histogram."""
@@ -135,11 +136,20 @@ class QuantizePass(GraphPass):
                 continue
             if node.op_type in self.settings.keep or len(node.outputs) != 1:
                 continue
-            tail = _activation_tail(node) if node.op_type in HMX | {"Add", "Sub"} else None
-            if self._quantize(node, tail[0] if tail else None):
+            self._bias_add = None
+            unit = node
+            if node.op_type == "MatMul" and _const(node.inputs[1]) is not None:
+                found = bias_add(node)
+                if found is not None and found[0].op_type not in self.settings.keep:
+                    self._bias_add = found
+                    unit = found[0]
+            tail = _activation_tail(unit) if node.op_type in HMX | {"Add", "Sub"} else None
+            if self._quantize(node, tail[0] if tail else (unit if unit is not node else None)):
                 self.quantized.append(node.name or node.op_type)
                 if tail:
                     consumed.add(id(tail[0]))
+                if unit is not node:
+                    consumed.add(id(unit))
         self.losses = sorted(
             (loss for v in self.pairs if (loss := self._loss(v)) is not None),
             key=lambda item: item[2],
@@ -332,14 +342,18 @@ class QuantizePass(GraphPass):
             axis = weights.ndim - 1 if self.settings.rowwise and weights.ndim >= 2 else None
         x_params = self._activation(x)
         assert x_params is not None
-        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        holder, index = node, 2
+        if self._bias_add is not None:
+            add, vector = self._bias_add
+            holder, index = add, 1 - next(u.idx for u in node.outputs[0].uses())
+        bias = holder.inputs[index] if len(holder.inputs) > index else None
         b = _const(bias) if bias is not None else None
         if bias is not None and (b is None or b.dtype != np.float32):
             return False
         w_dq, w_scale = self._weights(w, weights, axis)
         node.replace_input_with(1, w_dq)
         if bias is not None and b is not None:
-            node.replace_input_with(2, self._bias(bias, b, x_params, w_scale, node))
+            holder.replace_input_with(index, self._bias(bias, b, x_params, w_scale, node))
         self._pair(x)
         self._pair(out)
         return True
@@ -390,7 +404,7 @@ class QuantizePass(GraphPass):
             acc = np.broadcast_to(acc.reshape(-1), (channels,)).copy()
             wide = np.rint(bias.reshape(-1).astype(np.float64) / acc)
             codes = np.clip(wide, -(2**31), 2**31 - 1).astype(np.int32).reshape(bias.shape)
-            axis = 0 if codes.ndim == 1 and channels > 1 else None
+            axis = codes.ndim - 1 if channels > 1 else None
             scale = acc if axis is not None else acc.reshape(())
             zero = np.zeros(scale.shape, np.int32)
             return self._dequantize(value, codes, scale, zero, axis)
