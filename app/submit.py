@@ -43,6 +43,8 @@ LOCAL_FILE_FLAGS = (
     ("network_specialization_config", "-network-specialization-config"),
     ("custom_io_list_file", "-custom-IO-list-file"),
     ("node_precision_info", "-node-precision-info"),
+    ("load_profile", "-load-profile"),
+    ("input_list_file", "-input-list-file"),
 )
 """Options naming a local file: submit uploads it in the model's archive, beside the model,
 as `<flag name><suffix>` (the farm reads it there: app/services/model_files.py)."""

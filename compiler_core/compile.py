@@ -94,6 +94,9 @@ class CompileResult:
     """The program (of the first specialization, when there are several)."""
     programs: dict[str, Program] = field(default_factory=dict, repr=False)
     """Every specialization's program by name ("default" without specializations)."""
+    accuracy: dict[str, Any] | None = None
+    """A quantized compile with calibration inputs: its outputs against the float model's
+    (compiler_core/quant/accuracy.py), also in `metrics` as `quantization_accuracy`."""
     _report: Callable[[], dict[str, Any]] = field(repr=False, default=dict)
     _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     _metrics: dict[str, Any] | None = field(default=None, repr=False)
@@ -104,6 +107,8 @@ class CompileResult:
         that never looks (most scripted compiles) does not pay for the schedule."""
         if self._metrics is None:
             self._metrics = self._report()
+            if self.accuracy is not None:
+                self._metrics["quantization_accuracy"] = self.accuracy
         return self._metrics
 
     @property
@@ -189,8 +194,23 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
-    with _gc_paused():
-        return _compile(source, opts, progress, policy or CodegenPolicy())
+    reference = None
+    if opts.dump_profile:
+        from compiler_core.quant.calibrate import dump_profile
+
+        reference = dump_profile(source, opts)  # the profile this compile quantizes with
+    try:
+        with _gc_paused():
+            result = _compile(source, opts, progress, policy or CodegenPolicy())
+        if opts.quantize and opts.input_list_file:
+            from compiler_core.quant.calibrate import add_accuracy
+
+            add_accuracy(source, opts, result, reference)
+            reference = None
+    finally:
+        if reference is not None:
+            reference.result.cleanup()
+    return result
 
 
 @contextmanager

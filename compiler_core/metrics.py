@@ -209,6 +209,7 @@ def perf_metrics(
         "kernels_hmx": by_unit.get("hmx", 0),
         "kernels_hvx": by_unit.get("hvx", 0),
         "kernels_fused_nodes": sum(len(k.nodes) for k in program.kernels),
+        "precision": kernel_precisions(program),
         "specialized_kernels": len({k.kernel for k in program.kernels}),
         "unit_busy_percent": {u: _percent(b, total * cores) for u, b in unit_busy.items()},
         "estimated_cycles": timeline.total_cycles,
@@ -219,6 +220,43 @@ def perf_metrics(
             round(_batch(program) / max(device_latency, host), 2) if latency else None
         ),
     }
+
+
+PRECISIONS = {
+    "int8": "int8",
+    "uint8": "int8",
+    "int16": "int16",
+    "uint16": "int16",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "float32": "fp32",
+    "float64": "fp64",
+}
+
+
+def kernel_precision(kernel: KernelDesc) -> str:
+    """What a kernel computes in: its first input's number type (an int8 kernel reads int8
+    and may write int32 or float), else its output's; `other` for bool/index work."""
+    info = kernel.info
+    for dtype in (*info.in_dtypes[:1], *info.out_dtypes[:1]):
+        if dtype in PRECISIONS:
+            return PRECISIONS[dtype]
+    return "other"
+
+
+def kernel_precisions(program: Program) -> dict[str, Any]:
+    """Kernels, MACs and ONNX node names by the precision they run in (a quantized compile
+    says here which nodes run int8, fp16 or fp32)."""
+    out: dict[str, Any] = {}
+    for k in program.kernels:
+        entry = out.setdefault(
+            kernel_precision(k), {"kernels": 0, "macs": 0, "hmx_macs": 0, "nodes": []}
+        )
+        entry["kernels"] += 1
+        entry["macs"] += k.macs
+        entry["hmx_macs"] += _base_macs(k) if k.unit == "hmx" else 0
+        entry["nodes"].extend(k.nodes)
+    return dict(sorted(out.items()))
 
 
 @dataclass(frozen=True)

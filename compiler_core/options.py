@@ -29,12 +29,19 @@ from compiler_core.devices import (
 )
 from compiler_core.errors import CompileError
 
-Kind = Literal["bool", "int", "float", "str", "path", "enum", "device", "hex_list", "symbol_map"]
+Kind = Literal[
+    "bool", "int", "float", "str", "path", "enum", "device", "hex_list", "symbol_map", "name_list"
+]
 
 MAX_PMU_EVENTS = 8
 MAX_CORES = 16
 STATS_LEVELS = (40, 50, 70, 100)
 PMU_RECIPES = ("AxiRd", "AxiWr", "AxiRdWr", "KernelUtil", "HmxMacs")
+QUANT_PRECISIONS = ("Int8", "Int16")
+BIAS_PRECISIONS = ("Int8", "Int32")
+QUANT_SCHEMAS = ("asymmetric", "symmetric", "symmetric_with_uint8", "symmetric_with_power2_scale")
+CALIBRATIONS = ("None", "KLMinimization", "KLMinimizationV2", "Percentile", "MSE", "SQNR")
+"""`None` is MinMax (the vendor's spelling of the default)."""
 HELP_FLAGS = frozenset({"-h", "-help", "--help", "-usage", "--usage"})
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
@@ -85,6 +92,7 @@ TARGET = "Target and partitioning"
 MEMORY = "Memory"
 PRECISION = "Precision and model shape"
 PROFILING = "Profiling and diagnostics"
+QUANT = "Quantization"
 
 OPTIONS: tuple[OptionSpec, ...] = (
     _spec(
@@ -279,6 +287,133 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "path",
         "YAML with FP32NodeInstanceNames / FP16NodeInstanceNames.",
         group=PRECISION,
+        default_text="none",
+    ),
+    _spec(
+        "dump-profile",
+        "path",
+        "Run the float model on the calibration inputs (-input-list-file) and write the "
+        "quantization profile (per-tensor ranges and histograms, JSON) to this file; the compile "
+        "then uses it unless -no-quant.",
+        group=QUANT,
+        default_text="none",
+    ),
+    _spec(
+        "load-profile",
+        "path",
+        "Quantize the model to int8 (or int16) from this profile (written by -dump-profile).",
+        group=QUANT,
+        default_text="none",
+    ),
+    _spec(
+        "input-list-file",
+        "path",
+        "Calibration inputs: a text file, one inference per line (input files, .raw or .npy, "
+        "in input order or as name:=path), or an .npz of arrays named by input with the samples "
+        "stacked on a leading axis.",
+        group=QUANT,
+        default_text="none",
+    ),
+    _spec(
+        "no-quant",
+        "bool",
+        "Do not quantize: with -dump-profile, only write the profile and compile in float.",
+        default=False,
+        group=QUANT,
+    ),
+    _spec(
+        "quantization-precision",
+        "enum",
+        "Integer type of quantized weights and activations.",
+        default="Int8",
+        choices=QUANT_PRECISIONS,
+        group=QUANT,
+    ),
+    _spec(
+        "quantization-precision-bias",
+        "enum",
+        "Integer type of quantized biases (Int8 is rescaled into the int32 accumulator).",
+        default="Int8",
+        choices=BIAS_PRECISIONS,
+        group=QUANT,
+    ),
+    _spec(
+        "quantization-schema-activations",
+        "enum",
+        "How activations map to integers: symmetric (zero point 0), symmetric_with_uint8 "
+        "(unsigned for tensors that are never negative), symmetric_with_power2_scale "
+        "(scales rounded up to powers of two) or asymmetric (unsigned with a zero point).",
+        default="symmetric_with_uint8",
+        choices=QUANT_SCHEMAS,
+        group=QUANT,
+        metavar="<schema>",
+    ),
+    _spec(
+        "quantization-schema-constants",
+        "enum",
+        "How weights map to integers (same schemas as -quantization-schema-activations).",
+        default="symmetric_with_uint8",
+        choices=QUANT_SCHEMAS,
+        group=QUANT,
+        metavar="<schema>",
+    ),
+    _spec(
+        "quantization-calibration",
+        "enum",
+        "How an activation's range is chosen from its histogram: None (MinMax), "
+        "KLMinimization, KLMinimizationV2, Percentile, MSE or SQNR.",
+        default="None",
+        choices=CALIBRATIONS,
+        group=QUANT,
+    ),
+    _spec(
+        "percentile-calibration-value",
+        "float",
+        "Percentile of |values| kept by -quantization-calibration=Percentile.",
+        default=100.0,
+        minimum=90.0,
+        maximum=100.0,
+        group=QUANT,
+    ),
+    _spec(
+        "num-histogram-bins",
+        "int",
+        "Bins of each tensor's histogram in the profile.",
+        default=512,
+        minimum=16,
+        maximum=65536,
+        group=QUANT,
+    ),
+    _spec(
+        "enable-channelwise",
+        "bool",
+        "Quantize Conv weights per output channel (else per tensor).",
+        default=False,
+        group=QUANT,
+    ),
+    _spec(
+        "enable-rowwise",
+        "bool",
+        "Quantize MatMul/Gemm weights per output column (else per tensor).",
+        default=False,
+        group=QUANT,
+    ),
+    _spec(
+        "execute-nodes-in-fp16",
+        "name_list",
+        "Op types that stay float and compute in fp16 (comma separated, e.g. Softmax,Gelu).",
+        default=(),
+        group=QUANT,
+        metavar="<op>[,<op>...]",
+        default_text="none",
+    ),
+    _spec(
+        "keep-original-precision-for-nodes",
+        "name_list",
+        "Op types that are not quantized and keep the model's float precision.",
+        default=(),
+        group=QUANT,
+        metavar="<op>[,<op>...]",
         default_text="none",
     ),
     _spec(
@@ -550,6 +685,31 @@ def _coerce_hex_list(spec: OptionSpec, value: Any) -> tuple[str, ...]:
     return tuple(events)
 
 
+def _coerce_name_list(spec: OptionSpec, value: Any) -> tuple[str, ...]:
+    """Op type names: one comma-separated string or a list; each a registered op type."""
+    from compiler_core.ops import REGISTRY
+
+    if isinstance(value, str):
+        items: list[Any] = [part.strip() for part in value.split(",")] if value.strip() else []
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise _invalid(spec, value, "must be a comma-separated list of op types")
+    known = {d.op_type for d in REGISTRY.all()}
+    names: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise _invalid(spec, value, f"{_shown(item)} is not an op type name")
+        name = item.strip()
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise _invalid(spec, value, f"{name} is not a supported op type{hint}")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
 def _symbol(spec: OptionSpec, name: Any, raw: Any, shown: Any) -> tuple[str, int]:
     if not isinstance(name, str) or not name.strip():
         raise _invalid(spec, shown, "expected <name>,<value> with a non-empty symbol name")
@@ -604,6 +764,8 @@ def coerce(spec: OptionSpec, value: Any) -> Any:
         return _coerce_device(spec, value)
     if spec.kind == "hex_list":
         return _coerce_hex_list(spec, value)
+    if spec.kind == "name_list":
+        return _coerce_name_list(spec, value)
     return _coerce_symbols(spec, value)
 
 
@@ -643,6 +805,21 @@ class CompileOptions:
     mxfp6_matmul: bool = False
     custom_io_list_file: str | None = None
     node_precision_info: str | None = None
+    dump_profile: str | None = None
+    load_profile: str | None = None
+    input_list_file: str | None = None
+    no_quant: bool = False
+    quantization_precision: str = "Int8"
+    quantization_precision_bias: str = "Int8"
+    quantization_schema_activations: str = "symmetric_with_uint8"
+    quantization_schema_constants: str = "symmetric_with_uint8"
+    quantization_calibration: str = "None"
+    percentile_calibration_value: float = 100.0
+    num_histogram_bins: int = 512
+    enable_channelwise: bool = False
+    enable_rowwise: bool = False
+    execute_nodes_in_fp16: tuple[str, ...] = ()
+    keep_original_precision_for_nodes: tuple[str, ...] = ()
     stats_level: int = 40
     stats_batchsize: int | None = None
     ddr_stats: bool = False
@@ -748,7 +925,7 @@ class CompileOptions:
             if not (spec.affects_qpc or full):
                 continue
             value = getattr(self, spec.attr)
-            if spec.kind == "hex_list":
+            if spec.kind in ("hex_list", "name_list"):
                 value = list(value)
             elif spec.kind == "symbol_map":
                 value = dict(value)
@@ -773,6 +950,8 @@ class CompileOptions:
                 flags.extend(f"{spec.flag}={k},{v}" for k, v in value.items())
             elif spec.kind == "hex_list":  # as the user writes them: 0x1, not 1
                 flags.append(f"{spec.flag}={','.join('0x' + v for v in value)}")
+            elif spec.kind == "name_list":
+                flags.append(f"{spec.flag}={','.join(value)}")
             else:
                 flags.append(f"{spec.flag}={_flag_text(value)}")
         return flags
@@ -783,6 +962,11 @@ class CompileOptions:
         if self.aic_device is not None:
             return get_device(self.aic_device)
         return default_device_for(self.aic_hw_version)
+
+    @property
+    def quantize(self) -> bool:
+        """Float operators are quantized from a profile (loaded, or dumped by this compile)."""
+        return bool(self.load_profile or self.dump_profile) and not self.no_quant
 
     @property
     def effective_stats_batchsize(self) -> int:
@@ -832,7 +1016,7 @@ def _is_set(spec: OptionSpec, value: Any) -> bool:
     default = spec.default
     if spec.kind == "symbol_map":
         return bool(value)
-    if spec.kind == "hex_list":
+    if spec.kind in ("hex_list", "name_list"):
         return bool(value)
     return bool(value != default)
 
@@ -914,6 +1098,77 @@ def _check_rules(o: CompileOptions, device: DeviceProfile) -> None:
             spec["aic_pmu_events"],
             ",".join(o.aic_pmu_events),
             f"-aic-pmu-recipe={o.aic_pmu_recipe} is also given; use one or the other",
+        )
+    _check_quantization_rules(o)
+
+
+QUANT_TUNING = (
+    "quantization_precision",
+    "quantization_precision_bias",
+    "quantization_schema_activations",
+    "quantization_schema_constants",
+    "quantization_calibration",
+    "percentile_calibration_value",
+    "enable_channelwise",
+    "enable_rowwise",
+    "keep_original_precision_for_nodes",
+)
+"""Options that only shape a quantized compile: set without a profile, they would do nothing."""
+
+
+def _check_quantization_rules(o: CompileOptions) -> None:
+    """The quantization options' rules: a profile to quantize from, calibration inputs to
+    build one, and tuning options only where they act."""
+    spec = _BY_ATTR
+    if o.dump_profile and o.load_profile and o.dump_profile != o.load_profile:
+        raise _invalid(
+            spec["load_profile"],
+            o.load_profile,
+            f"-dump-profile={o.dump_profile} writes the profile this compile uses; give one of "
+            "them, or both naming the same file",
+        )
+    if o.dump_profile and not o.input_list_file:
+        raise _invalid(
+            spec["dump_profile"],
+            o.dump_profile,
+            "needs calibration inputs: -input-list-file=<list file or .npz>",
+        )
+    if o.input_list_file and not (o.dump_profile or o.load_profile):
+        raise _invalid(
+            spec["input_list_file"],
+            o.input_list_file,
+            "calibration inputs need -dump-profile (or -load-profile, to report accuracy on them)",
+        )
+    if o.no_quant and o.load_profile and not o.dump_profile:
+        raise _invalid(spec["no_quant"], True, f"-load-profile={o.load_profile} asks to quantize")
+    if not o.quantize:
+        for attr in QUANT_TUNING:
+            value = getattr(o, attr)
+            if _is_set(spec[attr], value):
+                why = "-no-quant is given" if o.no_quant else "no profile is given"
+                raise _invalid(
+                    spec[attr],
+                    ",".join(value) if isinstance(value, tuple) else value,
+                    f"acts only on a quantized compile (-load-profile or -dump-profile); {why}",
+                )
+    if o.num_histogram_bins != 512 and not o.dump_profile:
+        raise _invalid(
+            spec["num_histogram_bins"],
+            o.num_histogram_bins,
+            "shapes the profile -dump-profile writes; no -dump-profile is given",
+        )
+    if o.percentile_calibration_value != 100.0 and o.quantization_calibration != "Percentile":
+        raise _invalid(
+            spec["percentile_calibration_value"],
+            o.percentile_calibration_value,
+            f"needs -quantization-calibration=Percentile (given: {o.quantization_calibration})",
+        )
+    both = sorted(set(o.execute_nodes_in_fp16) & set(o.keep_original_precision_for_nodes))
+    if both:
+        raise _invalid(
+            spec["keep_original_precision_for_nodes"],
+            ",".join(o.keep_original_precision_for_nodes),
+            f"{', '.join(both)} is also listed in -execute-nodes-in-fp16",
         )
 
 
@@ -1001,6 +1256,8 @@ def _json_type(spec: OptionSpec) -> dict[str, Any]:
         }
     elif spec.kind == "symbol_map":
         return {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}}
+    elif spec.kind == "name_list":
+        return {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]}
     else:
         return {"type": "string"}
     if spec.minimum is not None:

@@ -31,6 +31,7 @@ from qpcfarm.app.db.ops import insert_or_ignore
 from qpcfarm.app.services.errors import ServiceError, internal_error_message
 from qpcfarm.app.services.model_files import resolve_model_files
 from qpcfarm.app.services.models import KIND_ARCHIVE, materialize_model
+from qpcfarm.app.services.qpcs import PROFILE_METRIC
 from qpcfarm.worker import claims
 from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
 from qpcfarm.worker.compile_process import CompileProcess
@@ -294,13 +295,20 @@ def run_compile(
             farm_options = resolve_model_files(options, model_dir).with_(
                 aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
             )
+            farm_options = _profile_in(farm_options, work)
             result = _compile(model_path, farm_options, progress, compiler)
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
             progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
+            metrics = dict(result.metrics)
+            if farm_options.dump_profile:
+                with open(farm_options.dump_profile, "rb") as profile_file:
+                    profile = store.put(profile_file)
+                metrics[PROFILE_METRIC] = {"sha256": profile.sha256, "size": profile.size}
+                progress.note(f"stored quantization profile {profile.sha256}")
             outcome = CompileOutcome(
-                metrics=result.metrics,
+                metrics=metrics,
                 warnings=result.warnings,
                 pass_times=result.pass_times,
                 requirements=_requirements(result.qpc_path),
@@ -322,6 +330,16 @@ def run_compile(
         session.rollback()
         fail(session, job, "internal_error", internal_error_message(exc))
     return job
+
+
+def _profile_in(options: CompileOptions, work: Path) -> CompileOptions:
+    """`-dump-profile` writes into the job's folder (the farm stores the file as a blob); the
+    name the user gave stays in the options that key the cache."""
+    if not options.dump_profile:
+        return options
+    path = str(work / "profile.json")
+    same = options.load_profile == options.dump_profile
+    return options.with_(dump_profile=path, load_profile=path if same else None)
 
 
 def _compile(

@@ -16,6 +16,8 @@ from qpcfarm.app.api.deps import CurrentTeam, SessionDep, StoreDep, TeamQpc
 from qpcfarm.app.api.downloads import blob_response
 from qpcfarm.app.api.schemas import QpcOut, ValidateRequest, ValidationOut
 from qpcfarm.app.services import qpcs, validations
+from qpcfarm.app.services.errors import ServiceError
+from qpcfarm.app.services.qpcs import PROFILE_METRIC
 
 router = APIRouter(prefix="/v1/qpcs", tags=["qpcs"])
 
@@ -55,6 +57,43 @@ def download_qpc(
         range_header=range_header,
         if_none_match=if_none_match,
         if_range=if_range,
+    )
+
+
+@router.get(
+    "/{qpc_id}/profile",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/json": {}}, "description": "The profile file."},
+        404: {"description": "`profile_not_found`: the compile wrote no profile"},
+    },
+)
+def download_profile(
+    qpc: TeamQpc,
+    session: SessionDep,
+    store: StoreDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The quantization profile the compile of this QPC wrote (`-dump-profile`), as
+    `profile.json`: give it back with `-load-profile` in a model archive to reuse it."""
+    report = qpcs.get_report(session, qpc)
+    metrics = getattr(report, "metrics", None) or {}
+    entry = metrics.get(PROFILE_METRIC) if isinstance(metrics, dict) else None
+    if not isinstance(entry, dict) or "sha256" not in entry:
+        raise ServiceError(
+            "profile_not_found",
+            "this QPC's compile wrote no quantization profile (compile with -dump-profile)",
+            status=404,
+        )
+    return blob_response(
+        store,
+        entry["sha256"],
+        filename="profile.json",
+        media_type="application/json",
+        found_by="profile download",
+        range_header=None,
+        if_none_match=if_none_match,
+        if_range=None,
     )
 
 

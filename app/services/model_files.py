@@ -15,8 +15,15 @@ from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
 from qpcfarm.app.services.archives import inside_parts
 
-MODEL_FILE_OPTIONS = ("network_specialization_config", "custom_io_list_file", "node_precision_info")
-"""Options whose value is a file inside the model's upload."""
+MODEL_FILE_OPTIONS = (
+    "network_specialization_config",
+    "custom_io_list_file",
+    "node_precision_info",
+    "load_profile",
+    "input_list_file",
+)
+"""Options whose value is a file inside the model's upload (a quantization profile and the
+calibration inputs too: the cache key then covers their bytes)."""
 
 
 def check_model_file_paths(options: CompileOptions) -> None:

@@ -25,6 +25,11 @@ def get_qpc(session: Session, team: Team, qpc_id: uuid.UUID) -> Qpc:
     return qpc
 
 
+PROFILE_METRIC = "quantization_profile"
+"""The report entry naming the blob of the quantization profile a `-dump-profile` compile
+wrote: {"sha256", "size"} (stored by the worker, downloaded from `/v1/qpcs/{id}/profile`)."""
+
+
 def get_report(session: Session, qpc: Qpc) -> CompileReport | None:
     return session.execute(
         select(CompileReport).where(CompileReport.qpc_id == qpc.id)

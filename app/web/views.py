@@ -78,6 +78,8 @@ GROUPS: list[tuple[str, re.Pattern[str]]] = [
             r"|host_transfer_us|floor_.*|latency_over_floor|activation_cycles)$"
         ),
     ),
+    ("Quantization accuracy", re.compile(r"^quantization_(accuracy|profile)\.")),
+    ("Precision", re.compile(r"^precision\.")),
     (
         "Compute",
         re.compile(

@@ -11,6 +11,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     elementwise,
     extra,
     flex_attention,
+    int8,
     kv_cache,
     linalg,
     linear_attention,

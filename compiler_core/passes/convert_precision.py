@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from compiler_core.errors import CompileError
-from compiler_core.fusion import fused_node_names
+from compiler_core.fusion import epilogue, fused_node_names
 from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
 from compiler_core.tensors import SMALL_TENSOR_BYTES, release_mapping
 
@@ -49,9 +49,14 @@ class ConvertToFp16Pass(GraphPass):
     name = "convert-to-fp16"
 
     def __init__(
-        self, keep_fp32: frozenset[str] = frozenset(), only: frozenset[str] | None = None
+        self,
+        keep_fp32: frozenset[str] = frozenset(),
+        only: frozenset[str] | None = None,
+        only_types: frozenset[str] | None = None,
     ) -> None:
+        """`only_types`: convert the nodes of these op types (`-execute-nodes-in-fp16`)."""
         super().__init__()
+        self.only_types = only_types
         self.warnings: list[dict[str, Any]] = []
         """`fp16_clipped` / `fp16_flushed`, each naming the constants and the nodes reading
         them (`code`, `message`, `nodes`, `suggestion`, as compile warnings are)."""
@@ -62,7 +67,18 @@ class ConvertToFp16Pass(GraphPass):
         graph = model.graph
         names = NameScope(graph)
         self.warnings = []
-        if self.only is not None:
+        if self.only_types is not None:
+            types = self.only_types
+            chosen = {
+                node
+                for node in graph
+                if node.domain == ""
+                and (node.op_type in types or any(e.op_type in types for e in epilogue(node)))
+            }
+            if self.only:
+                chosen |= find_nodes(graph, self.only, "FP16NodeInstanceNames")
+            convert = lambda node: node in chosen  # noqa: E731
+        elif self.only is not None:
             chosen = find_nodes(graph, self.only, "FP16NodeInstanceNames")
             convert = lambda node: node in chosen  # noqa: E731
         else:

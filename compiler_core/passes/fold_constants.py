@@ -75,6 +75,10 @@ def copy_constants_into_subgraphs(graph: ir.Graph) -> int:
     return copied
 
 
+def _integer(value: ir.Value) -> bool:
+    return value.dtype is not None and value.dtype.is_integer()
+
+
 class FoldConstantsPass(GraphPass):
     """Replace nodes with constant results by initializers, to a fixed point.
 
@@ -153,6 +157,8 @@ class FoldConstantsPass(GraphPass):
             return False
         if any(value.const_value is None for value in present):
             return False
+        if node.op_type == "DequantizeLinear" and _integer(present[0]):
+            return False  # quantized weights stay integers for fold-qdq (it folds the rest)
         # Kernels read output shapes from the node; unknown ones fold after the next inference.
         if node.op_type in SHAPE_FROM_DATA:
             return True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Protocol
 
 from compiler_core.custom_io import load_custom_io
@@ -16,7 +19,9 @@ from compiler_core.passes.eliminate_common_subexpressions import (
 from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
 from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
 from compiler_core.passes.fold_constants import FoldConstantsPass
+from compiler_core.passes.fold_qdq import FoldQDQPass
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
+from compiler_core.passes.quantize import QuantizePass, QuantSettings
 
 
 class PipelineOptions(Protocol):
@@ -31,6 +36,23 @@ class PipelineOptions(Protocol):
     @property
     def node_precision_info(self) -> str | None: ...
 
+    # Read when present (CompileOptions has them): quantize, load_profile, dump_profile,
+    # execute_nodes_in_fp16, keep_original_precision_for_nodes.
+
+
+_FUSE_EPILOGUES: ContextVar[bool] = ContextVar("fuse_epilogues", default=True)
+
+
+@contextmanager
+def without_epilogue_fusion() -> Iterator[None]:
+    """Compiles inside leave every node its own kernel, so that every node's output is a
+    kernel output the runtime can observe (calibration profiles them)."""
+    token = _FUSE_EPILOGUES.set(False)
+    try:
+        yield
+    finally:
+        _FUSE_EPILOGUES.reset(token)
+
 
 PASS_NAMES = (
     CanonicalizePass.name,
@@ -38,6 +60,8 @@ PASS_NAMES = (
     EliminateDeadCodePass.name,
     EliminateCommonSubexpressionsPass.name,
     FoldBatchNormIntoConvPass.name,
+    QuantizePass.name,
+    FoldQDQPass.name,
     FuseEpiloguePass.name,
     ConvertToFp16Pass.name,
     ApplyCustomIOPass.name,
@@ -61,13 +85,28 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         EliminateCommonSubexpressionsPass(),
         FoldBatchNormIntoConvPass(),
         FoldConstantsPass(),
-        FuseEpiloguePass(),
     ]
+    fp16_types = frozenset(getattr(options, "execute_nodes_in_fp16", ()))
+    keep = fp16_types | frozenset(getattr(options, "keep_original_precision_for_nodes", ()))
+    if getattr(options, "quantize", False):
+        from compiler_core.quant.profile import read_profile
+
+        load = getattr(options, "load_profile", None)
+        flag = "-load-profile" if load else "-dump-profile"
+        path = load or getattr(options, "dump_profile", None)
+        assert path is not None
+        passes.append(QuantizePass(read_profile(path, flag), QuantSettings.from_options(options)))
+    passes.append(FoldQDQPass(keep_float=keep))
+    if _FUSE_EPILOGUES.get():
+        passes.append(FuseEpiloguePass())
     precision = (
         load_node_precision(options.node_precision_info) if options.node_precision_info else None
     )
     if options.convert_to_fp16:
         passes.append(ConvertToFp16Pass(keep_fp32=precision.fp32 if precision else frozenset()))
+    elif fp16_types:
+        only = precision.fp16 if precision is not None else frozenset()
+        passes.append(ConvertToFp16Pass(only=only, only_types=fp16_types))
     elif precision is not None and precision.fp16:
         passes.append(ConvertToFp16Pass(only=precision.fp16))
     if options.custom_io_list_file:

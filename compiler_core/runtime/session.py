@@ -161,6 +161,11 @@ class QpcSession:
         self.numerics = diagnose(executor.program, bad, probe)
         warn(self.numerics)
 
+    def executor(self, inputs: Mapping[str, np.ndarray]) -> Executor:
+        """The executor of the specialization these inputs select (to watch its kernels, as
+        calibration does with the executor's probe)."""
+        return self._executor(self.select(inputs))
+
     def close(self) -> None:
         self._executors.clear()
         self._container.close()

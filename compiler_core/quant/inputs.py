@@ -1,0 +1,147 @@
+"""Calibration inputs (`-input-list-file`): a list file of input files, or an .npz set.
+
+A list file has one inference per line; the entries of a line (separated by spaces or commas)
+are the inputs, in the model's input order, or `name:=path` in any order. Each file is a .npy
+array or raw bytes (`.raw`, `.bin`: the input's type and shape, little endian). Relative paths
+are relative to the list file. Blank lines and lines starting with `#` are skipped.
+
+An .npz holds one array per input name: either one sample (the input's shape) or several
+stacked on a new leading axis.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+
+FLAG = "-input-list-file"
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _invalid(message: str) -> CompileError:
+    return CompileError("invalid_option", f"{FLAG}: {message}", flag=FLAG)
+
+
+def load_inputs(path: str | Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+    """Every calibration sample as feeds by input name, checked against the model's inputs."""
+    path = Path(path)
+    if not path.is_file():
+        raise _invalid(f"{path} does not exist")
+    if zipfile.is_zipfile(path):
+        samples = _from_npz(path, specs)
+    else:
+        samples = _from_list(path, specs)
+    if not samples:
+        raise _invalid(f"{path} holds no sample")
+    return samples
+
+
+def _from_npz(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: np.asarray(data[name]) for name in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise _invalid(f"{path} is not a readable .npz: {exc}") from None
+    missing = [s.name for s in specs if s.name not in arrays]
+    if missing:
+        raise _invalid(
+            f"{path} has no array for input {', '.join(missing)} (it has "
+            f"{', '.join(sorted(arrays)) or 'none'})"
+        )
+    counts = set()
+    stacked: dict[str, np.ndarray] = {}
+    for spec in specs:
+        array = arrays[spec.name]
+        if array.shape == spec.shape:
+            array = array[None]
+        elif array.shape[1:] != spec.shape:
+            raise _invalid(
+                f"{path}: array {spec.name} has shape {list(array.shape)}; expected "
+                f"{list(spec.shape)} or [samples, {', '.join(map(str, spec.shape))}]"
+            )
+        stacked[spec.name] = array
+        counts.add(array.shape[0])
+    if len(counts) != 1:
+        raise _invalid(f"{path}: the inputs have different sample counts {sorted(counts)}")
+    count = counts.pop()
+    return [
+        {s.name: _typed(stacked[s.name][i], s, f"{path}[{s.name}]") for s in specs}
+        for i in range(count)
+    ]
+
+
+def _from_list(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _invalid(f"cannot read {path}: {exc}") from None
+    by_name = {s.name: s for s in specs}
+    samples = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        entries = line.replace(",", " ").split()
+        if not entries or entries[0].startswith("#"):
+            continue
+        where = f"{path.name} line {number}"
+        feeds: Feeds = {}
+        for position, entry in enumerate(entries):
+            if ":=" in entry:
+                name, file = entry.split(":=", 1)
+                if name not in by_name:
+                    raise _invalid(f"{where}: the model has no input {name!r}")
+                spec = by_name[name]
+            else:
+                if position >= len(specs):
+                    raise _invalid(f"{where}: {len(entries)} files for {len(specs)} inputs")
+                spec, file = specs[position], entry
+            feeds[spec.name] = _read_file(path.parent / file, spec, where)
+        missing = [s.name for s in specs if s.name not in feeds]
+        if missing:
+            raise _invalid(f"{where}: no file for input {', '.join(missing)}")
+        samples.append(feeds)
+    return samples
+
+
+def _read_file(file: Path, spec: InputSpec, where: str) -> np.ndarray:
+    if not file.is_file():
+        raise _invalid(f"{where}: {file} does not exist")
+    if file.suffix == ".npy":
+        try:
+            array = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise _invalid(f"{where}: {file} is not a readable .npy: {exc}") from None
+        if array.shape != spec.shape:
+            raise _invalid(
+                f"{where}: {file.name} has shape {list(array.shape)}, input {spec.name} is "
+                f"{list(spec.shape)}"
+            )
+        return _typed(array, spec, f"{where}: {file.name}")
+    raw = file.read_bytes()
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    want = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != want:
+        raise _invalid(
+            f"{where}: {file.name} has {len(raw)} bytes; input {spec.name} ({spec.dtype}"
+            f"{list(spec.shape)}) takes {want}"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(spec.shape).astype(spec.dtype)
+
+
+def _typed(array: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
+    if array.dtype == np.dtype(spec.dtype):
+        return np.ascontiguousarray(array)
+    if array.dtype.kind == np.dtype(spec.dtype).kind == "f":
+        return array.astype(spec.dtype)
+    raise _invalid(f"{where} is {array.dtype}; input {spec.name} is {spec.dtype}")

@@ -1,0 +1,206 @@
+"""The quantization profile: what each tensor of the float model held on the calibration set.
+
+`-dump-profile` compiles the float model (no epilogue fusion, so every node's output is a
+kernel output), runs it on the functional runtime over the calibration inputs, and records per
+tensor the minimum, maximum and a histogram. Two passes: the first finds each tensor's range,
+the second counts values into `num-histogram-bins` equal bins over [min(lo, 0), max(hi, 0)].
+The profile keeps the raw histograms, so one profile serves every calibration method and
+schema (`-quantization-calibration` is a compile option, applied when the profile is loaded).
+
+File (JSON, docs/quantization.md):
+
+    {"format": "qpcfarm-quantization-profile", "version": 1, "samples": 16,
+     "num_histogram_bins": 512,
+     "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 3, 224, 224]}],
+     "tensors": {"conv1_out": {"min": -3.1, "max": 7.9, "hist_min": -3.1, "hist_max": 7.9,
+                               "counts": [0, 3, ...]}, ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+
+FORMAT = "qpcfarm-quantization-profile"
+VERSION = 1
+
+
+@dataclass
+class TensorStats:
+    """One tensor over the calibration set."""
+
+    min: float
+    max: float
+    hist_min: float = 0.0
+    hist_max: float = 0.0
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def edges(self) -> np.ndarray:
+        return np.linspace(self.hist_min, self.hist_max, len(self.counts) + 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min": self.min,
+            "max": self.max,
+            "hist_min": self.hist_min,
+            "hist_max": self.hist_max,
+            "counts": [int(c) for c in self.counts],
+        }
+
+
+@dataclass
+class Profile:
+    samples: int
+    bins: int
+    inputs: list[dict[str, Any]]
+    tensors: dict[str, TensorStats]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "samples": self.samples,
+            "num_histogram_bins": self.bins,
+            "inputs": self.inputs,
+            "tensors": {name: t.to_json() for name, t in sorted(self.tensors.items())},
+        }
+
+
+def write_profile(profile: Profile, path: str | Path) -> None:
+    try:
+        Path(path).write_text(json.dumps(profile.to_json()), encoding="utf-8")
+    except OSError as exc:
+        raise CompileError(
+            "invalid_option",
+            f"-dump-profile: cannot write {path}: {exc.strerror}",
+            flag="-dump-profile",
+        ) from None
+
+
+def read_profile(path: str | Path, flag: str = "-load-profile") -> Profile:
+    """A profile file, checked: a clear `invalid_option` naming the flag otherwise."""
+
+    def bad(reason: str) -> CompileError:
+        return CompileError("invalid_option", f"{flag}: {path}: {reason}", flag=flag)
+
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise bad(f"cannot read it ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"not a JSON profile ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise bad(f'not a quantization profile (no "format": "{FORMAT}")')
+    if doc.get("version") != VERSION:
+        raise bad(f"profile version {doc.get('version')!r}; this compiler reads {VERSION}")
+    tensors: dict[str, TensorStats] = {}
+    raw = doc.get("tensors")
+    if not isinstance(raw, dict):
+        raise bad('"tensors" must be an object of tensor name -> statistics')
+    for name, entry in raw.items():
+        try:
+            stats = TensorStats(
+                min=float(entry["min"]),
+                max=float(entry["max"]),
+                hist_min=float(entry["hist_min"]),
+                hist_max=float(entry["hist_max"]),
+                counts=np.asarray(entry["counts"], dtype=np.int64),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad(
+                f"tensor {name!r}: {exc!r} (needs min, max, hist_min, hist_max, counts)"
+            ) from None
+        if not all(map(math.isfinite, (stats.min, stats.max))) or stats.min > stats.max:
+            raise bad(f"tensor {name!r}: range [{stats.min}, {stats.max}] is not finite/ordered")
+        if stats.counts.ndim != 1 or np.any(stats.counts < 0):
+            raise bad(f"tensor {name!r}: counts must be a list of non-negative integers")
+        tensors[name] = stats
+    return Profile(
+        samples=int(doc.get("samples", 0)),
+        bins=int(doc.get("num_histogram_bins", 0)),
+        inputs=list(doc.get("inputs", [])),
+        tensors=tensors,
+    )
+
+
+class RangeProbe:
+    """Sees every kernel's result tiles (the executor's probe hook) and accumulates, per
+    float output tensor, its range (first pass) or its histogram (second pass)."""
+
+    def __init__(self, program: Any, bins: int) -> None:
+        self.program = program
+        self.bins = bins
+        self.stats: dict[str, TensorStats] = {}
+        self.histograms = False
+
+    def observe(self, name: str, array: np.ndarray) -> None:
+        if array.dtype.kind != "f" or array.size == 0:
+            return
+        values = array.astype(np.float64, copy=False)
+        finite = values[np.isfinite(values)]
+        if finite.size == 0:
+            return
+        stats = self.stats.get(name)
+        if not self.histograms:
+            lo, hi = float(finite.min()), float(finite.max())
+            if stats is None:
+                self.stats[name] = TensorStats(lo, hi)
+            else:
+                stats.min, stats.max = min(stats.min, lo), max(stats.max, hi)
+            return
+        if stats is None:
+            return
+        if stats.counts.size == 0:
+            stats.hist_min, stats.hist_max = min(stats.min, 0.0), max(stats.max, 0.0)
+            stats.counts = np.zeros(self.bins, np.int64)
+        if stats.hist_max > stats.hist_min:
+            counts, _ = np.histogram(finite, self.bins, (stats.hist_min, stats.hist_max))
+            stats.counts += counts
+        else:
+            stats.counts[self.bins // 2] += finite.size
+
+    def kernel(self, kernel: int, operands: Sequence[Any], results: Sequence[Any]) -> None:
+        desc = self.program.kernels[kernel]
+        for tid, result in zip(desc.outputs, results, strict=False):
+            if tid >= 0 and result is not None:
+                self.observe(self.program.tensors[tid].name, np.asarray(result))
+
+
+def collect(
+    qpc_path: str | Path, samples: Sequence[Mapping[str, np.ndarray]], bins: int
+) -> Profile:
+    """Run the float QPC over `samples` twice (ranges, then histograms) and profile it."""
+    from compiler_core.runtime.session import QpcSession
+
+    with QpcSession(qpc_path) as session:
+        executor = session.executor(samples[0])
+        probe = RangeProbe(executor.program, bins)
+        executor.probe = probe  # type: ignore[assignment]
+        try:
+            for histograms in (False, True):
+                probe.histograms = histograms
+                for feeds in samples:
+                    for name, value in feeds.items():
+                        probe.observe(name, np.asarray(value))
+                    with np.errstate(all="ignore"):
+                        executor.run(feeds)
+        finally:
+            executor.probe = None
+        inputs = [
+            {"name": io.name, "dtype": io.dtype, "shape": list(io.dims)}
+            for io in session.network.inputs
+        ]
+    for stats in probe.stats.values():
+        if stats.counts.size == 0:
+            stats.hist_min, stats.hist_max = min(stats.min, 0.0), max(stats.max, 0.0)
+            stats.counts = np.zeros(bins, np.int64)
+    return Profile(len(samples), bins, inputs, probe.stats)

@@ -1,0 +1,153 @@
+"""QDQ models (ONNX Runtime's quantize_static, a torch export) fold into int8 kernels: the
+program runs QConv/QMatMul/QAdd/QLut... on integer tensors, no Conv/MatMul/Gemm in float, and
+its outputs match ONNX Runtime's own int8 execution of the same model within one
+quantization step of each output."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from compiler_core.compile import compile_model
+from compiler_core.ops.int8 import DOMAIN
+from compiler_core.runtime import run_qpc
+from tests.quant_models import calibration, cnn, mlp, ort_qdq, output_scales, run_ort
+
+FLOAT_HMX = {"Conv", "MatMul", "Gemm"}
+
+
+def kernels(result) -> list[tuple[str, str, str]]:
+    return [(k.info.domain, k.info.op_type, k.info.in_dtypes[0]) for k in result.program.kernels]
+
+
+def check_against_ort(qdq: onnx.ModelProto, samples, cores: int = 1, steps: float = 1.0):
+    result = compile_model(qdq, [f"-aic-num-cores={cores}"])
+    try:
+        ops = kernels(result)
+        assert not [op for op in ops if op[1] in FLOAT_HMX], ops
+        assert any(domain == DOMAIN for domain, _, _ in ops), ops
+        scales = output_scales(qdq)
+        worst = 0.0
+        for feeds in samples:
+            ours = run_qpc(result.qpc_path, feeds)
+            theirs = run_ort(qdq, feeds)
+            for (name, y), ref in zip(ours.items(), theirs, strict=True):
+                diff = float(np.abs(y - ref).max())
+                worst = max(worst, diff / scales[name])
+                assert diff <= steps * scales[name] * (1 + 1e-5), (name, diff, scales[name])
+        return result, worst
+    finally:
+        result.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("activation", "weight", "per_channel"),
+    [("QUInt8", "QInt8", False), ("QInt8", "QInt8", True), ("QUInt8", "QUInt8", True)],
+)
+def test_ort_qdq_cnn_folds_into_int8_kernels_and_matches_ort_int8(activation, weight, per_channel):
+    from onnxruntime.quantization import QuantType
+
+    model = cnn()
+    qdq = ort_qdq(
+        model,
+        calibration(model),
+        activation_type=getattr(QuantType, activation),
+        weight_type=getattr(QuantType, weight),
+        per_channel=per_channel,
+    )
+    result, worst = check_against_ort(qdq, calibration(model, 4, seed=11))
+    ops = {op for _, op, _ in kernels(result)}
+    assert {"QConv", "QAdd", "QAvgPool", "QMatMul", "MaxPool"} <= ops, ops
+
+
+def test_ort_qdq_cnn_on_four_cores_matches_one_core():
+    model = cnn()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    feeds = calibration(model, 1, seed=5)[0]
+    one = compile_model(qdq, ["-aic-num-cores=1"])
+    four = compile_model(qdq, ["-aic-num-cores=4"])
+    a, b = run_qpc(one.qpc_path, feeds), run_qpc(four.qpc_path, feeds)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_ort_qdq_mlp_with_lut_activations_and_activation_matmul():
+    model = mlp()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    result, _ = check_against_ort(qdq, calibration(model, 4, seed=12), cores=2)
+    ops = {op for _, op, _ in kernels(result)}
+    assert {"QMatMul", "QLut", "QMul", "QAdd"} <= ops, ops
+
+
+def test_a_kept_relu_narrows_the_producer_instead_of_a_table():
+    """Asked to keep its removable activations, ORT leaves Relu between Q/DQ pairs of one
+    scale; we fold it into the producing kernel's saturation (no table pass)."""
+    model = cnn()
+    qdq = ort_qdq(model, calibration(model), extra_options={"QDQKeepRemovableActivations": True})
+    assert any(n.op_type == "Relu" for n in qdq.graph.node)
+    result, _ = check_against_ort(qdq, calibration(model, 2, seed=8))
+    ops = [op for _, op, _ in kernels(result)]
+    assert "Relu" not in ops and ops.count("QLut") == 1, ops  # the Sigmoid's table only
+
+
+def test_float_ops_between_qdq_stay_float_and_correct():
+    """Softmax has no int8 kernel: it runs in float between its DQ and Q."""
+    import onnx.helper as oh
+
+    model = mlp()
+    graph = model.graph
+    last = graph.node[-1]
+    last.output[0] = "logits"
+    graph.node.append(oh.make_node("Softmax", ["logits"], ["y"], axis=-1))
+    qdq = ort_qdq(model, calibration(model), op_types_to_quantize=["MatMul", "Add", "Mul"])
+    result = compile_model(qdq)
+    ops = [op for _, op, _ in kernels(result)]
+    assert "Softmax" in ops and "QMatMul" in ops
+    for feeds in calibration(model, 2, seed=3):
+        ours = run_qpc(result.qpc_path, feeds)["y"]
+        ref = run_ort(qdq, feeds)[0]
+        assert np.abs(ours - ref).max() < 0.02
+    result.cleanup()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_fake_quant_export_folds_into_int8_kernels(tmp_path):
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = torch.nn.Linear(8, 5)
+
+        @staticmethod
+        def fq(x, scale: float, zero: int = 0):
+            return torch.fake_quantize_per_tensor_affine(x, scale, zero, -128, 127)
+
+        def forward(self, x):
+            x = self.fq(x, 0.03)
+            w = self.fq(self.conv.weight, 0.005)
+            y = torch.nn.functional.conv2d(x, w, self.conv.bias, padding=1)
+            y = self.fq(torch.relu(y), 0.02)
+            y = self.fq(y.mean(dim=(2, 3)), 0.01)
+            fw = self.fq(self.fc.weight, 0.004)
+            return self.fq(torch.nn.functional.linear(y, fw, self.fc.bias), 0.02)
+
+    x = torch.randn(1, 3, 12, 12)
+    path = tmp_path / "net.onnx"
+    torch.onnx.export(Net().eval(), (x,), str(path), opset_version=17, dynamo=False)
+    qdq = onnx.load(path)
+    assert any(n.op_type == "QuantizeLinear" for n in qdq.graph.node)
+    result = compile_model(qdq)
+    ops = {op for _, op, _ in kernels(result)}
+    assert not ops & FLOAT_HMX, ops
+    assert "QConv" in ops, ops
+    for seed in range(3):
+        x = np.random.default_rng(seed).normal(0, 1, (1, 3, 12, 12)).astype(np.float32)
+        feeds = {qdq.graph.input[0].name: x}
+        ours = next(iter(run_qpc(result.qpc_path, feeds).values()))
+        ref = run_ort(qdq, feeds)[0]
+        assert np.abs(ours - ref).max() <= 0.02 * (1 + 1e-5)
+    result.cleanup()
