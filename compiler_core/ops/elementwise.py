@@ -151,6 +151,20 @@ def erf(x: Array) -> Array:
     uses (Eigen's, accurate to ~1e-7 relative); float64 uses the exact libm value."""
     if x.dtype == np.float64:
         return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
+    flat = x.reshape(-1)
+    if flat.size <= _ERF_CHUNK:
+        return _erf_rational(flat).reshape(x.shape)
+    out = np.empty(flat.shape, x.dtype)
+    for start in range(0, flat.size, _ERF_CHUNK):
+        out[start : start + _ERF_CHUNK] = _erf_rational(flat[start : start + _ERF_CHUNK])
+    return out.reshape(x.shape)
+
+
+_ERF_CHUNK = 16384
+"""Elements per pass of the rational erf: its float64 temporaries stay in cache."""
+
+
+def _erf_rational(x: Array) -> Array:
     t = np.clip(x, -4.0, 4.0, out=np.empty(x.shape, np.float64))
     t2 = t * t
     num = t2 * -2.72614225801306e-10  # Horner's rule, in place: the same operations

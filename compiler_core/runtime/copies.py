@@ -20,7 +20,11 @@ Holding = tuple[int, Any]
 
 
 class ConstantCopies:
-    def __init__(self, num_cores: int) -> None:
+    """`tracking` False (no kernel of the program widens a constant): nothing is recorded
+    and no buffer is taken to hold a constant."""
+
+    def __init__(self, num_cores: int, tracking: bool = True) -> None:
+        self.tracking = tracking
         self._scratch: list[dict[int, tuple[int, Holding]]] = [{} for _ in range(num_cores)]
         """Per core, by buffer start: (buffer end, what it holds), for buffers an inference
         wrote (forgotten when the next inference zeroes that VTCM)."""
@@ -31,6 +35,8 @@ class ConstantCopies:
     def wrote(self, core: int, start: int, end: int, holding: Holding | None) -> None:
         """Bytes [start, end) of `core`'s VTCM were written, with a whole constant box
         (`holding`) or with anything else (None)."""
+        if not self.tracking:
+            return
         scratch = self._scratch[core]
         if scratch:
             for stale in [s for s, (e, _) in scratch.items() if s < end and start < e]:

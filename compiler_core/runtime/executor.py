@@ -243,7 +243,9 @@ class Executor:
         self.activation_traffic = [Traffic() for _ in range(program.num_cores)]
         """What each core's DMAs moved when the program was activated."""
         self.activated = False
-        self.copies = ConstantCopies(program.num_cores)
+        self.copies = ConstantCopies(
+            program.num_cores, tracking=any(self._widened_inputs(k)[0] for k in self.kernels)
+        )
         self._streams: list[list[tuple[Any, ...]]] | None = None
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
@@ -564,26 +566,34 @@ class Executor:
 
         return join
 
+    def _widened_inputs(self, kernel: _Kernel) -> tuple[list[int], type]:
+        """The base op's constant inputs it widens before use (positions), and to what."""
+        desc = kernel.desc
+        out_dtype = np.dtype(desc.info.out_dtypes[0]) if desc.info.out_dtypes else None
+        if WIDE_OPERANDS not in kernel.opdef.tags or out_dtype is None or out_dtype.kind != "f":
+            return [], np.float32
+        acc = product_accumulator(out_dtype)
+        positions = []
+        for position, tid in enumerate(desc.inputs[: len(desc.info.in_shapes)]):
+            t = self.program.tensors[tid] if tid >= 0 else None
+            if t is not None and t.kind == KIND_CONSTANT and np.dtype(t.dtype).kind == "f":
+                if np.dtype(t.dtype) != np.dtype(acc):
+                    positions.append(position)
+        return positions, acc
+
     def _wide_operands(
         self, core: int, kernel: _Kernel, instr: RunKernel
     ) -> list[tuple[int, Holding, Box, type]]:
         """The base op's inputs that are whole-buffer constants it would widen: (position,
         what the buffer must hold, the operand's box, the accumulator type)."""
-        desc = kernel.desc
-        out_dtype = np.dtype(desc.info.out_dtypes[0]) if desc.info.out_dtypes else None
-        if WIDE_OPERANDS not in kernel.opdef.tags or out_dtype is None or out_dtype.kind != "f":
-            return []
-        acc = product_accumulator(out_dtype)
+        positions, acc = self._widened_inputs(kernel)
         wide = []
-        for position in range(len(desc.info.in_shapes)):
-            tid, operand = desc.inputs[position], instr.inputs[position]
-            if operand is None or tid < 0 or len(operand.pieces) != 1:
-                continue
-            t = self.program.tensors[tid]
-            if t.kind != KIND_CONSTANT or np.dtype(t.dtype).kind != "f" or t.dtype == acc:
+        for position in positions:
+            operand = instr.inputs[position]
+            if operand is None or len(operand.pieces) != 1:
                 continue
             piece = operand.pieces[0]
-            wide.append((position, (tid, piece.box), operand.box, acc))
+            wide.append((position, (kernel.desc.inputs[position], piece.box), operand.box, acc))
         return wide
 
     def _kernel(self, core: int, instr: RunKernel) -> Step:
