@@ -10,7 +10,7 @@ is timed twice: wall clock, and the process's CPU time (all threads), which a ma
 by other work disturbs much less.
 
     python bench/runtime.py [--quick] [--models resnet50,bert-base] [--repeat 5] [--cores 14]
-                            [--json out.json]
+                            [--threads N] [--blas-core SkylakeX] [--json out.json]
 """
 
 # ruff: noqa: E402  (the BLAS thread limit must be set before numpy is imported)
@@ -30,9 +30,24 @@ def _threads(argv: list[str]) -> int:
     return os.cpu_count() or 1
 
 
+def _blas_core(argv: list[str]) -> str | None:
+    """--blas-core NAME: OpenBLAS's kernel family (OPENBLAS_CORETYPE), read before numpy is
+    imported. numpy's OpenBLAS (0.3.31) takes AMD Zen 5 for Haswell and runs AVX2 kernels,
+    half the speed of its AVX-512 ones (SkylakeX) on that CPU."""
+    for i, arg in enumerate(argv):
+        if arg == "--blas-core" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--blas-core="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 THREADS = _threads(sys.argv[1:])
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = str(THREADS)
+BLAS_CORE = _blas_core(sys.argv[1:])
+if BLAS_CORE:
+    os.environ["OPENBLAS_CORETYPE"] = BLAS_CORE
 
 import argparse
 import json
@@ -82,6 +97,20 @@ def _medians(
     )
 
 
+def _openblas_core() -> str:
+    """The kernel family numpy's OpenBLAS runs (`?` when it cannot be asked)."""
+    import ctypes
+
+    lib_dir = Path(np.__file__).parent.parent / "numpy.libs"
+    for lib in sorted(lib_dir.glob("libscipy_openblas*")):
+        for symbol in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename"):
+            get = getattr(ctypes.CDLL(str(lib)), symbol, None)
+            if get is not None:
+                get.restype = ctypes.c_char_p
+                return str(get().decode())
+    return "?"
+
+
 def measure(name: str, args: argparse.Namespace) -> dict[str, object]:
     import onnxruntime as ort
 
@@ -90,9 +119,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, object]:
     model, flags = _model(name, args.quick, Path(args.work_dir))
     options = ort.SessionOptions()
     options.intra_op_num_threads = THREADS
-    session = ort.InferenceSession(
-        str(model), options, providers=["CPUExecutionProvider"]
-    )
+    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     inp = session.get_inputs()[0]
     shape = [d if isinstance(d, int) else 1 for d in inp.shape]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -127,7 +154,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, object]:
 
     print(
         f"\n{model.name}: median of {args.repeat}, {os.cpu_count()} CPUs, "
-        f"{THREADS} thread(s) each"
+        f"{THREADS} thread(s) each, OpenBLAS core {_openblas_core()}"
     )
     print(f"  {'':<24} {'wall ms':>9} {'CPU ms':>9}")
     for label in wall:
@@ -155,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cores", type=int, default=14, help="-aic-num-cores of the N-core row")
     parser.add_argument(
         "--threads", type=int, default=THREADS, help="BLAS and ORT intra-op threads (all CPUs)"
+    )
+    parser.add_argument(
+        "--blas-core", default=BLAS_CORE, help="OPENBLAS_CORETYPE (default: as detected)"
     )
     parser.add_argument("--work-dir", default=str(Path(__file__).parent / "out"))
     parser.add_argument("--json", type=Path, help="write the figures here")
