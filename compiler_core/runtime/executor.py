@@ -62,6 +62,11 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+def _view(box: Box) -> tuple[slice | EllipsisType, ...]:
+    """Index a tensor by a box and get a view, 0-d tensors included (`a[()]` is a copy)."""
+    return (*_slices(box), Ellipsis)
+
+
 @dataclass
 class Traffic:
     """Bytes the DMA instructions of one core moved in one inference (or in activation)."""
@@ -406,7 +411,7 @@ class Executor:
         machine, copies = self.machine, self.copies
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA load of {t.name}")
-        src = machine.tensor(t)[_slices(instr.box)]
+        src = machine.tensor(t)[_view(instr.box)]
         dsts = [
             (
                 target,
@@ -437,7 +442,7 @@ class Executor:
     def _store(self, core: int, instr: DmaStore) -> Step:
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA store of {t.name}")
-        dst = self.machine.tensor(t, write=True)[_slices(instr.box)]
+        dst = self.machine.tensor(t, write=True)[_view(instr.box)]
         src = self.machine.part(core, instr.vtcm, instr.buf_box, instr.box, t.dtype)
         nbytes = _nbytes(instr.box, t.dtype)
 
