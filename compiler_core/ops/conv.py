@@ -186,9 +186,9 @@ def product_accumulator(dtype: np.dtype) -> type[np.floating]:
 
 
 def uniform_rows(rows: np.ndarray) -> bool:
-    """Whether a 2-D weight has more than one row and all rows are equal (bit for bit: the
-    outputs they make are then one output repeated). Costs one row compare when the first
-    two rows differ, as in any trained or random weight."""
+    """Whether a 2-D weight has more than one row and all rows are equal (==, so a NaN
+    row is never equal; the outputs they make are then one output repeated). Costs one row
+    compare when the first two rows differ, as in any trained or random weight."""
     if rows.ndim != 2 or len(rows) < 2 or rows.size == 0:
         return False
     if not np.array_equal(rows[0], rows[1]):
