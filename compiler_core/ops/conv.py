@@ -108,6 +108,27 @@ def crop_or_pad(x: np.ndarray, axis: int, start: int, stop: int, fill: float) ->
     return np.pad(part, widths, mode="constant", constant_values=fill)
 
 
+def crop_or_pad_all(
+    x: np.ndarray, ranges: Sequence[tuple[int, int] | None], fill: float
+) -> np.ndarray:
+    """`crop_or_pad` along every axis given a range (None: the whole axis), in one copy at
+    most: a view when no position falls outside `x`."""
+    wanted = [(0, n) if r is None else r for r, n in zip(ranges, x.shape, strict=True)]
+    inside = tuple(
+        slice(min(max(a, 0), n), min(max(b, 0), n))
+        for (a, b), n in zip(wanted, x.shape, strict=True)
+    )
+    if all(0 <= a and b <= n for (a, b), n in zip(wanted, x.shape, strict=True)):
+        return x[inside]
+    out = np.full([b - a for a, b in wanted], fill, dtype=x.dtype)
+    target = tuple(
+        slice(s.start - a, s.start - a + (s.stop - s.start))
+        for s, (a, _) in zip(inside, wanted, strict=True)
+    )
+    out[target] = x[inside]
+    return out
+
+
 def gather_windows(
     x: np.ndarray,
     wins: Sequence[Window],
@@ -122,15 +143,16 @@ def gather_windows(
     positions outside the input (padding, or past the end under ceil_mode) read `fill`.
     `aligned` axes index input and output alike (batch; channels too for pooling).
     """
+    first = x.ndim - len(wins)
+    ranges: list[tuple[int, int] | None] = [None] * x.ndim
     for axis in aligned:
         shift = in_box[axis][0]
-        x = crop_or_pad(x, axis, out_box[axis][0] - shift, out_box[axis][1] - shift, fill)
-    first = x.ndim - len(wins)
+        ranges[axis] = (out_box[axis][0] - shift, out_box[axis][1] - shift)
     for i, win in enumerate(wins):
-        o0, o1 = out_box[first + i]
-        lo, hi = win.need(o0, o1)
+        lo, hi = win.need(*out_box[first + i])
         start = in_box[first + i][0]
-        x = crop_or_pad(x, first + i, lo - start, hi - start, fill)
+        ranges[first + i] = (lo - start, hi - start)
+    x = crop_or_pad_all(x, ranges, fill)
     spatial = tuple(range(first, x.ndim))
     view = sliding_window_view(x, [w.span for w in wins], axis=spatial)
     index = (
@@ -142,13 +164,42 @@ def gather_windows(
 
 
 def accumulator(dtype: np.dtype) -> type[np.floating]:
-    """fp16 accumulates in fp32 (as HMX does); fp32 accumulates in fp64.
+    """Statistics (norms, pools, resize): fp16 in fp32, fp32 in fp64, rounded once.
 
-    fp64 sums rounded once to fp32 do not depend on how the output was cut into tiles (BLAS
-    sums a narrow tile in another order than a wide one), so a QPC's result is the same for
-    any core count and tiling, and at least as accurate as a plain fp32 sum.
-    """
+    Matrix products (Conv, MatMul, Gemm, Einsum) follow `product_accumulator` instead."""
     return np.float32 if dtype == np.float16 else np.float64
+
+
+def product_accumulator(dtype: np.dtype) -> type[np.floating]:
+    """Matrix products accumulate fp16 and fp32 data in fp32 (as HMX does), fp64 in fp64.
+
+    The fp32 sums run through numpy's BLAS (sgemm), whose order of summation depends on the
+    shape of a tile and on where an output sits in it. So two tilings (core counts) of one
+    product may differ by the rounding of fp32 dot products (at most 2 K u sum|a b| for K
+    terms, u = 2^-24; measured around 1e-7 of the output's scale), and so may two outputs
+    that exact arithmetic makes equal. Where those are equal because their weight rows are
+    all equal (constant-filled weights), `uniform_rows` computes one row and repeats it, so
+    such outputs stay exactly equal (docs/compiler.md, "Numerics"). The reduction axis itself
+    is never cut into tiles.
+    """
+    return np.float64 if dtype == np.float64 else np.float32
+
+
+def uniform_rows(rows: np.ndarray) -> bool:
+    """Whether a 2-D weight has more than one row and all rows are equal (==, so a NaN
+    row is never equal; the outputs they make are then one output repeated). Costs one row
+    compare when the first two rows differ, as in any trained or random weight."""
+    if rows.ndim != 2 or len(rows) < 2 or rows.size == 0:
+        return False
+    if not np.array_equal(rows[0], rows[1]):
+        return False
+    return bool((rows == rows[:1]).all())
+
+
+WIDE_OPERANDS = "wide-operands"
+"""OpDef tag: the kernel casts its float inputs to `product_accumulator(output dtype)`
+before using them, so the runtime may hand it constants already widened (it keeps them
+per session; see compiler_core.runtime.copies)."""
 
 
 def whole_box(node: NodeInfo, index: int) -> Box:
@@ -226,27 +277,20 @@ def conv_compute(
     bias = inputs[2] if len(inputs) > 2 else None
     assert x is not None and w is not None
     out_dtype = np.dtype(node.out_dtypes[0])
-    acc = accumulator(out_dtype)
+    acc = product_accumulator(out_dtype)
     group, in_per_group, out_per_group = _conv_group_geometry(node)
     wins = _conv_windows(node)
     x_box = tile_box(tile, node, 0)
-    xw = gather_windows(x.astype(acc, copy=False), wins, tile.out_box, x_box, 0.0)
+    if group != 1:
+        x = x.astype(acc, copy=False)
+    xw = gather_windows(x, wins, tile.out_box, x_box, 0.0)
     w = w.astype(acc, copy=False)
     rank = len(wins)
     out_tile = box_shape(tile.out_box)
     m0, m1 = tile.out_box[1]
     w = w[m0 - tile_box(tile, node, 1)[0][0] :][: m1 - m0]
-    if group == 1 and all(k == 1 for k in xw.shape[2 + rank :]):
-        # 1x1 kernels (most of a ResNet): a plain matmul in NC(HW) layout, no im2col and
-        # no transpose of the result.
-        x2 = xw.reshape(xw.shape[: 2 + rank])
-        n, c = int(xw.shape[0]), int(xw.shape[1])
-        y = np.matmul(w.reshape(len(w), c), x2.reshape(n, c, -1))
-        y = y.reshape(n, len(w), *x2.shape[2:])
-    elif group == 1:
-        axes_x = [1, *range(2 + rank, 2 + 2 * rank)]
-        y = np.tensordot(xw, w, axes=(axes_x, list(range(1, 2 + rank))))
-        y = np.moveaxis(y, -1, 1)
+    if group == 1:
+        y = _dense_conv(xw, w, rank, acc)
     else:
         g0 = m0 // out_per_group
         first_channel = g0 * in_per_group - x_box[1][0]
@@ -258,6 +302,30 @@ def conv_compute(
         y = y + channel_part(bias, tile_box(tile, node, 2), (m0, m1), acc, rank)
     assert y.shape == out_tile, (y.shape, out_tile)
     return [y.astype(out_dtype, copy=False)]
+
+
+def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarray:
+    """Ungrouped conv of windows xw (N, C, *O, *K) with weights w (M, C, *K), as one matrix
+    product per batch entry: (M, C*K) @ (C*K, O) lands in NC(O) layout, so the result needs
+    no transpose. The columns are the windows reordered (C, *K, *O) and cast to `acc` in one
+    copy (none for 1x1 kernels at stride 1 on an `acc` input)."""
+    n, c = int(xw.shape[0]), int(xw.shape[1])
+    out_sp = xw.shape[2 : 2 + rank]
+    taps = int(np.prod(xw.shape[2 + rank :], dtype=np.int64))
+    perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
+    windows = xw.transpose(perm)
+    if windows.dtype == acc and taps == 1:
+        cols = windows.reshape(n, c, -1)
+    else:
+        cols = np.empty(windows.shape, dtype=acc)
+        np.copyto(cols, windows)
+        cols = cols.reshape(n, c * taps, -1)
+    rows = w.reshape(len(w), c * taps)
+    if uniform_rows(rows):
+        y = np.broadcast_to(np.matmul(rows[:1], cols), (n, len(w), cols.shape[-1]))
+    else:
+        y = np.matmul(rows, cols)
+    return y.reshape(n, len(w), *out_sp)
 
 
 def _grouped_conv(
@@ -315,6 +383,7 @@ register(
     dtypes=FLOATS,
     kernel="conv",
     unit="hmx",
+    tags=frozenset({WIDE_OPERANDS}),
     split_axes=conv_split_axes,
     input_boxes=conv_input_boxes,
     macs=conv_macs,
@@ -399,7 +468,7 @@ def conv_transpose_compute(
     bias = inputs[2] if len(inputs) > 2 else None
     assert x is not None and w is not None
     out_dtype = np.dtype(node.out_dtypes[0])
-    acc = accumulator(out_dtype)
+    acc = product_accumulator(out_dtype)
     x, w = x.astype(acc, copy=False), w.astype(acc, copy=False)
     kernel, strides, dilations, begins = _transpose_geometry(node)
     rank = len(kernel)
@@ -453,6 +522,7 @@ register(
     dtypes=FLOATS,
     kernel="conv_transpose",
     unit="hmx",
+    tags=frozenset({WIDE_OPERANDS}),
     split_axes=conv_transpose_split_axes,
     input_boxes=conv_transpose_input_boxes,
     macs=conv_transpose_macs,

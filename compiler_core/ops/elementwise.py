@@ -151,23 +151,43 @@ def erf(x: Array) -> Array:
     uses (Eigen's, accurate to ~1e-7 relative); float64 uses the exact libm value."""
     if x.dtype == np.float64:
         return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
-    t = np.clip(x.astype(np.float64), -4.0, 4.0)
+    flat = x.reshape(-1)
+    if flat.size <= _ERF_CHUNK:
+        return _erf_rational(flat).reshape(x.shape)
+    out = np.empty(flat.shape, x.dtype)
+    for start in range(0, flat.size, _ERF_CHUNK):
+        out[start : start + _ERF_CHUNK] = _erf_rational(flat[start : start + _ERF_CHUNK])
+    return out.reshape(x.shape)
+
+
+_ERF_CHUNK = 16384
+"""Elements per pass of the rational erf: its float64 temporaries stay in cache."""
+
+
+def _erf_rational(x: Array) -> Array:
+    t = np.clip(x, -4.0, 4.0, out=np.empty(x.shape, np.float64))
     t2 = t * t
-    num: Array = np.full_like(t2, -2.72614225801306e-10)
+    num = t2 * -2.72614225801306e-10  # Horner's rule, in place: the same operations
     for c in (
         2.77068142495902e-08,
         -2.10102402082508e-06,
         -5.69250639462346e-05,
         -7.34990630326855e-04,
         -2.95459980854025e-03,
-        -1.60960333262415e-02,
     ):
-        num = num * t2 + c
-    den: Array = np.full_like(t2, -1.45660718464996e-05)
-    for c in (-2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03):
-        den = den * t2 + c
-    den = den * t2 - 1.42647390514189e-02
-    return np.asarray(t * num / den).astype(x.dtype)
+        num += c
+        num *= t2
+    num += -1.60960333262415e-02
+    den = t2 * -1.45660718464996e-05
+    for c in (-2.13374055278905e-04, -1.68282697438203e-03):
+        den += c
+        den *= t2
+    den += -7.37332916720468e-03
+    den *= t2
+    den -= 1.42647390514189e-02
+    num *= t
+    num /= den
+    return num.astype(x.dtype)
 
 
 def _sign(x: Array) -> Array:

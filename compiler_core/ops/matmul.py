@@ -7,8 +7,9 @@ its two output axes, honouring transA/transB and the broadcast of C. Einsum runs
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import DTypeLike
 
-from compiler_core.ops.conv import accumulator
+from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator, uniform_rows
 from compiler_core.ops.registry import (
     FLOATS,
     Box,
@@ -92,9 +93,17 @@ def matmul_compute(
     assert a is not None and b is not None
     out_dtype = np.dtype(node.out_dtypes[0])
     if out_dtype.kind == "f":
-        acc = accumulator(out_dtype)
+        acc = product_accumulator(out_dtype)
         a, b = a.astype(acc, copy=False), b.astype(acc, copy=False)
+        if b.ndim == 2 and uniform_rows(b.T):
+            return [_repeat_column(np.matmul(a, b[:, :1]), b.shape[1], out_dtype)]
     return [np.asarray(np.matmul(a, b)).astype(out_dtype, copy=False)]
+
+
+def _repeat_column(y: np.ndarray, columns: int, dtype: DTypeLike) -> np.ndarray:
+    """A product whose weight columns are all equal, computed for one column (see
+    `uniform_rows`): that column, `columns` times."""
+    return np.broadcast_to(y, (*y.shape[:-1], columns)).astype(dtype)
 
 
 def matmul_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
@@ -122,6 +131,7 @@ register(
     dtypes=MATMUL_TYPES,
     kernel="matmul",
     unit="hmx",
+    tags=frozenset({WIDE_OPERANDS}),
     split_axes=matmul_split_axes,
     input_boxes=matmul_input_boxes,
     macs=matmul_macs,
@@ -158,14 +168,14 @@ def gemm_compute(
     c = narrowed[2] if len(narrowed) > 2 else None
     assert a is not None and b is not None
     out_dtype = np.dtype(node.out_dtypes[0])
-    acc = accumulator(out_dtype)
+    acc = product_accumulator(out_dtype)
     a, b = a.astype(acc, copy=False), b.astype(acc, copy=False)
     if int(node.attr("transA", 0)):
         a = a.T
     if int(node.attr("transB", 0)):
         b = b.T
     alpha, beta = node.attr("alpha", 1.0), node.attr("beta", 1.0)
-    y = a @ b
+    y = _repeat_column(a @ b[:, :1], b.shape[1], acc) if uniform_rows(b.T) else a @ b
     if alpha != 1.0:
         y = y * acc(alpha)
     if c is not None and beta != 0.0:
@@ -193,6 +203,7 @@ register(
     dtypes=FLOATS,
     kernel="gemm",
     unit="hmx",
+    tags=frozenset({WIDE_OPERANDS}),
     split_axes=gemm_split_axes,
     input_boxes=gemm_input_boxes,
     macs=gemm_macs,
@@ -211,7 +222,7 @@ def einsum_compute(
     operands = [x for x in inputs if x is not None]
     out_dtype = np.dtype(node.out_dtypes[0])
     if out_dtype.kind == "f":
-        operands = [x.astype(accumulator(out_dtype), copy=False) for x in operands]
+        operands = [x.astype(product_accumulator(out_dtype), copy=False) for x in operands]
     equation = str(node.attr("equation")).replace(" ", "")
     y = np.einsum(equation, *operands, optimize=True)
     return [np.asarray(y).astype(out_dtype, copy=False)]
@@ -247,6 +258,7 @@ register(
     dtypes=MATMUL_TYPES,
     kernel="einsum",
     unit="hmx",
+    tags=frozenset({WIDE_OPERANDS}),
     macs=einsum_macs,
     doc="General Einstein summation; runs whole (not tiled).",
 )

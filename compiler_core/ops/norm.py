@@ -95,9 +95,11 @@ def softmax_compute(
 ) -> list[np.ndarray]:
     x = _x_tile(node, inputs, tile, _softmax_axes(node))
     axes = tuple(_softmax_axes(node))
-    xa = x.astype(accumulator(x.dtype), copy=False)
-    e = np.exp(xa - xa.max(axis=axes, keepdims=True))
-    return [(e / e.sum(axis=axes, keepdims=True)).astype(x.dtype, copy=False)]
+    e = x.astype(accumulator(x.dtype))  # a copy, worked on in place
+    e -= e.max(axis=axes, keepdims=True)
+    np.exp(e, out=e)
+    e /= e.sum(axis=axes, keepdims=True)
+    return [e.astype(x.dtype, copy=False)]
 
 
 def log_softmax_compute(

@@ -57,6 +57,20 @@ def _lowest(dtype: np.dtype) -> float:
     return float(-np.inf) if dtype.kind == "f" else int(np.iinfo(dtype).min)
 
 
+def _window_max(view: np.ndarray, rank: int) -> np.ndarray:
+    """The max over the window axes of (N, C, *O, *K) windows, one tap at a time: a few
+    passes over the output instead of a reduction over strided axes."""
+    taps = view.shape[2 + rank :]
+    if not all(taps):
+        return view.max(axis=_window_axes(rank))
+    y: np.ndarray | None = None
+    for tap in np.ndindex(*taps):
+        part = view[(Ellipsis, *tap)]
+        y = part.copy() if y is None else np.maximum(y, part, out=y)
+    assert y is not None
+    return y
+
+
 def max_pool_compute(
     node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
 ) -> list[np.ndarray]:
@@ -67,7 +81,7 @@ def max_pool_compute(
     fill = _lowest(x.dtype)
     view = gather_windows(x, wins, tile.out_box, x_box, fill, aligned=(0, 1))
     rank = len(wins)
-    y = view.max(axis=_window_axes(rank))
+    y = _window_max(view, rank)
     if len(node.out_shapes) == 1:
         return [y]
     # Indices: flat positions in the whole input (row-major, or column-major spatially when

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,7 +36,9 @@ from compiler_core.lowering.program import (
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
+from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
+from compiler_core.runtime.copies import ConstantCopies, Holding
 
 if TYPE_CHECKING:
     from compiler_core.runtime.numerics import FiniteProbe
@@ -58,6 +60,11 @@ class _Kernel:
 
 def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
+
+
+def _view(box: Box) -> tuple[slice | EllipsisType, ...]:
+    """Index a tensor by a box and get a view, 0-d tensors included (`a[()]` is a copy)."""
+    return (*_slices(box), Ellipsis)
 
 
 @dataclass
@@ -198,6 +205,22 @@ def _nbytes(box: Box, dtype: str) -> int:
     return int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+Step = Callable[[Traffic], None]
+"""One instruction of a stream, decoded once: its views and checks are worked out when the
+stream is first run, so running it again only moves data and calls kernels."""
+
+_RUN, _WAIT, _POST = 0, 1, 2
+
+
+def _fault(error: Exception) -> Step:
+    """An instruction that cannot run: it raises when (and only when) the stream reaches it."""
+
+    def step(traffic: Traffic) -> None:
+        raise error
+
+    return step
+
+
 class Executor:
     def __init__(
         self,
@@ -225,6 +248,13 @@ class Executor:
         self.activation_traffic = [Traffic() for _ in range(program.num_cores)]
         """What each core's DMAs moved when the program was activated."""
         self.activated = False
+        self.copies = ConstantCopies(
+            program.num_cores, tracking=any(self._widened_inputs(k)[0] for k in self.kernels)
+        )
+        self._streams: list[list[tuple[Any, ...]]] | None = None
+        """The inference streams, decoded on the first run."""
+        self._written_end = [0] * program.num_cores
+        """Per core, the end of the highest VTCM byte an inference may write."""
 
     def activate(self) -> None:
         """Program activation: load the resident constants into every core's VTCM once;
@@ -235,6 +265,7 @@ class Executor:
         machine.protected = 0
         for core_mem in machine.vtcm:
             core_mem[:] = 0
+        self.copies.reset()
         self.traffic = self.activation_traffic
         for core, stream in enumerate(self.program.setup):
             for instr in stream:
@@ -247,8 +278,9 @@ class Executor:
                         f"core {core}: activation load beyond the resident region "
                         f"[0, {self.program.resident})"
                     )
-                self._execute(core, instr)
+                self._decode(core, instr)(self.traffic[core])
         machine.protected = self.program.resident
+        self.copies.seal_resident()
         self.activated = True
 
     def _dtype(self, tensor: int) -> str:
@@ -257,9 +289,12 @@ class Executor:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         program, machine = self.program, self.machine
         self.activate()
+        streams = self._decoded_streams()
         machine.dynamic[:] = 0
-        for core_mem in machine.vtcm:
-            core_mem[program.resident :] = 0
+        for core, core_mem in enumerate(machine.vtcm):
+            # an inference writes VTCM below _written_end only, so this restores all zeros
+            core_mem[program.resident : self._written_end[core]] = 0
+        self.copies.forget_scratch()
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
         missing = sorted(set(expected) - set(inputs))
@@ -285,31 +320,53 @@ class Executor:
                     )
             assert t.kind == KIND_INPUT
             machine.tensor(t, write=True)[...] = array
-        self._run_streams()
+        self._run_streams(streams)
         return {
             program.tensors[t].name: machine.tensor(program.tensors[t]).copy()
             for t in program.outputs
         }
 
-    def _run_streams(self) -> None:
+    def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
+        if self._streams is None:
+            self._written_end = [self.program.resident] * self.program.num_cores
+            streams: list[list[tuple[Any, ...]]] = []
+            for core, stream in enumerate(self.program.streams):
+                steps: list[tuple[Any, ...]] = []
+                for instr in stream:
+                    if isinstance(instr, SemWait):
+                        steps.append((_WAIT, instr.sem, instr.count))
+                    elif isinstance(instr, SemPost):
+                        steps.append((_POST, instr.sem))
+                    else:
+                        steps.append((_RUN, self._decode(core, instr)))
+                streams.append(steps)
+            self._streams = streams
+        return self._streams
+
+    def _run_streams(self, streams: list[list[tuple[Any, ...]]]) -> None:
         program = self.program
         sems = [0] * program.num_semaphores
         pcs = [0] * program.num_cores
+        traffic = self.traffic
         while True:
             progressed = False
-            for core, stream in enumerate(program.streams):
-                while pcs[core] < len(stream):
-                    instr = stream[pcs[core]]
-                    if isinstance(instr, SemWait):
-                        if sems[instr.sem] < instr.count:
+            for core, steps in enumerate(streams):
+                pc, end, moved = pcs[core], len(steps), traffic[core]
+                start = pc
+                while pc < end:
+                    step = steps[pc]
+                    kind = step[0]
+                    if kind == _RUN:
+                        step[1](moved)
+                    elif kind == _WAIT:
+                        if sems[step[1]] < step[2]:
                             break
-                    elif isinstance(instr, SemPost):
-                        sems[instr.sem] += 1
                     else:
-                        self._execute(core, instr)
-                    pcs[core] += 1
-                    progressed = True
-            if all(pc == len(s) for pc, s in zip(pcs, program.streams, strict=True)):
+                        sems[step[1]] += 1
+                    pc += 1
+                pcs[core] = pc
+                progressed = progressed or pc != start
+            if all(pc == len(s) for pc, s in zip(pcs, streams, strict=True)):
                 return
             if not progressed:
                 stuck = [
@@ -325,96 +382,167 @@ class Executor:
             raise RuntimeFault(f"core {core}: transfer to cores {mask:#x}")
         return cores
 
-    def _execute(self, core: int, instr: object) -> None:
-        machine = self.machine
-        traffic = self.traffic[core]
-        if isinstance(instr, DmaLoad):
-            t = self.program.tensors[instr.tensor]
-            _check_box(instr.box, t.shape, f"DMA load of {t.name}")
-            src = machine.tensor(t)[_slices(instr.box)]
-            targets = self._targets(core, instr.cores)
-            for target in targets:
-                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True)[
-                    ...
-                ] = src
-            nbytes = stored_bytes(t, instr.box)
-            traffic.ddr_read += nbytes
-            if t.kind == KIND_CONSTANT:
-                traffic.ddr_read_constant += nbytes
-            if len(targets) > 1:
-                traffic.multicast += nbytes
-        elif isinstance(instr, DmaStore):
-            t = self.program.tensors[instr.tensor]
-            _check_box(instr.box, t.shape, f"DMA store of {t.name}")
-            dst = machine.tensor(t, write=True)
-            dst[_slices(instr.box)] = machine.part(
-                core, instr.vtcm, instr.buf_box, instr.box, t.dtype
-            )
-            traffic.ddr_write += _nbytes(instr.box, t.dtype)
-        elif isinstance(instr, NocCopy):
-            t = self.program.tensors[instr.tensor]
-            _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
-            src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype).copy()
-            targets = self._targets(core, instr.cores)
-            for target in targets:
-                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True)[
-                    ...
-                ] = src
-            nbytes = _nbytes(instr.box, t.dtype)
-            traffic.noc += nbytes
-            if len(targets) > 1:
-                traffic.multicast += nbytes
-        elif isinstance(instr, DmaGather):
-            self._gather(core, instr, traffic)
-        elif isinstance(instr, RunKernel):
-            self._run_kernel(core, instr)
-        else:
-            raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
+    def _will_write(self, core: int, offset: int, buf_box: Box, dtype: str) -> tuple[int, int]:
+        """The VTCM bytes of a buffer an instruction writes (kept for the next zeroing)."""
+        end = offset + _nbytes(buf_box, dtype)
+        if end > self._written_end[core]:
+            self._written_end[core] = end
+        return offset, end
 
-    def _gather(self, core: int, instr: DmaGather, traffic: Traffic) -> None:
+    def _decode(self, core: int, instr: object) -> Step:
+        """The instruction as a step, with every static check done now; a fault it would
+        raise is raised when the stream reaches it, as if it ran undecoded."""
+        try:
+            if isinstance(instr, DmaLoad):
+                return self._load(core, instr)
+            if isinstance(instr, DmaStore):
+                return self._store(core, instr)
+            if isinstance(instr, NocCopy):
+                return self._noc_copy(core, instr)
+            if isinstance(instr, DmaGather):
+                return self._gather(core, instr)
+            if isinstance(instr, RunKernel):
+                return self._kernel(core, instr)
+            raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
+        except Exception as error:  # noqa: BLE001 - raised when the instruction is reached
+            return _fault(error)
+
+    def _load(self, core: int, instr: DmaLoad) -> Step:
+        machine, copies = self.machine, self.copies
+        t = self.program.tensors[instr.tensor]
+        _check_box(instr.box, t.shape, f"DMA load of {t.name}")
+        src = machine.tensor(t)[_view(instr.box)]
+        dsts = [
+            (
+                target,
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
+                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
+            )
+            for target in self._targets(core, instr.cores)
+        ]
+        nbytes = stored_bytes(t, instr.box)
+        constant = nbytes if t.kind == KIND_CONSTANT else 0
+        multicast = nbytes if len(dsts) > 1 else 0
+        holding = (
+            (instr.tensor, instr.box)
+            if t.kind == KIND_CONSTANT and instr.box == instr.buf_box
+            else None
+        )
+
+        def step(traffic: Traffic) -> None:
+            for target, dst, (start, end) in dsts:
+                dst[...] = src
+                copies.wrote(target, start, end, holding)
+            traffic.ddr_read += nbytes
+            traffic.ddr_read_constant += constant
+            traffic.multicast += multicast
+
+        return step
+
+    def _store(self, core: int, instr: DmaStore) -> Step:
+        t = self.program.tensors[instr.tensor]
+        _check_box(instr.box, t.shape, f"DMA store of {t.name}")
+        dst = self.machine.tensor(t, write=True)[_view(instr.box)]
+        src = self.machine.part(core, instr.vtcm, instr.buf_box, instr.box, t.dtype)
+        nbytes = _nbytes(instr.box, t.dtype)
+
+        def step(traffic: Traffic) -> None:
+            dst[...] = src
+            traffic.ddr_write += nbytes
+
+        return step
+
+    def _noc_copy(self, core: int, instr: NocCopy) -> Step:
+        machine, copies = self.machine, self.copies
+        t = self.program.tensors[instr.tensor]
+        _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
+        src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
+        targets = self._targets(core, instr.cores)
+        dsts = [
+            (
+                target,
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
+                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
+            )
+            for target in targets
+        ]
+        snapshot = core in targets  # the source may be overwritten by its own multicast
+        nbytes = _nbytes(instr.box, t.dtype)
+        multicast = nbytes if len(targets) > 1 else 0
+        whole = (
+            (instr.tensor, instr.box)
+            if t.kind == KIND_CONSTANT and instr.box == instr.src_box == instr.buf_box
+            else None
+        )
+
+        def step(traffic: Traffic) -> None:
+            data = src.copy() if snapshot else src
+            holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
+            for target, dst, (start, end) in dsts:
+                dst[...] = data
+                copies.wrote(target, start, end, holding)
+            traffic.noc += nbytes
+            traffic.multicast += multicast
+
+        return step
+
+    def _gather(self, core: int, instr: DmaGather) -> Step:
+        machine, copies = self.machine, self.copies
         tensors = self.program.tensors
         t, out = tensors[instr.tensor], tensors[instr.out]
         index_t = tensors[instr.indices]
         _check_box(instr.box, t.shape, f"gather of {t.name}")
         if not 0 <= instr.axis < len(t.shape):
             raise RuntimeFault(f"core {core}: gather of {t.name} along axis {instr.axis}")
-        index = self.machine.part(
+        index_view = machine.part(
             core, instr.index_vtcm, instr.index_box, instr.index_box, index_t.dtype
-        ).astype(np.int64)
+        )
         size = t.shape[instr.axis]
-        rows = np.where(index < 0, index + size, index)
-        if rows.size and (rows.min() < 0 or rows.max() >= size):
-            bad = int(index.flat[int(np.argmax((rows < 0) | (rows >= size)))])
-            raise RuntimeFault(
-                f"core {core}: index {bad} is out of range for {t.name} axis {instr.axis} "
-                f"of size {size}"
-            )
         window = tuple(
             slice(None) if a == instr.axis else slice(lo, hi)
             for a, (lo, hi) in enumerate(instr.box)
         )
-        gathered = np.take(self.machine.tensor(t)[window], rows, axis=instr.axis)
-        dst = self.machine.part(
-            core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True
-        )
-        if gathered.shape != dst.shape:
-            raise RuntimeFault(
-                f"core {core}: gather of {t.name} gives {gathered.shape} for a box of {dst.shape}"
-            )
-        dst[...] = gathered
+        table = machine.tensor(t)[window]
+        dst = machine.part(core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True)
+        start, end = self._will_write(core, instr.vtcm, instr.buf_box, out.dtype)
         nbytes = gathered_bytes(t, instr)
-        traffic.ddr_read += nbytes
-        traffic.ddr_read_constant += nbytes if t.kind == KIND_CONSTANT else 0
+        constant = nbytes if t.kind == KIND_CONSTANT else 0
 
-    def _operand(self, core: int, tensor_id: int, operand: Operand | None) -> np.ndarray | None:
-        """An input operand: a view of the one buffer that holds it, or its pieces joined."""
+        def step(traffic: Traffic) -> None:
+            index = index_view.astype(np.int64)
+            rows = np.where(index < 0, index + size, index)
+            if rows.size and (rows.min() < 0 or rows.max() >= size):
+                bad = int(index.flat[int(np.argmax((rows < 0) | (rows >= size)))])
+                raise RuntimeFault(
+                    f"core {core}: index {bad} is out of range for {t.name} axis "
+                    f"{instr.axis} of size {size}"
+                )
+            gathered = np.take(table, rows, axis=instr.axis)
+            if gathered.shape != dst.shape:
+                raise RuntimeFault(
+                    f"core {core}: gather of {t.name} gives {gathered.shape} for a box of "
+                    f"{dst.shape}"
+                )
+            dst[...] = gathered
+            copies.wrote(core, start, end, None)
+            traffic.ddr_read += nbytes
+            traffic.ddr_read_constant += constant
+
+        return step
+
+    def _operand(
+        self, core: int, tensor_id: int, operand: Operand | None
+    ) -> np.ndarray | Callable[[], np.ndarray] | None:
+        """An input operand: a view of the one buffer that holds it, or a function that joins
+        its pieces (run at every inference: the pieces' contents change)."""
         if operand is None or tensor_id < 0:
             return None
         dtype = self.program.tensors[tensor_id].dtype
         pieces = operand.pieces
         if len(pieces) == 1:
             return self.machine.part(core, pieces[0].vtcm, pieces[0].box, operand.box, dtype)
-        out = np.empty(box_shape(operand.box), dtype=np.dtype(dtype))
+        shape = box_shape(operand.box)
+        parts = []
         covered = 0
         for piece in pieces:
             common = _intersect(piece.box, operand.box)
@@ -423,63 +551,139 @@ class Executor:
                     f"core {core}: operand piece {piece.box} misses the operand {operand.box}"
                 )
             src = self.machine.part(core, piece.vtcm, piece.box, common, dtype)
-            out[
-                tuple(
-                    slice(a - o, b - o) for (a, b), (o, _) in zip(common, operand.box, strict=True)
-                )
-            ] = src
+            where = tuple(
+                slice(a - o, b - o) for (a, b), (o, _) in zip(common, operand.box, strict=True)
+            )
+            parts.append((where, src))
             covered += int(np.prod(box_shape(common), dtype=np.int64))
-        if covered != out.size:
+        size = int(np.prod(shape, dtype=np.int64))
+        if covered != size:
             raise RuntimeFault(
                 f"core {core}: the pieces of operand {operand.box} cover {covered} of its "
-                f"{out.size} elements (gaps or overlaps)"
+                f"{size} elements (gaps or overlaps)"
             )
-        return out
 
-    def _run_kernel(self, core: int, instr: RunKernel) -> None:
+        def join() -> np.ndarray:
+            out = np.empty(shape, dtype=np.dtype(dtype))
+            for where, src in parts:
+                out[where] = src
+            return out
+
+        return join
+
+    def _widened_inputs(self, kernel: _Kernel) -> tuple[list[int], type]:
+        """The base op's constant inputs it widens before use (positions), and to what."""
+        desc = kernel.desc
+        out_dtype = np.dtype(desc.info.out_dtypes[0]) if desc.info.out_dtypes else None
+        if WIDE_OPERANDS not in kernel.opdef.tags or out_dtype is None or out_dtype.kind != "f":
+            return [], np.float32
+        acc = product_accumulator(out_dtype)
+        positions = []
+        for position, tid in enumerate(desc.inputs[: len(desc.info.in_shapes)]):
+            t = self.program.tensors[tid] if tid >= 0 else None
+            if t is not None and t.kind == KIND_CONSTANT and np.dtype(t.dtype).kind == "f":
+                if np.dtype(t.dtype) != np.dtype(acc):
+                    positions.append(position)
+        return positions, acc
+
+    def _wide_operands(
+        self, core: int, kernel: _Kernel, instr: RunKernel
+    ) -> list[tuple[int, Holding, Box, type]]:
+        """The base op's inputs that are whole-buffer constants it would widen: (position,
+        what the buffer must hold, the operand's box, the accumulator type)."""
+        positions, acc = self._widened_inputs(kernel)
+        wide = []
+        for position in positions:
+            operand = instr.inputs[position]
+            if operand is None or len(operand.pieces) != 1:
+                continue
+            piece = operand.pieces[0]
+            wide.append((position, (kernel.desc.inputs[position], piece.box), operand.box, acc))
+        return wide
+
+    def _kernel(self, core: int, instr: RunKernel) -> Step:
         kernel = self.kernels[instr.kernel]
         desc = kernel.desc
         info = desc.info
         n_base = len(info.in_shapes)
-        operands = [
+        fetched = [
             self._operand(core, tid, op) for tid, op in zip(desc.inputs, instr.inputs, strict=True)
+        ]
+        static: list[np.ndarray | None] = [None if callable(f) else f for f in fetched]
+        joins = [(i, f) for i, f in enumerate(fetched) if callable(f)]
+        wide = [
+            (position, holding, box, acc, instr.inputs[position].pieces[0].vtcm)  # type: ignore[union-attr]
+            for position, holding, box, acc in self._wide_operands(core, kernel, instr)
         ]
         base_boxes = tuple(op.box if op is not None else None for op in instr.inputs[:n_base])
         tile = TileCtx(out_box=instr.out_box, in_boxes=base_boxes)
-        results = kernel.opdef.compute(info, operands[:n_base], tile)
-        if kernel.steps:
-            value = results[0]
-            for opdef, step in kernel.steps:
-                step_inputs = [
-                    value if ref is None else (None if ref < 0 else operands[ref])
-                    for ref in step.inputs  # type: ignore[attr-defined]
-                ]
-                step_info = NodeInfo(
-                    op_type=step.op_type,  # type: ignore[attr-defined]
-                    name=step.node_name,  # type: ignore[attr-defined]
-                    attrs=step.attrs,  # type: ignore[attr-defined]
-                    in_shapes=tuple(None if a is None else a.shape for a in step_inputs),
-                    in_dtypes=tuple(None if a is None else str(a.dtype) for a in step_inputs),
-                    out_shapes=(value.shape,),
-                    out_dtypes=(step.out_dtype,),  # type: ignore[attr-defined]
-                    opset=step.opset,  # type: ignore[attr-defined]
-                )
-                value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
-            results = [value, *results[1:]]
+        outs = []
         for position, (tid, operand) in enumerate(zip(desc.outputs, instr.outputs, strict=True)):
             if operand is None:
                 continue  # an unnamed optional output
             t = self.program.tensors[tid]
             piece = operand.pieces[0]
             dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
-            result = np.asarray(results[position])
-            if result.shape != dst.shape:
-                raise RuntimeFault(
-                    f"kernel {desc.name} ({info.op_type}) produced shape {result.shape} for a "
-                    f"tile of shape {dst.shape}"
-                )
-            dst[...] = result
-        if self.probe is not None:
-            self.probe.kernel(instr.kernel, operands, results)
-        if self.on_kernel is not None:
-            self.on_kernel(core, instr.kernel, instr)
+            outs.append((position, dst, self._will_write(core, piece.vtcm, piece.box, t.dtype)))
+        compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
+        step_infos: dict[tuple[Any, ...], NodeInfo] = {}
+
+        def step(traffic: Traffic) -> None:
+            operands = list(static)
+            for i, join in joins:
+                operands[i] = join()
+            base = operands[:n_base]
+            for position, holding, box, acc, start in wide:
+                if copies.holds(core, start, holding):
+                    base[position] = copies.widened(holding, box, base[position], acc)  # type: ignore[arg-type]
+            results = compute(info, base, tile)
+            if steps:
+                value = results[0]
+                for opdef, epilogue in steps:
+                    step_inputs = [
+                        value if ref is None else (None if ref < 0 else operands[ref])
+                        for ref in epilogue.inputs  # type: ignore[attr-defined]
+                    ]
+                    step_info = _epilogue_info(epilogue, step_inputs, value, step_infos)
+                    value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
+                results = [value, *results[1:]]
+            for position, dst, (start, end) in outs:
+                result = np.asarray(results[position])
+                if result.shape != dst.shape:
+                    raise RuntimeFault(
+                        f"kernel {desc.name} ({info.op_type}) produced shape {result.shape} "
+                        f"for a tile of shape {dst.shape}"
+                    )
+                dst[...] = result
+                copies.wrote(core, start, end, None)
+            if self.probe is not None:
+                self.probe.kernel(instr.kernel, operands, results)
+            if self.on_kernel is not None:
+                self.on_kernel(core, instr.kernel, instr)
+
+        return step
+
+
+def _epilogue_info(
+    step: Any,
+    inputs: list[np.ndarray | None],
+    value: np.ndarray,
+    cache: dict[tuple[Any, ...], NodeInfo],
+) -> NodeInfo:
+    """The NodeInfo of an epilogue step for these operand shapes (made once per shape)."""
+    in_shapes = tuple(None if a is None else a.shape for a in inputs)
+    in_dtypes = tuple(None if a is None else str(a.dtype) for a in inputs)
+    key = (id(step), in_shapes, in_dtypes, value.shape)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = NodeInfo(
+            op_type=step.op_type,
+            name=step.node_name,
+            attrs=step.attrs,
+            in_shapes=in_shapes,
+            in_dtypes=in_dtypes,
+            out_shapes=(value.shape,),
+            out_dtypes=(step.out_dtype,),
+            opset=step.opset,
+        )
+    return found
