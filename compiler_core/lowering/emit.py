@@ -20,9 +20,12 @@ Three steps, each on the whole program:
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from compiler_core.lowering.lower import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
@@ -159,8 +162,9 @@ def producer_of(graph: LoweredGraph) -> dict[int, int]:
 
 
 class _Builder:
-    def __init__(self, graph: LoweredGraph, placement: Placement) -> None:
+    def __init__(self, graph: LoweredGraph, placement: Placement, buffers_only: bool) -> None:
         self.graph = graph
+        self.buffers_only = buffers_only
         self.placement = placement
         self.cores = graph.num_cores
         self.ops: list[Op] = []
@@ -326,6 +330,9 @@ class _Builder:
                 self.buffer(size, min(first, early_first), compute, f"input tile of {desc.name}")
                 for _ in range(parities)
             ]
+        if self.buffers_only:
+            self.track_weight_tail(k, streamed, by_core)
+            return
         held: dict[tuple[int, int], tuple[Box, int]] = {}  # (core, slot) -> (box, parity)
 
         def loads(j: int) -> None:
@@ -451,6 +458,21 @@ class _Builder:
                     self.run_start[other] = position + len(early)
             self.weight_tail = (at + len(early), host)
 
+    def track_weight_tail(
+        self, k: int, streamed: list[int], by_core: dict[int, list[TileSpec]]
+    ) -> None:
+        """What `kernel` records of its hoisted weight loads when no ops are written: the
+        kernel they were hoisted to, which decides where later weights' buffers start."""
+        if not self.placement.prefetch:
+            return
+        desc = self.graph.kernels[k].desc
+        for i in streamed:
+            if self.graph.tensors[self.graph.root(desc.inputs[i])].kind != KIND_CONSTANT:
+                continue
+            if any(ts[0].in_boxes[i] is not None for ts in by_core.values()):
+                self.weight_tail = (0, self.hoist_to(k))
+                return
+
     def hoist_to(self, k: int) -> int:
         """The kernel before whose last tiles kernel k's streamed weights are issued: right
         behind the previous streamed weights (so DDR streams one weight after another while
@@ -484,6 +506,8 @@ class _Builder:
         self, root: int, slot: _Slot, part: Box, dst: BufRef, dst_box: Box, cores: list[int]
     ) -> None:
         """The producing core sends `part` of its tile over the NoC to `cores`' buffer."""
+        if self.buffers_only:
+            return
         self.ops.append(
             Op(
                 core=slot.core,
@@ -548,16 +572,19 @@ class _Builder:
 
         needs: dict[tuple[int, int], tuple[Box, list[_Slot], list[_Slot]]] = {}
         most_remote = 0
-        for c, ts in by_core.items():
-            for j, t in enumerate(ts):
-                box = t.in_boxes[i]
-                if box is None:
-                    continue
-                hit = [s for s in slots if _meets(s.box, box)]
-                mine = [s for s in hit if s.core == c]
-                remote = [s for s in hit if s.core != c]
-                needs[(c, j)] = (box, mine, remote)
-                most_remote = max(most_remote, len(remote))
+        wanted_at: list[tuple[int, int, Box]] = [
+            (c, j, box)
+            for c, ts in by_core.items()
+            for j, t in enumerate(ts)
+            if (box := t.in_boxes[i]) is not None
+        ]
+        hits = _meeting(slots, [box for _, _, box in wanted_at])
+        for (c, j, box), found in zip(wanted_at, hits, strict=True):
+            hit = [slots[n] for n in found]
+            mine = [s for s in hit if s.core == c]
+            remote = [s for s in hit if s.core != c]
+            needs[(c, j)] = (box, mine, remote)
+            most_remote = max(most_remote, len(remote))
         if most_remote == 0:
             for (c, j), (box, mine, _) in needs.items():
                 operand[(c, j, i)] = (box, tuple((s.ref, s.box) for s in mine))
@@ -602,8 +629,28 @@ class _Builder:
             operand[(c, j, i)] = (box, (((buf, 0), wanted[c]),))
 
 
-def build_schedule(graph: LoweredGraph, placement: Placement) -> Schedule:
-    builder = _Builder(graph, placement)
+def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
+    """For each box, the indices (ascending) of the slots whose boxes it meets: one array
+    comparison instead of boxes x slots Python loops (the schedule's hottest spot)."""
+    if not boxes or not slots:
+        return [[] for _ in boxes]
+    rank = len(slots[0].box)
+    if rank == 0:
+        return [list(range(len(slots))) for _ in boxes]
+    s = np.array([s.box for s in slots], dtype=np.int64).reshape(len(slots), rank, 2)
+    b = np.array(boxes, dtype=np.int64).reshape(len(boxes), rank, 2)
+    meets = np.all(
+        (s[None, :, :, 0] < b[:, None, :, 1]) & (b[:, None, :, 0] < s[None, :, :, 1]), axis=2
+    )
+    return [np.flatnonzero(row).tolist() for row in meets]
+
+
+def build_schedule(
+    graph: LoweredGraph, placement: Placement, buffers_only: bool = False
+) -> Schedule:
+    """The schedule of `placement`; `buffers_only`: only its VTCM buffers (what placement
+    needs to see whether a placement fits), without ops: about half the work."""
+    builder = _Builder(graph, placement, buffers_only)
     builder.residents()
     for k in range(len(graph.kernels)):
         builder.kernel(k)
@@ -634,8 +681,6 @@ class _VtcmHazards:
         self.core_of = core_of
 
     def _split(self, at: int) -> int:
-        import bisect
-
         i = bisect.bisect_right(self.bounds, at) - 1
         if self.bounds[i] == at:
             return i
@@ -649,12 +694,13 @@ class _VtcmHazards:
         return range(first, self._split(hi))
 
     def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        core_of, writer, readers = self.core_of, self.writer, self.readers
+        core = core_of[op]
         for i in self._range(lo, hi):
-            if self.writer[i] >= 0:
-                deps.add(self.writer[i])
+            if writer[i] >= 0:
+                deps.add(writer[i])
             # each core's latest reader stands for its earlier ones (a post is a fence)
-            core = self.core_of[op]
-            self.readers[i] = (*(r for r in self.readers[i] if self.core_of[r] != core), op)
+            readers[i] = (*(r for r in readers[i] if core_of[r] != core), op)
 
     def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         r = self._range(lo, hi)
@@ -754,9 +800,15 @@ def materialize(
     def at(ref: BufRef) -> int:
         return buffers[ref[0]].offset + ref[1]
 
+    sizes: dict[tuple[Box, str], int] = {}
+
     def span(core: int, ref: BufRef, box: Box, tid: int) -> tuple[int, int]:
-        lo = core * VTCM_SPAN + at(ref)
-        return lo, lo + box_nbytes(box, tensors[tid].dtype)
+        lo = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        dtype = tensors[tid].dtype
+        n = sizes.get((box, dtype))
+        if n is None:
+            n = sizes[(box, dtype)] = box_nbytes(box, dtype)
+        return lo, lo + n
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
@@ -775,11 +827,12 @@ def materialize(
         if op.kind == LOAD:
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
+            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
             for target in cores_in(op.mask):
-                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
-                vtcm_used[target] = max(
-                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
-                )
+                base = target * VTCM_SPAN
+                vtcm.write(base + lo, base + hi, index, deps)
+                if hi > vtcm_used[target]:
+                    vtcm_used[target] = hi
         elif op.kind == STORE:
             assert op.src is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
@@ -787,18 +840,20 @@ def materialize(
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
+            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
             for target in cores_in(op.mask):
-                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
-                vtcm_used[target] = max(
-                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
-                )
+                base = target * VTCM_SPAN
+                vtcm.write(base + lo, base + hi, index, deps)
+                if hi > vtcm_used[target]:
+                    vtcm_used[target] = hi
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
             vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
             out = desc.outputs[0]
-            vtcm.write(*span(c, op.dst, op.dst_box, out), index, deps)
-            vtcm_used[c] = max(vtcm_used[c], span(0, op.dst, op.dst_box, out)[1])
+            lo, hi = span(0, op.dst, op.dst_box, out)
+            vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+            vtcm_used[c] = max(vtcm_used[c], hi)
         else:
             desc = graph.kernels[op.kernel].desc
             for tid, operand in zip(desc.inputs, op.inputs, strict=True):
@@ -809,8 +864,9 @@ def materialize(
             for tid, result in zip(desc.outputs, op.outputs, strict=True):
                 if result is None or tid < 0:
                     continue
-                vtcm.write(*span(c, result[1], result[2], tid), index, deps)
-                vtcm_used[c] = max(vtcm_used[c], span(0, result[1], result[2], tid)[1])
+                lo, hi = span(0, result[1], result[2], tid)
+                vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+                vtcm_used[c] = max(vtcm_used[c], hi)
         deps.discard(index)
         mine = clocks[c]
         latest: dict[int, int] = {}  # core -> its latest op this one depends on

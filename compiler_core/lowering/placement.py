@@ -113,7 +113,9 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
     prefetch = True
     ahead = WEIGHTS_AHEAD
 
-    def build(resident: frozenset[tuple[int, int]], double: bool) -> tuple[Schedule, Allocation]:
+    def build(
+        resident: frozenset[tuple[int, int]], double: bool, buffers_only: bool = False
+    ) -> tuple[Schedule, Allocation]:
         placement = Placement(
             chip=frozenset(chip),
             resident=resident,
@@ -122,11 +124,12 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
             prefetch=prefetch,
             weights_ahead=ahead,
         )
-        schedule = build_schedule(graph, placement)
+        schedule = build_schedule(graph, placement, buffers_only)
         return schedule, allocate(schedule.buffers)
 
+    # what fits is decided on the buffers alone; ops are written once the placement is known
     double = policy.double_buffer
-    schedule, allocation = build(frozenset(), double)
+    schedule, allocation = build(frozenset(), double, True)
     while allocation.peak > budget and chip:
         victims = _spill_victims(schedule.buffers, schedule.chip_bytes, budget)
         if not victims:
@@ -134,16 +137,16 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
         for root in victims:
             spilled[root] = schedule.chip_bytes.get(root, 0)
             chip.discard(root)
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     while allocation.peak > budget and ahead > 1:
         ahead -= 1
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget and double:
         double = False
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget:
         prefetch = False
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget:
         raise _overflow(schedule.buffers, allocation, budget)
 
