@@ -50,6 +50,7 @@ from compiler_core.lowering.program import (
     cores_in,
     mask_of,
 )
+from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
 from compiler_core.ops.registry import Box, full_box
@@ -123,8 +124,14 @@ def _tile_out_boxes(graph: LoweredGraph, kernel: int, tile: TileSpec) -> list[Bo
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        lo = a0 if a0 > b0 else b0
+        hi = a1 if a1 < b1 else b1
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
 
 def _meets(a: Box, b: Box) -> bool:
@@ -132,12 +139,6 @@ def _meets(a: Box, b: Box) -> bool:
         if a1 <= b0 or b1 <= a0:
             return False
     return True
-
-
-def _bounding(boxes: list[Box]) -> Box:
-    return tuple(
-        (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes)) for a in range(len(boxes[0]))
-    )
 
 
 def consumers_of(graph: LoweredGraph) -> dict[int, list[int]]:
@@ -162,9 +163,16 @@ def producer_of(graph: LoweredGraph) -> dict[int, int]:
 
 
 class _Builder:
-    def __init__(self, graph: LoweredGraph, placement: Placement, buffers_only: bool) -> None:
+    def __init__(
+        self,
+        graph: LoweredGraph,
+        placement: Placement,
+        buffers_only: bool,
+        memo: dict[tuple[int, int], list[list[int]]],
+    ) -> None:
         self.graph = graph
         self.buffers_only = buffers_only
+        self.memo = memo
         self.placement = placement
         self.cores = graph.num_cores
         self.ops: list[Op] = []
@@ -215,7 +223,7 @@ class _Builder:
                     boxes[tile.core].append(box)
             if not boxes:
                 continue
-            per_core = {c: _bounding(b) for c, b in boxes.items()}
+            per_core = {c: bounding_box(b) for c, b in boxes.items()}
             size = max(box_nbytes(b, self.dtype(tid)) for b in per_core.values())
             name = lk.desc.name
             buf = self.buffer(size, 0, 1 << 40, f"weights of {name}", resident=True)
@@ -578,7 +586,9 @@ class _Builder:
             for j, t in enumerate(ts)
             if (box := t.in_boxes[i]) is not None
         ]
-        hits = _meeting(slots, [box for _, _, box in wanted_at])
+        hits = self.memo.get((k, i))
+        if hits is None:  # the same in every build: tiles and producers' slots are fixed
+            hits = self.memo[(k, i)] = _meeting(slots, [box for _, _, box in wanted_at])
         for (c, j, box), found in zip(wanted_at, hits, strict=True):
             hit = [slots[n] for n in found]
             mine = [s for s in hit if s.core == c]
@@ -612,7 +622,7 @@ class _Builder:
         for c in by_core:
             boxes = [needs[(c, j)][0] for j in range(len(by_core[c])) if (c, j) in needs]
             if boxes:
-                wanted[c] = _bounding(boxes)
+                wanted[c] = bounding_box(boxes)
         size = max(box_nbytes(b, dtype) for b in wanted.values())
         buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
         by_box: dict[Box, list[int]] = defaultdict(list)
@@ -646,11 +656,15 @@ def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
 
 
 def build_schedule(
-    graph: LoweredGraph, placement: Placement, buffers_only: bool = False
+    graph: LoweredGraph,
+    placement: Placement,
+    buffers_only: bool = False,
+    memo: dict[tuple[int, int], list[list[int]]] | None = None,
 ) -> Schedule:
     """The schedule of `placement`; `buffers_only`: only its VTCM buffers (what placement
-    needs to see whether a placement fits), without ops: about half the work."""
-    builder = _Builder(graph, placement, buffers_only)
+    needs to see whether a placement fits), without ops. `memo` carries what one build
+    found of the graph's tiles (which slots each tile reads) to the next build of it."""
+    builder = _Builder(graph, placement, buffers_only, {} if memo is None else memo)
     builder.residents()
     for k in range(len(graph.kernels)):
         builder.kernel(k)

@@ -64,7 +64,8 @@ def _volume(box: Box) -> int:
     return n
 
 
-def _bounding(boxes: list[Box]) -> Box:
+def bounding_box(boxes: list[Box]) -> Box:
+    """The smallest box holding every box of `boxes` (not empty)."""
     lo = [a for a, _ in boxes[0]]
     hi = [b for _, b in boxes[0]]
     for box in boxes[1:]:
@@ -168,6 +169,15 @@ class SplitChooser:
         self._tiled: dict[Hashable, tuple[list[TileSpec], list[float]]] = {}
         self._priced: dict[Hashable, _Candidate] = {}
         self._moves: dict[Hashable, tuple[float, float]] = {}
+        self._moved = [
+            [
+                (i, ks.producers[i])
+                for i, tid in enumerate(ks.inputs)
+                if tid >= 0 and ks.kinds[i] not in ("constant", "none")
+            ]
+            for ks in kernels
+        ]
+        """Per kernel: the operands that may have to move, and their producers."""
         self.candidates = [self._candidates(k) for k in kernels]
 
     def cores(self, req: TilingRequest) -> int:
@@ -329,7 +339,7 @@ class SplitChooser:
         for i, per_core in resident.items():
             worst = 0
             for boxes in per_core.values():
-                worst = max(worst, _bytes(_bounding(boxes), dtypes[i]))
+                worst = max(worst, _bytes(bounding_box(boxes), dtypes[i]))
                 engine = max(engine, sum(_bytes(b, dtypes[i]) for b in set(boxes)))
                 distinct.update((i, b) for b in boxes)
             weight_bytes += worst
@@ -351,7 +361,7 @@ class SplitChooser:
                 output_boxes(req.opdef, req.info, t.out_box)[slot]
                 for t in cand.by_core.get(core, [])
             ]
-            bound = _bounding(boxes) if boxes else None
+            bound = bounding_box(boxes) if boxes else None
             if bound is not None and sum(_volume(b) for b in boxes) == _volume(bound):
                 cand.held[key] = bound
             else:
@@ -369,11 +379,8 @@ class SplitChooser:
         depends only on its own producer's cut, and is kept per (operand, that cut)."""
         ks = self.kernels[k]
         total = 0.0
-        for i, tid in enumerate(ks.inputs):
-            kind = ks.kinds[i]
-            if tid < 0 or kind in ("constant", "none"):
-                continue
-            producer = chosen[ks.producers[i]] if ks.producers[i] >= 0 else None
+        for i, source in self._moved[k]:
+            producer = chosen[source] if source >= 0 else None
             key = (i, id(producer))
             found = cand.moves.get(key)
             if found is None:
