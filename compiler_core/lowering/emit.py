@@ -884,8 +884,9 @@ def materialize(
         deps.discard(index)
         mine = clocks[c]
         latest: dict[int, int] = {}  # core -> its latest op this one depends on
+        core_of = ddr.core_of
         for d in deps:
-            dc = ops[d].core
+            dc = core_of[d]
             if dc != c and (dc not in latest or position[d] > position[latest[dc]]):
                 latest[dc] = d
         mine_waits: list[tuple[int, int]] = []
