@@ -406,25 +406,29 @@ class SplitChooser:
         """(transfer cycles, descriptor cycles) of operand `i`."""
         kind = ks.kinds[i]
         dtype = (*ks.request.info.in_dtypes, *ks.request.extra_dtypes)[i]
+        if dtype is None:
+            return 0.0, 0.0
+        size = _itemsize(dtype)
         cores = max(1, len(cand.by_core))
+        # what the producer's cut leaves on each core is read in place
+        local = producer if kind == "chip" and not ks.reshaped[i] else None
         remote = 0
         pieces = 0
         for core, tiles in cand.by_core.items():
+            held: list[Box] = []
+            if local is not None:
+                held = self._held(local, self.kernels[ks.producers[i]], core, ks.slots[i])
             seen: set[Box] = set()
             for t in tiles:
                 box = t.in_boxes[i]
                 if box is None or box in seen:
                     continue
                 seen.add(box)
-                need = _bytes(box, dtype)
-                if kind == "chip" and producer is not None and not ks.reshaped[i]:
-                    source = self.kernels[ks.producers[i]]
-                    held = sum(
-                        _overlap(box, p) for p in self._held(producer, source, core, ks.slots[i])
-                    )
-                    need -= held * _itemsize(dtype) if dtype else 0
+                need = _volume(box)
+                for p in held:
+                    need -= _overlap(box, p)
                 if need > 0:
-                    remote += need
+                    remote += need * size
                     pieces += 1
         if not remote:
             return 0.0, 0.0
