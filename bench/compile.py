@@ -9,6 +9,10 @@ A second, polled figure (RssAnon from /proc every few ms) shows the anonymous pa
 over the repeats), so a busy machine slows every row alike, and the median is reported.
 
     python bench/compile.py [--quick] [--repeat 3] [--cores 4] [--json out.json]
+    python bench/compile.py --light-resnet50 --cores 14 --skip-big
+
+`--light-resnet50` measures onnx's backend-test light_resnet50 (separate BatchNormalization
+nodes; its ConstantOfShape weights replaced by seeded random ones) instead of our ResNet-50.
 """
 
 from __future__ import annotations
@@ -59,6 +63,79 @@ import sys
 import onnx
 onnx.save(onnx.load(sys.argv[1]), sys.argv[2])
 """
+
+
+# --- the light ResNet-50 -----------------------------------------------------------------------
+
+LIGHT_RESNET50 = "light_resnet50"
+LIGHT_SEED = 0
+
+
+def write_light_resnet50(work: Path, regenerate: bool = False) -> Path:
+    """onnx's backend-test `light_resnet50` (opset 9, Caffe2 export: 53 Conv + 53 separate
+    BatchNormalization nodes) with real weights: the test model builds every weight with
+    ConstantOfShape (all channels alike); here each becomes a seeded random initializer
+    (He-scaled conv/FC weights, BN variances in [0.5, 1.5]), and initializers are no longer
+    listed as graph inputs, so ONNX Runtime may fold them as our compiler does."""
+    out = work / f"{LIGHT_RESNET50}-random-s{LIGHT_SEED}.onnx"
+    if out.exists() and not regenerate:
+        return out
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    source = Path(onnx.__file__).parent / "backend/test/data/light" / f"{LIGHT_RESNET50}.onnx"
+    if not source.exists():
+        raise SystemExit(f"{source} not found: the installed onnx wheel has no light models")
+    model = onnx.load(source)
+    graph = model.graph
+    rng = np.random.default_rng(LIGHT_SEED)
+    shapes = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    made: list[onnx.TensorProto] = []
+    kept_nodes = []
+    for n in graph.node:
+        if n.op_type == "ConstantOfShape" and n.input[0] in shapes:
+            dims = tuple(int(d) for d in shapes[n.input[0]])
+            made.append(numpy_helper.from_array(_light_weight(n.output[0], dims, rng), n.output[0]))
+        else:
+            kept_nodes.append(n)
+    used = {x for n in kept_nodes for x in n.input}
+    old = [
+        numpy_helper.from_array(_light_weight(i.name, tuple(i.dims), rng), i.name)
+        if i.data_type == onnx.TensorProto.FLOAT
+        else i
+        for i in graph.initializer
+        if i.name in used
+    ]
+    del graph.node[:]
+    graph.node.extend(kept_nodes)
+    del graph.initializer[:]
+    graph.initializer.extend([*old, *made])
+    inputs = [i for i in graph.input if i.name not in shapes]  # the image only
+    del graph.input[:]
+    graph.input.extend(inputs)
+    model.ir_version = max(model.ir_version, 4)
+    onnx.checker.check_model(model)
+    work.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, out)
+    return out
+
+
+def _light_weight(name: str, dims: tuple[int, ...], rng: Any) -> Any:
+    """A random value for a light-model weight, by its Caffe2 name's suffix."""
+    import numpy as np
+
+    kind = name.rsplit("_", 2)[-2]
+    if kind == "w":  # conv [out, in, kh, kw] or FC [out, in]
+        fan_in = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        value = rng.standard_normal(dims) * np.sqrt(2.0 / fan_in)
+    elif kind == "riv":  # running variance
+        value = rng.uniform(0.5, 1.5, dims)
+    elif kind == "s":  # BN scale
+        value = rng.uniform(0.5, 1.0, dims)
+    else:  # biases and running means
+        value = rng.standard_normal(dims) * 0.1
+    return value.astype(np.float32)
 
 
 # --- one child process ------------------------------------------------------------------------
@@ -465,7 +542,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     mlp_spec = MLP_QUICK if args.quick else MLP_BIG
 
     _progress(f"generating models in {work} (reused when present) ...")
-    resnet = write_resnet(resnet_spec, work, regenerate=args.regenerate)
+    if args.light_resnet50:
+        resnet = write_light_resnet50(work, regenerate=args.regenerate)
+    else:
+        resnet = write_resnet(resnet_spec, work, regenerate=args.regenerate)
     resnet_bytes = model_size(resnet)
     big = None if args.skip_big else write_mlp(mlp_spec, work, regenerate=args.regenerate)
 
@@ -595,6 +675,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=str(here / "out"), help="models and QPCs go here")
     p.add_argument("--json", help="write every figure to this JSON file")
     p.add_argument("--skip-big", action="store_true", help="skip the external-data model")
+    p.add_argument(
+        "--light-resnet50",
+        action="store_true",
+        help="measure onnx's light_resnet50 test model (random weights) instead of our ResNet-50",
+    )
     p.add_argument("--regenerate", action="store_true", help="rewrite the models")
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a child process is killed"

@@ -300,7 +300,7 @@ def tile_cost(
     """Compute cycles of one tile of a kernel (`macs`: the kernel's, epilogue steps
     included; `epilogue`: each step's output dtype)."""
     out_shape = info.out_shapes[0] if info.out_shapes else ()
-    out_total = max(1, int(np.prod(out_shape, dtype=np.int64)))
+    out_total = max(1, math.prod(out_shape))
     tile_elems = box_elements(out_box)
     share = tile_elems / out_total
     dtype = info.out_dtypes[0] if info.out_dtypes else "float32"

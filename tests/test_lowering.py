@@ -453,3 +453,83 @@ def test_a_wide_grouped_conv_whose_whole_channels_overflow_vtcm_compiles() -> No
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     result = compile_model(model, ["-aic-num-cores=14"])
     assert max(result.program.vtcm_used) <= VTCM
+
+
+def _repeated_blocks(blocks: int = 3, channels: int = 64, size: int = 28) -> onnx.ModelProto:
+    """`blocks` alike conv + relu layers (each with its own weights and bias), then a pool."""
+    rng = np.random.default_rng(3)
+    nodes, inits, x = [], [], "x"
+    for b in range(blocks):
+        w = (rng.standard_normal((channels, channels, 3, 3)) * 0.05).astype(np.float32)
+        bias = rng.standard_normal(channels).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{b}"), numpy_helper.from_array(bias, f"b{b}")]
+        nodes.append(helper.make_node("Conv", [x, f"w{b}", f"b{b}"], [f"c{b}"], pads=[1] * 4))
+        nodes.append(helper.make_node("Relu", [f"c{b}"], [f"r{b}"]))
+        x = f"r{b}"
+    nodes.append(helper.make_node("GlobalAveragePool", [x], ["y"]))
+    graph = helper.make_graph(
+        nodes,
+        "blocks",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, channels, 1, 1])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("cores", [4, 14])
+def test_alike_kernels_share_their_split_search_and_the_program_is_unchanged(
+    cores: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The split chooser prices each kernel signature once (compile time); a kernel alike but
+    for its name, weights and bias must get exactly the program it would get on its own."""
+    from compiler_core.lowering import splits
+
+    model = _repeated_blocks()
+    flags = [f"-aic-num-cores={cores}"]
+    searched: dict[int, int] = {}  # chooser -> kernels it searched cuts for
+    cuts_of = splits.SplitChooser._cuts_of
+
+    def counting(self: splits.SplitChooser, ks: splits.KernelSplit) -> object:
+        searched[id(self)] = searched.get(id(self), 0) + 1
+        return cuts_of(self, ks)
+
+    monkeypatch.setattr(splits.SplitChooser, "_cuts_of", counting)
+    shared = encode_program(compile_model(model, flags).program)
+    # 4 kernels (3 convs with their relus, the pool); conv 0 reads the graph input from DDR,
+    # convs 1 and 2 are alike: 3 searches per chooser
+    assert set(searched.values()) == {3}
+    searched.clear()
+    monkeypatch.setattr(splits, "_signature", lambda ks: ("unshared", id(ks)))
+    alone = encode_program(compile_model(model, flags).program)
+    assert set(searched.values()) == {4} and alone == shared
+    x = np.random.default_rng(1).standard_normal((1, 64, 28, 28)).astype(np.float32)
+    result = compile_model(model, flags)
+    np.testing.assert_allclose(
+        run_qpc(result.qpc_path, {"x": x})["y"], _reference(model, {"x": x}), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_a_buffers_only_schedule_has_every_buffer_of_the_full_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Placement decides what fits from buffers-only builds (no ops): they must plan exactly
+    the buffers of the schedule later written with ops."""
+    from compiler_core.lowering import emit, placement
+
+    compared: list[int] = []
+
+    def checked(graph, place, buffers_only=False, memo=None):  # type: ignore[no-untyped-def]
+        built = emit.build_schedule(graph, place, buffers_only, memo)
+        if buffers_only:
+            full = emit.build_schedule(graph, place)
+            assert built.buffers == full.buffers and built.chip_bytes == full.chip_bytes
+            assert not built.ops and full.ops
+            compared.append(len(full.buffers))
+        return built
+
+    monkeypatch.setattr(placement, "build_schedule", checked)
+    for flags in (["-aic-num-cores=4"], ["-aic-num-cores=14", "-batchsize=2"]):
+        compile_model(_cnn(batch=2), flags)
+    compile_model(transformer_encoder(), ["-aic-num-cores=4"])
+    assert len(compared) >= 3 and min(compared) > 0

@@ -20,9 +20,12 @@ Three steps, each on the whole program:
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from compiler_core.lowering.lower import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
@@ -47,6 +50,7 @@ from compiler_core.lowering.program import (
     cores_in,
     mask_of,
 )
+from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
 from compiler_core.ops.registry import Box, full_box
@@ -120,8 +124,14 @@ def _tile_out_boxes(graph: LoweredGraph, kernel: int, tile: TileSpec) -> list[Bo
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        lo = a0 if a0 > b0 else b0
+        hi = a1 if a1 < b1 else b1
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
 
 def _meets(a: Box, b: Box) -> bool:
@@ -129,12 +139,6 @@ def _meets(a: Box, b: Box) -> bool:
         if a1 <= b0 or b1 <= a0:
             return False
     return True
-
-
-def _bounding(boxes: list[Box]) -> Box:
-    return tuple(
-        (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes)) for a in range(len(boxes[0]))
-    )
 
 
 def consumers_of(graph: LoweredGraph) -> dict[int, list[int]]:
@@ -159,8 +163,16 @@ def producer_of(graph: LoweredGraph) -> dict[int, int]:
 
 
 class _Builder:
-    def __init__(self, graph: LoweredGraph, placement: Placement) -> None:
+    def __init__(
+        self,
+        graph: LoweredGraph,
+        placement: Placement,
+        buffers_only: bool,
+        memo: dict[tuple[int, int], list[list[int]]],
+    ) -> None:
         self.graph = graph
+        self.buffers_only = buffers_only
+        self.memo = memo
         self.placement = placement
         self.cores = graph.num_cores
         self.ops: list[Op] = []
@@ -211,7 +223,7 @@ class _Builder:
                     boxes[tile.core].append(box)
             if not boxes:
                 continue
-            per_core = {c: _bounding(b) for c, b in boxes.items()}
+            per_core = {c: bounding_box(b) for c, b in boxes.items()}
             size = max(box_nbytes(b, self.dtype(tid)) for b in per_core.values())
             name = lk.desc.name
             buf = self.buffer(size, 0, 1 << 40, f"weights of {name}", resident=True)
@@ -326,6 +338,9 @@ class _Builder:
                 self.buffer(size, min(first, early_first), compute, f"input tile of {desc.name}")
                 for _ in range(parities)
             ]
+        if self.buffers_only:
+            self.track_weight_tail(k, streamed, by_core)
+            return
         held: dict[tuple[int, int], tuple[Box, int]] = {}  # (core, slot) -> (box, parity)
 
         def loads(j: int) -> None:
@@ -451,6 +466,21 @@ class _Builder:
                     self.run_start[other] = position + len(early)
             self.weight_tail = (at + len(early), host)
 
+    def track_weight_tail(
+        self, k: int, streamed: list[int], by_core: dict[int, list[TileSpec]]
+    ) -> None:
+        """What `kernel` records of its hoisted weight loads when no ops are written: the
+        kernel they were hoisted to, which decides where later weights' buffers start."""
+        if not self.placement.prefetch:
+            return
+        desc = self.graph.kernels[k].desc
+        for i in streamed:
+            if self.graph.tensors[self.graph.root(desc.inputs[i])].kind != KIND_CONSTANT:
+                continue
+            if any(ts[0].in_boxes[i] is not None for ts in by_core.values()):
+                self.weight_tail = (0, self.hoist_to(k))
+                return
+
     def hoist_to(self, k: int) -> int:
         """The kernel before whose last tiles kernel k's streamed weights are issued: right
         behind the previous streamed weights (so DDR streams one weight after another while
@@ -484,6 +514,8 @@ class _Builder:
         self, root: int, slot: _Slot, part: Box, dst: BufRef, dst_box: Box, cores: list[int]
     ) -> None:
         """The producing core sends `part` of its tile over the NoC to `cores`' buffer."""
+        if self.buffers_only:
+            return
         self.ops.append(
             Op(
                 core=slot.core,
@@ -548,16 +580,21 @@ class _Builder:
 
         needs: dict[tuple[int, int], tuple[Box, list[_Slot], list[_Slot]]] = {}
         most_remote = 0
-        for c, ts in by_core.items():
-            for j, t in enumerate(ts):
-                box = t.in_boxes[i]
-                if box is None:
-                    continue
-                hit = [s for s in slots if _meets(s.box, box)]
-                mine = [s for s in hit if s.core == c]
-                remote = [s for s in hit if s.core != c]
-                needs[(c, j)] = (box, mine, remote)
-                most_remote = max(most_remote, len(remote))
+        wanted_at: list[tuple[int, int, Box]] = [
+            (c, j, box)
+            for c, ts in by_core.items()
+            for j, t in enumerate(ts)
+            if (box := t.in_boxes[i]) is not None
+        ]
+        hits = self.memo.get((k, i))
+        if hits is None:  # the same in every build: tiles and producers' slots are fixed
+            hits = self.memo[(k, i)] = _meeting(slots, [box for _, _, box in wanted_at])
+        for (c, j, box), found in zip(wanted_at, hits, strict=True):
+            hit = [slots[n] for n in found]
+            mine = [s for s in hit if s.core == c]
+            remote = [s for s in hit if s.core != c]
+            needs[(c, j)] = (box, mine, remote)
+            most_remote = max(most_remote, len(remote))
         if most_remote == 0:
             for (c, j), (box, mine, _) in needs.items():
                 operand[(c, j, i)] = (box, tuple((s.ref, s.box) for s in mine))
@@ -585,7 +622,7 @@ class _Builder:
         for c in by_core:
             boxes = [needs[(c, j)][0] for j in range(len(by_core[c])) if (c, j) in needs]
             if boxes:
-                wanted[c] = _bounding(boxes)
+                wanted[c] = bounding_box(boxes)
         size = max(box_nbytes(b, dtype) for b in wanted.values())
         buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
         by_box: dict[Box, list[int]] = defaultdict(list)
@@ -602,8 +639,32 @@ class _Builder:
             operand[(c, j, i)] = (box, (((buf, 0), wanted[c]),))
 
 
-def build_schedule(graph: LoweredGraph, placement: Placement) -> Schedule:
-    builder = _Builder(graph, placement)
+def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
+    """For each box, the indices (ascending) of the slots whose boxes it meets: one array
+    comparison instead of boxes x slots Python loops (the schedule's hottest spot)."""
+    if not boxes or not slots:
+        return [[] for _ in boxes]
+    rank = len(slots[0].box)
+    if rank == 0:
+        return [list(range(len(slots))) for _ in boxes]
+    s = np.array([s.box for s in slots], dtype=np.int64).reshape(len(slots), rank, 2)
+    b = np.array(boxes, dtype=np.int64).reshape(len(boxes), rank, 2)
+    meets = np.all(
+        (s[None, :, :, 0] < b[:, None, :, 1]) & (b[:, None, :, 0] < s[None, :, :, 1]), axis=2
+    )
+    return [np.flatnonzero(row).tolist() for row in meets]
+
+
+def build_schedule(
+    graph: LoweredGraph,
+    placement: Placement,
+    buffers_only: bool = False,
+    memo: dict[tuple[int, int], list[list[int]]] | None = None,
+) -> Schedule:
+    """The schedule of `placement`; `buffers_only`: only its VTCM buffers (what placement
+    needs to see whether a placement fits), without ops. `memo` carries what one build
+    found of the graph's tiles (which slots each tile reads) to the next build of it."""
+    builder = _Builder(graph, placement, buffers_only, {} if memo is None else memo)
     builder.residents()
     for k in range(len(graph.kernels)):
         builder.kernel(k)
@@ -634,8 +695,6 @@ class _VtcmHazards:
         self.core_of = core_of
 
     def _split(self, at: int) -> int:
-        import bisect
-
         i = bisect.bisect_right(self.bounds, at) - 1
         if self.bounds[i] == at:
             return i
@@ -649,12 +708,13 @@ class _VtcmHazards:
         return range(first, self._split(hi))
 
     def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        core_of, writer, readers = self.core_of, self.writer, self.readers
+        core = core_of[op]
         for i in self._range(lo, hi):
-            if self.writer[i] >= 0:
-                deps.add(self.writer[i])
+            if writer[i] >= 0:
+                deps.add(writer[i])
             # each core's latest reader stands for its earlier ones (a post is a fence)
-            core = self.core_of[op]
-            self.readers[i] = (*(r for r in self.readers[i] if self.core_of[r] != core), op)
+            readers[i] = (*(r for r in readers[i] if core_of[r] != core), op)
 
     def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         r = self._range(lo, hi)
@@ -754,9 +814,15 @@ def materialize(
     def at(ref: BufRef) -> int:
         return buffers[ref[0]].offset + ref[1]
 
+    sizes: dict[tuple[Box, str], int] = {}
+
     def span(core: int, ref: BufRef, box: Box, tid: int) -> tuple[int, int]:
-        lo = core * VTCM_SPAN + at(ref)
-        return lo, lo + box_nbytes(box, tensors[tid].dtype)
+        lo = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        dtype = tensors[tid].dtype
+        n = sizes.get((box, dtype))
+        if n is None:
+            n = sizes[(box, dtype)] = box_nbytes(box, dtype)
+        return lo, lo + n
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
@@ -775,11 +841,12 @@ def materialize(
         if op.kind == LOAD:
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
+            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
             for target in cores_in(op.mask):
-                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
-                vtcm_used[target] = max(
-                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
-                )
+                base = target * VTCM_SPAN
+                vtcm.write(base + lo, base + hi, index, deps)
+                if hi > vtcm_used[target]:
+                    vtcm_used[target] = hi
         elif op.kind == STORE:
             assert op.src is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
@@ -787,18 +854,20 @@ def materialize(
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
+            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
             for target in cores_in(op.mask):
-                vtcm.write(*span(target, op.dst, op.dst_box, op.tensor), index, deps)
-                vtcm_used[target] = max(
-                    vtcm_used[target], span(0, op.dst, op.dst_box, op.tensor)[1]
-                )
+                base = target * VTCM_SPAN
+                vtcm.write(base + lo, base + hi, index, deps)
+                if hi > vtcm_used[target]:
+                    vtcm_used[target] = hi
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
             vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
             out = desc.outputs[0]
-            vtcm.write(*span(c, op.dst, op.dst_box, out), index, deps)
-            vtcm_used[c] = max(vtcm_used[c], span(0, op.dst, op.dst_box, out)[1])
+            lo, hi = span(0, op.dst, op.dst_box, out)
+            vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+            vtcm_used[c] = max(vtcm_used[c], hi)
         else:
             desc = graph.kernels[op.kernel].desc
             for tid, operand in zip(desc.inputs, op.inputs, strict=True):
@@ -809,13 +878,15 @@ def materialize(
             for tid, result in zip(desc.outputs, op.outputs, strict=True):
                 if result is None or tid < 0:
                     continue
-                vtcm.write(*span(c, result[1], result[2], tid), index, deps)
-                vtcm_used[c] = max(vtcm_used[c], span(0, result[1], result[2], tid)[1])
+                lo, hi = span(0, result[1], result[2], tid)
+                vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+                vtcm_used[c] = max(vtcm_used[c], hi)
         deps.discard(index)
         mine = clocks[c]
         latest: dict[int, int] = {}  # core -> its latest op this one depends on
+        core_of = ddr.core_of
         for d in deps:
-            dc = ops[d].core
+            dc = core_of[d]
             if dc != c and (dc not in latest or position[d] > position[latest[dc]]):
                 latest[dc] = d
         mine_waits: list[tuple[int, int]] = []

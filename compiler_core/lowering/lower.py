@@ -8,6 +8,8 @@ constants or graph inputs get an explicit copy kernel so every output has its ow
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +53,12 @@ class LTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return int(np.dtype(dtype).itemsize)
 
 
 @dataclass

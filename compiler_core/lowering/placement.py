@@ -21,7 +21,9 @@ from compiler_core.errors import CompileError
 from compiler_core.lowering.emit import Placement, Schedule, build_schedule, consumers_of
 from compiler_core.lowering.lower import LoweredGraph
 from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
+from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
+from compiler_core.ops.registry import Box
 
 WEIGHTS_AHEAD = 1
 """Streamed weights load up to this many kernels ahead of the one that reads them (fewer
@@ -85,16 +87,16 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
             cost = 0
             traffic = 0
             distinct: set = set()
+            sizes: dict[Box, int] = {}
             for boxes in per_core.values():
-                bound = tuple(
-                    (min(b[a][0] for b in boxes), max(b[a][1] for b in boxes))
-                    for a in range(len(boxes[0]))
-                )
-                cost = max(cost, box_nbytes(bound, dtype))
+                cost = max(cost, box_nbytes(bounding_box(boxes), dtype))
                 previous = None
                 for b in boxes:
                     if b != previous:
-                        traffic += box_nbytes(b, dtype)
+                        n = sizes.get(b)
+                        if n is None:
+                            n = sizes[b] = box_nbytes(b, dtype)
+                        traffic += n
                         distinct.add(b)
                     previous = b
             if gathered:  # a lookup table streams only the rows it is asked for
@@ -112,8 +114,11 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
 
     prefetch = True
     ahead = WEIGHTS_AHEAD
+    memo: dict[tuple[int, int], list[list[int]]] = {}
 
-    def build(resident: frozenset[tuple[int, int]], double: bool) -> tuple[Schedule, Allocation]:
+    def build(
+        resident: frozenset[tuple[int, int]], double: bool, buffers_only: bool = False
+    ) -> tuple[Schedule, Allocation]:
         placement = Placement(
             chip=frozenset(chip),
             resident=resident,
@@ -122,11 +127,12 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
             prefetch=prefetch,
             weights_ahead=ahead,
         )
-        schedule = build_schedule(graph, placement)
+        schedule = build_schedule(graph, placement, buffers_only, memo)
         return schedule, allocate(schedule.buffers)
 
+    # what fits is decided on the buffers alone; ops are written once the placement is known
     double = policy.double_buffer
-    schedule, allocation = build(frozenset(), double)
+    schedule, allocation = build(frozenset(), double, True)
     while allocation.peak > budget and chip:
         victims = _spill_victims(schedule.buffers, schedule.chip_bytes, budget)
         if not victims:
@@ -134,16 +140,16 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
         for root in victims:
             spilled[root] = schedule.chip_bytes.get(root, 0)
             chip.discard(root)
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     while allocation.peak > budget and ahead > 1:
         ahead -= 1
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget and double:
         double = False
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget:
         prefetch = False
-        schedule, allocation = build(frozenset(), double)
+        schedule, allocation = build(frozenset(), double, True)
     if allocation.peak > budget:
         raise _overflow(schedule.buffers, allocation, budget)
 

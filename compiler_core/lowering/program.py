@@ -8,6 +8,7 @@ fixed-layout little-endian binary instruction streams.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import struct
 from collections.abc import Iterable
@@ -371,9 +372,13 @@ def _tables_json(program: Program) -> bytes:
 
 
 def _pack_box(out: list[bytes], box: Box) -> None:
-    out.append(struct.pack("<B", len(box)))
-    for start, stop in box:
-        out.append(struct.pack("<qq", start, stop))
+    out.append(_box_bytes(box))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _box_bytes(box: Box) -> bytes:
+    """A box's encoding (rank, then start/stop pairs); programs repeat the same few boxes."""
+    return struct.pack(f"<B{2 * len(box)}q", len(box), *(x for pair in box for x in pair))
 
 
 def _pack_operand(out: list[bytes], operand: Operand | None) -> None:

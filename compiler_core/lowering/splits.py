@@ -12,9 +12,11 @@ until the network's weights fit the room left for them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,7 +64,8 @@ def _volume(box: Box) -> int:
     return n
 
 
-def _bounding(boxes: list[Box]) -> Box:
+def bounding_box(boxes: list[Box]) -> Box:
+    """The smallest box holding every box of `boxes` (not empty)."""
     lo = [a for a, _ in boxes[0]]
     hi = [b for _, b in boxes[0]]
     for box in boxes[1:]:
@@ -116,9 +119,14 @@ class _Candidate:
     stream: float
     """Cycles per inference its weights take if they stream from DDR instead."""
     by_core: dict[int, list[TileSpec]] = field(default_factory=dict)
-    moves: dict[tuple[int, ...], float] = field(default_factory=dict)
+    moves: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    """Transfer cycles per (operand, id of its producer's chosen cut)."""
     held: dict[tuple[int, int], Box | None] = field(default_factory=dict)
     held_all: dict[tuple[int, int], list[Box]] = field(default_factory=dict)
+    key: Hashable = None
+    busiest: float = 0.0
+    """The busiest core's compute cycles."""
+    """(kernel signature, cut, first core): equal keys, equal tiles on equal cores."""
 
 
 def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict[int, int]]:
@@ -157,6 +165,19 @@ class SplitChooser:
         self.engine = float(device.dma_bytes_per_cycle)
         self.noc = device.noc_bandwidth_bytes_per_s / device.clock_hz
         self.ddr = device.ddr_bandwidth_bytes_per_s / device.clock_hz
+        self._cuts: dict[Hashable, list[dict[int, int]]] = {}
+        self._tiled: dict[Hashable, tuple[list[TileSpec], list[float]]] = {}
+        self._priced: dict[Hashable, _Candidate] = {}
+        self._moves: dict[Hashable, tuple[float, float]] = {}
+        self._moved = [
+            [
+                (i, ks.producers[i])
+                for i, tid in enumerate(ks.inputs)
+                if tid >= 0 and ks.kinds[i] not in ("constant", "none")
+            ]
+            for ks in kernels
+        ]
+        """Per kernel: the operands that may have to move, and their producers."""
         self.candidates = [self._candidates(k) for k in kernels]
 
     def cores(self, req: TilingRequest) -> int:
@@ -165,10 +186,19 @@ class SplitChooser:
     # ----------------------------------------------------------------------- candidates
 
     def _candidates(self, ks: KernelSplit) -> list[_Candidate]:
+        """The cuts worth pricing in full; a kernel identical to an earlier one but for its
+        name (ResNet's repeated blocks, a transformer's layers) reuses that one's cuts."""
+        sig = _signature(ks)
+        cuts = self._cuts.get(sig)
+        if cuts is None:
+            cuts = self._cuts[sig] = self._cuts_of(ks)
+        return [self._candidate(ks, parts, sig) for parts in cuts]
+
+    def _cuts_of(self, ks: KernelSplit) -> list[dict[int, int]]:
         req = ks.request
         axes = split_axes(req)
         if not axes:
-            return [self._candidate(ks, {})]
+            return [{}]
         shape = req.info.out_shapes[0]
         limit = {a: shape[a] for a in axes}
         if req.mos is not None and 1 in limit and req.opdef.unit == "hmx":
@@ -206,14 +236,14 @@ class SplitChooser:
         if not quick:
             if failure is not None:
                 raise failure
-            return [self._candidate(ks, {})]
+            return [{}]
         # price in full the fastest few, and the one that spreads weights most
         quick.sort(key=lambda q: (q[0], q[1]))
         kept = quick[:KEEP]
         widest = min(quick, key=lambda q: (q[1], q[0]))
         if widest not in kept:
             kept.append(widest)
-        return [self._candidate(ks, parts) for _, _, parts in kept]
+        return [parts for _, _, parts in kept]
 
     def _quick(self, ks: KernelSplit, parts: dict[int, int]) -> float:
         """Compute cycles of the busiest core, from one tile of the largest size."""
@@ -239,21 +269,24 @@ class SplitChooser:
         )
         return per_core * (cost.cycles + LAUNCH)
 
-    def _candidate(self, ks: KernelSplit, parts: dict[int, int]) -> _Candidate:
+    def _tiles(
+        self, ks: KernelSplit, parts: dict[int, int], sig: Hashable
+    ) -> tuple[list[TileSpec], list[float]]:
+        """The tiles of a cut (cores not assigned) and each one's compute cycles, shared by
+        kernels with the same signature."""
+        key = (sig, tuple(sorted(parts.items())))
+        found = self._tiled.get(key)
+        if found is not None:
+            return found
         req = ks.request
-        tiles = assign_cores(tiles_of(req, parts), self.cores(req), req.rotate)
-        opdef = req.opdef
-        compute: dict[int, float] = {}
-        by_core: dict[int, list[TileSpec]] = {}
-        resident: dict[int, dict[int, list[Box]]] = {}
-        dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
+        tiles = tiles_of(req, parts)
         costs: dict[tuple[int, ...], float] = {}
+        cycles: list[float] = []
         for t in tiles:
-            by_core.setdefault(t.core, []).append(t)
-            key = tuple(b - a for a, b in t.out_box)
-            cycles = costs.get(key)
-            if cycles is None:
-                cycles = (
+            shape = tuple(b - a for a, b in t.out_box)
+            c = costs.get(shape)
+            if c is None:
+                c = costs[shape] = (
                     tile_cost(
                         req.info,
                         ks.unit,
@@ -261,13 +294,42 @@ class SplitChooser:
                         ks.epilogue,
                         t.out_box,
                         t.in_boxes,
-                        opdef,
+                        req.opdef,
                         self.device,
                     ).cycles
                     + LAUNCH
                 )
-                costs[key] = cycles
-            compute[t.core] = compute.get(t.core, 0.0) + cycles
+            cycles.append(c)
+        self._tiled[key] = (tiles, cycles)
+        return tiles, cycles
+
+    def _candidate(self, ks: KernelSplit, parts: dict[int, int], sig: Hashable) -> _Candidate:
+        """A cut priced: per-core compute and the weight bytes it keeps or streams. Kernels
+        of one signature share it (fewer tiles than cores: the same first core too); only
+        the transfer prices, which depend on the producers, are the kernel's own."""
+        req = ks.request
+        plain, cycles = self._tiles(ks, parts, sig)
+        cores = self.cores(req)
+        first = req.rotate % cores if len(plain) < cores else 0
+        key = (sig, tuple(sorted(parts.items())), first)
+        shared = self._priced.get(key)
+        if shared is None:
+            shared = self._priced[key] = self._price(ks, parts, plain, cycles)
+            shared.key = key
+        return dataclasses.replace(shared, moves={})
+
+    def _price(
+        self, ks: KernelSplit, parts: dict[int, int], plain: list[TileSpec], cycles: list[float]
+    ) -> _Candidate:
+        req = ks.request
+        tiles = assign_cores(plain, self.cores(req), req.rotate)
+        compute: dict[int, float] = {}
+        by_core: dict[int, list[TileSpec]] = {}
+        resident: dict[int, dict[int, list[Box]]] = {}
+        dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
+        for t, c in zip(tiles, cycles, strict=True):
+            by_core.setdefault(t.core, []).append(t)
+            compute[t.core] = compute.get(t.core, 0.0) + c
             for i, box in enumerate(t.in_boxes):
                 if box is not None and ks.kinds[i] == "constant" and i not in req.indexed:
                     resident.setdefault(i, {}).setdefault(t.core, []).append(box)
@@ -277,14 +339,17 @@ class SplitChooser:
         for i, per_core in resident.items():
             worst = 0
             for boxes in per_core.values():
-                worst = max(worst, _bytes(_bounding(boxes), dtypes[i]))
+                worst = max(worst, _bytes(bounding_box(boxes), dtypes[i]))
                 engine = max(engine, sum(_bytes(b, dtypes[i]) for b in set(boxes)))
                 distinct.update((i, b) for b in boxes)
             weight_bytes += worst
         streamed = sum(_bytes(b, dtypes[i]) for i, b in distinct)
         stream = max(streamed / self.ddr, engine / self.engine)
         held: dict[tuple[int, int], Box | None] = {}
-        return _Candidate(parts, tiles, compute, weight_bytes, stream, by_core, held=held)
+        busiest = max(compute.values(), default=0.0)
+        return _Candidate(
+            parts, tiles, compute, weight_bytes, stream, by_core, held=held, busiest=busiest
+        )
 
     def _held(self, cand: _Candidate, ks: KernelSplit, core: int, slot: int) -> list[Box]:
         """The boxes of output `slot` that `cand` leaves on `core`: one bounding box when the
@@ -296,7 +361,7 @@ class SplitChooser:
                 output_boxes(req.opdef, req.info, t.out_box)[slot]
                 for t in cand.by_core.get(core, [])
             ]
-            bound = _bounding(boxes) if boxes else None
+            bound = bounding_box(boxes) if boxes else None
             if bound is not None and sum(_volume(b) for b in boxes) == _volume(bound):
                 cand.held[key] = bound
             else:
@@ -310,52 +375,70 @@ class SplitChooser:
     def _move(self, k: int, cand: _Candidate, chosen: list[_Candidate | None]) -> float:
         """Cycles to bring the operands the cores do not hold: every distinct byte once
         over the NoC (from other cores) or DDR (graph inputs), a multicast feeding every core
-        that needs it, the senders' DMA engines sharing the work."""
+        that needs it, the senders' DMA engines sharing the work. Each operand's price
+        depends only on its own producer's cut, and is kept per (operand, that cut)."""
         ks = self.kernels[k]
-        key = tuple(id(chosen[p]) if p >= 0 and chosen[p] is not None else -1 for p in ks.producers)
-        if key in cand.moves:
-            return cand.moves[key]
-        dtypes = (*ks.request.info.in_dtypes, *ks.request.extra_dtypes)
-        cores = max(1, len(cand.by_core))
         total = 0.0
-        for i, tid in enumerate(ks.inputs):
-            kind = ks.kinds[i]
-            if tid < 0 or kind in ("constant", "none"):
-                continue
-            dtype = dtypes[i]
-            producer = chosen[ks.producers[i]] if ks.producers[i] >= 0 else None
-            remote = 0
-            pieces = 0
-            for core, tiles in cand.by_core.items():
-                seen: set[Box] = set()
-                for t in tiles:
-                    box = t.in_boxes[i]
-                    if box is None or box in seen:
-                        continue
-                    seen.add(box)
-                    need = _bytes(box, dtype)
-                    if kind == "chip" and producer is not None and not ks.reshaped[i]:
-                        source = self.kernels[ks.producers[i]]
-                        held = sum(
-                            _overlap(box, p)
-                            for p in self._held(producer, source, core, ks.slots[i])
-                        )
-                        need -= held * _itemsize(dtype) if dtype else 0
-                    if need > 0:
-                        remote += need
-                        pieces += 1
-            if not remote:
-                continue
-            distinct = min(remote, ks.nbytes[i])
-            rate = self.ddr if kind == "ddr" else self.noc
-            total += max(distinct / rate, distinct / (cores * self.engine))
-            total += DESCRIPTOR * pieces / cores
-        cand.moves[key] = total
+        for i, source in self._moved[k]:
+            producer = chosen[source] if source >= 0 else None
+            key = (i, id(producer))
+            found = cand.moves.get(key)
+            if found is None:
+                alike = (
+                    cand.key,
+                    i,
+                    None if producer is None else producer.key,
+                    ks.reshaped[i],
+                    ks.slots[i],
+                    ks.nbytes[i],
+                )
+                found = self._moves.get(alike)
+                if found is None:
+                    found = self._moves[alike] = self._operand_move(ks, cand, i, producer)
+                cand.moves[key] = found
+            total += found[0]
+            total += found[1]
         return total
+
+    def _operand_move(
+        self, ks: KernelSplit, cand: _Candidate, i: int, producer: _Candidate | None
+    ) -> tuple[float, float]:
+        """(transfer cycles, descriptor cycles) of operand `i`."""
+        kind = ks.kinds[i]
+        dtype = (*ks.request.info.in_dtypes, *ks.request.extra_dtypes)[i]
+        if dtype is None:
+            return 0.0, 0.0
+        size = _itemsize(dtype)
+        cores = max(1, len(cand.by_core))
+        # what the producer's cut leaves on each core is read in place
+        local = producer if kind == "chip" and not ks.reshaped[i] else None
+        remote = 0
+        pieces = 0
+        for core, tiles in cand.by_core.items():
+            held: list[Box] = []
+            if local is not None:
+                held = self._held(local, self.kernels[ks.producers[i]], core, ks.slots[i])
+            seen: set[Box] = set()
+            for t in tiles:
+                box = t.in_boxes[i]
+                if box is None or box in seen:
+                    continue
+                seen.add(box)
+                need = _volume(box)
+                for p in held:
+                    need -= _overlap(box, p)
+                if need > 0:
+                    remote += need * size
+                    pieces += 1
+        if not remote:
+            return 0.0, 0.0
+        distinct = min(remote, ks.nbytes[i])
+        rate = self.ddr if kind == "ddr" else self.noc
+        return max(distinct / rate, distinct / (cores * self.engine)), DESCRIPTOR * pieces / cores
 
     def _time(self, k: int, cand: _Candidate, chosen: list[_Candidate | None]) -> float:
         move = self._move(k, cand, chosen)
-        return max((c for c in cand.compute.values()), default=0.0) + move
+        return cand.busiest + move
 
     def _pick(self, price: float) -> tuple[list[_Candidate], int]:
         """Each kernel's cheapest cut when a resident byte costs `price` cycles (its weights
@@ -393,7 +476,67 @@ class SplitChooser:
                 else:
                     low = mid
             picked = best
-        return [c.tiles for c in picked]
+        return [list(c.tiles) for c in picked]
+
+
+def _signature(ks: KernelSplit) -> Hashable:
+    """Everything a kernel's cuts and tile costs depend on, without its name, its place in
+    the program (`rotate` only picks the first core) or its operands' tensor ids."""
+    req = ks.request
+    info = req.info
+    sig = (
+        info.op_type,
+        info.domain,
+        info.opset,
+        _frozen(info.attrs),
+        info.in_shapes,
+        info.in_dtypes,
+        info.out_shapes,
+        info.out_dtypes,
+        tuple(sorted((i, _const_key(v)) for i, v in info.consts.items())),
+        id(req.opdef),
+        req.extra_shapes,
+        req.extra_dtypes,
+        req.num_cores,
+        req.ols,
+        req.mos,
+        req.budget,
+        req.granularity,
+        req.indexed,
+        ks.unit,
+        ks.macs,
+        ks.epilogue,
+        ks.kinds,
+    )
+    try:
+        hash(sig)
+    except TypeError:  # an attribute we cannot freeze: this kernel shares with no other
+        return ("unshared", id(ks))
+    return sig
+
+
+VALUE_CONSTS = 32
+"""Constant inputs up to this many elements enter a kernel's signature by value (tiling rules
+read axes, pads, slice bounds and scales: at most 2 x rank numbers); larger ones (a conv's
+bias) by dtype and shape only, so identical layers with different biases share their cuts."""
+
+
+def _const_key(value: np.ndarray) -> Hashable:
+    if value.size <= VALUE_CONSTS:
+        return _frozen(value)
+    return ("large", value.dtype.str, value.shape)
+
+
+def _frozen(value: object) -> Hashable:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.generic):
+        return value.item()
+    return value  # type: ignore[return-value]
 
 
 def shape_of(box: Box) -> tuple[int, ...]:
