@@ -370,4 +370,7 @@ class SweepCompile(Base):
     created_job: Mapped[bool] = mapped_column(Boolean, default=True)
     round: Mapped[int] = mapped_column(Integer, default=0)
     """The optimize round that asked for it (0 for every compile of a brute sweep)."""
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The few perf-metric figures scoring needs, copied from the compile's report when the job
+    succeeded (a sweep's page then never reads whole reports)."""
     created_at: Mapped[dt.datetime] = _created()

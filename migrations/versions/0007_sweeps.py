@@ -65,6 +65,7 @@ def upgrade() -> None:
         sa.Column("compile_job_id", sa.Uuid(), nullable=False),
         sa.Column("created_job", sa.Boolean(), nullable=False),
         sa.Column("round", sa.Integer(), nullable=False),
+        sa.Column("metrics", sa.JSON(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(
             ["compile_job_id"],
