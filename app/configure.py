@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ def _configure(argv: list[str]) -> int:
     return 0 if best is not None else 1
 
 
-def _params(params: dict[str, Any]) -> str:
+def _params(params: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
