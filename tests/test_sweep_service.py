@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -94,6 +96,36 @@ def runs_like_onnxruntime(qpc: bytes, model: onnx.ModelProto, batch: int, tmp_pa
     np.testing.assert_allclose(got, expected, rtol=2e-3, atol=2e-3)  # fp16 compute
 
 
+def check_sweep_page(api: Api, sweep: dict[str, Any]) -> None:
+    """The sweep's page over plain HTTP, signed in with the key: one linked point per scored
+    combination, the Pareto front, the best marked, and a table sorted as the link asks."""
+    with httpx.Client(base_url=api.base_url, follow_redirects=True, timeout=60) as web:
+        csrf = re.search(r'name="csrf" value="([^"]+)"', web.get("/sign-in").text)
+        assert csrf is not None
+        form = {"api_key": api.key, "csrf": csrf.group(1), "next": "/sweeps"}
+        listing = web.post("/sign-in", data=form)
+        assert listing.status_code == 200 and sweep["id"] in listing.text
+        page = web.get(f"/sweeps/{sweep['id']}", params={"sort": "latency"})
+        assert page.status_code == 200
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        html = page.text
+        points = re.findall(
+            r'<a href="/jobs/([0-9a-f-]+)" class="point([^"]*)" data-index="(\d+)"', html
+        )
+        assert len(points) == len(sweep["results"])
+        by_index = {r["index"]: r for r in sweep["results"]}
+        assert all(job == by_index[int(i)]["job_id"] for job, _, i in points)
+        assert [int(i) for _, cls, i in points if "best" in cls] == [sweep["best"]["index"]]
+        front = {int(i) for _, cls, i in points if "front" in cls}
+        assert front == set(sweep["pareto_front"]) and 'id="pareto-front"' in html
+        table = html.split('id="sweep-results"', 1)[1]
+        shown = [float(x) for x in re.findall(r'<td class="latency">([0-9.]+)</td>', table)]
+        assert len(shown) == len(sweep["results"]) and shown == sorted(shown)
+        assert 'class="result best' in table
+        live = web.get(f"/sweeps/{sweep['id']}/live")
+        assert live.status_code == 200 and live.headers.get("x-poll-done") == "1"
+
+
 # -------------------------------------------------------------------------------- embedded
 
 
@@ -124,6 +156,7 @@ def test_embedded_brute_sweep_scores_every_valid_combination_and_optimize_reuses
 
         qpc = api.download_qpc(best["qpc_id"])
         runs_like_onnxruntime(qpc, model, best["batchsize"], tmp_path)
+        check_sweep_page(api, brute)
 
         optimize = wait_sweep(api, create(api, {**body, "mode": "optimize"})["id"])
         assert optimize["status"] == "succeeded", optimize["error"]

@@ -124,6 +124,11 @@ def test_yaml_and_json_spaces_read_the_same_and_the_docs_example_is_valid(tmp_pa
         ('{"parameters": {"cores": [1]}, "extra": 1}', "json", "unknown search-space keys"),
         ('{"parameters": {"cores": [1]}, "constraints": ["__import__(1)"]}', "json", "not allowed"),
         ('{"parameters": {"cores": [1]}, "constraints": ["cores <"]}', "json", "not an expression"),
+        (
+            '{"parameters": {"cores": [1]}, "constraints": ["9 ** 9 ** 9 > cores"]}',
+            "json",
+            "not allowed",
+        ),
         ('{"parameters": {"cores": [1]}, "base_flags": ["-aic-num-cores=x"]}', "json", "base"),
         ('{"parameters": {"m": ["x.onnx"]}}', "json", "configurator sets it"),
         ("[1, 2]", "json", "must be a mapping"),

@@ -13,7 +13,9 @@ unique per sweep.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -106,8 +108,25 @@ class SweepState:
         return results(self.space, self.done, errors)
 
 
+_SPACES: OrderedDict[uuid.UUID, SearchSpace] = OrderedDict()
+SPACE_CACHE_SIZE = 64
+"""Rebuilt spaces by sweep id: a sweep's space never changes, and checking every combination
+again on each poll of a page would cost more than everything else the read does."""
+
+
+_SPACES_LOCK = threading.Lock()
+
+
 def space_of(sweep: Sweep) -> SearchSpace:
-    return SearchSpace.from_json(sweep.space)
+    with _SPACES_LOCK:
+        space = _SPACES.get(sweep.id)
+    if space is None:
+        space = SearchSpace.from_json(sweep.space)
+        with _SPACES_LOCK:
+            _SPACES[sweep.id] = space
+            while len(_SPACES) > SPACE_CACHE_SIZE:
+                _SPACES.popitem(last=False)
+    return space
 
 
 def load_state(session: Session, sweep: Sweep) -> SweepState:

@@ -98,7 +98,6 @@ _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
 }
 _COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], Any]] = {
     ast.Eq: operator.eq,
@@ -113,7 +112,8 @@ _COMPARE: dict[type[ast.cmpop], Callable[[Any, Any], Any]] = {
 @dataclass(frozen=True)
 class Constraint:
     """An arithmetic condition over parameters (`cores * instances <= 14`), parsed once;
-    only numbers, parameter names, + - * / // % **, comparisons, and/or/not."""
+    only numbers, parameter names, + - * / // %, comparisons, and/or/not (no
+    powers: a constraint must not be able to make the server compute for ever)."""
 
     text: str
     tree: ast.Expression = field(compare=False, repr=False)
@@ -143,6 +143,8 @@ class Constraint:
                 | ast.boolop
                 | ast.cmpop,
             ):
+                raise SpaceError(f"constraint {text!r}: {type(node).__name__} is not allowed")
+            elif isinstance(node, ast.operator) and type(node) not in _BINARY:
                 raise SpaceError(f"constraint {text!r}: {type(node).__name__} is not allowed")
             elif isinstance(node, ast.Constant) and not isinstance(node.value, int | float):
                 raise SpaceError(f"constraint {text!r}: only numbers are allowed")
