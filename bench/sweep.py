@@ -7,8 +7,9 @@
                           [--workers 1,2] [--json out.json]
 
 Each worker count gets a farm of its own (`qpcfarm serve` + N `qpcfarm worker --concurrency 1`
-processes on a fresh PostgreSQL database and a Redis database), so no run sees another's
-cache. Measured from the sweep's POST to its `succeeded` (the client polls every 0.5 s):
+processes on a fresh PostgreSQL database and a private `redis-server`), so no run sees
+another's cache or messages. Measured from the sweep's POST to its `succeeded` (the client
+polls every 0.5 s):
 
 - **scale**: the wall time with 2 workers against 1, same sweep, same machine, same run
   (target >= 1.8x; it needs 2 free CPUs: other load on the machine shows in the ratio);
@@ -47,7 +48,6 @@ sys.path.insert(0, str(REPO / "bench"))
 from compiler_core.configurator.table import render  # noqa: E402  (the repository is put on the path above)
 
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-DEFAULT_REDIS = "redis://127.0.0.1:6379/13"
 DEFAULT_SPACE = REPO / "docs" / "configurator" / "config_8cores_only.csv"
 BASE_FLAGS = ["-convert-to-fp16", "-aic-device=aic100-standard"]
 POLL_S = 0.5
@@ -97,24 +97,49 @@ def _admin_sql(url: str, statement: str) -> None:
         engine.dispose()
 
 
-def _purge_broker(url: str) -> None:
-    """Empty the Redis database the farm uses as its broker (left-over messages of an
-    interrupted run would be claimed by nobody and only slow the start)."""
+@contextmanager
+def private_redis(work: Path) -> Iterator[str]:
+    """A `redis-server` of this run on a free port (no persistence): a shared Redis database
+    would hand this farm's job ids to another farm's workers, and theirs to ours."""
     import redis
 
-    redis.Redis.from_url(url).flushdb()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(work / f"redis-{port}.log", "wb")  # noqa: SIM115  (closed below)
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(work)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port, socket_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.1)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
 
 
 @contextmanager
-def farm(work: Path, workers: int, args: argparse.Namespace) -> Iterator[Farm]:
+def farm(work: Path, workers: int, args: argparse.Namespace, broker: str) -> Iterator[Farm]:
     database = f"qpcfarm_sweep_{uuid.uuid4().hex[:10]}"
     _admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
-    _purge_broker(args.redis)
     env = {k: v for k, v in os.environ.items() if not k.startswith("QPCFARM_")}
     env.update(
         QPCFARM_DATA_DIR=str(work / f"data-{database}"),
         QPCFARM_DATABASE_URL=args.postgres.rsplit("/", 1)[0] + "/" + database,
-        QPCFARM_BROKER_URL=args.redis,
+        QPCFARM_BROKER_URL=broker,
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
     with socket.socket() as sock:
@@ -235,7 +260,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--space", type=Path, default=DEFAULT_SPACE)
     p.add_argument("--workers", default="1,2", help="worker counts to compare, comma separated")
     p.add_argument("--postgres", default=DEFAULT_POSTGRES)
-    p.add_argument("--redis", default=DEFAULT_REDIS)
     p.add_argument("--no-optimize", action="store_true", help="skip the optimize run")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -251,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         brute: dict[str, Any] | None = None
         for n in counts:
-            with farm(work, n, args) as f:
+            with private_redis(work) as broker, farm(work, n, args, broker) as f:
                 model_id = upload(f, model)
                 seconds, sweep = run_sweep(f, model_id, space_csv, "brute")
                 again_s, again = run_sweep(f, model_id, space_csv, "brute")
@@ -267,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 brute = sweep
         if not args.no_optimize and brute is not None:
-            with farm(work, counts[-1], args) as f:
+            with private_redis(work) as broker, farm(work, counts[-1], args, broker) as f:
                 model_id = upload(f, model)
                 seconds, sweep = run_sweep(f, model_id, space_csv, "optimize")
                 figures["optimize"] = summary(seconds, sweep)

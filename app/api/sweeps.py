@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compiler_core.configurator.scoring import parse_objective
 from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
 from compiler_core.errors import CompileError
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep
+from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
 from qpcfarm.app.api.models import Limit, Offset
 from qpcfarm.app.db.models import Sweep
 from qpcfarm.app.services import models, sweeps
@@ -161,7 +161,6 @@ def create_sweep(
     session: SessionDep,
     team: CurrentTeam,
     queue: QueueDep,
-    store: StoreDep,
     settings: SettingsDep,
 ) -> dict[str, Any]:
     """Check the space (invalid combinations are listed in `invalid`, never compiled) and
@@ -174,7 +173,7 @@ def create_sweep(
     model = models.get_model(session, team, body.model_id)
     sweep, queued = sweeps.create_sweep(
         session, team, model, space, mode=body.mode, objective=objective,
-        latency_bound_us=bound, store=store, cache_scope=settings.cache_scope,
+        latency_bound_us=bound, cache_scope=settings.cache_scope,
     )  # fmt: skip
     session.commit()
     for job_id in queued:
@@ -202,9 +201,9 @@ def list_sweeps(
     return SweepList(items=items, count=page.total, limit=page.limit, offset=page.offset)
 
 
-def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep, store: Any) -> dict[str, Any]:
+def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
     """Move the sweep on (a finished compile may let the next round start), then show it."""
-    queued = sweeps.advance(session, sweep.id, store=store)
+    queued = sweeps.advance(session, sweep.id)
     session.commit()
     for job_id in queued:
         queue.enqueue(job_id)
@@ -213,10 +212,8 @@ def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep, store: Any
 
 
 @router.get("/{sweep_id}", response_model=SweepOut)
-def read_sweep(
-    sweep: TeamSweep, session: SessionDep, queue: QueueDep, store: StoreDep
-) -> dict[str, Any]:
-    return advanced_view(sweep, session, queue, store)
+def read_sweep(sweep: TeamSweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
+    return advanced_view(sweep, session, queue)
 
 
 @router.post(

@@ -26,7 +26,6 @@ from sqlalchemy.orm import Session
 from compiler_core.configurator.scoring import meets, pareto_front
 from compiler_core.configurator.search import Result, best, next_groups, ranked, results
 from compiler_core.configurator.space import SearchSpace
-from qpcfarm.app.blobs import BlobStore
 from qpcfarm.app.db.base import utcnow
 from qpcfarm.app.db.models import (
     CompileJob,
@@ -165,15 +164,15 @@ def _lock(session: Session, sweep_id: uuid.UUID) -> Sweep | None:
     return session.execute(query).scalar_one_or_none()
 
 
-def advance(
-    session: Session,
-    sweep_id: uuid.UUID,
-    *,
-    store: BlobStore | None = None,
-) -> list[uuid.UUID]:
+def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
     """Move a running sweep on: submit the groups the search wants now, close it when the
     search is finished. Returns the ids of new queued jobs; the caller commits, then enqueues
-    them."""
+    them.
+
+    A cache hit is taken from the QPC's row and report without reading its blob back (a
+    compile job's submit hashes the whole QPC first): a sweep of a hundred cached ResNet-50
+    QPCs would otherwise read gigabytes to rank them by their reports. The bytes are checked
+    where they are used: a download verifies them, and quarantines a damaged blob."""
     sweep = _lock(session, sweep_id)
     if sweep is None or sweep.status != JobStatus.running:
         return []
@@ -194,7 +193,7 @@ def advance(
         scope = sweep.space.get("cache_scope", "team")
         for g in wanted:
             job, created = jobs.submit_job(
-                session, team, model, state.space.groups[g].options, store=store,
+                session, team, model, state.space.groups[g].options, store=None,
                 cache_scope=scope,
             )  # fmt: skip
             inserted = insert_or_ignore(
@@ -239,7 +238,6 @@ def create_sweep(
     mode: str,
     objective: str,
     latency_bound_us: float | None,
-    store: BlobStore | None = None,
     cache_scope: str = "team",
 ) -> tuple[Sweep, list[uuid.UUID]]:
     """A new running sweep with its first compiles submitted; (sweep, job ids to enqueue
@@ -264,7 +262,7 @@ def create_sweep(
     )
     session.add(sweep)
     session.flush()
-    return sweep, advance(session, sweep.id, store=store)
+    return sweep, advance(session, sweep.id)
 
 
 def get_sweep(session: Session, team: Team, sweep_id: uuid.UUID) -> Sweep:
