@@ -14,9 +14,7 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def rows_of(
-    items: Sequence[Result], objective_met: Mapping[int, bool] | None = None
-) -> list[dict[str, Any]]:
+def rows_of(items: Sequence[Result]) -> list[dict[str, Any]]:
     """Local results as API-shaped rows (rank in the given order; failed ones unranked)."""
     rows = []
     rank = 0
@@ -35,6 +33,9 @@ def rows_of(
                 "set_size": r.point.set_size,
                 "latency_us": round(r.score.latency_us, 3) if r.score else None,
                 "throughput": round(r.score.throughput, 2) if r.score else None,
+                "device_latency_us": round(r.score.device_latency_us, 3) if r.score else None,
+                "ddr_bound": r.score.ddr_bound if r.score else None,
+                "estimated": True,
                 "error": r.error,
             }
         )
