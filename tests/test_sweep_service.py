@@ -225,7 +225,7 @@ def test_sweep_requests_are_checked_before_anything_is_queued(tmp_path: Path) ->
         api = start_embedded(procs, tmp_path)
         model_id = api.upload(tiny_model(batch="N").SerializeToString(), "tiny.onnx")["id"]
         one = {"parameters": {"cores": [1]}}
-        bad = [
+        bad: list[tuple[dict[str, Any], str]] = [
             ({"space": {"parameters": {"colour": [1]}}}, "invalid_search_space"),
             ({"space": one, "space_csv": "cores\n1\n"}, "invalid_request"),
             ({"space": {"parameters": {"ols": [4]}}}, "invalid_search_space"),  # none valid

@@ -291,6 +291,7 @@ def test_a_latency_bound_picks_the_fastest_combination_within_it() -> None:
     bounded = best(items, "max-throughput-under-latency", 50.0)
     latency = best(items, "min-latency", None)
     assert unbounded is not None and bounded is not None and latency is not None
+    assert unbounded.score and bounded.score and latency.score
     assert unbounded.point.batchsize == 8 and unbounded.score.latency_us > 50.0
     assert bounded.score.latency_us <= 50.0 and bounded.point.batchsize == 1
     assert latency.score.latency_us == min(r.score.latency_us for r in items if r.score)
