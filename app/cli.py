@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from qpcfarm.app.configure import configure_command
 from qpcfarm.app.submit import submit_command
 
 if TYPE_CHECKING:
@@ -488,6 +489,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, Handler]] = {
     "admin": ("create teams and API keys", admin_command),
     "db": ("apply database migrations", db_command),
     "submit": ("compile on a farm, like compile (the same flags)", submit_command),
+    "configure": ("sweep a search space of compile/runtime parameters", configure_command),
 }
 """Service commands: name -> (help, handler(argv) -> exit code)."""
 

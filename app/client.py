@@ -188,6 +188,16 @@ class FarmClient:
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/compile-jobs/{job_id}/cancel")
 
+    def create_sweep(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST /v1/sweeps (a configurator sweep; see `qpcfarm configure`)."""
+        return self._json("POST", "/v1/sweeps", json=dict(body))
+
+    def get_sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/v1/sweeps/{sweep_id}")
+
+    def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._json("POST", f"/v1/sweeps/{sweep_id}/cancel")
+
     def download_qpc(self, qpc_id: str, dest: Path) -> str:
         """Stream GET /v1/qpcs/{id}/download to `dest` (atomically); its sha256.
 

@@ -18,7 +18,16 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from compiler_core.version import COMPILER_VERSION
-from qpcfarm.app.api import compile_jobs, keys, meta, models, profiles, qpcs, validations
+from qpcfarm.app.api import (
+    compile_jobs,
+    keys,
+    meta,
+    models,
+    profiles,
+    qpcs,
+    sweeps,
+    validations,
+)
 from qpcfarm.app.api.errors import install_error_handlers
 from qpcfarm.app.api.openapi import complete
 from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
@@ -72,6 +81,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         qpcs.router,
         profiles.router,
         validations.router,
+        sweeps.router,
         keys.router,
         meta.router,
         meta.health_router,

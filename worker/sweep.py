@@ -65,6 +65,24 @@ def sweep_once(
     return [job_id for _, job_id in found]
 
 
+def advance_sweeps(session_factory: sessionmaker[Session], queue: JobQueue) -> int:
+    """Move every running configurator sweep on (`services.sweeps.advance`): an optimize
+    sweep nobody is reading still reaches its next round, and a sweep whose API process
+    restarted carries on. Returns the number of compile jobs enqueued."""
+    from qpcfarm.app.services import sweeps
+
+    with session_scope(session_factory) as session:
+        ids = sweeps.active_sweep_ids(session)
+    enqueued = 0
+    for sweep_id in ids:
+        with session_scope(session_factory) as session:
+            queued = sweeps.advance(session, sweep_id)
+        for job_id in queued:
+            queue.enqueue(job_id)
+        enqueued += len(queued)
+    return enqueued
+
+
 class Sweeper:
     """A daemon thread calling `sweep_once` every `interval_s` until `stop()`."""
 
@@ -104,6 +122,7 @@ class Sweeper:
                     stale_after_s=self._stale_after_s,
                     requeue_after_s=self._requeue_after_s,
                 )
+                advance_sweeps(self._sessions, self._queue)
             except Exception:  # the database or broker is away: try at the next interval
                 log.warning("sweep failed; retrying in %.0f s", self._interval, exc_info=True)
             self.sweeps += 1

@@ -320,3 +320,57 @@ class QuarantinedBlob(Base):
     found_by: Mapped[str] = mapped_column(String(32))
     location: Mapped[str] = mapped_column(String(255))
     found_at: Mapped[dt.datetime] = _created()
+
+
+class Sweep(Base):
+    """A model-configurator sweep: a search space of compile and runtime parameters, run as
+    ordinary compile jobs (one per compile group, see `sweep_compiles`) and ranked by the cost
+    model's estimate. The space is stored whole (`compiler_core.configurator` rebuilds it);
+    the results are read from the compile jobs and their reports, never copied here."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    team_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("teams.id", ondelete="CASCADE"), index=True
+    )
+    model_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), index=True
+    )
+    mode: Mapped[str] = mapped_column(String(16))
+    objective: Mapped[str] = mapped_column(String(40))
+    latency_bound_us: Mapped[float | None] = mapped_column(Float)
+    space: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """`SearchSpace.to_json()`: base flags, constraints and every row as given."""
+    status: Mapped[JobStatus] = mapped_column(
+        Enum(JobStatus, native_enum=False, length=16, validate_strings=True),
+        default=JobStatus.running,
+        index=True,
+    )
+    error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = _created()
+    finished_at: Mapped[dt.datetime | None] = mapped_column()
+
+
+class SweepCompile(Base):
+    """One compile group of a sweep and the compile job that runs it (created for the sweep,
+    a cache hit, or an identical job in flight it attached to: `created_job` False)."""
+
+    __tablename__ = "sweep_compiles"
+    __table_args__ = (UniqueConstraint("sweep_id", "group_index"),)
+
+    id: Mapped[uuid.UUID] = _uuid_pk()
+    sweep_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("sweeps.id", ondelete="CASCADE"), index=True
+    )
+    group_index: Mapped[int] = mapped_column(Integer)
+    compile_job_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("compile_jobs.id", ondelete="CASCADE"), index=True
+    )
+    created_job: Mapped[bool] = mapped_column(Boolean, default=True)
+    round: Mapped[int] = mapped_column(Integer, default=0)
+    """The optimize round that asked for it (0 for every compile of a brute sweep)."""
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    """The few perf-metric figures scoring needs, copied from the compile's report when the job
+    succeeded (a sweep's page then never reads whole reports)."""
+    created_at: Mapped[dt.datetime] = _created()

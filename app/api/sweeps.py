@@ -1,0 +1,229 @@
+"""`/v1/sweeps`: the model configurator as a farm job. Create a sweep of a search space over
+an uploaded model, read its progress and ranked results, cancel it.
+
+Each compile group of the space is an ordinary compile job (cache hits and attaching to an
+identical job in flight included); reading a sweep also moves it on (`services.sweeps`).
+Every figure is the cost model's estimate (`estimated: true`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compiler_core.configurator.scoring import parse_objective
+from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
+from compiler_core.errors import CompileError
+from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
+from qpcfarm.app.api.models import Limit, Offset
+from qpcfarm.app.db.models import Sweep
+from qpcfarm.app.services import models, sweeps
+from qpcfarm.app.services.errors import from_compile_error
+
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
+
+
+class SweepCreate(BaseModel):
+    """A search space in the compact form (`space`) or the vendor's CSV (`space_csv`), one
+    of the two; base flags every combination shares; the mode and the objective."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: uuid.UUID
+    space: dict[str, Any] | None = Field(
+        default=None,
+        description='`{"parameters": {name: [values]}, "constraints": [...], '
+        '"base_flags": [...]}`; names: cores, instances, batchsize, mos, ols, set_size or '
+        "any compile flag.",
+        examples=[
+            {
+                "parameters": {"cores": [2, 4, 8], "instances": [1, 2, 4], "batchsize": [1, 4]},
+                "constraints": ["cores * instances <= 14"],
+            }
+        ],
+    )
+    space_csv: str | None = Field(
+        default=None,
+        max_length=1 << 20,
+        description="The vendor's form: a header of parameter names, one row per combination.",
+    )
+    base_flags: list[str] = Field(default_factory=list, examples=[["-convert-to-fp16"]])
+    mode: Literal["brute", "optimize"] = "brute"
+    objective: Literal["max-throughput", "min-latency", "max-throughput-under-latency"] = (
+        "max-throughput"
+    )
+    latency_bound_us: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SweepCreate:
+        if (self.space is None) == (self.space_csv is None):
+            raise ValueError("give the search space as `space` or as `space_csv` (one of them)")
+        return self
+
+
+class SweepResult(BaseModel):
+    """One combination: its flags and estimated figures, or its compile's error."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rank: int | None
+    index: int
+    flags: list[str]
+    params: dict[str, Any]
+    cores: int
+    instances: int
+    batchsize: int
+    set_size: int
+    status: str
+    latency_us: float | None
+    throughput: float | None = Field(description="Inferences per second (estimated).")
+    estimated: bool
+    meets_objective: bool
+    job_id: uuid.UUID | None
+    qpc_id: uuid.UUID | None
+    cache_hit: bool
+    error: str | None
+
+
+class SweepInvalid(BaseModel):
+    index: int
+    params: dict[str, Any]
+    reason: str
+
+
+class SweepOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: uuid.UUID
+    model_id: uuid.UUID
+    mode: str
+    objective: str
+    latency_bound_us: float | None
+    status: str
+    error: str | None
+    base_flags: list[str]
+    estimated: bool
+    progress: dict[str, Any]
+    best: SweepResult | None
+    pareto_front: list[int] = Field(description="Indices of the results on the Pareto front.")
+    results: list[SweepResult]
+    invalid: list[SweepInvalid]
+
+
+class SweepSummary(BaseModel):
+    id: uuid.UUID
+    model_id: uuid.UUID
+    mode: str
+    objective: str
+    status: str
+    created_at: str
+
+
+class SweepList(BaseModel):
+    items: list[SweepSummary]
+    count: int
+    limit: int
+    offset: int
+
+
+def parse_space(body: SweepCreate) -> SearchSpace:
+    """The request's space, checked (CompileError -> 422 with its code)."""
+    try:
+        if body.space_csv is not None:
+            return parse_csv(body.space_csv, body.base_flags)
+        return parse_mapping(body.space, body.base_flags)
+    except CompileError as exc:
+        raise from_compile_error(exc) from None
+
+
+def team_sweep(sweep_id: uuid.UUID, session: SessionDep, team: CurrentTeam) -> Sweep:
+    return sweeps.get_sweep(session, team, sweep_id)
+
+
+TeamSweep = Annotated[Sweep, Depends(team_sweep)]
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=SweepOut,
+    responses={
+        404: {"description": "`not_found`: no such model for this team"},
+        422: {"description": "`invalid_search_space`, `invalid_option`, `invalid_objective`"},
+    },
+)
+def create_sweep(
+    body: SweepCreate,
+    response: Response,
+    session: SessionDep,
+    team: CurrentTeam,
+    queue: QueueDep,
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """Check the space (invalid combinations are listed in `invalid`, never compiled) and
+    start the sweep: `brute` submits every compile group at once, `optimize` its first."""
+    try:
+        objective, bound = parse_objective(body.objective, body.latency_bound_us)
+    except CompileError as exc:
+        raise from_compile_error(exc) from None
+    space = parse_space(body)
+    model = models.get_model(session, team, body.model_id)
+    sweep, queued = sweeps.create_sweep(
+        session, team, model, space, mode=body.mode, objective=objective,
+        latency_bound_us=bound, cache_scope=settings.cache_scope,
+    )  # fmt: skip
+    session.commit()
+    for job_id in queued:
+        queue.enqueue(job_id)
+    response.headers["Location"] = f"/v1/sweeps/{sweep.id}"
+    return sweeps.view(session, sweep)
+
+
+@router.get("", response_model=SweepList)
+def list_sweeps(
+    session: SessionDep, team: CurrentTeam, limit: Limit = 50, offset: Offset = 0
+) -> SweepList:
+    page = sweeps.list_sweeps(session, team, limit=limit, offset=offset)
+    items = [
+        SweepSummary(
+            id=s.id,
+            model_id=s.model_id,
+            mode=s.mode,
+            objective=s.objective,
+            status=s.status.value,
+            created_at=s.created_at.isoformat(),
+        )  # fmt: skip
+        for s in page.items
+    ]
+    return SweepList(items=items, count=page.total, limit=page.limit, offset=page.offset)
+
+
+def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
+    """Move the sweep on (a finished compile may let the next round start), then show it."""
+    queued = sweeps.advance(session, sweep.id)
+    session.commit()
+    for job_id in queued:
+        queue.enqueue(job_id)
+    session.refresh(sweep)
+    return sweeps.view(session, sweep)
+
+
+@router.get("/{sweep_id}", response_model=SweepOut)
+def read_sweep(sweep: TeamSweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
+    return advanced_view(sweep, session, queue)
+
+
+@router.post(
+    "/{sweep_id}/cancel",
+    response_model=SweepOut,
+    responses={409: {"description": "`not_cancellable`: the sweep has already finished"}},
+)
+def cancel_sweep(sweep: TeamSweep, session: SessionDep, team: CurrentTeam) -> dict[str, Any]:
+    """Stop the sweep: its queued compiles are cancelled, running ones stop at their next
+    progress report; results so far stay."""
+    sweep = sweeps.cancel(session, team, sweep)
+    session.commit()
+    return sweeps.view(session, sweep)

@@ -1,0 +1,124 @@
+"""The sweep pages: `/sweeps` (the team's sweeps) and `/sweeps/{id}`: progress, the
+throughput-vs-latency scatter with its Pareto front, and the results table, sortable by any
+column through links (the server sorts; no script). The changing part is polled like a
+job's (`poll.js`), with the sort kept in the polled URL."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep
+from qpcfarm.app.db.models import JobStatus, Sweep, Team
+from qpcfarm.app.services import sweeps
+from qpcfarm.app.services.errors import ServiceError
+from qpcfarm.app.web import auth
+from qpcfarm.app.web.routes import POLL_DONE_HEADER, not_found_page, render
+from qpcfarm.app.web.sweep_chart import build_chart
+
+router = APIRouter(include_in_schema=False)
+
+SORTS: dict[str, Any] = {
+    "rank": lambda r: (r["rank"] is None, r["rank"] or 0),
+    "cores": lambda r: r["cores"],
+    "instances": lambda r: r["instances"],
+    "batchsize": lambda r: r["batchsize"],
+    "mos": lambda r: (r["params"].get("mos") is None, r["params"].get("mos") or 0),
+    "ols": lambda r: (r["params"].get("ols") is None, r["params"].get("ols") or 0),
+    "set_size": lambda r: r["set_size"],
+    "latency": lambda r: (r["latency_us"] is None, r["latency_us"] or 0.0),
+    "throughput": lambda r: (r["throughput"] is None, -(r["throughput"] or 0.0)),
+    "status": lambda r: r["status"],
+}
+"""Sort keys by column; `desc=1` reverses (throughput sorts highest first by default)."""
+COLUMNS = (
+    ("rank", "Rank"), ("cores", "Cores"), ("instances", "Instances"), ("batchsize", "Batch"),
+    ("mos", "mos"), ("ols", "ols"), ("set_size", "Set size"), ("latency", "Latency (µs)"),
+    ("throughput", "Inferences/s"), ("status", "Status"),
+)  # fmt: skip
+
+
+def find_sweep(session: Any, team: Team, sweep_id: str) -> Sweep | None:
+    try:
+        return sweeps.get_sweep(session, team, uuid.UUID(sweep_id))
+    except (ValueError, ServiceError):
+        return None
+
+
+def sweep_context(
+    session: Any, queue: Any, team: Team, sweep: Sweep, sort: str, desc: bool
+) -> dict[str, Any]:
+    queued = sweeps.advance(session, sweep.id)
+    session.commit()
+    for job_id in queued:
+        queue.enqueue(job_id)
+    session.refresh(sweep)
+    data = sweeps.view(session, sweep)
+    sort = sort if sort in SORTS else "rank"
+    rows = sorted(data["results"], key=SORTS[sort], reverse=desc)
+    return {
+        "team": team,
+        "sweep": data,
+        "rows": rows,
+        "sort": sort,
+        "desc": desc,
+        "columns": COLUMNS,
+        "chart": build_chart(data["results"], data["pareto_front"], data["best"]),
+        "front": set(data["pareto_front"]),
+        "active": sweep.status == JobStatus.running,
+    }
+
+
+@router.get("/sweeps", response_model=None)
+def sweep_list(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    items = sweeps.list_sweeps(session, team, limit=100).items
+    return render(request, "sweeps.html", {"team": team, "sweeps": items})
+
+
+@router.get("/sweeps/{sweep_id}", response_model=None)
+def sweep_page(
+    request: Request,
+    sweep_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    queue: QueueDep,
+    sort: str = "rank",
+    desc: bool = False,
+) -> Response:
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return auth.sign_in_redirect(request)
+    sweep = find_sweep(session, team, sweep_id)
+    if sweep is None:
+        return not_found_page(request, team, "sweep", sweep_id)
+    return render(request, "sweep.html", sweep_context(session, queue, team, sweep, sort, desc))
+
+
+@router.get("/sweeps/{sweep_id}/live", response_model=None)
+def sweep_live(
+    request: Request,
+    sweep_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    queue: QueueDep,
+    sort: str = "rank",
+    desc: bool = False,
+) -> Response:
+    """The sweep page's changing part, polled while the sweep runs."""
+    team = auth.web_team(request, session, settings)
+    if team is None:
+        return Response(status_code=401)
+    sweep = find_sweep(session, team, sweep_id)
+    if sweep is None:
+        return Response(status_code=404)
+    context = sweep_context(session, queue, team, sweep, sort, desc)
+    response = render(request, "_sweep_body.html", context)
+    if not context["active"]:
+        response.headers[POLL_DONE_HEADER] = "1"
+    return response
