@@ -60,6 +60,23 @@ def cnn(seed: int = 0, classes: int = 10) -> onnx.ModelProto:
     return _model(nodes, [("x", [1, 3, 16, 16])], [("y", [1, classes])], inits, "cnn")
 
 
+def pooled(seed: int = 2, **pool: Any) -> onnx.ModelProto:
+    """Conv-Relu then a windowed AveragePool (attributes `pool`) as the output, so its own
+    quantization step is the tolerance."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "w1": rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
+        "b1": rng.normal(0, 0.1, (8,)).astype(np.float32),
+    }
+    nodes = [
+        oh.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        oh.make_node("Relu", ["c1"], ["r1"]),
+        oh.make_node("AveragePool", ["r1"], ["y"], **pool),
+    ]
+    model = _model(nodes, [("x", [1, 3, 13, 13])], [("y", None)], inits, "pooled")
+    return onnx.shape_inference.infer_shapes(model)
+
+
 def mlp(seed: int = 1) -> onnx.ModelProto:
     """MatMul + bias, SiLU (x * Sigmoid(x)), MatMul, Tanh, Sub, Concat, Transpose, and an
     activation-by-activation MatMul."""

@@ -17,7 +17,7 @@ from compiler_core.errors import CompileError
 from compiler_core.quant.profile import TensorStats, read_profile
 from compiler_core.quant.ranges import abs_histogram, threshold
 from compiler_core.runtime import run_qpc
-from tests.quant_models import calibration, cnn, run_ort
+from tests.quant_models import calibration, cnn, pooled, run_ort
 
 MODEL = cnn()
 
@@ -337,3 +337,21 @@ def test_matmul_bias_add_becomes_the_kernels_bias(tmp_path):
         adds = [k for k in result.program.kernels if k.info.op_type == "QAdd"]
         assert len(adds) == 1  # the Sub only
         assert result.accuracy["held_back"]["outputs"]["y"]["cosine_similarity"] > 0.99
+
+
+def test_loaded_profile_quantizes_a_windowed_average_pool(tmp_path):
+    model = pooled(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    onnx.save(model, tmp_path / "model.onnx")
+    samples = calibration(model, 6)
+    np.savez(tmp_path / "calib.npz", x=np.stack([s["x"] for s in samples]))
+    profile = tmp_path / "profile.json"
+    common = [f"-input-list-file={tmp_path / 'calib.npz'}"]
+    compile_model(tmp_path / "model.onnx", [f"-dump-profile={profile}", *common]).cleanup()
+    result = compile_model(tmp_path / "model.onnx", [f"-load-profile={profile}", *common])
+    ops = [k.info.op_type for k in result.program.kernels]
+    assert "QAveragePool" in ops and "AveragePool" not in ops, ops
+    for feeds in samples:
+        ours = run_qpc(result.qpc_path, feeds)["y"]
+        ref = run_ort(model, feeds)[0]
+        assert np.abs(ours - ref).max() < 0.03 * np.abs(ref).max()
+    result.cleanup()

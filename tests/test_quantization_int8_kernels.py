@@ -126,3 +126,76 @@ def test_int8_kernels_are_priced_at_the_int8_rate_and_weights_take_one_byte():
     assert "fp16" in floats.metrics["precision"]
     quant.cleanup()
     floats.cleanup()
+
+
+def test_round_divide_is_half_to_even_on_the_exact_quotient():
+    from compiler_core.ops.int8 import _round_divide
+
+    n = RNG.integers(-(2**40), 2**40, 400, dtype=np.int64)
+    n = np.concatenate([n, [-9, -3, -2, 2, 3, 6, 9, 10]])
+    d = RNG.integers(1, 50, n.size, dtype=np.int64)
+    want = [exact_round(Fraction(int(a), int(b))) for a, b in zip(n, d, strict=True)]
+    np.testing.assert_array_equal(_round_divide(n, d), want)
+    as_ints = _round_divide(n.astype(object), d.astype(object) << 40)
+    want = [exact_round(Fraction(int(a), int(b) << 40)) for a, b in zip(n, d, strict=True)]
+    np.testing.assert_array_equal(as_ints.astype(np.int64), want)
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+@pytest.mark.parametrize("include_pad", [0, 1])
+def test_qaverage_pool_program_gives_the_integer_reference_codes(cores, include_pad):
+    """Each window's exact sum times s_x / s_y over its own count (pads, ceil_mode edges),
+    rounded half to even once."""
+    x = RNG.integers(0, 256, (2, 5, 12, 11), dtype=np.uint8)
+    multiplier = np.float32(0.8731)
+    mant, shift = fixed_point(multiplier)
+    pads, kernel, strides = [1, 0, 1, 1], [3, 2], [2, 2]
+    node = oh.make_node(
+        "QAveragePool",
+        ["x"],
+        ["y"],
+        domain=DOMAIN,
+        kernel_shape=kernel,
+        strides=strides,
+        pads=pads,
+        ceil_mode=1,
+        count_include_pad=include_pad,
+        x_zero=128,
+        y_zero=-3,
+        mult=int(mant),
+        shift=int(shift),
+    )
+    rows, cols = 7, 6  # ceil((12 + 2 - 3) / 2) + 1: the last row window passes the pad
+    graph = oh.make_graph(
+        [node],
+        "qavgpool",
+        [oh.make_tensor_value_info("x", TensorProto.UINT8, x.shape)],
+        [oh.make_tensor_value_info("y", TensorProto.INT8, [2, 5, rows, cols])],
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid(DOMAIN, 1)]
+    )
+    model.ir_version = 9
+    result = compile_model(model, [f"-aic-num-cores={cores}"])
+    y = run_qpc(result.qpc_path, {"x": x})["y"]
+    result.cleanup()
+    centred = x.astype(np.int64) - 128
+    m = Fraction(float(multiplier))
+    want = np.zeros((2, 5, rows, cols), np.int64)
+    for i in range(rows):
+        r0 = i * strides[0] - pads[0]
+        r_taps = range(r0, r0 + kernel[0])
+        r_in = [r for r in r_taps if 0 <= r < 12]
+        r_count = sum(-pads[0] <= r < 12 + pads[2] for r in r_taps) if include_pad else len(r_in)
+        for j in range(cols):
+            c0 = j * strides[1] - pads[1]
+            c_taps = range(c0, c0 + kernel[1])
+            c_in = [c for c in c_taps if 0 <= c < 11]
+            c_count = (
+                sum(-pads[1] <= c < 11 + pads[3] for c in c_taps) if include_pad else len(c_in)
+            )
+            sums = centred[:, :, r_in][:, :, :, c_in].sum(axis=(2, 3))
+            for n, c in np.ndindex(2, 5):
+                q = exact_round(int(sums[n, c]) * m / (r_count * c_count))
+                want[n, c, i, j] = min(max(q - 3, -128), 127)
+    np.testing.assert_array_equal(y, want.astype(np.int8))

@@ -12,7 +12,15 @@ import pytest
 from compiler_core.compile import compile_model
 from compiler_core.ops.int8 import DOMAIN
 from compiler_core.runtime import run_qpc
-from tests.quant_models import calibration, cnn, mlp, ort_qdq, output_scales, run_ort
+from tests.quant_models import (
+    calibration,
+    cnn,
+    mlp,
+    ort_qdq,
+    output_scales,
+    pooled,
+    run_ort,
+)
 
 FLOAT_HMX = {"Conv", "MatMul", "Gemm"}
 
@@ -70,6 +78,32 @@ def test_ort_qdq_cnn_on_four_cores_matches_one_core():
     a, b = run_qpc(one.qpc_path, feeds), run_qpc(four.qpc_path, feeds)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
+
+
+POOLS = {
+    "plain": {"kernel_shape": [3, 3], "strides": [2, 2]},
+    "pads": {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+    "pads_counted": {
+        "kernel_shape": [3, 3],
+        "strides": [2, 2],
+        "pads": [1, 0, 1, 2],
+        "count_include_pad": 1,
+    },
+    "ceil": {"kernel_shape": [2, 3], "strides": [2, 2], "pads": [0, 1, 1, 0], "ceil_mode": 1},
+}
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+@pytest.mark.parametrize("pool", sorted(POOLS))
+def test_ort_qdq_windowed_average_pool_runs_int8_and_matches_ort_int8(pool, cores):
+    """AveragePool between Q/DQ pairs runs as QAveragePool (exact window sums, the
+    multiplier of each window's own count), tiled by rows with halos on 4 cores."""
+    model = pooled(**POOLS[pool])
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    assert any(n.op_type == "AveragePool" for n in qdq.graph.node)
+    result, _ = check_against_ort(qdq, calibration(model, 4, seed=13), cores=cores)
+    ops = [op for _, op, _ in kernels(result)]
+    assert "QAveragePool" in ops and "AveragePool" not in ops, ops
 
 
 def test_ort_qdq_mlp_with_lut_activations_and_activation_matmul():

@@ -11,8 +11,10 @@ integer tensors between kernels and the requantization each kernel applies, as i
   Relu or Clip narrows that range). `rq` holds (mult, shift) per channel ([C, 2] or [1, 2]).
 - QAdd / QMul: each operand centred, scaled by its fixed-point multiplier onto a common shift
   (QAdd) or multiplied and scaled once (QMul), rounded, offset, saturated.
-- QAvgPool: GlobalAveragePool (or an AveragePool with a constant window count) as an exact
-  window sum requantized by mult / 2**shift, which includes 1 / count.
+- QAvgPool: GlobalAveragePool (or a spatial ReduceMean) as an exact sum requantized by
+  mult / 2**shift, which includes 1 / count.
+- QAveragePool: a windowed AveragePool, each window's exact sum requantized by the
+  multiplier for its own tap count (pads without count_include_pad, ceil_mode edges).
 - QLut: any unary elementwise op as a table over every input code (256 for 8 bits), built at
   compile time from the float op and both tensors' scales.
 
@@ -37,6 +39,7 @@ from compiler_core.ops.conv import (
     conv_input_boxes,
     conv_macs,
     conv_split_axes,
+    gather_windows,
     tile_box,
 )
 from compiler_core.ops.matmul import (
@@ -46,7 +49,16 @@ from compiler_core.ops.matmul import (
     matmul_split_axes,
     narrow,
 )
-from compiler_core.ops.pool import global_input_boxes, global_macs, global_split_axes
+from compiler_core.ops.pool import (
+    global_input_boxes,
+    global_macs,
+    global_split_axes,
+    pool_input_boxes,
+    pool_macs,
+    pool_split_axes,
+    pool_windows,
+    window_counts,
+)
 from compiler_core.ops.registry import Box, NodeInfo, TileCtx, full_box, register
 
 Array = np.ndarray
@@ -298,6 +310,38 @@ def qavgpool_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) 
 
 
 # ---------------------------------------------------------------------------------------------
+# QAveragePool (windowed): x with AveragePool's attributes and x_zero, y_zero, mult, shift
+# (mult / 2**shift = s_x / s_y). Each window's exact sum is divided by its own tap count
+# exactly: round_half_even(sum * mult / (count * 2**shift)). A rounded 1/count multiplier
+# would turn the exact ties of counts 2, 4, 6 ... into ups where ONNX Runtime divides.
+
+
+def qaverage_pool_compute(node: NodeInfo, inputs: list[Array | None], tile: TileCtx) -> list[Array]:
+    x = inputs[0]
+    assert x is not None
+    wins = pool_windows(node)
+    centred = x.astype(np.int64) - int(node.attr("x_zero", 0))
+    view = gather_windows(centred, wins, tile.out_box, tile_box(tile, node, 0), 0, aligned=(0, 1))
+    total = view.sum(axis=tuple(range(2 + len(wins), 2 + 2 * len(wins))))
+    total = total if _wide(node) else _wrap_int32(total)
+    count = np.broadcast_to(window_counts(node, wins, tile.out_box), total.shape)
+    mult, shift = int(node.attr("mult")), int(node.attr("shift"))
+    peak = int(np.abs(total).max()) if total.size else 0
+    if peak * mult >= 1 << 62 or int(count.max(initial=1)) << (shift + 1) >= 1 << 62:
+        total, count = total.astype(object), count.astype(object)  # exact whatever the shift
+    y = _round_divide(total * mult, count << shift)
+    return [_saturate(node, y.astype(np.int64))]
+
+
+def _round_divide(n: Array, d: Array) -> Array:
+    """n / d rounded half to even (d > 0), exactly, for int64 or Python-integer arrays."""
+    q = n // d
+    twice = (n - q * d) * 2
+    up = (twice > d) | ((twice == d) & (q % 2 == 1))
+    return q + up.astype(n.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # QLut: x, table (one entry per code of x's type, lowest code first)
 
 
@@ -366,6 +410,18 @@ register(
     input_boxes=global_input_boxes,
     macs=global_macs,
     doc="Internal (from fold-qdq): int8/int16 global average pool, fixed-point requant.",
+)
+register(
+    "QAveragePool",
+    qaverage_pool_compute,
+    domain=DOMAIN,
+    dtypes=QTYPES,
+    kernel="qaverage_pool",
+    split_axes=pool_split_axes,
+    input_boxes=pool_input_boxes,
+    macs=pool_macs,
+    doc="Internal (from fold-qdq): int8/int16 windowed average pool (pads, strides, "
+    "ceil_mode, count_include_pad): exact window sums, fixed-point requant per window count.",
 )
 register(
     "QLut",

@@ -26,7 +26,7 @@ from compiler_core.ops.registry import (
 )
 
 
-def _windows(node: NodeInfo) -> list[Window]:
+def pool_windows(node: NodeInfo) -> list[Window]:
     x_shape = node.in_shapes[0]
     assert x_shape is not None
     kernel = ints(node, "kernel_shape", [])
@@ -40,7 +40,7 @@ def pool_split_axes(node: NodeInfo) -> list[int]:
 
 
 def pool_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
-    spatial = tuple(w.clipped(*out_box[2 + i]) for i, w in enumerate(_windows(node)))
+    spatial = tuple(w.clipped(*out_box[2 + i]) for i, w in enumerate(pool_windows(node)))
     return [(out_box[0], out_box[1], *spatial)]
 
 
@@ -76,7 +76,7 @@ def max_pool_compute(
 ) -> list[np.ndarray]:
     x = inputs[0]
     assert x is not None
-    wins = _windows(node)
+    wins = pool_windows(node)
     x_box = tile_box(tile, node, 0)
     fill = _lowest(x.dtype)
     view = gather_windows(x, wins, tile.out_box, x_box, fill, aligned=(0, 1))
@@ -113,22 +113,28 @@ def average_pool_compute(
     x = inputs[0]
     assert x is not None
     acc = accumulator(x.dtype)
-    wins = _windows(node)
+    wins = pool_windows(node)
     view = gather_windows(
         x.astype(acc, copy=False), wins, tile.out_box, tile_box(tile, node, 0), 0.0, aligned=(0, 1)
     )
-    rank = len(wins)
-    total = view.sum(axis=_window_axes(rank))
+    total = view.sum(axis=_window_axes(len(wins)))
+    count = window_counts(node, wins, tile.out_box).astype(acc)
+    return [(total / count).astype(x.dtype, copy=False)]
+
+
+def window_counts(node: NodeInfo, wins: list[Window], out_box: Box) -> np.ndarray:
+    """The number of taps each output of the tile averages (spatial shape of the tile): the
+    taps inside the input, or inside the padded input under count_include_pad."""
     include_pad = int(node.attr("count_include_pad", 0)) == 1
-    count = np.ones((), dtype=acc)
+    count = np.ones((), dtype=np.int64)
     for i, win in enumerate(wins):
-        o0, o1 = tile.out_box[2 + i]
+        o0, o1 = out_box[2 + i]
         starts = np.arange(o0, o1) * win.stride - win.pad_begin
         taps = starts[:, None] + np.arange(win.kernel) * win.dilation
         lo, hi = (-win.pad_begin, win.in_size + win.pad_end) if include_pad else (0, win.in_size)
-        per_axis = ((taps >= lo) & (taps < hi)).sum(axis=1).astype(acc)
+        per_axis = ((taps >= lo) & (taps < hi)).sum(axis=1).astype(np.int64)
         count = np.multiply.outer(count, per_axis)
-    return [(total / count).astype(x.dtype, copy=False)]
+    return count
 
 
 def lp_pool_compute(
@@ -138,7 +144,7 @@ def lp_pool_compute(
     assert x is not None
     acc = accumulator(x.dtype)
     p = float(node.attr("p", 2))
-    wins = _windows(node)
+    wins = pool_windows(node)
     powered = np.abs(x.astype(acc)) ** p
     view = gather_windows(powered, wins, tile.out_box, tile_box(tile, node, 0), 0.0, aligned=(0, 1))
     total = view.sum(axis=_window_axes(len(wins)))

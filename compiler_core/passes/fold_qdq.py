@@ -7,7 +7,7 @@ still compute in float between a dequantize and a quantize. This pass keeps the 
 
 - Conv, MatMul, Gemm -> QConv / QMatMul (weights int8 per tensor or per channel, bias int32,
   or int8 with its own scale, alpha folded into the requantization);
-- Add, Sub, Mul -> QAdd / QMul; GlobalAveragePool -> QAvgPool;
+- Add, Sub, Mul -> QAdd / QMul; GlobalAveragePool -> QAvgPool; AveragePool -> QAveragePool;
 - unary elementwise ops (Relu, Clip, Sigmoid, LeakyRelu, HardSwish, ...) -> QLut, or, for a
   Relu/Clip on a tensor with its producer's scale, a narrower saturation of that producer;
 - data movement and max pooling (Reshape, Transpose, Concat, MaxPool, ...) run on the
@@ -242,6 +242,8 @@ class FoldQDQPass(GraphPass):
             return self._binary(node, out, quantizers)
         if op in ("GlobalAveragePool", "ReduceMean"):
             return self._avgpool(node, out, quantizers)
+        if op == "AveragePool":
+            return self._windowed_avgpool(node, out, quantizers)
         return self._fold_other(node, out, quantizers)
 
     def _fold_with_tail(self, node: ir.Node, tail: ir.Node, lo: float, hi: float) -> bool:
@@ -523,6 +525,20 @@ class FoldQDQPass(GraphPass):
         mant, shift = _fixed(np.float64(x.s) / (np.float64(out.s) * count))
         attrs = _attr_ints(x_zero=x.z, y_zero=out.z, mult=mant, shift=shift)
         self._replace(node, "QAvgPool", [x.value], attrs, out, quantizers)
+        return True
+
+    def _windowed_avgpool(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
+        """AveragePool -> QAveragePool: AveragePool's own attributes plus the s_x / s_y
+        multiplier; the kernel divides each window by its own count (pads, ceil_mode)."""
+        x = dequantized(node.inputs[0])
+        if x is None or not x.per_tensor or static_dims(x.value) is None:
+            return False
+        if "kernel_shape" not in node.attributes:
+            return False
+        mant, shift = _fixed(x.s / out.s)
+        extra = _attr_ints(x_zero=x.z, y_zero=out.z, mult=mant, shift=shift)
+        attrs = [*node.attributes.values(), *extra]
+        self._replace(node, "QAveragePool", [x.value], attrs, out, quantizers)
         return True
 
     def _lut(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:

@@ -2,9 +2,9 @@
 turns into int8 (or int16) kernels.
 
 For every node this compiler has an integer kernel for (Conv, MatMul, Gemm, Add, Sub, Mul,
-GlobalAveragePool, a spatial ReduceMean, unary elementwise ops, MaxPool and data movement)
-whose op type is not kept float (`-execute-nodes-in-fp16`, `-keep-original-precision-for-nodes`)
-and whose tensors the profile covers:
+GlobalAveragePool, AveragePool, a spatial ReduceMean, unary elementwise ops, MaxPool and
+data movement) whose op type is not kept float (`-execute-nodes-in-fp16`,
+`-keep-original-precision-for-nodes`) and whose tensors the profile covers:
 - each float activation it reads or writes gets a QuantizeLinear -> DequantizeLinear pair with
   the parameters its calibrated range gives under `-quantization-schema-activations` (data
   movement and max pooling keep their input's parameters: codes move unchanged);
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 HMX = frozenset({"Conv", "MatMul", "Gemm"})
 BINARY = frozenset({"Add", "Sub", "Mul"})
-POOL = frozenset({"GlobalAveragePool", "ReduceMean"})
+POOL = frozenset({"GlobalAveragePool", "ReduceMean", "AveragePool"})
 WORST = 5
 """Nodes the quantization-loss warning names."""
 
