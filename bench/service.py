@@ -228,7 +228,9 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
     farm = Farm("farm" if farm_mode else "embedded", f"http://127.0.0.1:{port}", "")
     try:
         if farm_mode:
-            subprocess.run(_qpcfarm("db", "upgrade"), env=env, check=True, capture_output=True)
+            subprocess.run(
+                _qpcfarm("db", "upgrade", "--init"), env=env, check=True, capture_output=True
+            )
             subprocess.run(
                 _qpcfarm("admin", "create-team", "bench"), env=env, check=True, capture_output=True
             )
