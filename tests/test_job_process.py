@@ -234,3 +234,68 @@ def test_sqlite_writes_take_the_file_lock_until_commit(tmp_path: Path) -> None:
     finally:
         first.dispose()
         second.dispose()
+
+
+# ------------------------------------------------------------ a job's writes to its row
+
+
+def test_stage_changes_in_quick_succession_share_a_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each write of a job's row is a transaction on the writer lock that submits wait for: a
+    stage change is written at once unless the row was written under STAGE_WRITE_GAP_S ago,
+    and then with the next report due."""
+    clock = [1000.0]
+    written: list[tuple[str | None, float | None]] = []
+    monkeypatch.setattr(compile_jobs.time, "monotonic", lambda: clock[0])
+
+    def record(_session: object, _job: object, stage: str | None = None,
+               progress: float | None = None) -> bool:  # fmt: skip
+        written.append((stage, progress))
+        return False
+
+    monkeypatch.setattr(compile_jobs, "report_progress", record)
+    progress = compile_jobs._Progress(None, None, 1.0, None, None)  # type: ignore[arg-type]
+    gap = compile_jobs.STAGE_WRITE_GAP_S
+
+    progress("import", 0.0)  # the first report: written
+    clock[0] += gap / 10
+    progress("import", 0.1)  # same stage, interval not due: not written
+    progress("graph-passes", 0.2)  # a new stage right after a write: not yet
+    clock[0] += gap
+    progress("lower", 0.5)  # a new stage, the last write is old enough: written
+    clock[0] += gap / 10
+    progress("lower", 0.6)
+    clock[0] += 1.0
+    progress("lower", 0.7)  # the interval is due: written
+
+    assert written == [("import", 0.0), ("lower", 0.5), ("lower", 0.7)]
+    assert progress.stage == "lower"
+
+
+def test_a_failure_records_the_stage_it_failed_in(tmp_path: Path) -> None:
+    from qpcfarm.app.db import models as tables  # noqa: F401 - registers the tables
+    from qpcfarm.app.db.base import Base
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'f.db'}")
+    Base.metadata.create_all(engine)
+    farm = Embedded(Settings(data_dir=tmp_path), make_session_factory(engine),
+                    FilesystemBlobStore(tmp_path / "blobs"))  # fmt: skip
+    try:
+        with farm.sessions() as session:
+            team = make_team(session)
+            from tests.conftest import tiny_model
+
+            data = tiny_model(batch="N").SerializeToString()  # symbolic: refused at import
+            model = models.store_model(session, farm.store, team, io.BytesIO(data), "m.onnx",
+                                       max_bytes=1 << 26)  # fmt: skip
+            job, _ = jobs.submit_job(session, team, model, OPTIONS)
+            session.commit()
+            claimed = compile_jobs.claim(session, job.id, "w")
+            assert claimed is not None
+            stages: list[str] = []
+            done = compile_jobs.run_compile(
+                session, farm.store, claimed, progress_cb=lambda s, _f: stages.append(s)
+            )
+        assert done.status == JobStatus.failed and done.error_code == "dynamic_shape"
+        assert stages and farm.reload(job.id).stage == stages[-1]
+    finally:
+        engine.dispose()
