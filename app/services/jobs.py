@@ -11,7 +11,7 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, Uuid, bindparam, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -170,25 +170,34 @@ def _usable_cached_qpc(
     return qpc_id
 
 
-def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uuid.UUID | None:
-    """A QPC of the cache key: the team's (`team_id`), or any team's (None). One round trip:
-    a QPC row stored under the key, or else the QPC a job of the key points at (the same
-    bytes may have been stored first under another key)."""
-    by_qpc = select(Qpc.id).where(Qpc.options_key == key)
+def _cache_lookup(team_scoped: bool) -> Select[Any]:
+    """The cache lookup, built once per scope (bound at execution: `key`, `team_id`): a QPC
+    row stored under the key, or else the QPC a job of the key points at (the same bytes may
+    have been stored first under another key). One round trip, no statement built per call."""
+    by_qpc = select(Qpc.id).where(Qpc.options_key == bindparam("key"))
     by_job = select(CompileJob.qpc_id).where(
-        CompileJob.options_key == key, CompileJob.qpc_id.is_not(None)
+        CompileJob.options_key == bindparam("key"), CompileJob.qpc_id.is_not(None)
     )
-    if team_id is not None:
-        by_qpc = by_qpc.where(Qpc.team_id == team_id)
-        by_job = by_job.where(CompileJob.team_id == team_id)
-    found = session.execute(
-        select(
-            func.coalesce(by_qpc.limit(1).scalar_subquery(), by_job.limit(1).scalar_subquery())
+    if team_scoped:
+        by_qpc = by_qpc.where(Qpc.team_id == bindparam("team_id", type_=Qpc.team_id.type))
+        by_job = by_job.where(
+            CompileJob.team_id == bindparam("team_id", type_=CompileJob.team_id.type)
         )
-    ).scalar_one_or_none()
-    if found is None or isinstance(found, uuid.UUID):
-        return found
-    return uuid.UUID(str(found))  # SQLite's coalesce() hands the stored text back
+    first = func.coalesce(
+        by_qpc.limit(1).scalar_subquery(), by_job.limit(1).scalar_subquery(), type_=Uuid()
+    )
+    return select(first)
+
+
+_TEAM_LOOKUP = _cache_lookup(team_scoped=True)
+_FARM_LOOKUP = _cache_lookup(team_scoped=False)
+
+
+def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uuid.UUID | None:
+    """A QPC of the cache key: the team's (`team_id`), or any team's (None)."""
+    if team_id is None:
+        return session.execute(_FARM_LOOKUP, {"key": key}).scalar_one_or_none()
+    return session.execute(_TEAM_LOOKUP, {"key": key, "team_id": team_id}).scalar_one_or_none()
 
 
 def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID:
