@@ -171,3 +171,55 @@ def test_the_describer_answers_a_refusal_with_the_importer_s_code(tmp_path: Path
         describer.inspect_in_child(path, "m.onnx", 1 << 20, tmp_path)
     assert refused.value.code == "invalid_model" and refused.value.status == 422
     assert str(path) not in refused.value.message
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_serve_leaves_no_child_process_behind(tmp_path: Path, stop: signal.Signals) -> None:
+    """The embedded serve's job process and describers end with it: after a graceful stop
+    (uvicorn re-raises the signal, which skips exit handlers) and after a SIGKILL."""
+    import subprocess
+
+    from tests.service_helpers import free_port, qpcfarm_argv, service_env, wait_until
+
+    port = free_port()
+    env = service_env(QPCFARM_DATA_DIR=str(tmp_path / "data"))
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    serve = subprocess.Popen(
+        qpcfarm_argv("serve", "--port", str(port), "--log-level", "warning"),
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, "the farm to start", timeout=120)
+        key = (tmp_path / "data" / "api-key").read_text().strip()
+        answer = httpx.post(
+            f"{url}/v1/models",
+            content=tiny_model_bytes(0.77),
+            params={"filename": "m.onnx"},
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/octet-stream"},
+            timeout=120,
+        )
+        assert answer.status_code == 201, answer.text
+        found = subprocess.run(["pgrep", "-P", str(serve.pid)], capture_output=True, text=True)
+        children = [int(pid) for pid in found.stdout.split()]
+        assert len(children) >= 2  # the job process and a describer (and their tracker)
+
+        serve.send_signal(stop)
+        serve.wait(timeout=120)
+        wait_until(
+            lambda: not any(Path(f"/proc/{pid}").exists() for pid in children) or None,
+            "the children to end",
+            timeout=60,
+        )
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        log.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 from qpcfarm.app.services.errors import ServiceError
 
 DESCRIBE_PROCESSES = max(1, min(4, os.cpu_count() or 1))
+
+PARENT_POLL_S = 1.0
 
 _pool: ProcessPoolExecutor | None = None
 _lock = threading.Lock()
@@ -71,9 +74,24 @@ def _get_pool() -> ProcessPoolExecutor:
     with _lock:
         if _pool is None:
             _pool = ProcessPoolExecutor(
-                DESCRIBE_PROCESSES, mp_context=multiprocessing.get_context("spawn")
+                DESCRIBE_PROCESSES,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_watch_parent,
+                initargs=(os.getpid(),),
             )
         return _pool
+
+
+def _watch_parent(parent: int) -> None:
+    """In each describer: exit when the API process is gone (killed, or ended by a signal
+    that skipped its exit handlers), instead of waiting for work forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _discard(pool: ProcessPoolExecutor) -> None:
@@ -85,7 +103,9 @@ def _discard(pool: ProcessPoolExecutor) -> None:
 
 
 def shutdown() -> None:
-    """Stop the describer processes (they are started again on the next upload)."""
+    """Stop the describer processes (they are started again on the next upload): the app's
+    shutdown calls it, since uvicorn may end the process by a signal that skips exit
+    handlers."""
     global _pool
     with _lock:
         pool, _pool = _pool, None
