@@ -125,10 +125,13 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
 
 
 def _stop(app: FastAPI, owns_queue: bool) -> None:
+    from qpcfarm.app.services import describer
+
     try:
         if owns_queue:
             app.state.queue.close()
     finally:
+        describer.shutdown()
         app.state.engine.dispose()
         app.state.blob_engine.dispose()
 

@@ -14,7 +14,8 @@ in-process worker; with `--farm` also a PostgreSQL database of its own, Redis an
 - **submit latency**: 50 concurrent clients (asyncio, one keep-alive connection each, started
   together) submit compile jobs, each (model, options) new, so every answer is a queued job and
   the worker compiles them meanwhile. p50/p99 from the client's send to its answer. Target
-  p99 < 50 ms.
+  p99 < 50 ms. The peer: the same clients sending `GET /healthz` just before (no database, no
+  auth), the floor of the HTTP stack and of the client on the machine as loaded in this run.
 - **upload+submit load**: 100 concurrent clients, each uploading a model of its own and
   submitting its compile, twice (the embedded mode's SQLite writers and the farm's pool under
   a burst). Target: 0 server errors and 0 dropped connections; p50/p99 of each request.
@@ -228,7 +229,9 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
     farm = Farm("farm" if farm_mode else "embedded", f"http://127.0.0.1:{port}", "")
     try:
         if farm_mode:
-            subprocess.run(_qpcfarm("db", "upgrade"), env=env, check=True, capture_output=True)
+            subprocess.run(
+                _qpcfarm("db", "upgrade", "--init"), env=env, check=True, capture_output=True
+            )
             subprocess.run(
                 _qpcfarm("admin", "create-team", "bench"), env=env, check=True, capture_output=True
             )
@@ -470,6 +473,39 @@ async def _concurrent_submits(
     return latencies, errors, answers
 
 
+async def _floor_client(
+    url: str, key: str, n: int, start: asyncio.Event, ready: list[int]
+) -> list[float]:
+    latencies: list[float] = []
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120.0) as client:
+        await client.get("/healthz")
+        ready.append(1)
+        await start.wait()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await client.get("/healthz")
+            latencies.append(time.perf_counter() - t0)
+    return latencies
+
+
+async def _concurrent_floor(farm: Farm, clients: int, per_client: int) -> list[float]:
+    """The stack's floor in this run: the same clients sending `GET /healthz` (no database,
+    no auth): what uvicorn, FastAPI and the benchmark's own client cost right now."""
+    start = asyncio.Event()
+    ready: list[int] = []
+    tasks = [
+        asyncio.create_task(_floor_client(farm.url, farm.api_key, per_client, start, ready))
+        for _ in range(clients)
+    ]
+    for _ in range(6000):
+        if len(ready) == len(tasks) or any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    start.set()
+    return [s for lat in await asyncio.gather(*tasks) for s in lat]
+
+
 async def _load_client(
     url: str,
     key: str,
@@ -586,6 +622,9 @@ def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
                 path.write_bytes(tiny_model(seed))
                 model_ids.append(str(api.upload_model(path)["id"]))
 
+        print(f"  {plan.clients} clients x {plan.submits_per_client} GET /healthz ...", flush=True)
+        floor_lat = asyncio.run(_concurrent_floor(farm, plan.clients, plan.submits_per_client))
+
         print(f"  {plan.clients} clients x {plan.submits_per_client} new jobs ...", flush=True)
         began = time.perf_counter()
         miss_lat, miss_err, miss_ans = asyncio.run(
@@ -637,6 +676,7 @@ def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
         api.close()
 
     return {
+        "floor": summary_ms(floor_lat),
         "submit_miss": summary_ms(miss_lat),
         "submit_miss_errors": miss_err[:10],
         "submit_miss_error_count": len(miss_err),
@@ -693,6 +733,10 @@ def verdicts(
     ]
 
 
+def _ratio(value: dict[str, float], peer: dict[str, float], key: str) -> str:
+    return f"{value[key] / peer[key]:.1f}" if peer.get(key) else "n/a"
+
+
 def _row(name: str, s: dict[str, float]) -> str:
     return (
         f"  {name:<38} n={s['n']:<4} p50 {s['p50_ms']:7.2f} ms  p90 {s['p90_ms']:7.2f}  "
@@ -725,14 +769,18 @@ def render(
             else []
         ),
         "submit latency, client send -> answer:",
+        _row("GET /healthz (peer), 50 clients", submit["floor"]),
         _row("new jobs, 50 concurrent clients", submit["submit_miss"]),
+        f"    p50 {_ratio(submit['submit_miss'], submit['floor'], 'p50_ms')}x, "
+        f"p99 {_ratio(submit['submit_miss'], submit['floor'], 'p99_ms')}x the peer's",
         f"    {submit['submit_miss_queued']} queued, {submit['submit_miss_error_count']} errors,"
         f" {submit['submits_per_s']:.0f} submits/s; queue drained in {submit['drain_s']:.1f} s"
         f" ({'yes' if submit['drained'] else 'NO'}); jobs: {submit['job_statuses']}",
         _row("cache hits, one client, idle farm", submit["cache_hit_sequential"]),
         f"    {submit['cache_hit_sequential_hits']} answered cache_hit: true",
         _row("cache hits, 50 concurrent clients", submit["cache_hit_concurrent"]),
-        f"    {submit['cache_hit_concurrent_hits']} answered cache_hit: true",
+        f"    {submit['cache_hit_concurrent_hits']} answered cache_hit: true; p99 "
+        f"{_ratio(submit['cache_hit_concurrent'], submit['floor'], 'p99_ms')}x the /healthz peer's",
         _row("a compile (peer): submit -> succeeded", submit["compile"]),
     ]
     compile_p50 = submit["compile"]["p50_ms"]

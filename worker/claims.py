@@ -116,8 +116,9 @@ def fail(
     detail: dict[str, Any] | None = None,
     *,
     now: dt.datetime | None = None,
+    values: dict[str, Any] | None = None,
 ) -> None:
-    """Mark a queued or running job failed with a structured error. Commits."""
+    """Mark a queued or running job failed with a structured error (and `values`). Commits."""
     session.execute(
         update(table)
         .where(table.id == job.id, table.status.in_(ACTIVE_STATUSES))
@@ -127,6 +128,7 @@ def fail(
             error_message=message,
             error_detail=detail,
             finished_at=now or utcnow(),
+            **(values or {}),
         ),
         execution_options={"synchronize_session": False},
     )

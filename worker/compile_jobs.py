@@ -70,8 +70,11 @@ def fail(
     detail: dict[str, Any] | None = None,
     *,
     now: dt.datetime | None = None,
+    stage: str | None = None,
 ) -> None:
-    claims.fail(session, CompileJob, job, code, message, detail, now=now)
+    """`claims.fail` on compile_jobs; `stage` (the stage it failed in) is recorded too."""
+    extra = {"stage": stage[:64]} if stage is not None else None
+    claims.fail(session, CompileJob, job, code, message, detail, now=now, values=extra)
 
 
 def heartbeat(
@@ -202,11 +205,18 @@ class _Stop(BaseException):
         self.cancelled = cancelled
 
 
+STAGE_WRITE_GAP_S = 0.1
+"""A stage change is written at once unless the row was written less than this ago (then with
+the next report due): a small compile passes a dozen stages in 0.1 s, and each write is a
+transaction that takes the database's writer lock, which submits wait for."""
+
+
 @dataclass
 class _Progress:
-    """The compiler's progress callback: writes stage and progress to the job row (every
-    stage change, otherwise at most every `interval` s), keeps a log, and stops the compile
-    when the job is cancelled or taken over."""
+    """The compiler's progress callback: writes stage and progress to the job row (a stage
+    change at once unless the last write is under `STAGE_WRITE_GAP_S` old, otherwise at most
+    every `interval` s), keeps a log, and stops the compile when the job is cancelled or
+    taken over. A failure records the last stage reported, written or not."""
 
     session: Session
     job: CompileJob
@@ -226,11 +236,17 @@ class _Progress:
         if changed:
             self.note(f"stage {stage}")
             self._stage = stage
-        if changed or now - self._written >= self.interval:
+        since = now - self._written
+        if since >= self.interval or (changed and since >= STAGE_WRITE_GAP_S):
             self._written = now
             if report_progress(self.session, self.job, stage, fraction):
                 raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
         self.check()
+
+    @property
+    def stage(self) -> str | None:
+        """The stage reported last (written or not): a failure records it."""
+        return self._stage
 
     def check(self) -> None:
         if self.should_cancel is not None and self.should_cancel():
@@ -324,11 +340,11 @@ def run_compile(
             session.refresh(job)
     except CompileError as exc:
         session.rollback()
-        fail(session, job, exc.code, exc.message, exc.to_dict())
+        fail(session, job, exc.code, exc.message, exc.to_dict(), stage=progress.stage)
     except Exception as exc:
         log.exception("job %s failed unexpectedly", job.id)
         session.rollback()
-        fail(session, job, "internal_error", internal_error_message(exc))
+        fail(session, job, "internal_error", internal_error_message(exc), stage=progress.stage)
     return job
 
 

@@ -1,7 +1,12 @@
 """The embedded mode's worker: a few threads in the API process consuming job ids.
 
 It is the same `process_job` the Celery workers run, fed from a `queue.Queue` instead of a
-broker. The queue lives in memory, so on start it re-enqueues from the database every job that
+broker, and run in a child process per thread (`worker.job_process`), so that neither the
+compile nor the rest of a job's work (hashing blobs, storing the QPC, the job's database
+writes) takes the API process's CPU and GIL. A database the child cannot open again (an
+in-memory SQLite) keeps jobs in the threads, with only the compile in a child.
+
+The queue lives in memory, so on start it re-enqueues from the database every job that
 is queued, and every running job whose heartbeat went stale (the process that ran it died):
 a restart loses nothing. With `sweep_interval_s` it also sweeps for itself (only it can run
 the embedded mode's jobs), re-taking jobs whose message was lost or whose thread died.
@@ -27,6 +32,7 @@ from qpcfarm.worker.claims import (
     stale_ids,
 )
 from qpcfarm.worker.compile_process import CompileProcess
+from qpcfarm.worker.job_process import JobProcess, JobProcessConfig
 from qpcfarm.worker.runner import default_worker_name, process_job
 from qpcfarm.worker.sweep import JOB_TABLES, Sweeper
 
@@ -51,6 +57,7 @@ class InProcessQueue:
         requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
         sweep_interval_s: float | None = None,
         isolate_compiles: bool = True,
+        job_process: JobProcessConfig | None = None,
     ) -> None:
         self._sessions = session_factory
         self._store = store
@@ -66,6 +73,14 @@ class InProcessQueue:
         self._isolate = isolate_compiles
         """Each thread compiles in a child process of its own (`worker.compile_process`): the
         API's process keeps its CPU and GIL for requests."""
+        self._job_config = job_process
+        """Given: each thread runs whole jobs in a child process of its own, which opens the
+        same database and store again (`worker.job_process`; `queue_from_settings` gives it)."""
+
+    @property
+    def isolated(self) -> bool:
+        """Whether jobs run in child processes (else in the threads, compiles in children)."""
+        return self._job_config is not None
 
     def start(self) -> InProcessQueue:
         """Re-enqueue what the database says is pending, then start the threads."""
@@ -143,14 +158,27 @@ class InProcessQueue:
             thread.join(timeout)
 
     def _run(self, worker_name: str) -> None:
+        if self._job_config is not None:
+            jobs = JobProcess(self._job_config, self._sessions)
+            try:
+                jobs.start()  # its imports now, not in the first job's latency
+            except Exception:  # tried again for each job; a job meanwhile stays queued
+                log.exception("the job process of %s did not start", worker_name)
+            try:
+                self._serve(worker_name, None, jobs)
+            finally:
+                jobs.close()
+            return
         compiler = CompileProcess() if self._isolate else None
         try:
-            self._serve(worker_name, compiler)
+            self._serve(worker_name, compiler, None)
         finally:
             if compiler is not None:
                 compiler.close()
 
-    def _serve(self, worker_name: str, compiler: CompileProcess | None) -> None:
+    def _serve(
+        self, worker_name: str, compiler: CompileProcess | None, jobs: JobProcess | None
+    ) -> None:
         while True:
             item = self._ids.get()
             if item is _STOP or self._closed:  # left queued in the database for a restart
@@ -158,6 +186,9 @@ class InProcessQueue:
             assert isinstance(item, tuple)
             kind, job_id = item
             try:
+                if jobs is not None:
+                    jobs.run(kind, job_id, worker_name)
+                    continue
                 process_job(
                     job_id,
                     kind=kind,

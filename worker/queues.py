@@ -58,11 +58,13 @@ def queue_from_settings(
     settings: Settings, session_factory: sessionmaker[Session], store: BlobStore
 ) -> JobQueue:
     """The configured queue: Celery when a broker URL is set, else a started in-process
-    worker (which re-enqueues the database's pending jobs as it starts, and sweeps for
-    itself). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
+    worker (which re-enqueues the database's pending jobs as it starts, sweeps for itself,
+    and runs each job in a child process that opens `settings.database_url` and the store
+    again). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
         return CeleryQueue(settings)
     from qpcfarm.worker.inprocess import InProcessQueue
+    from qpcfarm.worker.job_process import config_for
     from qpcfarm.worker.sweep import sweep_interval
 
     return InProcessQueue(
@@ -73,4 +75,5 @@ def queue_from_settings(
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
         sweep_interval_s=sweep_interval(settings),
+        job_process=config_for(settings, store),
     ).start()

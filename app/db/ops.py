@@ -24,20 +24,25 @@ def insert_or_ignore(
 
     Get-or-create without savepoints: two workers storing the same QPC both succeed.
     """
-    dialect = session.get_bind().dialect.name
-    stmt: postgresql.Insert | sqlite.Insert
-    if dialect == "postgresql":
-        stmt = postgresql.insert(entity).values(**values)
-    elif dialect == "sqlite":
-        stmt = sqlite.insert(entity).values(**values)
-    else:
-        raise NotImplementedError(f"insert_or_ignore: unsupported database {dialect!r}")
+    stmt = insert_statement(session, entity, values)
     # RETURNING, not rowcount: the ORM-level execute does not report rowcount reliably here.
     key = entity.__table__.c[conflict[0]]
     returned = session.execute(
         stmt.on_conflict_do_nothing(index_elements=conflict, index_where=where).returning(key)
     ).first()
     return returned is not None
+
+
+def insert_statement(
+    session: Session, entity: type[Base], values: dict[str, Any]
+) -> postgresql.Insert | sqlite.Insert:
+    """The dialect's INSERT of one row (it has `on_conflict_do_nothing`)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(entity).values(**values)
+    if dialect == "sqlite":
+        return sqlite.insert(entity).values(**values)
+    raise NotImplementedError(f"insert_or_ignore: unsupported database {dialect!r}")
 
 
 def rowcount(result: Result[Any]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -17,6 +18,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from qpcfarm.app.settings import get_settings
+
+try:
+    import fcntl as _fcntl
+except ImportError:  # not POSIX: writers of other processes meet SQLite's busy handler
+    _fcntl = None  # type: ignore[assignment]
 
 MIGRATIONS_PACKAGE = "qpcfarm.migrations"
 """Where `alembic.ini`, `env.py` and `versions/` live: package data of the installed wheel (or
@@ -47,10 +53,13 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
         kwargs.setdefault("pool_size", SQLITE_POOL_SIZE)
         kwargs.setdefault("max_overflow", SQLITE_POOL_SIZE)
+    lock_file = None
+    if parsed.database and parsed.database != ":memory:":
+        lock_file = Path(f"{parsed.database}-writer.lock")
     connect_args: dict[str, Any] = {
         "check_same_thread": False,
         "timeout": SQLITE_BUSY_TIMEOUT_S,
-        "factory": _serialized_writes(threading.Lock()),
+        "factory": _serialized_writes(WriterLock(lock_file)),
     }
     connect_args.update(kwargs.pop("connect_args", {}))
     engine = create_engine(url, connect_args=connect_args, **kwargs)
@@ -66,16 +75,70 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return engine
 
 
-def _serialized_writes(lock: threading.Lock) -> type[sqlite3.Connection]:
+class WriterLock:
+    """The turn of one SQLite writer: a thread lock, and for a database file an exclusive
+    `flock` on `<database>-writer.lock`, which every process opening the file takes too (the
+    embedded mode's job processes, `serve --workers N`, the CLI).
+
+    Only the thread holding the thread lock waits for the file lock, polling it every
+    `POLL_S`: a handover across processes costs at most that, where SQLite's busy handler
+    sleeps up to 100 ms a retry. A process that dies holding it releases it (the kernel
+    drops the lock with the file). The file descriptor is opened per process (a forked child
+    reopens it: an inherited descriptor would share the parent's lock, not exclude it).
+    """
+
+    POLL_S = 0.0005
+
+    def __init__(self, path: Path | None) -> None:
+        self._thread = threading.Lock()
+        self._path = path if _fcntl is not None else None
+        self._fd: int | None = None
+        self._pid = 0
+
+    def acquire(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        if not self._thread.acquire(timeout=timeout):
+            return False
+        if self._path is None:
+            return True
+        try:
+            fd = self._file()
+            while True:
+                try:
+                    _fcntl.flock(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB)  # type: ignore[union-attr]
+                    return True
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        self._thread.release()
+                        return False
+                    time.sleep(self.POLL_S)
+        except OSError:  # no lock file (a read-only folder): SQLite's own lock still holds
+            return True
+
+    def release(self) -> None:
+        try:
+            if self._fd is not None and self._pid == os.getpid():
+                _fcntl.flock(self._fd, _fcntl.LOCK_UN)  # type: ignore[union-attr]
+        finally:
+            self._thread.release()
+
+    def _file(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            assert self._path is not None
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._pid = os.getpid()
+        return self._fd
+
+
+def _serialized_writes(lock: WriterLock) -> type[sqlite3.Connection]:
     """A sqlite3 connection class whose write transactions hold `lock` (one per engine) from
     their first write statement to their commit or rollback.
 
     SQLite admits one writer at a time; a second one waits in SQLite's busy handler, which
     polls with sleeps of up to 100 ms, so under a burst of submits most of the latency was
-    sleeping on a lock that had long been free. Taking turns on a Python lock hands the write
-    over the moment the previous one ends. Other processes on the same file (a second
-    `serve --workers` process, the CLI) still meet SQLite's own lock and busy timeout, and a
-    writer that waited `SQLITE_BUSY_TIMEOUT_S` for the lock goes on to SQLite's.
+    sleeping on a lock that had long been free. Taking turns on `WriterLock` hands the write
+    over the moment the previous one ends, within the process and across the processes on the
+    same file. A writer that waited `SQLITE_BUSY_TIMEOUT_S` for the lock goes on to SQLite's.
     """
 
     class SerializedWritesConnection(sqlite3.Connection):

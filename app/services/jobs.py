@@ -11,8 +11,9 @@ import logging
 import uuid
 from typing import Any, Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import Select, Uuid, bindparam, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from compiler_core import CompileOptions
 from compiler_core.version import COMPILER_VERSION
@@ -29,7 +30,7 @@ from qpcfarm.app.db.models import (
     Qpc,
     Team,
 )
-from qpcfarm.app.db.ops import insert_or_ignore, rowcount
+from qpcfarm.app.db.ops import insert_or_ignore, insert_statement, rowcount
 from qpcfarm.app.services.errors import ServiceError, not_found
 from qpcfarm.app.services.pages import Page, paginate
 
@@ -82,32 +83,27 @@ def submit_job(
     }
     qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
     if qpc_id is not None:
-        job = CompileJob(**common, **_cache_hit_values(qpc_id))
-        session.add(job)
-        session.flush()
+        job = _insert_job(session, {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)})
+        assert job is not None  # no active row carries a succeeded job's values
         return job, True
 
     for _ in range(ATTACH_ATTEMPTS):
-        job_id = uuid.uuid4()
-        inserted = insert_or_ignore(
+        job = _insert_job(
             session,
-            CompileJob,
-            {**common, "id": job_id, "status": JobStatus.queued},
-            ["team_id", "options_key"],
-            where=ACTIVE_JOB_PREDICATE,
+            {**common, "id": uuid.uuid4(), "status": JobStatus.queued},
+            only_if_no_active=True,
         )
-        if inserted:
+        if job is not None:
             qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
             if qpc_id is not None:
+                hit = _cache_hit_values(qpc_id)
                 session.execute(
-                    update(CompileJob)
-                    .where(CompileJob.id == job_id)
-                    .values(**_cache_hit_values(qpc_id)),
+                    update(CompileJob).where(CompileJob.id == job.id).values(**hit),
                     execution_options={"synchronize_session": False},
                 )
-            made = session.get(CompileJob, job_id, populate_existing=True)
-            assert made is not None
-            return made, True
+                for name, value in hit.items():
+                    set_committed_value(job, name, value)
+            return job, True
         active = session.execute(
             select(CompileJob)
             .where(
@@ -122,6 +118,22 @@ def submit_job(
             return active, False
         # The job we collided with finished in between: try again (it left a QPC or failed).
     raise ServiceError("busy", "identical submits keep colliding; retry", 503)
+
+
+def _insert_job(
+    session: Session, values: dict[str, Any], *, only_if_no_active: bool = False
+) -> CompileJob | None:
+    """INSERT the job row and read it back in the same statement (RETURNING); with
+    `only_if_no_active`, nothing (None) when the team already has an active job of the key
+    (the partial unique index)."""
+    stmt = insert_statement(session, CompileJob, values)
+    if only_if_no_active:
+        stmt = stmt.on_conflict_do_nothing(
+            index_elements=["team_id", "options_key"], index_where=ACTIVE_JOB_PREDICATE
+        )
+    return session.execute(
+        stmt.returning(CompileJob), execution_options={"populate_existing": True}
+    ).scalar_one_or_none()
 
 
 ATTACH_ATTEMPTS = 5
@@ -158,20 +170,34 @@ def _usable_cached_qpc(
     return qpc_id
 
 
+def _cache_lookup(team_scoped: bool) -> Select[Any]:
+    """The cache lookup, built once per scope (bound at execution: `key`, `team_id`): a QPC
+    row stored under the key, or else the QPC a job of the key points at (the same bytes may
+    have been stored first under another key). One round trip, no statement built per call."""
+    by_qpc = select(Qpc.id).where(Qpc.options_key == bindparam("key"))
+    by_job = select(CompileJob.qpc_id).where(
+        CompileJob.options_key == bindparam("key"), CompileJob.qpc_id.is_not(None)
+    )
+    if team_scoped:
+        by_qpc = by_qpc.where(Qpc.team_id == bindparam("team_id", type_=Qpc.team_id.type))
+        by_job = by_job.where(
+            CompileJob.team_id == bindparam("team_id", type_=CompileJob.team_id.type)
+        )
+    first = func.coalesce(
+        by_qpc.limit(1).scalar_subquery(), by_job.limit(1).scalar_subquery(), type_=Uuid()
+    )
+    return select(first)
+
+
+_TEAM_LOOKUP = _cache_lookup(team_scoped=True)
+_FARM_LOOKUP = _cache_lookup(team_scoped=False)
+
+
 def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uuid.UUID | None:
     """A QPC of the cache key: the team's (`team_id`), or any team's (None)."""
-    query = select(Qpc.id).where(Qpc.options_key == key)
-    if team_id is not None:
-        query = query.where(Qpc.team_id == team_id)
-    qpc_id = session.execute(query.limit(1)).scalar_one_or_none()
-    if qpc_id is None:  # the same bytes may have been stored first under another key
-        by_job = select(CompileJob.qpc_id).where(
-            CompileJob.options_key == key, CompileJob.qpc_id.is_not(None)
-        )
-        if team_id is not None:
-            by_job = by_job.where(CompileJob.team_id == team_id)
-        qpc_id = session.execute(by_job.limit(1)).scalar_one_or_none()
-    return qpc_id
+    if team_id is None:
+        return session.execute(_FARM_LOOKUP, {"key": key}).scalar_one_or_none()
+    return session.execute(_TEAM_LOOKUP, {"key": key, "team_id": team_id}).scalar_one_or_none()
 
 
 def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID:

@@ -20,6 +20,7 @@ from qpcfarm.app.blobs.base import Source
 from qpcfarm.app.blobs.integrity import spill_verified, verified_path, verify_blob
 from qpcfarm.app.db.models import Model, Team
 from qpcfarm.app.services.archives import bad_archive, extract_archive, is_archive_name, sniff_kind
+from qpcfarm.app.services.describer import inspect_in_child
 from qpcfarm.app.services.errors import ServiceError, from_compile_error, not_found
 from qpcfarm.app.services.pages import Page, paginate
 
@@ -46,7 +47,8 @@ def store_model(
     max_bytes: int,
 ) -> Model:
     """Store an uploaded `.onnx`, or a `.zip`/`.tar`/`.tar.gz` of one `.onnx` with its
-    external data, after checking it with the importer. The caller commits.
+    external data, after checking it with the importer (in a describer process: see
+    `describer`). The caller commits.
 
     The blob is stored as uploaded (archives too: the worker extracts again), so the bytes
     the client sent are the bytes the cache key names. The kind is decided by content; a
@@ -62,24 +64,15 @@ def store_model(
     with tempfile.TemporaryDirectory(prefix="qpcfarm-upload-") as tmp:
         work = Path(tmp)
         with local_path(store, ref.sha256, work, "upload") as path:
-            with open(path, "rb") as handle:
-                kind = sniff_kind(handle.read(512))
-            if kind == KIND_ONNX:
-                if is_archive_name(filename):
-                    raise bad_archive(f"{filename!r} is not a .zip, .tar or .tar.gz archive")
-                # A bare .onnx may not reference external files: resolving them next to the
-                # stored blob would read other blobs.
-                described = describe_model(path, allow_external_data=False)
-            else:
-                onnx_path = extract_archive(path, work / "archive", max_bytes=max_bytes)
-                described = describe_model(onnx_path)
+            # In a describer process: the importer's CPU and crashes stay out of the API's.
+            kind, described = inspect_in_child(path, filename, max_bytes, work)
     opset, inputs, outputs = described
     model = Model(
         team_id=team.id,
         sha256=ref.sha256,
         size=ref.size,
         name=_display_name(filename, ref.sha256),
-        kind=KIND_ONNX if kind == KIND_ONNX else KIND_ARCHIVE,
+        kind=kind,
         opset=opset,
         inputs=inputs,
         outputs=outputs,
@@ -87,6 +80,24 @@ def store_model(
     session.add(model)
     session.flush()
     return model
+
+
+def inspect_upload(
+    path: Path, filename: str | None, max_bytes: int, work: Path
+) -> tuple[str, tuple[int, list[dict[str, Any]], list[dict[str, Any]]]]:
+    """(kind, description) of a stored upload at `path`: an `.onnx` the importer accepts (it
+    may not reference external files), or an archive holding one with its data (extracted
+    into `work`). ServiceError when it is neither. Run by `describer.inspect_in_child`."""
+    with open(path, "rb") as handle:
+        kind = sniff_kind(handle.read(512))
+    if kind == KIND_ONNX:
+        if is_archive_name(filename):
+            raise bad_archive(f"{filename!r} is not a .zip, .tar or .tar.gz archive")
+        # A bare .onnx may not reference external files: resolving them next to the stored
+        # blob would read other blobs.
+        return KIND_ONNX, describe_model(path, allow_external_data=False)
+    onnx_path = extract_archive(path, work / "archive", max_bytes=max_bytes)
+    return KIND_ARCHIVE, describe_model(onnx_path)
 
 
 def check_filename(filename: str | None) -> None:
