@@ -585,3 +585,58 @@ def test_a_failed_job_says_where_it_stopped_and_specializations_are_listed(
     assert set(rows) == {"prefill", "decode"}
     assert "seq=16" in rows["prefill"] and "x: float32[1x16x8]" in rows["prefill"]
     assert "seq=1" in rows["decode"] and "µs" in rows["decode"]
+
+
+def test_a_sweep_page_follows_the_sweep_live_sorts_its_table_and_links_points_to_jobs(
+    server: Server, browser: Any
+) -> None:
+    import httpx
+
+    space = {
+        "parameters": {"cores": [1, 2], "instances": [1, 2], "batchsize": [1, 2]},
+        "constraints": ["cores * instances <= 2"],
+    }
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {server.key}"}, timeout=60
+    ) as api:
+        model = api.post(
+            "/v1/models",
+            files={"file": ("tiny.onnx", tiny_model(scale=0.61, batch="N").SerializeToString())},
+        )
+        assert model.status_code == 201, model.text
+        body = {"model_id": model.json()["id"], "space": space, "base_flags": ["-convert-to-fp16"]}
+        created = api.post("/v1/sweeps", json=body)
+        assert created.status_code == 201, created.text
+        sweep_id = created.json()["id"]
+
+        sign_in(browser, server, f"/sweeps/{sweep_id}")
+        wait_for(browser, lambda d: f"/sweeps/{sweep_id}" in d.current_url, "not on the sweep")
+        browser.execute_script("window.qpcfarmStayed = true;")  # gone if the page reloads
+        server.gate.open()
+        wait_for(browser, lambda d: css(d, "#sweep-status").text == "succeeded", "the sweep")
+        assert browser.execute_script("return window.qpcfarmStayed === true;"), "page reloaded"
+        sweep = api.get(f"/v1/sweeps/{sweep_id}").json()
+
+    scored = [r for r in sweep["results"] if r["latency_us"] is not None]
+    assert len(scored) == 6  # 1 or 2 cores x 1 or 2 instances (<= 2 in all) x batch 1 or 2
+    points = css_all(browser, "#sweep-chart a.point")
+    assert len(points) == len(scored)
+    best = css_all(browser, "#sweep-chart a.point.best")
+    assert len(best) == 1 and best[0].get_attribute("data-index") == str(sweep["best"]["index"])
+    assert "best" in css(browser, "#sweep-results tr.result.best").text
+
+    def latencies() -> list[float]:
+        cells = css_all(browser, "#sweep-results td.latency")
+        return [numbers(c.text) for c in cells if c.text != "-"]
+
+    css(browser, "#sweep-results a.sort[data-sort='latency']").click()
+    wait_for(browser, lambda d: "sort=latency" in d.current_url, "no sort by latency")
+    assert latencies() == sorted(r["latency_us"] for r in scored)
+    css(browser, "#sweep-results a.sort[data-sort='latency']").click()
+    wait_for(browser, lambda d: "desc=1" in d.current_url, "no descending sort")
+    assert latencies() == sorted((r["latency_us"] for r in scored), reverse=True)
+
+    css(browser, "#sweep-chart a.point.best circle").click()
+    wait_for(browser, lambda d: "/jobs/" in d.current_url, "the best point did not open its job")
+    assert sweep["best"]["job_id"] in browser.current_url
+    assert css(browser, "#job-status").text == "succeeded"

@@ -45,12 +45,9 @@ def _nice_ticks(low: float, high: float) -> list[float]:
     raw = (high - low) / TICKS
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    start = math.floor(low / step) * step
-    ticks = []
-    value = start
-    while value <= high + step * 0.5:
-        ticks.append(round(value, 10))
-        value += step
+    ticks = [round(math.floor(low / step) * step, 10)]
+    while ticks[-1] < high:  # the last tick is at or above the highest value: all plot inside
+        ticks.append(round(ticks[-1] + step, 10))
     return ticks
 
 
