@@ -37,7 +37,7 @@ def assert_names(err: CompileError, flag: str, value: str, *rule_words: str) -> 
     assert err.flag == flag
     assert flag in err.message and value in err.message
     for word in rule_words:
-        assert word in err.message
+        assert word in err.message, err.message
     assert "\n" not in err.message
 
 

@@ -5,24 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from compiler_core.errors import CompileError
 from compiler_core.options import CompileOptions, options_json_schema, usage
-
-
-def rejected(flags: list[str]) -> CompileError:
-    with pytest.raises(CompileError) as info:
-        CompileOptions.from_flags(flags)
-    return info.value
-
-
-def assert_names(err: CompileError, flag: str, value: str, *rule_words: str) -> None:
-    assert err.code == "invalid_option"
-    assert err.flag == flag
-    assert flag in err.message and value in err.message
-    for word in rule_words:
-        assert word in err.message, err.message
-    assert "\n" not in err.message
-
+from tests.test_options import assert_names, rejected
 
 PROFILE = "-load-profile=profile.json"
 
