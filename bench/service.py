@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from farm_processes import (  # noqa: E402  (bench/, the script's own folder, is on the path)
+    admin_sql,
+    bench_team_key,
+    farm_env,
+    free_port,
+    qpcfarm,
+    sibling_database_url,
+    stop,
+)
 
 from qpcfarm.app.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
 
@@ -193,24 +202,6 @@ class Farm:
         return "\n".join(p.read_text(errors="replace")[-1500:] for p in self.logs if p.exists())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _qpcfarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "qpcfarm.app.cli", *args]
-
-
-def _base_env(data_dir: Path, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QPCFARM_")}
-    env["QPCFARM_DATA_DIR"] = str(data_dir)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
-
-
 @contextmanager
 def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Iterator[Farm]:
     """A farm on a free loopback port for the duration of the block, then stopped."""
@@ -219,42 +210,29 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
     database: str | None = None
     if farm_mode:
         database = f"qpcfarm_bench_{uuid.uuid4().hex[:10]}"
-        _admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
+        admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
         extra = {
-            "QPCFARM_DATABASE_URL": args.postgres.rsplit("/", 1)[0] + "/" + database,
+            "QPCFARM_DATABASE_URL": sibling_database_url(args.postgres, database),
             "QPCFARM_BROKER_URL": args.redis,
         }
-    env = _base_env(data_dir, extra)
-    port = _free_port()
+    env = farm_env(data_dir, extra)
+    port = free_port()
     farm = Farm("farm" if farm_mode else "embedded", f"http://127.0.0.1:{port}", "")
     try:
         if farm_mode:
-            subprocess.run(
-                _qpcfarm("db", "upgrade", "--init"), env=env, check=True, capture_output=True
-            )
-            subprocess.run(
-                _qpcfarm("admin", "create-team", "bench"), env=env, check=True, capture_output=True
-            )
-            made = subprocess.run(
-                _qpcfarm("admin", "create-key", "--team", "bench"),
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            farm.api_key = made.stdout.strip().splitlines()[-1]
+            farm.api_key = bench_team_key(env)
             _spawn(
                 farm,
                 work,
                 "worker",
-                _qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"),
+                qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"),
                 env,
             )
         _spawn(
             farm,
             work,
             "serve",
-            _qpcfarm(
+            qpcfarm(
                 "serve",
                 "--port",
                 str(port),
@@ -271,9 +249,9 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
         yield farm
     finally:
         for proc in reversed(farm.procs):
-            _stop(proc)
+            stop(proc)
         if database is not None:
-            _admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def _spawn(farm: Farm, work: Path, name: str, cmd: list[str], env: dict[str, str]) -> None:
@@ -296,27 +274,6 @@ def _wait_healthy(farm: Farm) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"the farm did not answer /healthz:\n{farm.log_tail()}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _admin_sql(url: str, statement: str) -> None:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(text(statement))
-    finally:
-        engine.dispose()
 
 
 # ------------------------------------------------------------------------------- uploads

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,16 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+from farm_processes import (  # noqa: E402
+    admin_sql,
+    bench_team_key,
+    farm_env,
+    free_port,
+    qpcfarm,
+    sibling_database_url,
+    stop,
+)
 
 from compiler_core.configurator.table import render  # noqa: E402  (the repository is put on the path above)
 
@@ -82,30 +91,13 @@ class Farm:
         )
 
 
-def _qpcfarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "qpcfarm.app.cli", *args]
-
-
-def _admin_sql(url: str, statement: str) -> None:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.execute(text(statement))
-    finally:
-        engine.dispose()
-
-
 @contextmanager
 def private_redis(work: Path) -> Iterator[str]:
     """A `redis-server` of this run on a free port (no persistence): a shared Redis database
     would hand this farm's job ids to another farm's workers, and theirs to ours."""
     import redis
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = open(work / f"redis-{port}.log", "wb")  # noqa: SIM115  (closed below)
     server = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -134,40 +126,25 @@ def private_redis(work: Path) -> Iterator[str]:
 @contextmanager
 def farm(work: Path, workers: int, args: argparse.Namespace, broker: str) -> Iterator[Farm]:
     database = f"qpcfarm_sweep_{uuid.uuid4().hex[:10]}"
-    _admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QPCFARM_")}
-    env.update(
-        QPCFARM_DATA_DIR=str(work / f"data-{database}"),
-        QPCFARM_DATABASE_URL=args.postgres.rsplit("/", 1)[0] + "/" + database,
-        QPCFARM_BROKER_URL=broker,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    admin_sql(args.postgres, f'CREATE DATABASE "{database}"')
+    env = farm_env(
+        work / f"data-{database}",
+        {
+            "QPCFARM_DATABASE_URL": sibling_database_url(args.postgres, database),
+            "QPCFARM_BROKER_URL": broker,
+        },
     )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     running = Farm(f"http://127.0.0.1:{port}", "")
     try:
-        subprocess.run(
-            _qpcfarm("db", "upgrade", "--init"), env=env, check=True, capture_output=True
-        )
-        subprocess.run(
-            _qpcfarm("admin", "create-team", "bench"), env=env, check=True, capture_output=True
-        )
-        made = subprocess.run(
-            _qpcfarm("admin", "create-key", "--team", "bench"),
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        running.key = made.stdout.strip().splitlines()[-1]
+        running.key = bench_team_key(env)
         logs = []
         for name, cmd in [
             *[
-                (f"worker{i}", _qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"))
+                (f"worker{i}", qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"))
                 for i in range(workers)
             ],
-            ("serve", _qpcfarm("serve", "--port", str(port), "--log-level", "warning")),
+            ("serve", qpcfarm("serve", "--port", str(port), "--log-level", "warning")),
         ]:
             log = work / f"{database}-{name}.log"
             logs.append(log)
@@ -192,14 +169,8 @@ def farm(work: Path, workers: int, args: argparse.Namespace, broker: str) -> Ite
         yield running
     finally:
         for proc in reversed(running.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        _admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+            stop(proc)
+        admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def upload(f: Farm, model: Path) -> str:
