@@ -39,9 +39,10 @@ def attr_value(attr: onnx.AttributeProto) -> Any:
     return value
 
 
-def run_ort(
+def single_node_model(
     node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int
-) -> list[np.ndarray]:
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """`node` alone as a model, its inputs as graph inputs, its outputs typed by inference."""
     graph_inputs = []
     feeds = {}
     for name, value in zip(node.input, inputs, strict=False):
@@ -59,8 +60,24 @@ def run_ort(
         out = onnx.ValueInfoProto(name=name)
         out.type.tensor_type.elem_type = known.get(name, graph_inputs[0].type.tensor_type.elem_type)
         model.graph.output.append(out)
+    return model, feeds
+
+
+def run_ort(
+    node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int
+) -> list[np.ndarray]:
+    model, feeds = single_node_model(node, inputs, opset)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
+
+
+def run_onnx_reference(
+    node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int
+) -> list[np.ndarray]:
+    from onnx.reference import ReferenceEvaluator
+
+    model, feeds = single_node_model(node, inputs, opset)
+    return [np.asarray(v) for v in ReferenceEvaluator(model).run(None, feeds)]
 
 
 def node_info(
@@ -133,11 +150,12 @@ def check(
     rtol: float = 1e-4,
     atol: float = 1e-5,
     expect_split: bool = True,
+    oracle: str = "onnxruntime",
     **attrs: Any,
 ) -> NodeInfo:
     names = ["" if v is None else f"in{i}" for i, v in enumerate(inputs)]
     node = helper.make_node(op_type, names, [f"out{i}" for i in range(outputs)], **attrs)
-    expected = run_ort(node, inputs, opset)
+    expected = (run_ort if oracle == "onnxruntime" else run_onnx_reference)(node, inputs, opset)
     info = node_info(node, inputs, expected, opset, consts)
     opdef = REGISTRY.lookup(op_type, opset=opset)
     assert opdef is not None, f"{op_type}-{opset} not registered"

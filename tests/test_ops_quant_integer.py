@@ -16,6 +16,7 @@ from compiler_core.compile import compile_model
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY
 from tests.op_checks import assert_matches, one_node_model, run_compiled, run_reference
+from tests.ort_int8 import ort_int8_saturates
 from tests.test_ops_heavy import assemble, check, node_info
 
 RNG = np.random.default_rng(7)
@@ -224,15 +225,24 @@ def qlinear_conv_inputs(bias: bool) -> list[np.ndarray]:
     return inputs
 
 
+# ORT's QLinearConv saturates uint8 x int8 pair sums on x86 CPUs without VNNI
+# (tests/ort_int8.py): there the oracle is onnx.reference, the spec's exact arithmetic. It
+# rescales the int32 sums in float64 where ORT and we use float32, so a sum on a rounding edge
+# may land one step apart: one step is allowed against it, none against ORT.
+QLINEARCONV_ORACLE = "reference" if ort_int8_saturates() else "onnxruntime"
+QLINEARCONV_STEPS = 1 if ort_int8_saturates() else 0
+
+
 def test_qlinearconv_per_channel_scales_with_bias_matches_onnxruntime_and_tiles():
     check(
         "QLinearConv",
         qlinear_conv_inputs(bias=True),
         opset=10,
         rtol=0,
-        atol=0,
+        atol=QLINEARCONV_STEPS,
         pads=[1, 0, 1, 1],
         strides=[2, 1],
+        oracle=QLINEARCONV_ORACLE,
     )
 
 
@@ -242,7 +252,7 @@ def test_qlinearconv_whole_path_matches_onnxruntime():
     feeds = dict(zip(names, inputs, strict=True))
     node = oh.make_node("QLinearConv", names, ["y"], auto_pad="SAME_UPPER")
     model = one_node_model(node, feeds, {"y": (np.uint8, (2, 5, 7, 6))}, opset=10)
-    assert_matches(model, feeds)
+    assert_matches(model, feeds, oracle=QLINEARCONV_ORACLE)
 
 
 def test_qlinearconv_per_channel_x_scale_is_rejected():
