@@ -10,9 +10,9 @@ import hashlib
 import json
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import Row, Select, Uuid, bindparam, func, select, update
+from sqlalchemy import Row, Select, Table, Uuid, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -56,7 +56,7 @@ JobRow = Row[Any]
 """A compile job as the submit path reads it: a row with CompileJob's columns as attributes
 (`JobOut.of` reads either)."""
 
-_JOBS = CompileJob.__table__
+_JOBS = cast(Table, CompileJob.__table__)
 _JOB_COLUMNS = tuple(_JOBS.c)
 _MODEL_OF = select(Model.team_id, Model.sha256).where(Model.id == bindparam("model_id"))
 _ACTIVE_JOB = (
