@@ -16,6 +16,8 @@ in-process worker; with `--farm` also a PostgreSQL database of its own, Redis an
   the worker compiles them meanwhile. p50/p99 from the client's send to its answer. Target
   p99 < 50 ms. The peer: the same clients sending `GET /healthz` just before (no database, no
   auth), the floor of the HTTP stack and of the client on the machine as loaded in this run.
+  Also the API process's CPU time per request in each (user + system, its own process only):
+  on a shared machine the latencies swing with the load, the CPU a request costs much less.
 - **upload+submit load**: 100 concurrent clients, each uploading a model of its own and
   submitting its compile, twice (the embedded mode's SQLite writers and the farm's pool under
   a burst). Target: 0 server errors and 0 dropped connections; p50/p99 of each request.
@@ -48,6 +50,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 from onnx import TensorProto, helper, numpy_helper
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +200,16 @@ class Farm:
     api_key: str
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    api_pid: int | None = None
+    """The one API process (`serve --workers 1`), whose CPU time the submit run reports."""
+
+    def api_cpu_s(self) -> float:
+        """User + system CPU seconds of the API process so far (its own, not its children's:
+        the embedded mode's job and describer processes are not in it); NaN without one."""
+        if self.api_pid is None:
+            return float("nan")
+        times = psutil.Process(self.api_pid).cpu_times()
+        return float(times.user + times.system)
 
     def log_tail(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-1500:] for p in self.logs if p.exists())
@@ -244,6 +257,8 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
             env,
         )
         _wait_healthy(farm)
+        if args.workers == 1:
+            farm.api_pid = farm.procs[-1].pid
         if not farm_mode:
             farm.api_key = (data_dir / "api-key").read_text().strip()
         yield farm
@@ -580,13 +595,17 @@ def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
                 model_ids.append(str(api.upload_model(path)["id"]))
 
         print(f"  {plan.clients} clients x {plan.submits_per_client} GET /healthz ...", flush=True)
+        cpu_before = farm.api_cpu_s()
         floor_lat = asyncio.run(_concurrent_floor(farm, plan.clients, plan.submits_per_client))
+        floor_cpu = farm.api_cpu_s() - cpu_before
 
         print(f"  {plan.clients} clients x {plan.submits_per_client} new jobs ...", flush=True)
         began = time.perf_counter()
+        cpu_before = farm.api_cpu_s()
         miss_lat, miss_err, miss_ans = asyncio.run(
             _concurrent_submits(farm, model_ids, plan.submits_per_client)
         )
+        submit_cpu = farm.api_cpu_s() - cpu_before
         submit_wall = time.perf_counter() - began
         queued = sum(1 for a in miss_ans if not a.get("cache_hit"))
         drained, drain_s = _wait_drained(http)
@@ -634,6 +653,8 @@ def measure_submits(farm: Farm, plan: Plan) -> dict[str, Any]:
 
     return {
         "floor": summary_ms(floor_lat),
+        "floor_api_cpu_ms": 1e3 * floor_cpu / max(1, len(floor_lat)),
+        "submit_miss_api_cpu_ms": 1e3 * submit_cpu / max(1, len(miss_lat)),
         "submit_miss": summary_ms(miss_lat),
         "submit_miss_errors": miss_err[:10],
         "submit_miss_error_count": len(miss_err),
@@ -729,7 +750,9 @@ def render(
         _row("GET /healthz (peer), 50 clients", submit["floor"]),
         _row("new jobs, 50 concurrent clients", submit["submit_miss"]),
         f"    p50 {_ratio(submit['submit_miss'], submit['floor'], 'p50_ms')}x, "
-        f"p99 {_ratio(submit['submit_miss'], submit['floor'], 'p99_ms')}x the peer's",
+        f"p99 {_ratio(submit['submit_miss'], submit['floor'], 'p99_ms')}x the peer's; "
+        f"API process CPU per request {submit['submit_miss_api_cpu_ms']:.2f} ms "
+        f"(/healthz {submit['floor_api_cpu_ms']:.2f} ms)",
         f"    {submit['submit_miss_queued']} queued, {submit['submit_miss_error_count']} errors,"
         f" {submit['submits_per_s']:.0f} submits/s; queue drained in {submit['drain_s']:.1f} s"
         f" ({'yes' if submit['drained'] else 'NO'}); jobs: {submit['job_statuses']}",

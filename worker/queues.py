@@ -27,6 +27,10 @@ class CeleryQueue:
         from qpcfarm.worker.celery_app import make_celery_app
 
         self._app = make_celery_app(settings)
+        # The broker's transport (kombu's redis transport, the redis client) is imported on
+        # the first send: here, at start-up, instead of holding the GIL inside the first
+        # submit while the other requests wait. A kombu Connection connects only when used.
+        self._app.connection_for_write().release()
 
     @property
     def celery(self) -> Celery:

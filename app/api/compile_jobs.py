@@ -9,6 +9,7 @@ queued or running for it (202, `attached: true`); otherwise a new job is queued 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
@@ -20,17 +21,21 @@ from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep,
 from qpcfarm.app.api.models import Limit, Offset
 from qpcfarm.app.api.schemas import JobCreate, JobList, JobOut
 from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus
-from qpcfarm.app.services import jobs, models
+from qpcfarm.app.services import jobs
 from qpcfarm.app.services.farm_options import farm_options
+from qpcfarm.app.services.jobs import JobRow
 
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
+
 
 def parse_options(body: JobCreate) -> CompileOptions:
     """The request's options, through the farm's one door (CompileError -> 422)."""
     return farm_options(flags=body.flags, values=body.options)
 
 
-def reports_by_qpc(session: Session, job_list: list[CompileJob]) -> dict[uuid.UUID, CompileReport]:
+def reports_by_qpc(
+    session: Session, job_list: Sequence[CompileJob | JobRow]
+) -> dict[uuid.UUID, CompileReport]:
     qpc_ids = {job.qpc_id for job in job_list if job.qpc_id is not None}
     if not qpc_ids:
         return {}
@@ -56,25 +61,28 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
 )
 def submit_job(
     body: JobCreate,
-    response: Response,
     session: SessionDep,
     team: CurrentTeam,
     queue: QueueDep,
     store: StoreDep,
     settings: SettingsDep,
-) -> JobOut:
+) -> Response:
     options = parse_options(body)
-    model = models.get_model(session, team, body.model_id)
-    job, created = jobs.submit_job(
-        session, team, model, options, store=store, cache_scope=settings.cache_scope
+    job, created = jobs.submit(
+        session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope
     )
     session.commit()
     if created and job.status == JobStatus.queued:
         queue.enqueue(job.id)
-    if job.cache_hit:
-        response.status_code = 200
-    response.headers["Location"] = f"/v1/compile-jobs/{job.id}"
-    return job_out(session, job, attached=not created)
+    report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None
+    # The answer serialised by its model at once (what `response_model` declares): FastAPI
+    # would validate the returned model again and encode it through plain Python objects.
+    return Response(
+        JobOut.of(job, report, attached=not created).model_dump_json(),
+        status_code=200 if job.cache_hit else 202,
+        headers={"Location": f"/v1/compile-jobs/{job.id}"},
+        media_type="application/json",
+    )
 
 
 @router.get("", response_model=JobList)

@@ -11,6 +11,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from sqlalchemy import Row
 
 from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
 
@@ -108,7 +109,10 @@ class JobOut(BaseModel):
     finished_at: dt.datetime | None
 
     @classmethod
-    def of(cls, job: CompileJob, report: CompileReport | None, *, attached: bool = False) -> JobOut:
+    def of(
+        cls, job: CompileJob | Row[Any], report: CompileReport | None, *, attached: bool = False
+    ) -> JobOut:
+        """The answer for a job: an ORM object, or a row of its columns (the submit path)."""
         error = None
         if job.error_code is not None:
             error = JobError(

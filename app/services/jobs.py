@@ -7,13 +7,14 @@ The job row is the truth; what a worker does with it (claim, progress, succeed, 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import Select, Uuid, bindparam, func, select, update
+from sqlalchemy import Row, Select, Table, Uuid, bindparam, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import set_committed_value
 
 from compiler_core import CompileOptions
 from compiler_core.version import COMPILER_VERSION
@@ -30,7 +31,7 @@ from qpcfarm.app.db.models import (
     Qpc,
     Team,
 )
-from qpcfarm.app.db.ops import insert_or_ignore, insert_statement, rowcount
+from qpcfarm.app.db.ops import insert_or_ignore, rowcount
 from qpcfarm.app.services.errors import ServiceError, not_found
 from qpcfarm.app.services.pages import Page, paginate
 
@@ -39,11 +40,49 @@ log = logging.getLogger(__name__)
 CacheScope = Literal["team", "farm"]
 
 
-def options_key(model_sha256: str, options: CompileOptions) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler version."""
-    text = "\n".join((model_sha256, options.to_json_str(), COMPILER_VERSION))
+def options_key(
+    model_sha256: str, options: CompileOptions, canonical: dict[str, Any] | None = None
+) -> str:
+    """The QPC cache key: model bytes + canonical options + compiler version. `canonical`:
+    `options.to_json()` if the caller has it already."""
+    if canonical is None:
+        canonical = options.to_json()
+    canonical_text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))  # to_json_str
+    text = "\n".join((model_sha256, canonical_text, COMPILER_VERSION))
     return hashlib.sha256(text.encode()).hexdigest()
 
+
+JobRow = Row[Any]
+"""A compile job as the submit path reads it: a row with CompileJob's columns as attributes
+(`JobOut.of` reads either)."""
+
+_JOBS = cast(Table, CompileJob.__table__)
+_JOB_COLUMNS = tuple(_JOBS.c)
+_MODEL_OF = select(Model.team_id, Model.sha256).where(Model.id == bindparam("model_id"))
+_ACTIVE_JOB = (
+    select(*_JOB_COLUMNS)
+    .where(
+        _JOBS.c.team_id == bindparam("team_id"),
+        _JOBS.c.options_key == bindparam("key"),
+        _JOBS.c.status.in_(ACTIVE_STATUSES),
+        _JOBS.c.cancel_requested.is_(False),
+    )
+    .limit(1)
+)
+_MAKE_HIT = update(_JOBS).where(_JOBS.c.id == bindparam("job_id")).returning(*_JOB_COLUMNS)
+
+
+def _job_inserts(dialect: Any) -> tuple[Any, Any]:
+    """(plain, only-if-no-active-job-of-the-key) INSERT ... RETURNING of a job row."""
+    plain = dialect.insert(_JOBS)
+    guarded = plain.on_conflict_do_nothing(
+        index_elements=["team_id", "options_key"], index_where=ACTIVE_JOB_PREDICATE
+    )
+    return plain.returning(*_JOB_COLUMNS), guarded.returning(*_JOB_COLUMNS)
+
+
+_INSERTS = {"sqlite": _job_inserts(sqlite), "postgresql": _job_inserts(postgresql)}
+"""Statements built once: a submit binds values, SQLAlchemy's compiled cache does the rest."""
 
 
 def submit_job(
@@ -55,7 +94,31 @@ def submit_job(
     store: BlobStore | None = None,
     cache_scope: CacheScope = "team",
 ) -> tuple[CompileJob, bool]:
-    """Ask for a compile of `model` with `options`. Returns (job, created).
+    """`submit` for callers that work with ORM objects (the web form, sweeps): the job as a
+    `CompileJob` of the session."""
+    if model.team_id != team.id:
+        raise not_found("model", model.id)
+    session.flush()  # the caller's pending rows first: `submit` runs on the connection
+    row, created = submit(
+        session, team, model.id, options, store=store, cache_scope=cache_scope, model=model
+    )
+    job = session.get(CompileJob, row.id, populate_existing=True)
+    assert job is not None
+    return job, created
+
+
+def submit(
+    session: Session,
+    team: Team,
+    model_id: uuid.UUID,
+    options: CompileOptions,
+    *,
+    store: BlobStore | None = None,
+    cache_scope: CacheScope = "team",
+    model: Model | None = None,
+) -> tuple[JobRow, bool]:
+    """Ask for a compile of the team's model `model_id` with `options` (404 `not_found` for
+    a model of another team). Returns (job, created).
 
     - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
       a corrupt one is quarantined and compiled again): a new job, already succeeded,
@@ -70,70 +133,47 @@ def submit_job(
     API processes one inserts and the others attach to it. A job that finished between the
     cache lookup and the insert left its QPC behind; the lookup after the insert finds it,
     and the new row becomes a cache hit instead of a second compile.
+
+    Core statements built once on the session's connection, no ORM objects: the API's
+    submit is its busiest write, and the ORM's unit of work cost several times the SQL.
     """
-    if model.team_id != team.id:
-        raise not_found("model", model.id)
-    key = options_key(model.sha256, options)
+    connection = session.connection()
+    if model is None:
+        found = connection.execute(_MODEL_OF, {"model_id": model_id}).first()
+        if found is None or found.team_id != team.id:
+            raise not_found("model", model_id)
+        sha256 = found.sha256
+    else:
+        sha256 = model.sha256
+    canonical = options.to_json()
+    key = options_key(sha256, options, canonical)
     common: dict[str, Any] = {
         "team_id": team.id,
-        "model_id": model.id,
-        "options": options.to_json(),
+        "model_id": model_id,
+        "options": canonical,
         "options_key": key,
         "device": options.device.name,
     }
+    plain, guarded = _INSERTS[connection.dialect.name]
     qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
     if qpc_id is not None:
-        job = _insert_job(session, {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)})
-        assert job is not None  # no active row carries a succeeded job's values
-        return job, True
+        values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
+        return connection.execute(plain, values).one(), True
 
     for _ in range(ATTACH_ATTEMPTS):
-        job = _insert_job(
-            session,
-            {**common, "id": uuid.uuid4(), "status": JobStatus.queued},
-            only_if_no_active=True,
-        )
+        values = {**common, "id": uuid.uuid4(), "status": JobStatus.queued}
+        job = connection.execute(guarded, values).first()
         if job is not None:
             qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
             if qpc_id is not None:
-                hit = _cache_hit_values(qpc_id)
-                session.execute(
-                    update(CompileJob).where(CompileJob.id == job.id).values(**hit),
-                    execution_options={"synchronize_session": False},
-                )
-                for name, value in hit.items():
-                    set_committed_value(job, name, value)
+                hit = {"job_id": job.id, **_cache_hit_values(qpc_id)}
+                job = connection.execute(_MAKE_HIT, hit).one()
             return job, True
-        active = session.execute(
-            select(CompileJob)
-            .where(
-                CompileJob.team_id == team.id,
-                CompileJob.options_key == key,
-                CompileJob.status.in_(ACTIVE_STATUSES),
-                CompileJob.cancel_requested.is_(False),
-            )
-            .limit(1)
-        ).scalar_one_or_none()
+        active = connection.execute(_ACTIVE_JOB, {"team_id": team.id, "key": key}).first()
         if active is not None:
             return active, False
         # The job we collided with finished in between: try again (it left a QPC or failed).
     raise ServiceError("busy", "identical submits keep colliding; retry", 503)
-
-
-def _insert_job(
-    session: Session, values: dict[str, Any], *, only_if_no_active: bool = False
-) -> CompileJob | None:
-    """INSERT the job row and read it back in the same statement (RETURNING); with
-    `only_if_no_active`, nothing (None) when the team already has an active job of the key
-    (the partial unique index)."""
-    stmt = insert_statement(session, CompileJob, values)
-    if only_if_no_active:
-        stmt = stmt.on_conflict_do_nothing(
-            index_elements=["team_id", "options_key"], index_where=ACTIVE_JOB_PREDICATE
-        )
-    return session.execute(
-        stmt.returning(CompileJob), execution_options={"populate_existing": True}
-    ).scalar_one_or_none()
 
 
 ATTACH_ATTEMPTS = 5
@@ -195,9 +235,10 @@ _FARM_LOOKUP = _cache_lookup(team_scoped=False)
 
 def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uuid.UUID | None:
     """A QPC of the cache key: the team's (`team_id`), or any team's (None)."""
+    connection = session.connection()
     if team_id is None:
-        return session.execute(_FARM_LOOKUP, {"key": key}).scalar_one_or_none()
-    return session.execute(_TEAM_LOOKUP, {"key": key, "team_id": team_id}).scalar_one_or_none()
+        return connection.execute(_FARM_LOOKUP, {"key": key}).scalar_one_or_none()
+    return connection.execute(_TEAM_LOOKUP, {"key": key, "team_id": team_id}).scalar_one_or_none()
 
 
 def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID:
