@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from compiler_core.blas_core import set_openblas_core
 from qpcfarm.app.configure import configure_command
 from qpcfarm.app.submit import submit_command
 
@@ -501,6 +502,7 @@ def service_help() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openblas_core()  # before numpy is imported: see compiler_core/blas_core.py
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SERVICE_COMMANDS:
         return _run_service(SERVICE_COMMANDS[args[0]][1], args[1:])
