@@ -13,6 +13,8 @@ over the repeats), so a busy machine slows every row alike, and the median is re
 
 `--light-resnet50` measures onnx's backend-test light_resnet50 (separate BatchNormalization
 nodes; its ConstantOfShape weights replaced by seeded random ones) instead of our ResNet-50.
+Every figure is given in wall and in CPU time; our packages are byte-compiled first, as
+installing the wheel does (`byte_compile_packages`).
 """
 
 from __future__ import annotations
