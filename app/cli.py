@@ -17,6 +17,7 @@ one line, `qpcfarm: error: ...`, and exit non-zero (`QPCFARM_DEBUG=1` shows trac
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import traceback
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from compiler_core.blas_core import set_openblas_core
 from qpcfarm.app.configure import configure_command
 from qpcfarm.app.submit import submit_command
 
@@ -501,6 +503,7 @@ def service_help() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openblas_core()  # before numpy is imported: see compiler_core/blas_core.py
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SERVICE_COMMANDS:
         return _run_service(SERVICE_COMMANDS[args[0]][1], args[1:])
@@ -512,6 +515,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         (sys.stdout if args else sys.stderr).write(text)
         return 0 if args else 1
     return core_cli.main(args)
+
+
+FAST_EXIT_COMMANDS = frozenset({"compile"})
+"""Commands after which the console script exits without tearing the interpreter down."""
+
+
+def entry() -> NoReturn:
+    """The console script (`qpcfarm`): `main`, then, after a compile, exit at once.
+
+    Python's normal exit frees every object and module one by one: 55-100 ms of CPU after a
+    ResNet-50 compile (5-8% of the process), for nothing, since the QPC is written and closed
+    by then. atexit handlers still run and stdout and stderr are flushed, so only that
+    freeing is skipped. Other commands exit normally (a service waits for its threads).
+    """
+    code = main()
+    if sys.argv[1:2] and sys.argv[1] in FAST_EXIT_COMMANDS:
+        _exit_now(code)
+    sys.exit(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    atexit._run_exitfuncs()  # logging.shutdown, weakref finalizers...
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, a closed stream
+            pass
+    os._exit(code)
 
 
 def _run_service(handler: Handler, argv: list[str]) -> int:
@@ -552,4 +583,4 @@ def _error_line(message: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

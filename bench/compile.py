@@ -13,6 +13,8 @@ over the repeats), so a busy machine slows every row alike, and the median is re
 
 `--light-resnet50` measures onnx's backend-test light_resnet50 (separate BatchNormalization
 nodes; its ConstantOfShape weights replaced by seeded random ones) instead of our ResNet-50.
+Every figure is given in wall and in CPU time; our packages are byte-compiled first, as
+installing the wheel does (`byte_compile_packages`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,9 @@ def _light_weight(name: str, dims: tuple[int, ...], rng: Any) -> Any:
 @dataclass
 class ProcessRun:
     wall_s: float
+    cpu_s: float
+    """User + system CPU time of the child (and its children): what a busy machine inflates
+    least, since time spent waiting for a CPU is not counted."""
     peak_rss_mib: float
     """`ru_maxrss` of the child (exact, includes touched pages of mapped files)."""
     peak_anon_mib: float | None
@@ -165,7 +170,7 @@ if pid == 0:
 _, status, usage = os.wait4(pid, 0)
 wall = time.perf_counter() - start
 with open(sys.argv[1], "w") as f:
-    f.write(f"{usage.ru_maxrss} {wall!r}")
+    f.write(f"{usage.ru_maxrss} {wall!r} {usage.ru_utime + usage.ru_stime!r}")
 code = os.waitstatus_to_exitcode(status)
 sys.exit(code if code >= 0 else 128 - code)
 """
@@ -198,7 +203,7 @@ def run_process(argv: Sequence[str], timeout_s: float) -> ProcessRun:
         fields = result.read().split()
         err.seek(0)
         last_line = _last_line(err.read().decode(errors="replace")) or "(no output)"
-    if len(fields) != 2:
+    if len(fields) != 3:
         raise RuntimeError(f"the launcher failed (exit {returncode}): {last_line}")
     error = None
     if returncode != 0:
@@ -207,6 +212,7 @@ def run_process(argv: Sequence[str], timeout_s: float) -> ProcessRun:
             error = f"killed (timeout {timeout_s:.0f} s or out of memory): {error}"
     return ProcessRun(
         wall_s=float(fields[1]),
+        cpu_s=float(fields[2]),
         peak_rss_mib=int(fields[0]) * 1024 / MIB,  # Linux reports KiB
         peak_anon_mib=peak_anon[0] / MIB if peak_anon else None,
         returncode=returncode,
@@ -265,6 +271,10 @@ class Measurement:
         return statistics.median(r.wall_s for r in self.runs)
 
     @property
+    def cpu_s(self) -> float:
+        return statistics.median(r.cpu_s for r in self.runs)
+
+    @property
     def peak_rss_mib(self) -> float:
         return statistics.median(r.peak_rss_mib for r in self.runs)
 
@@ -280,6 +290,7 @@ class Measurement:
             "ok": self.ok,
             "error": self.error,
             "wall_s_median": self.wall_s if self.runs else None,
+            "cpu_s_median": self.cpu_s if self.runs else None,
             "peak_rss_mib_median": self.peak_rss_mib if self.runs else None,
             "peak_anon_mib_median": self.peak_anon_mib if self.runs else None,
             "runs": [asdict(r) for r in self.runs],
@@ -297,10 +308,35 @@ def measure_round_robin(measurements: Sequence[Measurement], repeat: int, timeou
             state = "ok" if run.returncode == 0 else f"FAILED: {run.error}"
             print(
                 f"  [{round_no + 1}/{repeat}] {m.label:<40} {run.wall_s:7.2f} s "
+                f"(CPU {run.cpu_s:6.2f} s) "
                 f"{run.peak_rss_mib:8.1f} MiB  {state}",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+PACKAGES = ("compiler_core", "qpcfarm.app")
+"""What `qpcfarm compile` imports of ours."""
+
+
+def byte_compile_packages() -> list[Path]:
+    """Write the .pyc files of our packages, as installing the wheel does (pip byte-compiles).
+    A source checkout run with PYTHONDONTWRITEBYTECODE=1 has none, and then every measured
+    process compiles every module from source (0.4-0.5 s of CPU here), which no installed
+    qpcfarm does; ONNX Runtime's were written at its install."""
+    import compileall
+    import importlib.util
+
+    folders = []
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        folder = Path(next(iter(spec.submodule_search_locations)))
+        if not compileall.compile_dir(folder, quiet=1):
+            raise SystemExit(f"byte-compiling {folder} failed")
+        folders.append(folder)
+    return folders
 
 
 def compile_argv(model: Path, out_dir: Path, cores: int) -> list[str]:
@@ -344,26 +380,36 @@ def warm_in_process(model: Path, out_dir: Path, cores: int, repeat: int) -> dict
     ort_once()
     compile_s: list[float] = []
     ort_s: list[float] = []
+    compile_cpu_s: list[float] = []
+    ort_cpu_s: list[float] = []
     pass_times: dict[str, float] = {}
     for _ in range(repeat):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         pass_times = compile_once()
-        compile_s.append(time.perf_counter() - start)
-        ort_s.append(_timed(ort_once))
+        compile_s.append(time.perf_counter() - wall)
+        compile_cpu_s.append(time.process_time() - cpu)
+        wall, cpu = _timed(ort_once)
+        ort_s.append(wall)
+        ort_cpu_s.append(cpu)
     return {
         "cores": cores,
         "compile_s": compile_s,
         "ort_s": ort_s,
+        "compile_cpu_s": compile_cpu_s,
+        "ort_cpu_s": ort_cpu_s,
         "compile_s_median": statistics.median(compile_s),
         "ort_s_median": statistics.median(ort_s),
+        "compile_cpu_s_median": statistics.median(compile_cpu_s),
+        "ort_cpu_s_median": statistics.median(ort_cpu_s),
         "pass_times": pass_times,
     }
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall and process CPU time (all threads) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -427,14 +473,25 @@ def wall_ratio(name: str, a: Measurement, b: Measurement, target: float | None =
     return Ratio(name, a.wall_s / b.wall_s, target)
 
 
+def cpu_ratio(name: str, a: Measurement, b: Measurement) -> Ratio:
+    """The same ratio in CPU time (user + system): steadier than wall time on a busy machine,
+    but it counts ORT's thread-pool spinning, and the targets are wall time."""
+    if not a.ok or not b.ok:
+        return Ratio(name, None, None)
+    return Ratio(name, a.cpu_s / b.cpu_s, None, "CPU time, user + system")
+
+
 def table(rows: Sequence[Measurement]) -> list[str]:
-    lines = [f"  {'':<40} {'wall s':>8} {'peak RSS MiB':>13} {'peak anon MiB':>14}"]
+    lines = [f"  {'':<40} {'wall s':>8} {'CPU s':>8} {'peak RSS MiB':>13} {'peak anon MiB':>14}"]
     for m in rows:
         if not m.runs:
             continue
         anon = "-" if m.peak_anon_mib is None else f"{m.peak_anon_mib:.1f}"
         tail = "" if m.ok else f"  FAILED: {m.error}"
-        lines.append(f"  {m.label:<40} {m.wall_s:8.2f} {m.peak_rss_mib:13.1f} {anon:>14}{tail}")
+        lines.append(
+            f"  {m.label:<40} {m.wall_s:8.2f} {m.cpu_s:8.2f} {m.peak_rss_mib:13.1f} "
+            f"{anon:>14}{tail}"
+        )
     return lines
 
 
@@ -486,8 +543,9 @@ class Results:
         top = sorted(warm["pass_times"].items(), key=lambda kv: -kv[1])[:6]
         return [
             f"  {'in-process warm: compile_model, ' + str(warm['cores']) + ' cores':<40} "
-            f"{warm['compile_s_median']:8.2f}",
-            f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f}",
+            f"{warm['compile_s_median']:8.2f} {warm['compile_cpu_s_median']:8.2f}",
+            f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f} "
+            f"{warm['ort_cpu_s_median']:8.2f}",
             "  compile stages (last warm run): " + ", ".join(f"{k} {v:.2f}s" for k, v in top),
         ]
 
@@ -549,6 +607,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     resnet_bytes = model_size(resnet)
     big = None if args.skip_big else write_mlp(mlp_spec, work, regenerate=args.regenerate)
 
+    folders = byte_compile_packages()
+    _progress(f"byte-compiled (as pip install does): {', '.join(map(str, folders))}")
+
     n = args.cores
     baseline = Measurement("baseline (import compile + cli)", python_argv(BASELINE_CODE))
     compile_1 = Measurement("qpcfarm compile, 1 core", compile_argv(resnet, work / "qpc-1", 1))
@@ -580,8 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_average=load_average,
         ratios=[
             _warm_ratio(warm),
+            _warm_cpu_ratio(warm),
             wall_ratio(f"compile process ({n} cores) / ORT process, wall", compile_n, ort_m, 1.5),
             wall_ratio("compile process (1 core) / ORT process, wall", compile_1, ort_m, 1.5),
+            cpu_ratio(f"compile process ({n} cores) / ORT process, CPU", compile_n, ort_m),
+            cpu_ratio("import baseline / ORT process, CPU", baseline, ort_m),
             _minus_baseline_ratio(compile_n, baseline, ort_m),
             wall_ratio(f"compile process ({n} cores) / load+save process", compile_n, load_save),
             wall_ratio("compile process (1 core) / load+save process", compile_1, load_save),
@@ -654,6 +718,14 @@ def _warm_ratio(warm: dict[str, Any]) -> Ratio:
     return Ratio(
         name, warm["compile_s_median"] / warm["ort_s_median"], 1.0, f"{warm['cores']} cores"
     )
+
+
+def _warm_cpu_ratio(warm: dict[str, Any]) -> Ratio:
+    name = "compile in-process warm / ORT in-process warm, CPU"
+    if "error" in warm:
+        return Ratio(name, None, None)
+    ratio = warm["compile_cpu_s_median"] / warm["ort_cpu_s_median"]
+    return Ratio(name, ratio, None, "process CPU time, all threads")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from compiler_core.blas_core import set_openblas_core
 from compiler_core.errors import CompileError
 from compiler_core.options import CompileOptions, usage, wants_help
 from compiler_core.report import render_metrics, render_pass_times, render_warning
@@ -393,6 +394,7 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    set_openblas_core()  # before numpy is imported (`python -m compiler_core.cli`)
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(args)

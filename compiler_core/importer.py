@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
@@ -421,6 +420,8 @@ def _external_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto
 def _inline_functions(model: ir.Model) -> None:
     if not model.functions:
         return
+    import onnx_ir.passes.common as common_passes  # a dozen passes; only inlining is used
+
     try:
         common_passes.InlinePass()(model)
     except Exception as exc:  # e.g. recursive functions

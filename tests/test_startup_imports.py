@@ -1,5 +1,6 @@
-"""What the CLI's start-up imports: `qpcfarm --help` and `compile -h` load neither sympy nor
-ml_dtypes nor the service's web stack, and a compile loads sympy only if it is used.
+"""What the CLI's start-up imports: `qpcfarm --help` and `compile -h` load neither numpy, onnx,
+onnx_ir, sympy nor ml_dtypes nor the service's web stack, and a compile loads sympy only if it
+is used (the op modules a compile loads are in test_op_index.py).
 Behavioural checks on sys.modules in a fresh interpreter, not timings."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ["sympy", "ml_dtypes", "onnx_ir", "onnx", "fastapi", "sqlalchemy", "celery"]
+HEAVY = ["sympy", "ml_dtypes", "onnx_ir", "onnx", "numpy", "fastapi", "sqlalchemy", "celery"]
 
 
 def _loaded_after(code: str) -> dict[str, bool]:

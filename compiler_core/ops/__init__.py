@@ -1,40 +1,9 @@
-"""Importing this package fills the op registry, family by family."""
+"""The op registry and the op modules that fill it.
 
-from compiler_core.ops import (  # noqa: F401  (imported for their registrations)
-    activation,
-    attention,
-    bitcast,
-    causal_conv,
-    control_flow,
-    conv,
-    detection,
-    elementwise,
-    extra,
-    flex_attention,
-    int8,
-    kv_cache,
-    linalg,
-    linear_attention,
-    loss,
-    matmul,
-    ml,
-    norm,
-    optional,
-    pool,
-    quant,
-    quant_integer,
-    recurrent,
-    reduce,
-    resize_pad,
-    rotary,
-    sampling,
-    signal,
-    tensor,
-    text,
-    training,
-    unique,
-    unpool,
-)
+Importing this package imports no op module: `REGISTRY` imports the module of an op the first
+time the op is looked up (see `registry`), so a compile pays only for the kernels it uses.
+"""
+
 from compiler_core.ops.registry import REGISTRY, Box, NodeInfo, OpDef, TileCtx
 
 __all__ = ["REGISTRY", "Box", "NodeInfo", "OpDef", "TileCtx"]

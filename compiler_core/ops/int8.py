@@ -59,11 +59,18 @@ from compiler_core.ops.pool import (
     pool_windows,
     window_counts,
 )
-from compiler_core.ops.registry import Box, NodeInfo, TileCtx, full_box, register
+from compiler_core.ops.registry import (
+    QPCFARM_DOMAIN,
+    Box,
+    NodeInfo,
+    TileCtx,
+    full_box,
+    register,
+)
 
 Array = np.ndarray
 
-DOMAIN = "com.qpcfarm"
+DOMAIN = QPCFARM_DOMAIN
 QTYPES = frozenset({"int8", "uint8", "int16", "uint16"})
 MANTISSA_BITS = 24
 MAX_SHIFT = 62

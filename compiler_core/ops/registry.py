@@ -4,11 +4,18 @@ Each entry answers four questions for one op type: which opsets and element type
 (the importer's check and `-operators-supported`), how its output can be cut into tiles and
 which part of each input a tile needs (lowering), what it costs (the cost model), and what it
 computes (the runtime kernel, which is also what constant folding runs).
+
+Entries are registered by the op modules of this package when they are imported, and they are
+imported on demand: `compiler_core/ops/index.py`, generated from the entries themselves
+(`python -m compiler_core.ops.index_builder`; a test fails when it is stale), says which
+module registers each op type, so the registry knows every op's name without importing a
+kernel, and a compile imports only the modules of the ops its graph uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,16 +196,29 @@ class OpDef:
         return self.kernel or self.op_type.lower()
 
 
+OpKey = tuple[str, str]
+"""(domain, op_type), the domain as registered ("" for the default one)."""
+
+
 class OpRegistry:
-    def __init__(self) -> None:
-        self._ops: dict[tuple[str, str], list[OpDef]] = {}
+    """OpDefs by op type. With an `index` (op key -> the modules that register it, in
+    registration order), an op's modules are imported the first time it is looked up."""
+
+    def __init__(self, index: Mapping[OpKey, Sequence[str]] | None = None) -> None:
+        self._ops: dict[OpKey, list[OpDef]] = {}
+        self._index = dict(index or {})
+        # Keys whose modules may not be imported yet (shrinks to empty).
+        self._pending = {key: tuple(modules) for key, modules in self._index.items()}
 
     def add(self, opdef: OpDef) -> OpDef:
         self._ops.setdefault((opdef.domain, opdef.op_type), []).append(opdef)
         return opdef
 
     def lookup(self, op_type: str, domain: str = "", opset: int | None = None) -> OpDef | None:
-        for opdef in self._ops.get((norm_domain(domain), op_type), []):
+        key = (norm_domain(domain), op_type)
+        if key in self._pending:
+            self._load(key)
+        for opdef in self._ops.get(key, ()):
             if opset is None:
                 return opdef
             if opdef.since <= opset and (opdef.until is None or opset <= opdef.until):
@@ -206,10 +226,27 @@ class OpRegistry:
         return None
 
     def versions(self, op_type: str, domain: str = "") -> list[OpDef]:
-        return list(self._ops.get((norm_domain(domain), op_type), []))
+        key = (norm_domain(domain), op_type)
+        if key in self._pending:
+            self._load(key)
+        return list(self._ops.get(key, ()))
 
     def all(self) -> list[OpDef]:
+        """Every entry, by (domain, op type); imports every op module."""
+        for key in list(self._pending):
+            self._load(key)
         return [d for key in sorted(self._ops) for d in self._ops[key]]
+
+    def op_types(self) -> frozenset[str]:
+        """The names of the supported op types (any domain), without importing a kernel."""
+        return frozenset(op for _, op in (*self._index, *self._ops))
+
+    def _load(self, key: OpKey) -> None:
+        # Python's import lock makes a thread that asks for a module another thread is
+        # importing wait until its registrations are complete; only then is the key done.
+        for module in self._pending.get(key, ()):
+            importlib.import_module(f"{__package__}.{module}")
+        self._pending.pop(key, None)
 
 
 SMALL_CONST_ELEMENTS = 4096
@@ -219,13 +256,23 @@ OUTER_SCOPE = "qpcfarm.outer_scope"
 """NodeInfo attribute of a node with subgraphs: the names of its extra, outer-scope inputs."""
 
 
+QPCFARM_DOMAIN = "com.qpcfarm"
+"""The domain of the compiler's own ops (the int8 kernels that QDQ groups fold into)."""
+
+
 def norm_domain(domain: str) -> str:
     """ "ai.onnx" and "" name the same (default) domain."""
     return "" if domain in ("", "ai.onnx") else domain
 
 
-REGISTRY = OpRegistry()
-"""Filled once, at import of `compiler_core.ops`, and never changed after."""
+def _index() -> Mapping[OpKey, Sequence[str]]:
+    from compiler_core.ops.index import OP_MODULES
+
+    return OP_MODULES
+
+
+REGISTRY = OpRegistry(_index())
+"""Filled as op modules are imported (on first lookup of one of their ops), never changed after."""
 
 
 def register(op_type: str, compute: Compute, **kwargs: Any) -> OpDef:

@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from compiler_core.fusion import FUSED_NODES_KEY, fused_node_names
 from compiler_core.nodeinfo import node_info
-from compiler_core.ops.int8 import DOMAIN, fixed_point, requant_table
+from compiler_core.ops.registry import QPCFARM_DOMAIN as DOMAIN
 from compiler_core.ops.registry import REGISTRY, NodeInfo, TileCtx
 from compiler_core.passes.base import (
     GraphPass,
@@ -368,6 +368,8 @@ class FoldQDQPass(GraphPass):
             if q.dtype in ("int8", "uint8", "int16", "uint16") and scale_factor == 1.0:
                 # an int8 (int16) bias keeps its bytes; the kernel rescales it exactly
                 centred = (codes - zero).astype(np.dtype(q.dtype.replace("uint", "int")))
+                from compiler_core.ops.int8 import requant_table  # only when QDQ folds
+
                 table = requant_table(scale / acc_scale)
                 return (
                     self._const_value(centred, f"{value.name or 'bias'}_q"),
@@ -412,6 +414,8 @@ class FoldQDQPass(GraphPass):
         if np.any(zeros != 0):
             dtype = w.dtype if w.per_tensor else w.dtype
             w_zero = self._const_value(zeros.astype(dtype), f"{node.name}_wzero")
+        from compiler_core.ops.int8 import requant_table  # only when QDQ folds
+
         rq = self._const_value(requant_table(multiplier), f"{node.name}_rq")
         inputs = [x.value, w_value, bias[0], w_zero, rq, bias[1]]
         while inputs and inputs[-1] is None:
@@ -811,6 +815,8 @@ def _activation_tail(node: ir.Node) -> tuple[ir.Node, float, float] | None:
 
 def _fixed(multiplier: float | np.floating) -> tuple[int, int]:
     """One float32 multiplier as (mantissa, shift) ints."""
+    from compiler_core.ops.int8 import fixed_point  # only when QDQ folds
+
     mant, shift = fixed_point(np.array(multiplier, dtype=np.float32))
     return int(mant), int(shift)
 
