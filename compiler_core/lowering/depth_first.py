@@ -32,17 +32,19 @@ from compiler_core.ops.registry import NodeInfo
 MIB = 1 << 20
 
 
-def batch_of(graph: LoweredGraph) -> int:
-    """The batch every graph input and output shares on axis 0 (1 when they disagree)."""
+def batch_of(graph: LoweredGraph) -> int | None:
+    """The batch every graph input and output shares on axis 0 (None when they disagree)."""
     dims = {graph.tensors[t].shape[0] if graph.tensors[t].shape else 1 for t in graph.inputs}
     dims |= {graph.tensors[t].shape[0] if graph.tensors[t].shape else 1 for t in graph.outputs}
-    return dims.pop() if len(dims) == 1 else 1
+    return dims.pop() if len(dims) == 1 else None
 
 
-def why_not(graph: LoweredGraph, batch: int) -> str | None:
+def why_not(graph: LoweredGraph, batch: int | None) -> str | None:
     """Why the network cannot run image group by image group (None: it can). Every kernel
     must map images [j, j+1) of its output to images [j, j+1) of each activation operand and
     to the same box of each weight, by its op's own tiling rule."""
+    if batch is None:
+        return "the graph inputs and outputs do not share one batch dimension on axis 0"
     if batch <= 1:
         return "the batch is 1: there is nothing to split into image groups"
     for lk in graph.kernels:
@@ -119,6 +121,7 @@ def split_into_groups(graph: LoweredGraph, groups: int) -> LoweredGraph:
     Weights stay shared tensors; activations are new tensors with the group's batch; graph
     inputs and outputs are read and written through views of the group's rows."""
     batch = batch_of(graph)
+    assert batch is not None
     size = batch // groups
     tensors = list(graph.tensors)
     kernels: list[LKernel] = []
@@ -249,7 +252,7 @@ def plan_depth_first(
     the batch-major schedule (`baseline`, seconds)."""
     batch = batch_of(graph)
     reason = why_not(graph, batch)
-    if reason is not None:
+    if reason is not None or batch is None:
         return Choice(None, None, 1, [f"depth-first scheduling cannot apply: {reason}"])
     sizes = group_sizes(batch)
     if mem_mib is not None:
