@@ -78,7 +78,7 @@ def test_image_groups_compute_what_onnxruntime_computes(cores: int, precision: s
     feeds = _conv_feeds(4)
     with _compiled(model, _flags(cores, precision, *FORCED)) as result:
         program = result.program
-        assert _groups(program) == 2
+        assert _groups(program) == 2 == result.metrics["depth_first_groups"]
         assert not _warnings(result)
         assert not [w for w in result.warnings if w["code"] == "option_without_effect"]
         assert races(program) == []
