@@ -23,6 +23,7 @@ from onnx import TensorProto, helper
 
 from compiler_core import compile_model, load_qpc, run_qpc
 from compiler_core.compile import CompileResult
+from compiler_core.lowering import depth_first
 from compiler_core.lowering.program import KIND_CONSTANT, DmaLoad, Program, RunKernel, stored_bytes
 from compiler_core.runtime.executor import Executor
 from tests.codegen_models import conv_net, probed_light_model
@@ -111,6 +112,34 @@ def test_a_light_cnn_at_batch_2_runs_image_by_image_as_onnxruntime_does(name: st
         assert races(result.program) == []
         got = run_qpc(result.qpc_path, {data.name: images})
     _assert_close(got, want, "fp32")
+
+
+def _group_order(program: Program) -> list[int]:
+    """The group of each kernel, in program order (by the group of the tensor it writes)."""
+    order = []
+    for kernel in program.kernels:
+        names = [program.tensors[t].name for t in kernel.outputs if t >= 0]
+        order.append(int(names[0].rsplit(".group", 1)[1]) if ".group" in names[0] else -1)
+    return order
+
+
+@pytest.mark.parametrize("cores", [1, 4, 14])
+def test_interleaved_groups_compute_what_onnxruntime_computes(
+    cores: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group 1 starts each layer one layer after group 0 (the shortest lag)."""
+    grouped = depth_first.split_into_groups
+    monkeypatch.setattr(
+        depth_first, "split_into_groups", lambda graph, groups, lag=None: grouped(graph, groups, 1)
+    )
+    model = conv_net(batch=4)
+    feeds = _conv_feeds(4)
+    with _loaded(model, _flags(cores, "fp32", *FORCED), feeds) as loaded:
+        order = _group_order(loaded.program)
+        assert order.index(1) < len(order) - 1 - order[::-1].index(0), order  # interleaved
+        assert races(loaded.program) == []
+        if cores > 1:  # one core has nothing to wait for
+            assert loaded.broken(_without_waits(loaded.program))
 
 
 def test_removing_the_semaphore_waits_breaks_a_depth_first_program() -> None:

@@ -116,10 +116,14 @@ def activation_bytes_per_image(graph: LoweredGraph, batch: int) -> int:
     return -(-peak // batch)
 
 
-def split_into_groups(graph: LoweredGraph, groups: int) -> LoweredGraph:
-    """The network cloned once per image group, group after group; tiles not yet chosen.
-    Weights stay shared tensors; activations are new tensors with the group's batch; graph
-    inputs and outputs are read and written through views of the group's rows."""
+def split_into_groups(graph: LoweredGraph, groups: int, lag: int | None = None) -> LoweredGraph:
+    """The network cloned once per image group; tiles not yet chosen. Weights stay shared
+    tensors; activations are new tensors with the group's batch; graph inputs and outputs are
+    read and written through views of the group's rows.
+
+    `lag`: group g+1 starts layer k after group g's layer k + lag (None: after group g's last
+    layer, group after group). A lag shorter than the network interleaves the groups, so one
+    group's weight-heavy last layers run beside the next group's compute-heavy first ones."""
     batch = batch_of(graph)
     assert batch is not None
     size = batch // groups
@@ -160,6 +164,8 @@ def split_into_groups(graph: LoweredGraph, groups: int) -> LoweredGraph:
                     layer=k,  # group 0's clone of kernel k has index k
                 )
             )
+    if lag is not None and lag < len(graph.kernels):
+        kernels = _interleaved(kernels, len(graph.kernels), lag)
     return LoweredGraph(
         tensors=tensors,
         kernels=kernels,
@@ -169,6 +175,21 @@ def split_into_groups(graph: LoweredGraph, groups: int) -> LoweredGraph:
         network_name=graph.network_name,
         warnings=list(graph.warnings),
     )
+
+
+def _interleaved(kernels: list[LKernel], layers: int, lag: int) -> list[LKernel]:
+    """Group-major clones reordered so that group g's layer k runs at step k + g x lag, and
+    renumbered (each clone's `layer` is then group 0's clone's new index)."""
+    order = sorted(range(len(kernels)), key=lambda i: (i % layers + (i // layers) * lag, i))
+    index = {old: new for new, old in enumerate(order)}
+    return [
+        dataclasses.replace(
+            kernels[old],
+            desc=dataclasses.replace(kernels[old].desc, id=new),
+            layer=index[kernels[old].layer],
+        )
+        for new, old in enumerate(order)
+    ]
 
 
 def _clone_tensor(
@@ -243,41 +264,55 @@ def group_sizes(batch: int) -> list[int]:
     return [d for d in range(batch // 2, 0, -1) if batch % d == 0]
 
 
+INTERLEAVE = (4, 8)
+"""Lags tried for the chosen group size, as fractions of the network (1/4, 1/8 of its
+kernels): measured on ResNet-50 at batch 16 on 14 cores, 2 groups of 8 interleaved with a lag
+of 8 kernels are 3% faster than group after group; shorter lags were slower again."""
+
+
+def _lags(layers: int) -> list[int | None]:
+    """The orders tried for a group size: group after group (None), then the lags."""
+    return [None, *sorted({max(1, layers // d) for d in INTERLEAVE}, reverse=True)]
+
+
 def plan_depth_first(
     graph: LoweredGraph, mem_mib: int | None, baseline: float, latency: Latency
 ) -> Choice:
     """Group size by `-aic-depth-first-mem` (the largest group whose live activations fit it,
     summed over the cores), or else by the cost model: group sizes are tried from the
     largest down while each is faster than the last, and the fastest is kept if it beats
-    the batch-major schedule (`baseline`, seconds)."""
+    the batch-major schedule (`baseline`, seconds). For the size chosen, the cost model then
+    picks the order: group after group, or interleaved (see `split_into_groups`)."""
     batch = batch_of(graph)
     reason = why_not(graph, batch)
     if reason is not None or batch is None:
         return Choice(None, None, 1, [f"depth-first scheduling cannot apply: {reason}"])
     sizes = group_sizes(batch)
+    notes: list[str] = []
+    best: tuple[float, int, LoweredGraph, Planned] | None = None
     if mem_mib is not None:
         per_image = activation_bytes_per_image(graph, batch)
         fits = [s for s in sizes if s * per_image <= mem_mib * MIB]
-        size = fits[0] if fits else 1
-        notes = (
-            []
-            if fits
-            else [
+        if not fits:
+            notes.append(
                 f"-aic-depth-first-mem={mem_mib}: one image's activations take "
                 f"{per_image / MIB:.1f} MiB at their peak; groups of 1 image are used"
-            ]
-        )
-        grouped = split_into_groups(graph, batch // size)
-        _, planned = latency(grouped)
-        return Choice(grouped, planned, batch // size, notes)
-    best: tuple[float, int, LoweredGraph, Planned] | None = None
+            )
+        sizes = fits[:1] or [1]
+        baseline = float("inf")  # the user asked for these groups
     for size in sizes:
         grouped = split_into_groups(graph, batch // size)
         seconds, planned = latency(grouped)
         if best is not None and seconds >= best[0]:
-            break  # smaller groups stream the weights that are not resident more often
+            break  # smaller groups: less work per core, weights streamed more often
         best = (seconds, size, grouped, planned)
     assert best is not None
+    size = best[1]
+    for lag in _lags(len(graph.kernels))[1:]:
+        grouped = split_into_groups(graph, batch // size, lag)
+        seconds, planned = latency(grouped)
+        if seconds < best[0]:
+            best = (seconds, size, grouped, planned)
     seconds, size, grouped, planned = best
     if seconds >= baseline:
         return Choice(
@@ -291,4 +326,4 @@ def plan_depth_first(
                 f"group size)"
             ],
         )
-    return Choice(grouped, planned, batch // size, [])
+    return Choice(grouped, planned, batch // size, notes)
