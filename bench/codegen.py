@@ -63,6 +63,8 @@ class Row:
     ddr_mib: float
     compile_s: float
     error: str = ""
+    groups: int = 1
+    """Image groups of the depth-first schedule (1: batch-major)."""
 
 
 def model_path(name: str, work: Path, batch: int) -> tuple[Path, list[str]]:
@@ -120,6 +122,7 @@ def measure(name: str, cores: int, batch: int, work: Path) -> Row:
         resident_mib_per_core=m.get("resident_constants_bytes_per_core", 0) / 2**20,
         ddr_mib=(ddr["ddr_read_bytes"] + ddr["ddr_write_bytes"]) / 2**20,
         compile_s=seconds,
+        groups=int(m.get("depth_first_groups", 1)),
     )
 
 
@@ -169,8 +172,9 @@ def render(rows: list[tuple[Row, Row | None]]) -> str:
                 + " |" * 8
             )
             continue
+        groups = f" ({after.groups} groups)" if after.groups > 1 else ""
         lines.append(
-            f"| {after.model} | {after.cores} | {after.batch} "
+            f"| {after.model}{groups} | {after.cores} | {after.batch} "
             f"| {after.latency_us:,.0f} ({_fmt(before, 'latency_us', ',.0f')}) "
             f"| {after.device_us:,.0f} "
             f"| {after.per_second:,.0f} ({_fmt(before, 'per_second', ',.0f')}) "
