@@ -769,7 +769,8 @@ class _DdrHazards:
         t, held = self.graph.tensors[tid], self.graph.tensors[root]
         if t.shape == held.shape:
             return root, box
-        if t.alias_of == root and box and t.shape[1:] == held.shape[1:] and held.nbytes:
+        same_rows = len(t.shape) == len(held.shape) and t.shape[1:] == held.shape[1:]
+        if t.alias_of == root and box and same_rows and held.nbytes:
             # an image group's rows of a graph input or output: the same box, shifted
             row = held.nbytes // held.shape[0]
             at = t.alias_offset // row
