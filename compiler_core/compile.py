@@ -452,7 +452,9 @@ def _depth_first(
         scheduled = plan_schedule(grouped, config.vtcm_budget, policy)
         return _latency(grouped, scheduled, opts), scheduled
 
-    baseline = 0.0 if opts.aic_depth_first_mem is not None else _latency(lowered, planned, opts)
+    def baseline() -> float:
+        return _latency(lowered, planned, opts)
+
     choice = plan_depth_first(lowered, opts.aic_depth_first_mem, baseline, schedule)
     notes = [_warning("depth_first_not_applied", note) for note in choice.notes]
     if choice.lowered is None or choice.planned is None:

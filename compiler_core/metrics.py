@@ -478,6 +478,9 @@ def _spill(f: _Facts) -> list[dict[str, Any]]:
         hint = "more cores (-aic-num-cores) give the activations more VTCM to stay in"
     else:
         hint = "a smaller batch (-batchsize) keeps less on chip at once"
+    batch = program.tensors[program.inputs[0]].shape[:1] if program.inputs else ()
+    if batch and batch[0] > 1 and not f.options.aic_enable_depth_first:
+        hint += "; -aic-enable-depth-first runs the batch in groups of images that fit"
     return [
         _warning(
             "spill_to_ddr",

@@ -276,13 +276,14 @@ def _lags(layers: int) -> list[int | None]:
 
 
 def plan_depth_first(
-    graph: LoweredGraph, mem_mib: int | None, baseline: float, latency: Latency
+    graph: LoweredGraph, mem_mib: int | None, baseline: Callable[[], float], latency: Latency
 ) -> Choice:
     """Group size by `-aic-depth-first-mem` (the largest group whose live activations fit it,
     summed over the cores), or else by the cost model: group sizes are tried from the
     largest down while each is faster than the last, and the fastest is kept if it beats
-    the batch-major schedule (`baseline`, seconds). For the size chosen, the cost model then
-    picks the order: group after group, or interleaved (see `split_into_groups`)."""
+    the batch-major schedule (`baseline()`, seconds; asked only then). For the size chosen,
+    the cost model then picks the order: group after group, or interleaved (see
+    `split_into_groups`)."""
     batch = batch_of(graph)
     reason = why_not(graph, batch)
     if reason is not None or batch is None:
@@ -299,7 +300,6 @@ def plan_depth_first(
                 f"{per_image / MIB:.1f} MiB at their peak; groups of 1 image are used"
             )
         sizes = fits[:1] or [1]
-        baseline = float("inf")  # the user asked for these groups
     for size in sizes:
         grouped = split_into_groups(graph, batch // size)
         seconds, planned = latency(grouped)
@@ -314,7 +314,7 @@ def plan_depth_first(
         if seconds < best[0]:
             best = (seconds, size, grouped, planned)
     seconds, size, grouped, planned = best
-    if seconds >= baseline:
+    if mem_mib is None and seconds >= (batch_major := baseline()):
         return Choice(
             None,
             None,
@@ -322,7 +322,7 @@ def plan_depth_first(
             [
                 f"depth-first scheduling not applied: its fastest form ({batch // size} groups "
                 f"of {size} images) is estimated at {seconds * 1e6:,.0f} us, the batch-major "
-                f"schedule at {baseline * 1e6:,.0f} us (give -aic-depth-first-mem to force a "
+                f"schedule at {batch_major * 1e6:,.0f} us (give -aic-depth-first-mem to force a "
                 f"group size)"
             ],
         )
