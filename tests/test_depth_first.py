@@ -263,3 +263,19 @@ def test_a_network_that_mixes_images_stays_batch_major_and_says_so() -> None:
     np.testing.assert_allclose(
         got["y"], _ort_run(model.SerializeToString(), feeds)["y"], rtol, atol
     )
+
+
+def test_activations_that_spill_at_batch_8_stay_on_chip_in_image_groups() -> None:
+    """On one core, 8 images' activations do not fit VTCM: the batch-major program spills
+    them (and its warning suggests depth-first); groups of images keep them on chip."""
+    model = conv_net(batch=8, channels=32, size=128)
+    with _compiled(model, _flags(1, "fp16", "-aic-perf-warnings")) as plain:
+        (spill,) = [w for w in plain.warnings if w["code"] == "spill_to_ddr"]
+        assert "-aic-enable-depth-first" in spill["suggestion"]
+        spilled = plain.metrics["memory_traffic"]["total"]["ddr_read_bytes"]
+        batch_major = plain.metrics["estimated_device_latency_us"]
+    with _compiled(model, _flags(1, "fp16", "-aic-perf-warnings", *DEPTH_FIRST)) as grouped:
+        assert _groups(grouped.program) > 1
+        assert not [w for w in grouped.warnings if w["code"] == "spill_to_ddr"]
+        assert grouped.metrics["memory_traffic"]["total"]["ddr_read_bytes"] < spilled
+        assert grouped.metrics["estimated_device_latency_us"] < batch_major
