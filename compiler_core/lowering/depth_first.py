@@ -157,7 +157,13 @@ def split_into_groups(graph: LoweredGraph, groups: int, lag: int | None = None) 
             kernels.append(
                 LKernel(
                     desc=dataclasses.replace(
-                        desc, id=kid, info=info, inputs=inputs, outputs=outputs, macs=macs
+                        desc,
+                        id=kid,
+                        name=f"{desc.name}.group{g}",
+                        info=info,
+                        inputs=inputs,
+                        outputs=outputs,
+                        macs=macs,
                     ),
                     tiles=[],
                     request=request,
