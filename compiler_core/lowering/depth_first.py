@@ -1,12 +1,13 @@
 """Depth-first schedule by image group (`-aic-enable-depth-first`, `-aic-depth-first-mem`).
 
-The kernel-major schedule runs every layer over the whole batch before the next layer
-starts, so at a large batch the activations of one layer outgrow VTCM and spill to DDR. The
-depth-first schedule splits the batch into groups of images and clones the network's kernels
-once per group, in group-major order: one group's activations flow through the whole chain
-while they still fit on chip, and are dead before the next group starts. A layer's clones
-read one resident copy of its weights (`LKernel.layer`: residents are keyed by layer and
-slot), so groups do not load them again; streamed weights are streamed once per group.
+The batch-major schedule runs every layer over the whole batch before the next layer starts,
+so at a large batch the activations of a layer outgrow VTCM (and spill to DDR) or crowd out
+the resident weights. The depth-first schedule splits the batch into groups of images and
+clones the network's kernels once per group, group after group (or interleaved, see
+`split_into_groups`): one group's activations flow through the whole chain while they fit
+on chip, and are dead before the next group needs the room. A layer's clones read one
+resident copy of its weights (`LKernel.layer`: residents are keyed by layer and slot), so
+groups do not load them again; weights that are not resident stream once per group.
 
 Every clone is an ordinary kernel of the program the runtime executes: its NodeInfo and
 tensors have the group's batch, graph inputs and outputs are read and written through views
