@@ -1,9 +1,9 @@
 """Depth-first schedule by image group (issue 10, item 5): `-aic-enable-depth-first` runs the
 network group of images by group of images, each group's kernels cloned from the layer's.
 
-- The grouped program computes what ONNX Runtime computes, on 1, 4 and 14 cores, fp32 and fp16,
-  and has no race (the happens-before check of tests/test_codegen.py); without its waits it
-  breaks.
+- The grouped program (group after group, or interleaved) computes what ONNX Runtime computes,
+  on 1, 4 and 14 cores, fp32 and fp16, and has no race (the happens-before check of
+  tests/test_codegen.py); without its waits it breaks.
 - A layer's clones read one resident copy of its weights: each core loads it once, when the
   program is activated, and an inference reads no weight from DDR.
 - `-aic-depth-first-mem` sizes the groups; without it the cost model decides, and never picks
