@@ -2,8 +2,12 @@
 AIC100 Standard (fp16), against the physical floors of each program and the published per-card
 figures, for 1, 4 and 14 cores and batch 1, 8 and 16.
 
-    python bench/codegen.py [--models resnet50,bert-base,bert-large,decoder-prefill,
-        decoder-decode] [--cores 1,4,14] [--batches 1,8,16] [--before DIR] [--json OUT]
+    python bench/codegen.py [--models resnet50,resnet50-df,bert-base,bert-large,
+        decoder-prefill,decoder-decode] [--cores 1,4,14] [--batches 1,8,16] [--before DIR]
+        [--json OUT]
+
+`resnet50-df` is ResNet-50 compiled with `-aic-enable-depth-first` (image groups chosen by the
+cost model; batch > 1 only): the rows beside `resnet50`'s show what depth-first changes.
 
 Every figure is the compiler's own estimate (`-aic-perf-metrics`) of the program it emitted:
 latency (the input crossing PCIe included), device latency (inputs already in DDR), throughput
@@ -32,7 +36,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-PUBLISHED = {"resnet50": "19,379 img/s", "bert-base": "671 seq/s", "bert-large": "671 seq/s"}
+PUBLISHED = {
+    "resnet50": "19,379 img/s",
+    "resnet50-df": "19,379 img/s",
+    "bert-base": "671 seq/s",
+    "bert-large": "671 seq/s",
+}
 """Per card, int8, MLPerf Inference v1.0 (BERT: the Large model at seq 384)."""
 
 DEVICE = "aic100-standard"
@@ -54,6 +63,8 @@ class Row:
     ddr_mib: float
     compile_s: float
     error: str = ""
+    groups: int = 1
+    """Image groups of the depth-first schedule (1: batch-major)."""
 
 
 def model_path(name: str, work: Path, batch: int) -> tuple[Path, list[str]]:
@@ -68,8 +79,10 @@ def model_path(name: str, work: Path, batch: int) -> tuple[Path, list[str]]:
         write_encoder,
     )
 
-    if name == "resnet50":
-        return write_resnet(RESNET50, work), ["-convert-to-fp16", f"-batchsize={batch}"]
+    if name in ("resnet50", "resnet50-df"):
+        depth_first = ["-aic-enable-depth-first"] if name == "resnet50-df" else []
+        flags = ["-convert-to-fp16", f"-batchsize={batch}", *depth_first]
+        return write_resnet(RESNET50, work), flags
     if name in ("bert-base", "bert-large"):
         spec = BERT_BASE if name == "bert-base" else BERT_LARGE
         return write_encoder(spec, work), ["-convert-to-fp16", f"-onnx-define-symbol=batch,{batch}"]
@@ -109,6 +122,7 @@ def measure(name: str, cores: int, batch: int, work: Path) -> Row:
         resident_mib_per_core=m.get("resident_constants_bytes_per_core", 0) / 2**20,
         ddr_mib=(ddr["ddr_read_bytes"] + ddr["ddr_write_bytes"]) / 2**20,
         compile_s=seconds,
+        groups=int(m.get("depth_first_groups", 1)),
     )
 
 
@@ -128,6 +142,8 @@ def configurations(models: list[str], cores: list[int], batches: list[int]) -> l
     out = []
     for name in models:
         model_batches = [1] if name.startswith("decoder") else batches
+        if name == "resnet50-df":
+            model_batches = [b for b in batches if b > 1]  # image groups need a batch
         model_cores = cores if not name.startswith("decoder") else [c for c in cores if c >= 4]
         for c in model_cores:
             for b in model_batches:
@@ -156,8 +172,9 @@ def render(rows: list[tuple[Row, Row | None]]) -> str:
                 + " |" * 8
             )
             continue
+        groups = f" ({after.groups} groups)" if after.groups > 1 else ""
         lines.append(
-            f"| {after.model} | {after.cores} | {after.batch} "
+            f"| {after.model}{groups} | {after.cores} | {after.batch} "
             f"| {after.latency_us:,.0f} ({_fmt(before, 'latency_us', ',.0f')}) "
             f"| {after.device_us:,.0f} "
             f"| {after.per_second:,.0f} ({_fmt(before, 'per_second', ',.0f')}) "
@@ -173,7 +190,8 @@ def render(rows: list[tuple[Row, Row | None]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--models", default="resnet50,bert-base,bert-large,decoder-prefill,decoder-decode"
+        "--models",
+        default="resnet50,resnet50-df,bert-base,bert-large,decoder-prefill,decoder-decode",
     )
     parser.add_argument("--cores", default="1,4,14")
     parser.add_argument("--batches", default="1,8,16")

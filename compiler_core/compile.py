@@ -29,8 +29,15 @@ from compiler_core.importer import (
     import_model,
     require_static_shapes,
 )
+from compiler_core.lowering.depth_first import plan_depth_first
 from compiler_core.lowering.emit import emit_program
-from compiler_core.lowering.lower import LoweredGraph, LTensor, config_from, lower_graph
+from compiler_core.lowering.lower import (
+    LoweredGraph,
+    LTensor,
+    choose_splits,
+    config_from,
+    lower_graph,
+)
 from compiler_core.lowering.memory import (
     MemoryPlan,
     SharedConstants,
@@ -244,6 +251,8 @@ class _Build:
     plan: MemoryPlan | None = None
     program: Program | None = None
     program_bytes: bytes = b""
+    notes: list[dict[str, Any]] = field(default_factory=list)
+    """Warnings about how the options were applied to this build (depth-first)."""
 
     def done(self) -> tuple[MemoryPlan, Program]:
         assert self.plan is not None and self.program is not None
@@ -301,7 +310,8 @@ def _compile(
         write_qpc(out_dir / "programqpc.bin", segments)
 
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
-    warnings += _option_notes(opts)
+    for build in builds:
+        warnings += [w for w in build.notes if w not in warnings]
     if opts.mxfp6_matmul and not any(b.mxfp6 for b in builds):
         warnings.append(
             _warning(
@@ -405,6 +415,9 @@ def _lower(
             lowered, mxfp6, planned = _fastest_of(
                 ir_model.graph, imported.opset, opts, policy, config, (lowered, mxfp6, planned)
             )
+        notes: list[dict[str, Any]] = []
+        if opts.aic_enable_depth_first:
+            lowered, planned, notes = _depth_first(lowered, planned, opts, policy, config)
     return _Build(
         spec=spec,
         imported=imported,
@@ -413,7 +426,40 @@ def _lower(
         pass_warnings=[w for p in passes for w in getattr(p, "warnings", [])],
         stats_layout=build_layout(opts, lowered),
         planned=planned,
+        notes=notes,
     )
+
+
+def _latency(lowered: LoweredGraph, planned: Planned, opts: CompileOptions) -> float:
+    """The modelled latency of a schedule's program, seconds (inputs already on device)."""
+    plan = plan_memory(lowered, on_chip=planned.schedule.placement.chip)
+    program = emit_program(lowered, plan, planned.schedule, planned.allocation.resident)
+    return build_timeline(program, opts.device, inputs_ready=True).latency_seconds
+
+
+def _depth_first(
+    lowered: LoweredGraph,
+    planned: Planned,
+    opts: CompileOptions,
+    policy: CodegenPolicy,
+    config: Any,
+) -> tuple[LoweredGraph, Planned, list[dict[str, Any]]]:
+    """`-aic-enable-depth-first`: the network run image group by image group when it can
+    and (without `-aic-depth-first-mem`) when the cost model estimates it faster."""
+
+    def schedule(grouped: LoweredGraph) -> tuple[float, Planned]:
+        choose_splits(grouped, opts.device, config.vtcm_budget)
+        scheduled = plan_schedule(grouped, config.vtcm_budget, policy)
+        return _latency(grouped, scheduled, opts), scheduled
+
+    def baseline() -> float:
+        return _latency(lowered, planned, opts)
+
+    choice = plan_depth_first(lowered, opts.aic_depth_first_mem, baseline, schedule)
+    notes = [_warning("depth_first_not_applied", note) for note in choice.notes]
+    if choice.lowered is None or choice.planned is None:
+        return lowered, planned, notes
+    return choice.lowered, choice.planned, notes
 
 
 def _import(source: ModelSource, opts: CompileOptions, symbols: dict[str, int]) -> ImportedModel:
@@ -476,10 +522,7 @@ def _fastest_of(
     cost model estimates faster: more cores must never make a network slower."""
 
     def latency(candidate: tuple[LoweredGraph, list[str], Planned]) -> float:
-        lowered, _, planned = candidate
-        plan = plan_memory(lowered, on_chip=planned.schedule.placement.chip)
-        program = emit_program(lowered, plan, planned.schedule, planned.allocation.resident)
-        return build_timeline(program, opts.device, inputs_ready=True).latency_seconds
+        return _latency(candidate[0], candidate[2], opts)
 
     fewer_config = dataclasses.replace(config, active_cores=FEWER_CORES)
     lowered = lower_graph(graph, opset, fewer_config)
@@ -594,20 +637,6 @@ def _constant_key(t: LTensor) -> Hashable:
         array = np.ascontiguousarray(data.numpy())
         content = hashlib.blake2b(array.reshape(-1).view(np.uint8).data).hexdigest()
     return (t.name, t.dtype, t.shape, encoding, content)
-
-
-def _option_notes(opts: CompileOptions) -> list[dict[str, Any]]:
-    """Options this compiler accepts but does not act on say so (never silently)."""
-    if not opts.aic_enable_depth_first:
-        return []
-    return [
-        _warning(
-            "option_without_effect",
-            "-aic-enable-depth-first is accepted but changes nothing: activations already stay "
-            "in VTCM whenever they fit (liveness-based planning across kernels); depth-first "
-            "tile fusion of conv chains is not implemented",
-        )
-    ]
 
 
 def _warning(code: str, message: str, kind: str = KIND_OPTION) -> dict[str, Any]:

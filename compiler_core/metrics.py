@@ -96,6 +96,13 @@ def _raw_constants_size(lowered: LoweredGraph, plan: MemoryPlan) -> int:
     return size
 
 
+def _image_groups(lowered: LoweredGraph) -> int:
+    """How many image groups the depth-first schedule runs the network in (1: batch-major)."""
+    clones = sum(1 for k in lowered.kernels if k.layer >= 0)
+    layers = len({k.layer for k in lowered.kernels if k.layer >= 0})
+    return clones // layers if layers else 1
+
+
 def perf_metrics(
     program: Program,
     lowered: LoweredGraph,
@@ -180,6 +187,7 @@ def perf_metrics(
         "multicast_static_va_size_max": _largest_multicast(program),
         "resident_constants_bytes_per_core": program.resident,
         "resident_constants_bytes": _resident_total(program),
+        "depth_first_groups": _image_groups(lowered),
         "activation_ddr_read_bytes": sum(timeline.activation_ddr_read),
         "activation_cycles": max(timeline.activation_cycles, default=0),
         "stats_buffer_size": stats_size,
@@ -470,6 +478,9 @@ def _spill(f: _Facts) -> list[dict[str, Any]]:
         hint = "more cores (-aic-num-cores) give the activations more VTCM to stay in"
     else:
         hint = "a smaller batch (-batchsize) keeps less on chip at once"
+    batch = program.tensors[program.inputs[0]].shape[:1] if program.inputs else ()
+    if batch and batch[0] > 1 and not f.options.aic_enable_depth_first:
+        hint += "; -aic-enable-depth-first runs the batch in groups of images that fit"
     return [
         _warning(
             "spill_to_ddr",

@@ -741,6 +741,10 @@ def _decoder_config(directory: str) -> str:
 RESIDENT_CASES: dict[str, Callable[[str], tuple[onnx.ModelProto | bytes, list[str]]]] = {
     "transformer-14c-fp16": lambda _: (transformer_encoder(), _flags(14, "fp16")),
     "conv-net-4c": lambda _: (conv_net(), _flags(4)),
+    "conv-net-depth-first-4c": lambda _: (
+        conv_net(batch=4),
+        _flags(4, "fp32", "-aic-enable-depth-first", "-aic-depth-first-mem=8"),
+    ),
     "decoder-4c": lambda d: (
         _decoder(),
         _flags(
@@ -865,6 +869,12 @@ TRAFFIC_CASES: dict[
     ],
 ] = {
     "conv-net-4c": (conv_net, _flags(4), _conv_input, CodegenPolicy()),
+    "conv-net-depth-first-14c": (
+        lambda: conv_net(batch=4),
+        _flags(14, "fp16", "-aic-enable-depth-first", "-aic-depth-first-mem=8"),
+        lambda: _conv_input(4),
+        CodegenPolicy(),
+    ),
     "transformer-14c": (
         transformer_encoder,
         _flags(14, "fp16"),

@@ -211,16 +211,22 @@ class _Builder:
 
     def residents(self) -> None:
         """Resident weights: each core keeps the bounding box of what its tiles read, at one
-        offset on every core; cores that need the same box get it by one multicast."""
+        offset on every core; cores that need the same box get it by one multicast. The key
+        is (layer, slot): the image groups' clones of a layer (`depth_first`) read one copy."""
         graph = self.graph
+        clones: dict[int, list[int]] = defaultdict(list)
+        if any(lk.layer >= 0 for lk in graph.kernels):
+            for k in range(len(graph.kernels)):
+                clones[graph.layer(k)].append(k)
         for k, slot in sorted(self.placement.resident):
             lk = graph.kernels[k]
             tid = lk.desc.inputs[slot]
             boxes: dict[int, list[Box]] = defaultdict(list)
-            for tile in lk.tiles:
-                box = tile.in_boxes[slot]
-                if box is not None:
-                    boxes[tile.core].append(box)
+            for clone in clones.get(k, [k]):
+                for tile in graph.kernels[clone].tiles:
+                    box = tile.in_boxes[slot]
+                    if box is not None:
+                        boxes[tile.core].append(box)
             if not boxes:
                 continue
             per_core = {c: bounding_box(b) for c, b in boxes.items()}
@@ -313,8 +319,8 @@ class _Builder:
             if tid < 0 or (gather and i == 0):
                 continue
             root = graph.root(tid)
-            if (k, i) in self.resident_refs:
-                refs = self.resident_refs[(k, i)]
+            if (graph.layer(k), i) in self.resident_refs:
+                refs = self.resident_refs[(graph.layer(k), i)]
                 for c, ts in by_core.items():
                     for j, t in enumerate(ts):
                         box = t.in_boxes[i]
@@ -499,14 +505,15 @@ class _Builder:
         request, desc = lk.request, lk.desc
         if request is None or 0 not in request.indexed or desc.epilogue:
             return False
-        if (k, 0) in self.resident_refs or len(desc.outputs) != 1 or len(desc.inputs) < 2:
+        layer = self.graph.layer(k)
+        if (layer, 0) in self.resident_refs or len(desc.outputs) != 1 or len(desc.inputs) < 2:
             return False
         index = desc.inputs[1]
         root = self.graph.root(index)
         return (
             index >= 0
             and root not in self.placement.chip
-            and (k, 1) not in self.resident_refs
+            and (layer, 1) not in self.resident_refs
             and self.graph.tensors[index].shape == self.graph.tensors[root].shape
         )
 
@@ -759,8 +766,15 @@ class _DdrHazards:
 
     def _key(self, tid: int, box: Box) -> tuple[int, Box | None]:
         root = self.graph.root(tid)
-        if self.graph.tensors[tid].shape == self.graph.tensors[root].shape:
+        t, held = self.graph.tensors[tid], self.graph.tensors[root]
+        if t.shape == held.shape:
             return root, box
+        same_rows = len(t.shape) == len(held.shape) and t.shape[1:] == held.shape[1:]
+        if t.alias_of == root and box and same_rows and held.nbytes:
+            # an image group's rows of a graph input or output: the same box, shifted
+            row = held.nbytes // held.shape[0]
+            at = t.alias_offset // row
+            return root, ((box[0][0] + at, box[0][1] + at), *box[1:])
         return root, None
 
     @staticmethod
@@ -1002,7 +1016,11 @@ def emit_program(
             dtype=t.dtype,
             shape=t.shape,
             kind=KIND_ONCHIP if _onchip(graph, t.id, chip) else t.kind,
-            ddr_offset=0 if _onchip(graph, t.id, chip) else plan.offset(graph, t.id),
+            ddr_offset=(
+                0
+                if _onchip(graph, t.id, chip)
+                else plan.offset(graph, t.id) + graph.offset_in_root(t.id)
+            ),
             nbytes=t.nbytes,
         )
         for t in graph.tensors

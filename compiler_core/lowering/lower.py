@@ -50,6 +50,9 @@ class LTensor:
     kind: str
     alias_of: int | None = None
     data: ir.TensorProtocol | None = None
+    alias_offset: int = 0
+    """Bytes into `alias_of` where this tensor starts: non-zero only for one image group's
+    view of a graph input or output (see `depth_first`); a reinterpretation starts at 0."""
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +69,9 @@ class LKernel:
     desc: KernelDesc
     tiles: list[TileSpec]
     request: TilingRequest | None = None
+    layer: int = -1
+    """The kernel this one is an image group's clone of (see `depth_first`): clones of a
+    layer share its resident weights. -1: the kernel is its own layer."""
 
 
 @dataclass
@@ -83,6 +89,20 @@ class LoweredGraph:
         while t.alias_of is not None:
             t = self.tensors[t.alias_of]
         return t.id
+
+    def offset_in_root(self, tensor_id: int) -> int:
+        """Where a tensor's bytes start inside its root's (non-zero for group views)."""
+        t = self.tensors[tensor_id]
+        offset = 0
+        while t.alias_of is not None:
+            offset += t.alias_offset
+            t = self.tensors[t.alias_of]
+        return offset
+
+    def layer(self, kernel: int) -> int:
+        """The layer whose resident weights kernel `kernel` reads (itself unless a clone)."""
+        layer = self.kernels[kernel].layer
+        return kernel if layer < 0 else layer
 
 
 @dataclass(frozen=True)

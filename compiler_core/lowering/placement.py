@@ -50,7 +50,7 @@ class Planned:
     spilled: dict[int, int]
     """Activations that did not fit on chip: root -> bytes per core they would have taken."""
     streamed: dict[tuple[int, int], int]
-    """Weights not kept resident: (kernel, slot) -> resident bytes they would have taken."""
+    """Weights not kept resident: (layer, slot) -> resident bytes they would have taken."""
 
 
 def _eligible(graph: LoweredGraph) -> set[int]:
@@ -68,8 +68,9 @@ def _eligible(graph: LoweredGraph) -> set[int]:
 
 
 def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
-    """Weight operands: (kernel, slot) -> (VTCM bytes if resident, DDR bytes per inference if
-    streamed, counting each box a core needs once)."""
+    """Weight operands: (layer, slot) -> (VTCM bytes if resident, DDR bytes per inference if
+    streamed, counting each box a core needs once). A layer's image-group clones (see
+    `depth_first`) share one resident copy and would each stream it."""
     out: dict[tuple[int, int], tuple[int, int]] = {}
     for k, lk in enumerate(graph.kernels):
         for i, tid in enumerate(lk.desc.inputs):
@@ -103,7 +104,11 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                 cost = max(
                     box_nbytes(b, dtype) for tile in lk.tiles if (b := tile.in_boxes[i]) is not None
                 )
-            out[(k, i)] = (align(cost), traffic)
+            key = (graph.layer(k), i)
+            if key in out:  # another clone of the layer: same tiles, streamed again
+                cost = max(cost, out[key][0])
+                traffic += out[key][1]
+            out[key] = (align(cost), traffic)
     return out
 
 
