@@ -20,6 +20,7 @@ from compiler_core.ops import (  # noqa: F401  (imported for their registrations
     ml,
     norm,
     optional,
+    partial_matmul,
     pool,
     quant,
     quant_integer,
