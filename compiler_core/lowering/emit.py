@@ -855,6 +855,7 @@ def materialize(
             assert op.src is not None and op.dst is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
             lo, hi = span(0, op.dst, op.dst_box, op.tensor)
+            lo, hi = _part_span(lo, op.box, op.dst_box, tensors[op.tensor].dtype, hi - lo)
             for target in cores_in(op.mask):
                 base = target * VTCM_SPAN
                 vtcm.write(base + lo, base + hi, index, deps)
@@ -921,6 +922,29 @@ def materialize(
     for c in range(cores):
         vtcm_used[c] = max(vtcm_used[c], resident if resident else 0)
     return streams, setup, len(post_after), vtcm_used
+
+
+def _part_span(base: int, part: Box, held: Box, dtype: str, whole: int) -> tuple[int, int]:
+    """The bytes a copy of `part` writes into a buffer at `base` holding `held` (C order)
+    when they are one run: several cores filling one gather buffer with slabs of it (the
+    partials of a K split, row-split producers' rows) write disjoint runs and need not wait
+    for one another. A strided part counts as the whole buffer, `whole` bytes."""
+    spread = False
+    for (p0, p1), (h0, h1) in zip(part, held, strict=True):
+        if spread and (p0, p1) != (h0, h1):
+            return base, base + whole
+        if p1 - p0 > 1:
+            spread = True
+    first = 0
+    stride = 1
+    for (p0, _), (h0, h1) in zip(reversed(part), reversed(held), strict=True):
+        first += (p0 - h0) * stride
+        stride *= h1 - h0
+    size = 1 if dtype == "bool" else int(np.dtype(dtype).itemsize)
+    count = 1
+    for p0, p1 in part:
+        count *= p1 - p0
+    return base + first * size, base + (first + count) * size
 
 
 def _instr(

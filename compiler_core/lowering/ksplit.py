@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, KERNEL_LAUNCH_CYCLES
 from compiler_core.lowering.program import KIND_ACTIVATION, EpilogueDesc, KernelDesc
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, split_axes
 from compiler_core.ops import REGISTRY
@@ -39,6 +40,19 @@ if TYPE_CHECKING:
 
 MIN_SLICE = 2 * BLOCK
 """The least K a slice must have: less and the partial products are mostly padding."""
+
+MARGIN = 1.1
+"""A K split's price is its modelled time times this. The per-kernel price cannot see that
+the reduction is a barrier (every reducing core waits for every slice, so later kernels
+cannot start on a core as soon as its own part is done); measured on BERT-base (4 cores),
+K splits that won by 5% per kernel left the network 0.1% slower, so they must win by more.
+Heads with few columns win by 20-60%."""
+
+HOP = 2 * (KERNEL_LAUNCH_CYCLES + DMA_DESCRIPTOR_CYCLES)
+"""Cycles a K split adds to the critical path beyond its priced work: the reduction's kernel
+launch and a copy's descriptor after the last partial, twice for the semaphore round.
+Measured: without it, tiny products the per-kernel price put 5% ahead (1x4096x100 on 14
+cores: 200 against 210 cycles) came out 10% slower in the program's estimate."""
 
 REDUCE_OPSET = 11
 """ReduceSum with `axes` as an attribute (from opset 13 it is an input)."""

@@ -375,7 +375,9 @@ class SplitChooser:
         reduce, r_cycles = self._k_tiles(r_req, {}, cores, "hvx", r_macs, r_epilogue, reduction)
         tiles = ksplit.as_kernel_operands(req.info, len(ks.inputs), partial, reduce)
         cand = self._price_assigned(ks, {}, tiles, [*p_cycles, *r_cycles])
-        cand.busiest = _busiest(partial, p_cycles) + reduction(reduce) + _busiest(reduce, r_cycles)
+        cand.busiest = ksplit.HOP + ksplit.MARGIN * (
+            _busiest(partial, p_cycles) + reduction(reduce) + _busiest(reduce, r_cycles)
+        )
         cand.key = (sig, ("k", slices), 0)
         cand.kchoice = ksplit.KChoice(slices, partial, reduce)
         for core in range(req.num_cores):
