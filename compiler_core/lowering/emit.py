@@ -855,10 +855,11 @@ def materialize(
             assert op.src is not None and op.dst is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
             lo, hi = span(0, op.dst, op.dst_box, op.tensor)
-            lo, hi = _part_span(lo, op.box, op.dst_box, tensors[op.tensor].dtype, hi - lo)
+            runs = _part_runs(lo, op.box, op.dst_box, tensors[op.tensor].dtype, hi - lo)
             for target in cores_in(op.mask):
                 base = target * VTCM_SPAN
-                vtcm.write(base + lo, base + hi, index, deps)
+                for r_lo, r_hi in runs:
+                    vtcm.write(base + r_lo, base + r_hi, index, deps)
                 if hi > vtcm_used[target]:
                     vtcm_used[target] = hi
         elif op.kind == GATHER:
@@ -924,27 +925,38 @@ def materialize(
     return streams, setup, len(post_after), vtcm_used
 
 
-def _part_span(base: int, part: Box, held: Box, dtype: str, whole: int) -> tuple[int, int]:
-    """The bytes a copy of `part` writes into a buffer at `base` holding `held` (C order)
-    when they are one run: several cores filling one gather buffer with slabs of it (the
-    partials of a K split, row-split producers' rows) write disjoint runs and need not wait
-    for one another. A strided part counts as the whole buffer, `whole` bytes."""
-    spread = False
-    for (p0, p1), (h0, h1) in zip(part, held, strict=True):
-        if spread and (p0, p1) != (h0, h1):
-            return base, base + whole
-        if p1 - p0 > 1:
-            spread = True
-    first = 0
-    stride = 1
-    for (p0, _), (h0, h1) in zip(reversed(part), reversed(held), strict=True):
-        first += (p0 - h0) * stride
-        stride *= h1 - h0
-    size = 1 if dtype == "bool" else int(np.dtype(dtype).itemsize)
+RUNS = 16
+"""A NoC copy of a part of a gather buffer in at most this many runs of bytes is tracked run
+by run; more, and it counts as writing the whole buffer."""
+
+
+def _part_runs(base: int, part: Box, held: Box, dtype: str, whole: int) -> list[tuple[int, int]]:
+    """The runs of bytes a copy of `part` writes into a buffer at `base` holding `held`
+    (C order): the cores filling one gather buffer (the partials of a K split, row- or
+    channel-split producers' parts) write disjoint runs and need not wait for one another.
+    A part of more than RUNS runs counts as the whole buffer, `whole` bytes."""
+    rank = len(part)
+    split = rank - 1
+    while split > 0 and part[split] == held[split]:
+        split -= 1
     count = 1
-    for p0, p1 in part:
+    for p0, p1 in part[:split]:
         count *= p1 - p0
-    return base + first * size, base + (first + count) * size
+    if count > RUNS:
+        return [(base, base + whole)]
+    size = 1 if dtype == "bool" else int(np.dtype(dtype).itemsize)
+    strides = [1] * rank
+    for axis in range(rank - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * (held[axis + 1][1] - held[axis + 1][0])
+    run = (part[split][1] - part[split][0]) * strides[split] if rank else 1
+    starts = [0]
+    for axis in range(split + 1):
+        (p0, p1), h0 = part[axis], held[axis][0]
+        if axis == split:
+            starts = [s + (p0 - h0) * strides[axis] for s in starts]
+        else:
+            starts = [s + (i - h0) * strides[axis] for s in starts for i in range(p0, p1)]
+    return [(base + s * size, base + (s + run) * size) for s in starts]
 
 
 def _instr(
