@@ -351,3 +351,15 @@ def test_a_copy_into_a_gather_buffer_is_tracked_as_exactly_the_bytes_it_writes()
         runs = _part_runs(64, tuple(part), tuple(held), "float16", whole)
         tracked = {i - 64 for lo, hi in runs for i in range(lo, hi)}
         assert tracked == written or (runs == [(64, 64 + whole)] and len(chosen.ravel()) > 16)
+
+
+def test_mxfp6_weights_keep_their_matmul_whole_along_k() -> None:
+    """MXFP6 encodes the B operands of MatMul/Gemm kernels, which read B whole along K: the
+    compile that asks for it does not K-split (and still encodes the weight)."""
+    model = head(1, 8192, 16)
+    result = compile_model(model, [*_flags(4, "fp16"), "-mxfp6-matmul"])
+    try:
+        assert "PartialMatMul" not in _ops(_program(result))
+        assert "mxfp6_no_weights" not in {w.get("code") for w in result.warnings}
+    finally:
+        result.cleanup()
