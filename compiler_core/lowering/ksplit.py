@@ -27,13 +27,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, KERNEL_LAUNCH_CYCLES
 from compiler_core.lowering.program import KIND_ACTIVATION, EpilogueDesc, KernelDesc
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, split_axes
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.int8 import DOMAIN
 from compiler_core.ops.partial_matmul import BLOCK
-from compiler_core.ops.registry import FLOATS, Box, NodeInfo
+from compiler_core.ops.registry import FLOATS, NodeInfo
 
 if TYPE_CHECKING:
     from compiler_core.lowering.lower import LoweredGraph
@@ -213,31 +215,18 @@ def reduction_bytes(
     partial: list[TileSpec], reduce: list[TileSpec], itemsize: int
 ) -> tuple[int, int]:
     """(bytes, pieces) the reduction's cores receive: of each partial box a reduction tile
-    reads, what its own core did not compute."""
-    held: dict[int, list[Box]] = {}
-    for t in partial:
-        held.setdefault(t.core, []).append(t.out_box)
-    total = pieces = 0
-    for t in reduce:
-        box = t.in_boxes[0]
-        assert box is not None
-        for core, boxes in held.items():
-            for h in boxes:
-                n = _overlap(box, h)
-                if n and core != t.core:
-                    total += n * itemsize
-                    pieces += 1
-    return total, pieces
-
-
-def _overlap(a: Box, b: Box) -> int:
-    n = 1
-    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
-        d = min(a1, b1) - max(a0, b0)
-        if d <= 0:
-            return 0
-        n *= d
-    return n
+    reads, what its own core did not compute (one array comparison: the chooser asks this
+    for every cut of the reduction it tries)."""
+    if not partial or not reduce:
+        return 0, 0
+    held = np.array([t.out_box for t in partial], dtype=np.int64)
+    wanted = np.array([t.in_boxes[0] for t in reduce], dtype=np.int64)
+    lo = np.maximum(held[None, :, :, 0], wanted[:, None, :, 0])
+    hi = np.minimum(held[None, :, :, 1], wanted[:, None, :, 1])
+    overlap = np.prod(np.clip(hi - lo, 0, None), axis=2)
+    remote = np.array([t.core for t in reduce])[:, None] != np.array([t.core for t in partial])
+    moved = overlap * remote
+    return int(moved.sum()) * itemsize, int(np.count_nonzero(moved))
 
 
 def apply(graph: LoweredGraph, chosen: dict[int, KChoice]) -> None:
