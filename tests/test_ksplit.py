@@ -23,7 +23,6 @@ from onnx import TensorProto, helper, numpy_helper
 from compiler_core import compile_model, load_qpc
 from compiler_core.compile import CompileResult
 from compiler_core.devices import get_device
-from compiler_core.lowering.emit import _part_runs
 from compiler_core.lowering.ksplit import slice_counts
 from compiler_core.lowering.placement import CodegenPolicy
 from compiler_core.lowering.program import NocCopy, Program, RunKernel, SemWait
@@ -326,31 +325,6 @@ def test_no_k_split_estimate_beats_a_physical_floor(cores: int) -> None:
     peak = device.hmx_fp16_macs_per_cycle * cores * device.clock_hz
     assert m["aic_hmx_mac_estimate"] >= 8192 * 16  # every MAC of the product, once
     assert m["floor_compute_us"] >= 0.999 * m["aic_hmx_mac_estimate"] / peak * 1e6
-
-
-def test_a_copy_into_a_gather_buffer_is_tracked_as_exactly_the_bytes_it_writes() -> None:
-    """What lets the cores filling one buffer (a K split's partials) skip waiting for one
-    another: the hazard walk sees each copy's own runs of bytes, or the whole buffer."""
-    rng = np.random.default_rng(0)
-    for _ in range(500):
-        held, part = [], []
-        for _axis in range(int(rng.integers(1, 5))):
-            h0 = int(rng.integers(0, 3))
-            h1 = h0 + int(rng.integers(1, 5))
-            p0 = int(rng.integers(h0, h1))
-            p1 = int(rng.integers(p0 + 1, h1 + 1))
-            held.append((h0, h1))
-            part.append((p0, p1))
-        shape = [hi - lo for lo, hi in held]
-        whole = int(np.prod(shape)) * 2
-        elements = np.arange(int(np.prod(shape))).reshape(shape)
-        chosen = elements[
-            tuple(slice(p0 - h0, p1 - h0) for (p0, p1), (h0, _) in zip(part, held, strict=True))
-        ]
-        written = {int(e) * 2 + b for e in chosen.ravel() for b in (0, 1)}
-        runs = _part_runs(64, tuple(part), tuple(held), "float16", whole)
-        tracked = {i - 64 for lo, hi in runs for i in range(lo, hi)}
-        assert tracked == written or (runs == [(64, 64 + whole)] and len(chosen.ravel()) > 16)
 
 
 def test_mxfp6_weights_keep_their_matmul_whole_along_k() -> None:

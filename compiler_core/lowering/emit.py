@@ -855,11 +855,9 @@ def materialize(
             assert op.src is not None and op.dst is not None
             vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
             lo, hi = span(0, op.dst, op.dst_box, op.tensor)
-            runs = _part_runs(lo, op.box, op.dst_box, tensors[op.tensor].dtype, hi - lo)
             for target in cores_in(op.mask):
                 base = target * VTCM_SPAN
-                for r_lo, r_hi in runs:
-                    vtcm.write(base + r_lo, base + r_hi, index, deps)
+                vtcm.write(base + lo, base + hi, index, deps)
                 if hi > vtcm_used[target]:
                     vtcm_used[target] = hi
         elif op.kind == GATHER:
@@ -923,40 +921,6 @@ def materialize(
     for c in range(cores):
         vtcm_used[c] = max(vtcm_used[c], resident if resident else 0)
     return streams, setup, len(post_after), vtcm_used
-
-
-RUNS = 16
-"""A NoC copy of a part of a gather buffer in at most this many runs of bytes is tracked run
-by run; more, and it counts as writing the whole buffer."""
-
-
-def _part_runs(base: int, part: Box, held: Box, dtype: str, whole: int) -> list[tuple[int, int]]:
-    """The runs of bytes a copy of `part` writes into a buffer at `base` holding `held`
-    (C order): the cores filling one gather buffer (the partials of a K split, row- or
-    channel-split producers' parts) write disjoint runs and need not wait for one another.
-    A part of more than RUNS runs counts as the whole buffer, `whole` bytes."""
-    rank = len(part)
-    split = rank - 1
-    while split > 0 and part[split] == held[split]:
-        split -= 1
-    count = 1
-    for p0, p1 in part[:split]:
-        count *= p1 - p0
-    if count > RUNS:
-        return [(base, base + whole)]
-    size = 1 if dtype == "bool" else int(np.dtype(dtype).itemsize)
-    strides = [1] * rank
-    for axis in range(rank - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * (held[axis + 1][1] - held[axis + 1][0])
-    run = (part[split][1] - part[split][0]) * strides[split] if rank else 1
-    starts = [0]
-    for axis in range(split + 1):
-        (p0, p1), h0 = part[axis], held[axis][0]
-        if axis == split:
-            starts = [s + (p0 - h0) * strides[axis] for s in starts]
-        else:
-            starts = [s + (i - h0) * strides[axis] for s in starts for i in range(p0, p1)]
-    return [(base + s * size, base + (s + run) * size) for s in starts]
 
 
 def _instr(
