@@ -407,6 +407,8 @@ def _lower(
         require_static_shapes(ir_model)
     with stages.stage("lower"):
         config = config_from(opts, opts.device)
+        if not policy.k_splits:
+            config = dataclasses.replace(config, k_splits=False)
         lowered = lower_graph(ir_model.graph, imported.opset, config)
         mxfp6 = encode_matmul_weights(lowered) if opts.mxfp6_matmul else []
     with stages.stage("schedule"):

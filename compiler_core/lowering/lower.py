@@ -18,6 +18,7 @@ import onnx_ir as ir
 from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.fusion import base_input_count, epilogue, fused_node_names
+from compiler_core.lowering import ksplit
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
@@ -116,6 +117,8 @@ class LoweringConfig:
     """Whose rates price the splits (None: cut by bytes read alone)."""
     active_cores: int | None = None
     """Cut kernels over this many of the cores only (None: all); the rest stay idle."""
+    k_splits: bool = True
+    """Let the chooser split MatMul/Gemm along K where that is faster (see `ksplit`)."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -128,6 +131,8 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         vtcm_budget=int(device.vtcm_bytes_per_core * ratio),
         granularity=granularity_kib * 1024,
         device=device,
+        # MXFP6 weights are encoded for MatMul/Gemm B operands read whole along K
+        k_splits=not getattr(options, "mxfp6_matmul", False),
     )
 
 
@@ -373,7 +378,9 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
         network_name=graph.name or "network",
     )
     if config.device is not None:
-        choose_splits(lowered, config.device, config.vtcm_budget, config.active_cores)
+        choose_splits(
+            lowered, config.device, config.vtcm_budget, config.active_cores, config.k_splits
+        )
     return lowered
 
 
@@ -384,9 +391,14 @@ the weights that then do not fit; placement decides what really stays resident).
 
 
 def choose_splits(
-    lowered: LoweredGraph, device: DeviceProfile, budget: int, active: int | None = None
+    lowered: LoweredGraph,
+    device: DeviceProfile,
+    budget: int,
+    active: int | None = None,
+    k_splits: bool = True,
 ) -> None:
-    """Cut every kernel by modelled time (see `splits`), in program order."""
+    """Cut every kernel by modelled time (see `splits`), in program order; kernels whose
+    fastest cut is along K become a partial product and a reduction (see `ksplit`)."""
     producer: dict[int, int] = {}
     slot_of: dict[int, int] = {}
     for index, lk in enumerate(lowered.kernels):
@@ -432,6 +444,10 @@ def choose_splits(
                 nbytes=tuple(sizes),
             )
         )
-    chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE), active)
+    chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE), active, k_splits)
     for lk, tiles in zip(lowered.kernels, chooser.choose(), strict=True):
         lk.tiles = tiles
+    ksplit.apply(
+        lowered,
+        {k: c.kchoice for k, c in enumerate(chooser.picked) if c.kchoice is not None},
+    )

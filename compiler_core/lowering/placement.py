@@ -41,6 +41,8 @@ class CodegenPolicy:
     on_chip: bool = True
     multicast: bool = True
     double_buffer: bool = True
+    k_splits: bool = True
+    """Reduction-axis splits of MatMul/Gemm where faster (lowering/ksplit.py)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from compiler_core.costmodel import tile_cost
 from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
+from compiler_core.lowering import ksplit
 from compiler_core.lowering.tiling import (
     Probes,
     TileSpec,
@@ -127,6 +128,8 @@ class _Candidate:
     busiest: float = 0.0
     """The busiest core's compute cycles."""
     """(kernel signature, cut, first core): equal keys, equal tiles on equal cores."""
+    kchoice: ksplit.KChoice | None = None
+    """A K split (partial products and their reduction) instead of an output cut."""
 
 
 def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict[int, int]]:
@@ -156,8 +159,11 @@ class SplitChooser:
         device: DeviceProfile,
         room: int,
         active: int | None = None,
+        k_splits: bool = True,
     ) -> None:
-        """`active`: use only the first `active` cores (the rest idle)."""
+        """`active`: use only the first `active` cores (the rest idle); `k_splits`: also
+        price reduction-axis splits where they apply (see `ksplit`)."""
+        self.k_splits = k_splits
         self.kernels = kernels
         self.active = active
         self.device = device
@@ -169,6 +175,7 @@ class SplitChooser:
         self._tiled: dict[Hashable, tuple[list[TileSpec], list[float]]] = {}
         self._priced: dict[Hashable, _Candidate] = {}
         self._moves: dict[Hashable, tuple[float, float]] = {}
+        self._kshared: dict[Hashable, list[_Candidate]] = {}
         self._moved = [
             [
                 (i, ks.producers[i])
@@ -192,7 +199,8 @@ class SplitChooser:
         cuts = self._cuts.get(sig)
         if cuts is None:
             cuts = self._cuts[sig] = self._cuts_of(ks)
-        return [self._candidate(ks, parts, sig) for parts in cuts]
+        found = [self._candidate(ks, parts, sig) for parts in cuts]
+        return found + self._k_candidates(ks, sig)
 
     def _cuts_of(self, ks: KernelSplit) -> list[dict[int, int]]:
         req = ks.request
@@ -318,11 +326,147 @@ class SplitChooser:
             shared.key = key
         return dataclasses.replace(shared, moves={})
 
+    # ------------------------------------------------------------------------- K splits
+
+    def _k_candidates(self, ks: KernelSplit, sig: Hashable) -> list[_Candidate]:
+        """The kernel's K splits (see `ksplit`), one per slice count, each with its fastest
+        cut of the partial products and of the reduction; alike kernels share them."""
+        if not self.k_splits:
+            return []
+        req = ks.request
+        cores = self.cores(req)
+        counts = ksplit.slice_counts(req, cores)
+        if not counts:
+            return []
+        shared = self._kshared.get(sig)
+        if shared is None:
+            shared = self._kshared[sig] = []
+            for slices in counts:
+                try:
+                    shared.append(self._k_candidate(ks, sig, slices, cores))
+                except CompileError as exc:  # its partials do not fit VTCM: no K split
+                    if exc.code != "vtcm_overflow":
+                        raise
+        return [dataclasses.replace(c, moves={}) for c in shared]
+
+    def _k_candidate(self, ks: KernelSplit, sig: Hashable, slices: int, cores: int) -> _Candidate:
+        """A K split into `slices` priced: the slowest core's partial product, then the NoC
+        copies of the partials each reducing core does not hold, then the slowest core's
+        reduction (with the fused epilogue); weights and operands as for any cut."""
+        req = ks.request
+        p_req, r_req = ksplit.requests(req, slices)
+        out_elems = math.prod(req.info.out_shapes[0])
+        n_steps = len(ks.epilogue) + (len(r_req.extra_shapes) > len(req.extra_shapes))
+        p_macs = out_elems * ksplit.reduction_depth(req.info)
+        r_macs = slices * out_elems + out_elems * n_steps
+        r_epilogue = (req.info.out_dtypes[0],) * n_steps
+        size = _itemsize(req.info.out_dtypes[0])
+        partial, p_cycles = self._k_tiles(
+            p_req, {0: slices}, cores // slices, "hmx", p_macs, (), lambda tiles: 0.0
+        )
+
+        def reduction(tiles: list[TileSpec]) -> float:
+            moved, pieces = ksplit.reduction_bytes(partial, tiles, size)
+            used = max(1, len({t.core for t in tiles}))
+            return max(moved / self.noc, moved / (used * self.engine)) + (
+                DESCRIPTOR * pieces / used
+            )
+
+        reduce, r_cycles = self._k_tiles(r_req, {}, cores, "hvx", r_macs, r_epilogue, reduction)
+        tiles = ksplit.as_kernel_operands(req.info, len(ks.inputs), partial, reduce)
+        cand = self._price_assigned(ks, {}, tiles, [*p_cycles, *r_cycles])
+        cand.busiest = ksplit.HOP + ksplit.MARGIN * (
+            _busiest(partial, p_cycles) + reduction(reduce) + _busiest(reduce, r_cycles)
+        )
+        cand.key = (sig, ("k", slices), 0)
+        cand.kchoice = ksplit.KChoice(slices, partial, reduce)
+        for core in range(req.num_cores):
+            boxes = [t.out_box for t in reduce if t.core == core]
+            bound = bounding_box(boxes) if boxes else None
+            if bound is not None and sum(_volume(b) for b in boxes) == _volume(bound):
+                cand.held[(core, 0)] = bound
+            else:
+                cand.held[(core, 0)] = None
+                cand.held_all[(core, 0)] = boxes
+        return cand
+
+    def _k_tiles(
+        self,
+        req: TilingRequest,
+        fixed: dict[int, int],
+        spread: int,
+        unit: str,
+        macs: int,
+        epilogue: tuple[str, ...],
+        extra: Callable[[list[TileSpec]], float],
+    ) -> tuple[list[TileSpec], list[float]]:
+        """The fastest cut of one of a K split's kernels: `fixed` parts times every way to
+        cut the other axes into `spread` parts (or fewer, dividing it), refined to fit VTCM;
+        the tiles (cores assigned) and each one's compute cycles. `extra` prices what else
+        depends on the cut (the reduction's transfers)."""
+        cores = self.cores(req)
+        axes = [a for a in split_axes(req) if a not in fixed]
+        shape = req.info.out_shapes[0]
+        limit = {a: shape[a] for a in axes}
+        options: list[dict[int, int]] = [{}]
+        for n in sorted({d for d in range(2, spread + 1) if spread % d == 0}):
+            options.extend(_factorizations(n, axes, limit) if axes else [])
+        best: tuple[float, list[TileSpec], list[float]] | None = None
+        tried: set[tuple[tuple[int, int], ...]] = set()
+        probes: Probes = {}
+        failure: CompileError | None = None
+        for option in options:
+            try:
+                parts = fit_tiles(req, {**fixed, **option}, probes)
+            except CompileError as exc:
+                if exc.code != "vtcm_overflow":
+                    raise
+                failure = exc
+                continue
+            key = tuple(sorted(parts.items()))
+            if key in tried:
+                continue
+            tried.add(key)
+            tiles = assign_cores(tiles_of(req, parts), cores, 0)
+            costs: dict[tuple[int, ...], float] = {}
+            cycles = []
+            for t in tiles:
+                tile_shape = tuple(b - a for a, b in t.out_box)
+                c = costs.get(tile_shape)
+                if c is None:
+                    c = costs[tile_shape] = (
+                        tile_cost(
+                            req.info,
+                            unit,
+                            macs,
+                            epilogue,
+                            t.out_box,
+                            t.in_boxes,
+                            req.opdef,
+                            self.device,
+                        ).cycles
+                        + LAUNCH
+                    )
+                cycles.append(c)
+            time = _busiest(tiles, cycles) + extra(tiles)
+            if best is None or time < best[0]:
+                best = (time, tiles, cycles)
+        if best is None:
+            assert failure is not None
+            raise failure
+        return best[1], best[2]
+
     def _price(
         self, ks: KernelSplit, parts: dict[int, int], plain: list[TileSpec], cycles: list[float]
     ) -> _Candidate:
         req = ks.request
         tiles = assign_cores(plain, self.cores(req), req.rotate)
+        return self._price_assigned(ks, parts, tiles, cycles)
+
+    def _price_assigned(
+        self, ks: KernelSplit, parts: dict[int, int], tiles: list[TileSpec], cycles: list[float]
+    ) -> _Candidate:
+        req = ks.request
         compute: dict[int, float] = {}
         by_core: dict[int, list[TileSpec]] = {}
         resident: dict[int, dict[int, list[Box]]] = {}
@@ -476,7 +620,15 @@ class SplitChooser:
                 else:
                     low = mid
             picked = best
+        self.picked = picked
         return [list(c.tiles) for c in picked]
+
+
+def _busiest(tiles: list[TileSpec], cycles: list[float]) -> float:
+    per_core: dict[int, float] = {}
+    for t, c in zip(tiles, cycles, strict=True):
+        per_core[t.core] = per_core.get(t.core, 0.0) + c
+    return max(per_core.values(), default=0.0)
 
 
 def _signature(ks: KernelSplit) -> Hashable:
