@@ -29,18 +29,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, KERNEL_LAUNCH_CYCLES
+from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, HMX_DEPTH, KERNEL_LAUNCH_CYCLES
 from compiler_core.lowering.program import KIND_ACTIVATION, EpilogueDesc, KernelDesc
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, split_axes
 from compiler_core.ops import REGISTRY
-from compiler_core.ops.int8 import DOMAIN
-from compiler_core.ops.partial_matmul import BLOCK
-from compiler_core.ops.registry import FLOATS, NodeInfo
+from compiler_core.ops.registry import FLOATS, QPCFARM_DOMAIN, NodeInfo
 
 if TYPE_CHECKING:
     from compiler_core.lowering.lower import LoweredGraph
 
-MIN_SLICE = 2 * BLOCK
+MIN_SLICE = 2 * HMX_DEPTH["fp16"]
 """The least K a slice must have: less and the partial products are mostly padding."""
 
 MARGIN = 1.1
@@ -124,7 +122,7 @@ def partial_info(info: NodeInfo, slices: int) -> NodeInfo:
         out_shapes=((slices, *info.out_shapes[0]),),
         out_dtypes=info.out_dtypes[:1],
         opset=1,
-        domain=DOMAIN,
+        domain=QPCFARM_DOMAIN,
     )
 
 
@@ -151,7 +149,7 @@ def _bias_slot(info: NodeInfo) -> int | None:
 def requests(req: TilingRequest, slices: int) -> tuple[TilingRequest, TilingRequest]:
     """The tiling requests of the partial product and of the reduction."""
     info = req.info
-    partial_def = REGISTRY.lookup("PartialMatMul", DOMAIN, 1)
+    partial_def = REGISTRY.lookup("PartialMatMul", QPCFARM_DOMAIN, 1)
     reduce_def = REGISTRY.lookup("ReduceSum", "", REDUCE_OPSET)
     assert partial_def is not None and reduce_def is not None
     bias = _bias_slot(info)
@@ -291,7 +289,7 @@ def apply(graph: LoweredGraph, chosen: dict[int, KChoice]) -> None:
                     epilogue=(),
                     kernel="partial_matmul",
                     unit="hmx",
-                    macs=int(REGISTRY.lookup("PartialMatMul", DOMAIN, 1).macs(p_req.info)),  # type: ignore[union-attr]
+                    macs=int(REGISTRY.lookup("PartialMatMul", QPCFARM_DOMAIN, 1).macs(p_req.info)),  # type: ignore[union-attr]
                     nodes=desc.nodes[:1],
                     op_types=desc.op_types[:1],
                 ),

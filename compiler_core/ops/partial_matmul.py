@@ -20,6 +20,7 @@ import functools
 
 import numpy as np
 
+from compiler_core.costmodel import HMX_DEPTH
 from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.int8 import DOMAIN
 from compiler_core.ops.matmul import narrow
@@ -33,7 +34,7 @@ from compiler_core.ops.registry import (
     register,
 )
 
-BLOCK = 32
+BLOCK = HMX_DEPTH["fp16"]
 """The HMX reduction block (fp16) that slice bounds are aligned to."""
 
 
