@@ -626,7 +626,7 @@ class Executor:
             dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
             outs.append((position, dst, self._will_write(core, piece.vtcm, piece.box, t.dtype)))
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
-        step_infos: dict[tuple[Any, ...], NodeInfo] = {}
+        step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
@@ -644,8 +644,8 @@ class Executor:
                         value if ref is None else (None if ref < 0 else operands[ref])
                         for ref in epilogue.inputs  # type: ignore[attr-defined]
                     ]
-                    step_info = _epilogue_info(epilogue, step_inputs, value, step_infos)
-                    value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
+                    step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
+                    value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
             for position, dst, (start, end) in outs:
                 result = np.asarray(results[position])
@@ -668,15 +668,16 @@ def _epilogue_info(
     step: Any,
     inputs: list[np.ndarray | None],
     value: np.ndarray,
-    cache: dict[tuple[Any, ...], NodeInfo],
-) -> NodeInfo:
-    """The NodeInfo of an epilogue step for these operand shapes (made once per shape)."""
+    cache: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]],
+) -> tuple[NodeInfo, TileCtx]:
+    """The NodeInfo of an epilogue step for these operand shapes and dtypes, and its whole
+    tile (made once per shape)."""
     in_shapes = tuple(None if a is None else a.shape for a in inputs)
-    in_dtypes = tuple(None if a is None else str(a.dtype) for a in inputs)
-    key = (id(step), in_shapes, in_dtypes, value.shape)
+    key = (id(step), in_shapes, tuple(None if a is None else a.dtype for a in inputs), value.shape)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = NodeInfo(
+        in_dtypes = tuple(None if a is None else str(a.dtype) for a in inputs)
+        info = NodeInfo(
             op_type=step.op_type,
             name=step.node_name,
             attrs=step.attrs,
@@ -686,4 +687,5 @@ def _epilogue_info(
             out_dtypes=(step.out_dtype,),
             opset=step.opset,
         )
+        found = cache[key] = (info, TileCtx.whole(info))
     return found
