@@ -111,7 +111,8 @@ class Machine:
             )
         self.constants = np.frombuffer(constants, dtype=np.uint8, count=program.constants_size)
         self.dynamic = np.zeros(program.ddr_size - program.constants_size, dtype=np.uint8)
-        self.vtcm = [np.zeros(vtcm_bytes, dtype=np.uint8) for _ in range(program.num_cores)]
+        self.vtcm = list(np.zeros((program.num_cores, vtcm_bytes), dtype=np.uint8))
+        """One array's rows, so a multicast to evenly spaced cores is one strided write."""
         self.vtcm_bytes = vtcm_bytes
         self.protected = 0
         """VTCM bytes [0, protected) are read-only: the resident constants, once loaded."""
@@ -175,6 +176,24 @@ class Machine:
             Ellipsis,  # a view, 0-d tensors included
         )
         return view[index]
+
+
+def spread(views: list[np.ndarray]) -> np.ndarray | None:
+    """One writable view over equal views evenly spaced in memory (a multicast's targets:
+    one buffer at one offset in several cores' VTCM rows), or None."""
+    if len(views) < 2 or views[0].size == 0:
+        return None
+    first = views[0]
+    addresses = [v.__array_interface__["data"][0] for v in views]
+    step = addresses[1] - addresses[0]
+    if step < first.nbytes or any(
+        b - a != step or v.shape != first.shape or v.strides != first.strides
+        for a, b, v in zip(addresses, addresses[1:], views[1:], strict=False)
+    ):
+        return None
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(views), *first.shape), strides=(step, *first.strides)
+    )
 
 
 def contains(outer: Box, inner: Box) -> bool:
@@ -496,15 +515,23 @@ class Executor:
             if t.kind == KIND_CONSTANT and instr.box == instr.src_box == instr.buf_box
             else None
         )
+        every = spread([dst for _, dst, _ in dsts])
+        pending = deferred.pending
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, src_start, src_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            for target, dst, (start, end) in dsts:
-                deferred.overwrite(target, start, end, whole=covers)
-                dst[...] = data
-                copies.wrote(target, start, end, holding)
+            if every is not None and not any(pending[target] for target in targets):
+                every[...] = data
+                if copies.tracking:
+                    for target, _, (start, end) in dsts:
+                        copies.wrote(target, start, end, holding)
+            else:
+                for target, dst, (start, end) in dsts:
+                    deferred.overwrite(target, start, end, whole=covers)
+                    dst[...] = data
+                    copies.wrote(target, start, end, holding)
             traffic.noc += nbytes
             traffic.multicast += multicast
 
