@@ -55,20 +55,38 @@ class DeferredLoads:
         found = self._entries[core].get(start)
         if found is not None and found[0] == end:
             return found[2]
-        self.settle(core, start, end)
+        if self._meets(core, start, end):
+            self._cut(core, start, end, whole=False)
         return None
 
     def settle(self, core: int, start: int, end: int) -> None:
         """Bytes [start, end) of `core`'s VTCM are about to be read: write the deferred
         bytes there (whole rows of the first axis of each buffer they touch; the buffers'
         other rows stay deferred)."""
-        self._cut(core, start, end, whole=False)
+        if self._meets(core, start, end):
+            self._cut(core, start, end, whole=False)
 
     def overwrite(self, core: int, start: int, end: int, *, whole: bool) -> None:
         """Bytes [start, end) of `core`'s VTCM are about to be written: every byte of that
         range (`whole`: the deferred bytes there are dropped) or only some of them (a box
         inside a buffer: they are written first, as a read would)."""
-        self._cut(core, start, end, whole=whole)
+        if self._meets(core, start, end):
+            self._cut(core, start, end, whole=whole)
+
+    def overwrite_many(self, cores: list[int], start: int, end: int, *, whole: bool) -> None:
+        """`overwrite` on each of `cores` (a multicast's targets: one range on each)."""
+        for core in cores:
+            if self._meets(core, start, end):
+                self._cut(core, start, end, whole=whole)
+
+    def _meets(self, core: int, start: int, end: int) -> bool:
+        """Whether a deferred buffer of `core` overlaps [start, end): the last one starting
+        before `end` is the only candidate, as they are disjoint."""
+        starts = self.pending[core]
+        if not starts:
+            return False
+        i = bisect_left(starts, end)
+        return i > 0 and self._entries[core][starts[i - 1]][0] > start
 
     def _cut(self, core: int, start: int, end: int, *, whole: bool) -> None:
         """Take every deferred buffer meeting [start, end) apart by rows of its first axis:

@@ -516,13 +516,14 @@ class Executor:
             else None
         )
         every = spread([dst for _, dst, _ in dsts])
-        pending = deferred.pending
+        dst_start, dst_end = dsts[0][2] if dsts else (0, 0)
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, src_start, src_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            if every is not None and not any(pending[target] for target in targets):
+            if every is not None:
+                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
                 every[...] = data
                 if copies.tracking:
                     for target, _, (start, end) in dsts:
