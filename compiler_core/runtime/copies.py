@@ -1,12 +1,13 @@
 """Which VTCM buffers hold an untouched copy of a constant, and those constants widened.
 
-Matrix kernels (conv, matmul: the `WIDE_OPERANDS` ops) compute fp32 data in fp64 and fp16
-data in fp32, so every tile used to widen its weights again on every inference. The runtime
-widens each constant box once per session instead, and hands the widened copy to a kernel
-only when the buffer the program points the kernel at provably holds that constant: a DMA
-(or a NoC copy of such a buffer) wrote the whole buffer from the constant, and nothing has
-written any byte of it since. Any other buffer is read as it is, so a program that forgot a
-load, or overwrote its weights, still computes with what its VTCM holds.
+Matrix kernels (conv, matmul: the `WIDE_OPERANDS` ops) compute fp16 data in fp32 (see
+`product_accumulator`), so every tile used to widen its weights again on every inference.
+The runtime widens each constant box once per session instead, and hands the widened copy
+to a kernel only when the buffer the program points the kernel at provably holds that
+constant: a DMA (or a NoC copy of such a buffer) wrote the whole buffer from the constant,
+and nothing has written any byte of it since. Any other buffer is read as it is, so a
+program that forgot a load, or overwrote its weights, still computes with what its VTCM
+holds.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from compiler_core.ops import REGISTRY
 from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
+from compiler_core.runtime.deferred import DeferredLoads
 
 if TYPE_CHECKING:
     from compiler_core.runtime.numerics import FiniteProbe
@@ -110,7 +111,8 @@ class Machine:
             )
         self.constants = np.frombuffer(constants, dtype=np.uint8, count=program.constants_size)
         self.dynamic = np.zeros(program.ddr_size - program.constants_size, dtype=np.uint8)
-        self.vtcm = [np.zeros(vtcm_bytes, dtype=np.uint8) for _ in range(program.num_cores)]
+        self.vtcm = list(np.zeros((program.num_cores, vtcm_bytes), dtype=np.uint8))
+        """One array's rows, so a multicast to evenly spaced cores is one strided write."""
         self.vtcm_bytes = vtcm_bytes
         self.protected = 0
         """VTCM bytes [0, protected) are read-only: the resident constants, once loaded."""
@@ -174,6 +176,24 @@ class Machine:
             Ellipsis,  # a view, 0-d tensors included
         )
         return view[index]
+
+
+def spread(views: list[np.ndarray]) -> np.ndarray | None:
+    """One writable view over equal views evenly spaced in memory (a multicast's targets:
+    one buffer at one offset in several cores' VTCM rows), or None."""
+    if len(views) < 2 or views[0].size == 0:
+        return None
+    first = views[0]
+    addresses = [v.__array_interface__["data"][0] for v in views]
+    step = addresses[1] - addresses[0]
+    if step < first.nbytes or any(
+        b - a != step or v.shape != first.shape or v.strides != first.strides
+        for a, b, v in zip(addresses, addresses[1:], views[1:], strict=False)
+    ):
+        return None
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(views), *first.shape), strides=(step, *first.strides)
+    )
 
 
 def contains(outer: Box, inner: Box) -> bool:
@@ -251,6 +271,8 @@ class Executor:
         self.copies = ConstantCopies(
             program.num_cores, tracking=any(self._widened_inputs(k)[0] for k in self.kernels)
         )
+        self.deferred = DeferredLoads(program.num_cores)
+        """Whole-buffer constant loads of this inference not copied yet (see deferred.py)."""
         self._streams: list[list[tuple[Any, ...]]] | None = None
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
@@ -278,7 +300,7 @@ class Executor:
                         f"core {core}: activation load beyond the resident region "
                         f"[0, {self.program.resident})"
                     )
-                self._decode(core, instr)(self.traffic[core])
+                self._decode(core, instr, activation=True)(self.traffic[core])
         machine.protected = self.program.resident
         self.copies.seal_resident()
         self.activated = True
@@ -295,6 +317,7 @@ class Executor:
             # an inference writes VTCM below _written_end only, so this restores all zeros
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
+        self.deferred.clear()
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
         missing = sorted(set(expected) - set(inputs))
@@ -389,12 +412,13 @@ class Executor:
             self._written_end[core] = end
         return offset, end
 
-    def _decode(self, core: int, instr: object) -> Step:
+    def _decode(self, core: int, instr: object, *, activation: bool = False) -> Step:
         """The instruction as a step, with every static check done now; a fault it would
-        raise is raised when the stream reaches it, as if it ran undecoded."""
+        raise is raised when the stream reaches it, as if it ran undecoded. Activation's
+        loads copy at once (what they load stays for the program's life)."""
         try:
             if isinstance(instr, DmaLoad):
-                return self._load(core, instr)
+                return self._load(core, instr, defer=not activation)
             if isinstance(instr, DmaStore):
                 return self._store(core, instr)
             if isinstance(instr, NocCopy):
@@ -407,8 +431,8 @@ class Executor:
         except Exception as error:  # noqa: BLE001 - raised when the instruction is reached
             return _fault(error)
 
-    def _load(self, core: int, instr: DmaLoad) -> Step:
-        machine, copies = self.machine, self.copies
+    def _load(self, core: int, instr: DmaLoad, *, defer: bool) -> Step:
+        machine, copies, deferred = self.machine, self.copies, self.deferred
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA load of {t.name}")
         src = machine.tensor(t)[_view(instr.box)]
@@ -423,14 +447,25 @@ class Executor:
         nbytes = stored_bytes(t, instr.box)
         constant = nbytes if t.kind == KIND_CONSTANT else 0
         multicast = nbytes if len(dsts) > 1 else 0
-        holding = (
-            (instr.tensor, instr.box)
-            if t.kind == KIND_CONSTANT and instr.box == instr.buf_box
-            else None
-        )
+        whole = instr.box == instr.buf_box
+        holding = (instr.tensor, instr.box) if t.kind == KIND_CONSTANT and whole else None
+        if defer and holding is not None and nbytes > 0:
+            src = src.view()
+            src.flags.writeable = False  # kernels may be handed it in place of the buffer
+
+            def deferred_step(traffic: Traffic) -> None:
+                for target, dst, (start, end) in dsts:
+                    deferred.defer(target, start, end, dst, src)
+                    copies.wrote(target, start, end, holding)
+                traffic.ddr_read += nbytes
+                traffic.ddr_read_constant += constant
+                traffic.multicast += multicast
+
+            return deferred_step
 
         def step(traffic: Traffic) -> None:
             for target, dst, (start, end) in dsts:
+                deferred.overwrite(target, start, end, whole=whole)
                 dst[...] = src
                 copies.wrote(target, start, end, holding)
             traffic.ddr_read += nbytes
@@ -445,15 +480,18 @@ class Executor:
         dst = self.machine.tensor(t, write=True)[_view(instr.box)]
         src = self.machine.part(core, instr.vtcm, instr.buf_box, instr.box, t.dtype)
         nbytes = _nbytes(instr.box, t.dtype)
+        deferred, start = self.deferred, instr.vtcm
+        end = start + _nbytes(instr.buf_box, t.dtype)
 
         def step(traffic: Traffic) -> None:
+            deferred.settle(core, start, end)
             dst[...] = src
             traffic.ddr_write += nbytes
 
         return step
 
     def _noc_copy(self, core: int, instr: NocCopy) -> Step:
-        machine, copies = self.machine, self.copies
+        machine, copies, deferred = self.machine, self.copies, self.deferred
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
         src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
@@ -466,6 +504,9 @@ class Executor:
             )
             for target in targets
         ]
+        src_start = instr.src_vtcm
+        src_end = src_start + _nbytes(instr.src_box, t.dtype)
+        covers = instr.box == instr.buf_box
         snapshot = core in targets  # the source may be overwritten by its own multicast
         nbytes = _nbytes(instr.box, t.dtype)
         multicast = nbytes if len(targets) > 1 else 0
@@ -474,20 +515,31 @@ class Executor:
             if t.kind == KIND_CONSTANT and instr.box == instr.src_box == instr.buf_box
             else None
         )
+        every = spread([dst for _, dst, _ in dsts])
+        dst_start, dst_end = dsts[0][2] if dsts else (0, 0)
 
         def step(traffic: Traffic) -> None:
+            deferred.settle(core, src_start, src_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            for target, dst, (start, end) in dsts:
-                dst[...] = data
-                copies.wrote(target, start, end, holding)
+            if every is not None:
+                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                every[...] = data
+                if copies.tracking:
+                    for target, _, (start, end) in dsts:
+                        copies.wrote(target, start, end, holding)
+            else:
+                for target, dst, (start, end) in dsts:
+                    deferred.overwrite(target, start, end, whole=covers)
+                    dst[...] = data
+                    copies.wrote(target, start, end, holding)
             traffic.noc += nbytes
             traffic.multicast += multicast
 
         return step
 
     def _gather(self, core: int, instr: DmaGather) -> Step:
-        machine, copies = self.machine, self.copies
+        machine, copies, deferred = self.machine, self.copies, self.deferred
         tensors = self.program.tensors
         t, out = tensors[instr.tensor], tensors[instr.out]
         index_t = tensors[instr.indices]
@@ -505,10 +557,14 @@ class Executor:
         table = machine.tensor(t)[window]
         dst = machine.part(core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True)
         start, end = self._will_write(core, instr.vtcm, instr.buf_box, out.dtype)
+        covers = instr.out_box == instr.buf_box
+        index_start = instr.index_vtcm
+        index_end = index_start + _nbytes(instr.index_box, index_t.dtype)
         nbytes = gathered_bytes(t, instr)
         constant = nbytes if t.kind == KIND_CONSTANT else 0
 
         def step(traffic: Traffic) -> None:
+            deferred.settle(core, index_start, index_end)
             index = index_view.astype(np.int64)
             rows = np.where(index < 0, index + size, index)
             if rows.size and (rows.min() < 0 or rows.max() >= size):
@@ -523,6 +579,7 @@ class Executor:
                     f"core {core}: gather of {t.name} gives {gathered.shape} for a box of "
                     f"{dst.shape}"
                 )
+            deferred.overwrite(core, start, end, whole=covers)
             dst[...] = gathered
             copies.wrote(core, start, end, None)
             traffic.ddr_read += nbytes
@@ -601,6 +658,34 @@ class Executor:
             wide.append((position, (kernel.desc.inputs[position], piece.box), operand.box, acc))
         return wide
 
+    def _reads(
+        self, kernel: _Kernel, instr: RunKernel
+    ) -> list[tuple[int, int, int, tuple[slice | EllipsisType, ...]]]:
+        """The VTCM a kernel reads, per operand piece: (the operand's position if it is the
+        piece's buffer seen through a box, else -1; the buffer's bytes [start, end); the box
+        inside the buffer). A deferred constant load may stand in for a whole buffer."""
+        reads = []
+        for position, (tid, operand) in enumerate(
+            zip(kernel.desc.inputs, instr.inputs, strict=True)
+        ):
+            if operand is None or tid < 0:
+                continue
+            dtype = self.program.tensors[tid].dtype
+            for piece in operand.pieces:
+                start = piece.vtcm
+                index: tuple[slice | EllipsisType, ...] = (
+                    *(
+                        slice(a - o, b - o)
+                        for (a, b), (o, _) in zip(operand.box, piece.box, strict=True)
+                    ),
+                    Ellipsis,
+                )
+                single = len(operand.pieces) == 1
+                reads.append(
+                    (position if single else -1, start, start + _nbytes(piece.box, dtype), index)
+                )
+        return reads
+
     def _kernel(self, core: int, instr: RunKernel) -> Step:
         kernel = self.kernels[instr.kernel]
         desc = kernel.desc
@@ -611,6 +696,7 @@ class Executor:
         ]
         static: list[np.ndarray | None] = [None if callable(f) else f for f in fetched]
         joins = [(i, f) for i, f in enumerate(fetched) if callable(f)]
+        reads = self._reads(kernel, instr)
         wide = [
             (position, holding, box, acc, instr.inputs[position].pieces[0].vtcm)  # type: ignore[union-attr]
             for position, holding, box, acc in self._wide_operands(core, kernel, instr)
@@ -624,12 +710,22 @@ class Executor:
             t = self.program.tensors[tid]
             piece = operand.pieces[0]
             dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
-            outs.append((position, dst, self._will_write(core, piece.vtcm, piece.box, t.dtype)))
+            start, end = self._will_write(core, piece.vtcm, piece.box, t.dtype)
+            outs.append((position, dst, start, end, operand.box == piece.box))
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
-        step_infos: dict[tuple[Any, ...], NodeInfo] = {}
+        deferred = self.deferred
+        step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
+            if deferred.pending[core]:
+                for position, start, end, index in reads:
+                    if position < 0:
+                        deferred.settle(core, start, end)
+                    else:
+                        src = deferred.source(core, start, end)
+                        if src is not None:
+                            operands[position] = src[index]
             for i, join in joins:
                 operands[i] = join()
             base = operands[:n_base]
@@ -644,16 +740,17 @@ class Executor:
                         value if ref is None else (None if ref < 0 else operands[ref])
                         for ref in epilogue.inputs  # type: ignore[attr-defined]
                     ]
-                    step_info = _epilogue_info(epilogue, step_inputs, value, step_infos)
-                    value = opdef.compute(step_info, step_inputs, TileCtx.whole(step_info))[0]
+                    step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
+                    value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
-            for position, dst, (start, end) in outs:
+            for position, dst, start, end, covers in outs:
                 result = np.asarray(results[position])
                 if result.shape != dst.shape:
                     raise RuntimeFault(
                         f"kernel {desc.name} ({info.op_type}) produced shape {result.shape} "
                         f"for a tile of shape {dst.shape}"
                     )
+                deferred.overwrite(core, start, end, whole=covers)
                 dst[...] = result
                 copies.wrote(core, start, end, None)
             if self.probe is not None:
@@ -668,15 +765,16 @@ def _epilogue_info(
     step: Any,
     inputs: list[np.ndarray | None],
     value: np.ndarray,
-    cache: dict[tuple[Any, ...], NodeInfo],
-) -> NodeInfo:
-    """The NodeInfo of an epilogue step for these operand shapes (made once per shape)."""
+    cache: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]],
+) -> tuple[NodeInfo, TileCtx]:
+    """The NodeInfo of an epilogue step for these operand shapes and dtypes, and its whole
+    tile (made once per shape)."""
     in_shapes = tuple(None if a is None else a.shape for a in inputs)
-    in_dtypes = tuple(None if a is None else str(a.dtype) for a in inputs)
-    key = (id(step), in_shapes, in_dtypes, value.shape)
+    key = (id(step), in_shapes, tuple(None if a is None else a.dtype for a in inputs), value.shape)
     found = cache.get(key)
     if found is None:
-        found = cache[key] = NodeInfo(
+        in_dtypes = tuple(None if a is None else str(a.dtype) for a in inputs)
+        info = NodeInfo(
             op_type=step.op_type,
             name=step.node_name,
             attrs=step.attrs,
@@ -686,4 +784,5 @@ def _epilogue_info(
             out_dtypes=(step.out_dtype,),
             opset=step.opset,
         )
+        found = cache[key] = (info, TileCtx.whole(info))
     return found
