@@ -31,7 +31,6 @@ from qpcfarm.app.api import (
 from qpcfarm.app.api.errors import install_error_handlers
 from qpcfarm.app.api.openapi import complete
 from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
-from qpcfarm.app.http_tuning import raise_body_read_ahead
 from qpcfarm.app.security_headers import SecurityHeaders
 from qpcfarm.app.settings import Settings, get_settings
 from qpcfarm.app.web import docs as web_docs
@@ -56,7 +55,6 @@ BLOB_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 20}
 def create_app(settings: Settings | None = None, *, queue: JobQueue | None = None) -> FastAPI:
     """The API app. `settings` default to the environment's (`get_settings()`, read at
     start-up); `queue` replaces the one built from settings (tests, embedding)."""
-    raise_body_read_ahead()  # uploads: see app.http_tuning
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

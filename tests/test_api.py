@@ -721,7 +721,9 @@ def test_an_upload_cut_off_mid_body_stores_nothing(local: LiveServer) -> None:
                 ).encode()
                 + data[:150_000]
             )
+        deadline = time.monotonic() + 60
         while not spy.outcomes:  # the server notices the cut and the store gives up
+            assert time.monotonic() < deadline, "the cut upload never reached the store"
             time.sleep(0.01)
     finally:
         local.state.store = spy._store
