@@ -13,19 +13,11 @@ from __future__ import annotations
 
 import platform
 from functools import cache
-from pathlib import Path
+
+from compiler_core.blas_core import CPUINFO, first_cpu
 
 _X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
 _VNNI = {"avx512_vnni", "avx_vnni"}
-
-
-def cpu_flags(cpuinfo: str) -> set[str]:
-    """The first processor's feature flags in /proc/cpuinfo text."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    return set()
 
 
 @cache
@@ -35,7 +27,7 @@ def ort_int8_saturates() -> bool:
     if platform.machine().lower() not in _X86:
         return False
     try:
-        flags = cpu_flags(Path("/proc/cpuinfo").read_text())
+        _, flags = first_cpu(CPUINFO.read_text())
     except OSError:
         return True
     return not flags & _VNNI

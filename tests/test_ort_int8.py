@@ -7,14 +7,15 @@ from __future__ import annotations
 import numpy as np
 import onnx.helper as oh
 
+from compiler_core.blas_core import first_cpu
 from tests.op_checks import one_node_model, run_onnxruntime, run_reference
-from tests.ort_int8 import cpu_flags, ort_int8_saturates
+from tests.ort_int8 import ort_int8_saturates
 
 
-def test_cpu_flags_are_the_first_processors():
+def test_the_switch_reads_the_first_processors_flags():
     text = "processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\nflags\t: fpu\n"
-    assert cpu_flags(text) == {"fpu", "avx2", "avx512_vnni"}
-    assert cpu_flags("processor\t: 0\n") == set()
+    assert first_cpu(text)[1] == {"fpu", "avx2", "avx512_vnni"}
+    assert first_cpu("processor\t: 0\n")[1] == set()
 
 
 def test_ort_clips_pair_sums_exactly_where_the_switch_says():
