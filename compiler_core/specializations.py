@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiler_core.errors import CompileError
-from compiler_core.options import read_option_file
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 FLAG = "-network-specialization-config"
 
@@ -34,8 +34,10 @@ class Specialization:
         return {"name": self.name, "symbols": dict(self.symbols)}
 
 
-def load_specializations(path: str | os.PathLike[str]) -> list[Specialization]:
-    text = read_option_file(path, FLAG)
+def load_specializations(
+    path: str | os.PathLike[str], folder: ModelFolder = LOCAL
+) -> list[Specialization]:
+    text = folder.read_text(path, FLAG)
     try:
         doc = json.loads(text)
     except ValueError as exc:
