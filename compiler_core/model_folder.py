@@ -79,12 +79,14 @@ class ModelFolder:
     def shown(self, path: str | os.PathLike[str]) -> str:
         """How messages name a file: relative to the root when confined (a server path is
         nobody's business), as given otherwise."""
-        if self.confined and self.root is not None:
+        if not self.confined:
+            return str(path)
+        if self.root is not None:
             try:
                 return Path(path).resolve().relative_to(self.root).as_posix()
             except ValueError:
-                return Path(path).name
-        return str(path)
+                pass
+        return Path(path).name
 
     def read_text(self, name: str | os.PathLike[str], flag: str) -> str:
         """The text of the file an option names; a missing or unreadable file is an
