@@ -500,3 +500,45 @@ def test_compile_errors_in_a_confined_folder_name_files_relative_to_it(tmp_path:
     _refused(err, "invalid_option", folder)
     assert "gone.raw" in err.value.message
     assert os.path.basename(folder) not in err.value.message
+
+
+def test_a_farm_qpc_records_file_options_as_the_job_named_them(local, local_api) -> None:
+    """The worker compiles with the names the job gave (read through the model's folder), so
+    neither the QPC nor its report holds the job's server folder, and the bytes do not depend
+    on where the worker extracted the archive."""
+    model = tiny_model(scale=float(np.random.default_rng().uniform(0.1, 1.0)), batch=1)
+    io_list = b"- IOName: y\n  Precision: float16\n"
+    archive = zip_bytes({"model.onnx": model.SerializeToString(), "io.yaml": io_list})
+    row = upload(local_api, archive, "model.zip")
+    job = submit(local_api, row["id"], flags=["-custom-IO-list-file=io.yaml"]).json()
+    play_worker(local, job["id"])
+    done = local_api.get(f"/v1/compile-jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    qpc = local_api.get(f"/v1/qpcs/{done['qpc_id']}/download").content
+    assert b"qpcfarm-job-" not in qpc and b'"io.yaml"' in qpc
+    report = local_api.get(f"/v1/qpcs/{done['qpc_id']}").text
+    assert "qpcfarm-job-" not in report
+
+
+def test_calibration_npz_shapes_are_checked_from_their_headers_before_decompressing(
+    tmp_path: Path,
+) -> None:
+    """An .npz member declaring 4 GiB of zeros (its data never written): refused from the
+    header, naming the shape, without reading a byte of data."""
+    import io
+    import zipfile
+
+    folder = _model_folder(tmp_path)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (1 << 28, 4)}
+    )
+    with zipfile.ZipFile(folder / "calib.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("x.npy", header.getvalue())
+    with pytest.raises(CompileError) as err:
+        compile_model(
+            folder / "model.onnx",
+            [f"-dump-profile={tmp_path / 'p.json'}", "-input-list-file=calib.npz", "-no-quant"],
+            model_folder=ModelFolder.at(folder),
+        )
+    assert err.value.code == "invalid_option" and "[268435456, 4]" in err.value.message

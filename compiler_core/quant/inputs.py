@@ -57,29 +57,30 @@ def load_inputs(
 
 
 def _from_npz(real: Path, path: str, specs: Sequence[InputSpec]) -> list[Feeds]:
+    """The samples of an .npz; each input's array shape is checked from its header first, so
+    only arrays of the right shape are ever decompressed (and only the inputs' arrays)."""
     try:
+        shapes = _npz_shapes(real)
+        missing = [s.name for s in specs if s.name not in shapes]
+        if missing:
+            raise _invalid(
+                f"{path} has no array for input {', '.join(missing)} (it has "
+                f"{', '.join(sorted(shapes)) or 'none'})"
+            )
+        for spec in specs:
+            _check_npz_shape(shapes[spec.name], spec, path)
         with np.load(real, allow_pickle=False) as data:
-            arrays = {name: np.asarray(data[name]) for name in data.files}
+            arrays = {spec.name: np.asarray(data[spec.name]) for spec in specs}
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise _invalid(f"{path} is not a readable .npz: {reason}") from None
-    missing = [s.name for s in specs if s.name not in arrays]
-    if missing:
-        raise _invalid(
-            f"{path} has no array for input {', '.join(missing)} (it has "
-            f"{', '.join(sorted(arrays)) or 'none'})"
-        )
     counts = set()
     stacked: dict[str, np.ndarray] = {}
     for spec in specs:
         array = arrays[spec.name]
+        _check_npz_shape(array.shape, spec, path)
         if array.shape == spec.shape:
             array = array[None]
-        elif array.shape[1:] != spec.shape:
-            raise _invalid(
-                f"{path}: array {spec.name} has shape {list(array.shape)}; expected "
-                f"{list(spec.shape)} or [samples, {', '.join(map(str, spec.shape))}]"
-            )
         stacked[spec.name] = array
         counts.add(array.shape[0])
     if len(counts) != 1:
@@ -89,6 +90,32 @@ def _from_npz(real: Path, path: str, specs: Sequence[InputSpec]) -> list[Feeds]:
         {s.name: _typed(stacked[s.name][i], s, f"{path}[{s.name}]") for s in specs}
         for i in range(count)
     ]
+
+
+def _npz_shapes(real: Path) -> dict[str, tuple[int, ...]]:
+    """Array name -> shape, from each member's .npy header (nothing is decompressed beyond
+    the header)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    with zipfile.ZipFile(real) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version == (1, 0):
+                    shape, _, _ = np.lib.format.read_array_header_1_0(member)
+                else:
+                    shape, _, _ = np.lib.format.read_array_header_2_0(member)
+            shapes[info.filename[: -len(".npy")]] = tuple(shape)
+    return shapes
+
+
+def _check_npz_shape(shape: tuple[int, ...], spec: InputSpec, path: str) -> None:
+    if shape != spec.shape and shape[1:] != spec.shape:
+        raise _invalid(
+            f"{path}: array {spec.name} has shape {list(shape)}; expected "
+            f"{list(spec.shape)} or [samples, {', '.join(map(str, spec.shape))}]"
+        )
 
 
 def _from_list(
