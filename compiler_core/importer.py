@@ -39,6 +39,7 @@ from google.protobuf.message import DecodeError
 from compiler_core.errors import CompileError
 from compiler_core.model_bounds import (
     MAX_DIMENSION,
+    MAX_TENSOR_BYTES,
     check_model_bounds,
     check_value_sizes,
     tensor_protos,
@@ -123,7 +124,9 @@ def import_model(
         _confine_external_tensors(model, folder, source_path)
         load_small_external(model.graph)
         for function in model.functions.values():
-            load_small_external(function.graph)
+            # A function body's constants are read whole, like subgraphs': the copy given to
+            # onnx's checker must not refer to files (it would look for them elsewhere).
+            load_small_external(function.graph, limit=MAX_TENSOR_BYTES)
 
     _set_initializer_types(model.graph)
     _run_checker(model)

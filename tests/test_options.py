@@ -265,7 +265,12 @@ def test_define_symbol_is_repeatable_and_collects_a_mapping() -> None:
 
 @pytest.mark.parametrize(
     ("value", "rule"),
-    [("batch", "<name>,<value>"), ("batch,0", "from 1 to"), ("batch,x", "from 1 to"), (",4", "name")],
+    [
+        ("batch", "<name>,<value>"),
+        ("batch,0", "from 1 to"),
+        ("batch,x", "from 1 to"),
+        (",4", "name"),
+    ],
 )
 def test_define_symbol_values_are_name_comma_positive_int(value: str, rule: str) -> None:
     assert_names(rejected([f"-onnx-define-symbol={value}"]), "-onnx-define-symbol", value, rule)

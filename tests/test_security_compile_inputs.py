@@ -20,12 +20,12 @@ from compiler_core.metrics import _histogram
 from compiler_core.model_bounds import MAX_EXPANDED_NODES, MAX_TENSOR_BYTES
 from compiler_core.model_folder import ModelFolder
 from compiler_core.options import options_json_schema
+from tests import test_api
 from tests.api_helpers import zip_bytes
 from tests.conftest import tiny_model
 from tests.test_api import play_worker, submit, upload
-from tests.test_api import servers as servers  # noqa: F401 - the fixture chain below
-from tests.test_api import local as local  # noqa: F401
-from tests.test_api import local_api as local_api  # noqa: F401
+
+servers, local, local_api = test_api.servers, test_api.local, test_api.local_api
 
 SECRET = b"SECRET-API-KEY!!"  # 16 bytes: exactly one float[1, 4] input, so it would be read
 SECRET_FLOATS = np.frombuffer(SECRET, np.float32)
@@ -206,7 +206,8 @@ def _constant_model(location: str, *, in_function: bool) -> onnx.ModelProto:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
     opsets = [helper.make_opsetid("", 17)]
     if not in_function:
-        return helper.make_model(helper.make_graph([constant, add], "g", [x], [y]), opset_imports=opsets)
+        graph = helper.make_graph([constant, add], "g", [x], [y])
+        return helper.make_model(graph, opset_imports=opsets)
     function = helper.make_function("local", "AddC", ["x"], ["y"], [constant, add], opsets)
     call = helper.make_node("AddC", ["x"], ["y"], domain="local")
     return helper.make_model(
@@ -377,8 +378,10 @@ def test_submitting_sizes_no_device_holds_is_422(local_api, flag: str) -> None:
 
 
 def test_uploading_a_model_no_device_holds_is_422(local_api) -> None:
-    for model, code in ((_relu([(1 << 63) - 1]), "tensor_too_large"), (_relu([-4]), "invalid_model")):
-        answer = local_api.post("/v1/models", files={"file": ("m.onnx", model.SerializeToString())})
+    cases = ((_relu([(1 << 63) - 1]), "tensor_too_large"), (_relu([-4]), "invalid_model"))
+    for model, code in cases:
+        data = model.SerializeToString()
+        answer = local_api.post("/v1/models", files={"file": ("m.onnx", data)})
         assert (answer.status_code, answer.json()["code"]) == (422, code), answer.text
 
 
