@@ -21,6 +21,7 @@ from typing import Any
 
 from compiler_core.errors import CompileError
 from compiler_core.model_folder import LOCAL, ModelFolder
+from compiler_core.options import MAX_DIMENSION
 
 FLAG = "-network-specialization-config"
 
@@ -90,8 +91,13 @@ def _value(key: Any, value: Any, where: str) -> int:
         raise _invalid(f"{where}: symbol names must be non-empty strings")
     plain = isinstance(value, str | int) and not isinstance(value, bool)
     text = str(value).strip() if plain else ""
-    if not text.isdigit() or int(text) < 1:
-        raise _invalid(f"{where}: {key} must be a positive integer, got {value!r}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 24) or not (
+        1 <= int(text) <= MAX_DIMENSION
+    ):
+        shown = value if len(text) <= 24 else f"{text[:24]}..."
+        raise _invalid(
+            f"{where}: {key} must be a positive integer up to {MAX_DIMENSION}, got {shown!r}"
+        )
     return int(text)
 
 

@@ -545,3 +545,19 @@ def test_calibration_npz_shapes_are_checked_from_their_headers_before_decompress
             model_folder=ModelFolder.at(folder),
         )
     assert err.value.code == "invalid_option" and "[268435456, 4]" in err.value.message
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, str(MAX_TENSOR_BYTES + 1)])
+def test_specialization_values_no_device_holds_are_refused_naming_the_flag(
+    tmp_path: Path, value: str
+) -> None:
+    folder = _model_folder(tmp_path)
+    (folder / "specs.json").write_text('{"specializations": [{"N": "%s"}]}' % value)
+    with pytest.raises(CompileError) as err:
+        compile_model(
+            folder / "model.onnx",
+            ["-network-specialization-config=specs.json"],
+            model_folder=ModelFolder.at(folder),
+        )
+    assert err.value.code == "invalid_option"
+    assert err.value.flag == "-network-specialization-config"
