@@ -4,6 +4,7 @@ allocated or expanded; refusals carry a stable code and name no server path."""
 
 from __future__ import annotations
 
+import json
 import os
 import types
 from pathlib import Path
@@ -552,7 +553,7 @@ def test_specialization_values_no_device_holds_are_refused_naming_the_flag(
     tmp_path: Path, value: str
 ) -> None:
     folder = _model_folder(tmp_path)
-    (folder / "specs.json").write_text('{"specializations": [{"N": "%s"}]}' % value)
+    (folder / "specs.json").write_text(json.dumps({"specializations": [{"N": value}]}))
     with pytest.raises(CompileError) as err:
         compile_model(
             folder / "model.onnx",
