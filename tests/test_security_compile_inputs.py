@@ -562,3 +562,25 @@ def test_specialization_values_no_device_holds_are_refused_naming_the_flag(
         )
     assert err.value.code == "invalid_option"
     assert err.value.flag == "-network-specialization-config"
+
+
+def test_the_embedded_compile_process_confines_files_to_the_folder_it_is_given(
+    tmp_path: Path,
+) -> None:
+    from qpcfarm.worker.compile_process import CompileProcess
+
+    folder = _model_folder(tmp_path)
+    secret = _outside_secret(tmp_path)
+    (folder / "io.yaml").write_text("- IOName: y\n  Precision: float16\n")
+    child = CompileProcess()
+    out = f"-aic-binary-dir={tmp_path / 'out'}"
+    good = CompileOptions.from_flags([out, "-custom-IO-list-file=io.yaml"])
+    bad = CompileOptions.from_flags([out, f"-custom-IO-list-file={secret}"])
+    try:
+        inside = ModelFolder.at(folder)
+        assert child.compile(folder / "model.onnx", good, lambda s, f: None, inside)
+        with pytest.raises(CompileError) as err:
+            child.compile(folder / "model.onnx", bad, lambda s, f: None, inside)
+    finally:
+        child.close()
+    _refused(err, "file_outside_model", folder, given=str(secret))
