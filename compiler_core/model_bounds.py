@@ -17,6 +17,7 @@ and without allocating or expanding anything, with a stable code:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -256,6 +257,7 @@ def _check_tensor(tensor: onnx.TensorProto) -> None:
         )
 
 
+@functools.cache
 def _bits(data_type: int) -> int:
     """Bits per element of an ONNX element type (8 for strings and unknown types)."""
     try:
@@ -265,12 +267,13 @@ def _bits(data_type: int) -> int:
 
 
 def _check_size(what: str, dims: list[int], bits: int) -> None:
+    nbytes = math.prod(dims) * bits // 8
+    if nbytes <= MAX_TENSOR_BYTES and max(dims, default=0) <= MAX_DIMENSION:
+        return
     for dim in dims:
         if dim > MAX_DIMENSION:
             raise _too_large(what, dims, f"dimension {dim:,} exceeds {MAX_DIMENSION:,}")
-    nbytes = math.ceil(math.prod(dims) * bits / 8)
-    if nbytes > MAX_TENSOR_BYTES:
-        raise _too_large(what, dims, f"{nbytes / _GIB:,.1f} GiB")
+    raise _too_large(what, dims, f"{nbytes / _GIB:,.1f} GiB")
 
 
 def _too_large(what: str, dims: list[int], size: str) -> CompileError:
