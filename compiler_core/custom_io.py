@@ -39,7 +39,7 @@ def load_custom_io(path: str | os.PathLike[str], folder: ModelFolder = LOCAL) ->
     text = folder.read_text(path, FLAG)
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise _invalid(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(doc, list) or not doc:
         raise _invalid(f"{path} must be a non-empty YAML list of IOName/Precision entries")

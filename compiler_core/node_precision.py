@@ -37,7 +37,7 @@ def load_node_precision(path: str | os.PathLike[str], folder: ModelFolder = LOCA
     text = folder.read_text(path, FLAG)
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise _invalid(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(doc, dict) or not doc or set(doc) - set(KEYS):
         raise _invalid(f"{path} must be a mapping with the keys {' and/or '.join(KEYS)}")

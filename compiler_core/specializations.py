@@ -41,7 +41,7 @@ def load_specializations(
     text = folder.read_text(path, FLAG)
     try:
         doc = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise _invalid(f"{path} is not JSON: {exc}") from None
     return parse_specializations(doc)
 

@@ -584,3 +584,24 @@ def test_the_embedded_compile_process_confines_files_to_the_folder_it_is_given(
     finally:
         child.close()
     _refused(err, "file_outside_model", folder, given=str(secret))
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "text"),
+    [
+        ("-network-specialization-config", "s.json", "[" * 200_000 + "]" * 200_000),
+        ("-load-profile", "p.json", "[" * 200_000 + "]" * 200_000),
+        ("-custom-IO-list-file", "io.yaml", "[" * 5_000 + "]" * 5_000),
+        ("-node-precision-info", "np.yaml", "[" * 5_000 + "]" * 5_000),
+    ],
+)
+def test_option_files_nested_past_the_parsers_depth_are_coded_refusals(
+    tmp_path: Path, flag: str, name: str, text: str
+) -> None:
+    folder = _model_folder(tmp_path)
+    (folder / name).write_text(text)
+    with pytest.raises(CompileError) as err:
+        compile_model(
+            folder / "model.onnx", [f"{flag}={name}"], model_folder=ModelFolder.at(folder)
+        )
+    assert (err.value.code, err.value.flag) == ("invalid_option", flag)

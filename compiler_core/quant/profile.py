@@ -100,7 +100,7 @@ def read_profile(
         doc = json.loads(folder.resolve(path, flag).read_text(encoding="utf-8"))
     except OSError as exc:
         raise bad(f"cannot read it ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise bad(f"not a JSON profile ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad(f'not a quantization profile (no "format": "{FORMAT}")')
