@@ -48,6 +48,7 @@ from compiler_core.lowering.memory import (
 from compiler_core.lowering.placement import CodegenPolicy, Planned, plan_schedule
 from compiler_core.lowering.program import Program, encode_program
 from compiler_core.metrics import perf_metrics, perf_warnings, pmu_warnings
+from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
 from compiler_core.passes.manager import PassTiming, ProgressReporter, run_passes
@@ -190,12 +191,15 @@ def compile_model(
     progress: Progress | None = None,
     *,
     policy: CodegenPolicy | None = None,
+    model_folder: ModelFolder = LOCAL,
 ) -> CompileResult:
     """Compile an ONNX model (path, bytes or ModelProto) into a QPC.
 
     Writes `<-aic-binary-dir>/programqpc.bin`, or a temporary directory's when no directory is
     named (kept until `result.cleanup()` or garbage collection). `policy` switches code
     generation optimisations off (for comparisons; every one is on by default).
+    `model_folder` is where the files the options name (and the model's external data) may
+    be: the farm confines them to the job's model folder (compiler_core/model_folder.py).
     """
     opts = _as_options(options)
     source = model if model is not None else opts.model
@@ -205,14 +209,15 @@ def compile_model(
     if opts.dump_profile:
         from compiler_core.quant.calibrate import dump_profile
 
-        reference = dump_profile(source, opts)  # the profile this compile quantizes with
+        # the profile this compile quantizes with
+        reference = dump_profile(source, opts, model_folder)
     try:
         with _gc_paused():
-            result = _compile(source, opts, progress, policy or CodegenPolicy())
+            result = _compile(source, opts, progress, policy or CodegenPolicy(), model_folder)
         if opts.quantize and opts.input_list_file:
             from compiler_core.quant.calibrate import add_accuracy
 
-            add_accuracy(source, opts, result, reference)
+            add_accuracy(source, opts, result, reference, model_folder)
             reference = None
     finally:
         if reference is not None:
@@ -260,16 +265,20 @@ class _Build:
 
 
 def _compile(
-    source: ModelSource, opts: CompileOptions, progress: Progress | None, policy: CodegenPolicy
+    source: ModelSource,
+    opts: CompileOptions,
+    progress: Progress | None,
+    policy: CodegenPolicy,
+    folder: ModelFolder,
 ) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
     specs: list[Specialization | None] = (
-        list(load_specializations(opts.network_specialization_config))
+        list(load_specializations(opts.network_specialization_config, folder))
         if opts.network_specialization_config
         else [None]
     )
-    builds = [_lower(source, opts, spec, stages, policy) for spec in specs]
+    builds = [_lower(source, opts, spec, stages, policy, folder) for spec in specs]
     retained = _retained_state(builds, opts)
     shared, constant_items = _shared_constants(builds)
     for build, region in zip(builds, shared, strict=True):
@@ -389,17 +398,18 @@ def _lower(
     spec: Specialization | None,
     stages: _Stages,
     policy: CodegenPolicy,
+    folder: ModelFolder,
 ) -> _Build:
     """Import (with the specialization's symbols bound), run the graph passes and lower."""
     symbols = dict(opts.onnx_define_symbol)
     if spec is not None:
         symbols.update(spec.symbols)
     with stages.stage("import"):
-        imported = _import(source, opts, symbols)
+        imported = _import(source, opts, symbols, folder)
     if spec is not None:
         _check_symbols_exist(imported, spec)
     ir_model = imported.model
-    passes = graph_pipeline(opts)
+    passes = graph_pipeline(opts, folder)
     timing = PassTiming()
     with stages.stage("graph-passes", timing):
         reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
@@ -464,11 +474,15 @@ def _depth_first(
     return choice.lowered, choice.planned, notes
 
 
-def _import(source: ModelSource, opts: CompileOptions, symbols: dict[str, int]) -> ImportedModel:
+def _import(
+    source: ModelSource, opts: CompileOptions, symbols: dict[str, int], folder: ModelFolder
+) -> ImportedModel:
     """`import_model`, with a dimension left symbolic blamed on a misspelt symbol when the
     options define one the model does not have (`-onnx-define-symbol=bacth,1`)."""
     try:
-        return import_model(source, define_symbols=symbols, batchsize=opts.batchsize)
+        return import_model(
+            source, define_symbols=symbols, batchsize=opts.batchsize, model_folder=folder
+        )
     except CompileError as exc:
         if exc.code != "dynamic_shape" or not symbols:
             raise
@@ -773,7 +787,8 @@ def _tensor_bytes(data: ir.TensorProtocol, dtype: np.dtype) -> Iterator[memoryvi
                 if not chunk:
                     raise CompileError(
                         "external_data_missing",
-                        f"{data.path} ends before tensor {data.name!r} does",
+                        f"external data file '{data.location}' ends before tensor "
+                        f"{data.name!r} does",
                     )
                 remaining -= len(chunk)
                 yield memoryview(chunk)

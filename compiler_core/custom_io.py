@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiler_core.errors import CompileError
-from compiler_core.options import read_option_file
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 FLAG = "-custom-IO-list-file"
 
@@ -31,15 +31,15 @@ class CustomIO:
     precision: str
 
 
-def load_custom_io(path: str | os.PathLike[str]) -> list[CustomIO]:
+def load_custom_io(path: str | os.PathLike[str], folder: ModelFolder = LOCAL) -> list[CustomIO]:
     """The entries of a custom-IO list file; any malformed entry is an `invalid_option` that
     says which one and why."""
     import yaml
 
-    text = read_option_file(path, FLAG)
+    text = folder.read_text(path, FLAG)
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise _invalid(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(doc, list) or not doc:
         raise _invalid(f"{path} must be a non-empty YAML list of IOName/Precision entries")

@@ -226,6 +226,10 @@ _PROFILES: tuple[DeviceProfile, ...] = (
     ),
 )
 
+MAX_SOC_DDR_BYTES = max(p.ddr_bytes_per_soc for p in _PROFILES)
+"""The DDR of the largest single SoC of any profile (128 GiB, AIC200): no tensor of a QPC,
+and no dimension of one (`-batchsize`, a symbol's value), can be larger."""
+
 _DEFAULTS = {"ai100": "aic100-pro", "ai200": "aic200"}
 """Compiling without `-aic-device` targets the full SoC of the hardware version (16 cores on
 AI100, the `-aic-num-cores` limit of qaic-compile); a QPC is checked against a smaller SKU

@@ -37,6 +37,14 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
+from compiler_core.model_bounds import (
+    MAX_DIMENSION,
+    MAX_TENSOR_BYTES,
+    check_model_bounds,
+    check_value_sizes,
+    tensor_protos,
+)
+from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.nodeinfo import DECLARED_SHAPE, dtype_name, node_opset, norm_domain
 from compiler_core.onnx_wire import WireError, strip_inline_weights
 from compiler_core.tensors import load_small_external
@@ -84,14 +92,20 @@ def import_model(
     base_dir: str | os.PathLike[str] | None = None,
     registry: OpRegistry | None = None,
     allow_external_data: bool = True,
+    model_folder: ModelFolder = LOCAL,
 ) -> ImportedModel:
     """Load, check and statically shape an ONNX model.
 
     `source` is a file path, the model's bytes or a ModelProto. External data is resolved
-    against the model file's folder, or `base_dir` for bytes and protos. `registry` defaults
-    to the compiler's op registry (`compiler_core.ops.REGISTRY`).
+    against the model file's folder, or `base_dir` for bytes and protos, and must lie inside
+    `model_folder` when it is confined (else inside the model's folder); a bare
+    `model_folder` (or `allow_external_data=False`) refuses external data anywhere in the
+    model: any graph, subgraph, tensor attribute or function. `registry` defaults to the
+    compiler's op registry (`compiler_core.ops.REGISTRY`).
     """
-    proto, source_path, has_external = _read_model(source)
+    if model_folder.confined and model_folder.root is None:
+        allow_external_data = False
+    proto, source_path, has_external = _read_model(source, model_folder)
     if has_external and not allow_external_data:
         raise CompileError(
             "external_data_not_allowed",
@@ -101,11 +115,18 @@ def import_model(
     if base_dir is None and source_path is not None:
         base_dir = source_path.parent
     _check_structure(proto)
-    _check_external_data(proto, None if base_dir is None else Path(base_dir))
+    check_model_bounds(proto)  # before onnx's checker, inliner or anything allocates
+    folder = _external_data_folder(model_folder, base_dir)
+    _check_external_data(proto, None if base_dir is None else Path(base_dir), folder, source_path)
     model = _deserialize(proto)
     if base_dir is not None:
-        ir.external_data.set_base_dir(model.graph, os.fspath(base_dir))
+        _set_base_dir(model, os.fspath(base_dir))
+        _confine_external_tensors(model, folder, source_path)
         load_small_external(model.graph)
+        for function in model.functions.values():
+            # A function body's constants are read whole, like subgraphs': the copy given to
+            # onnx's checker must not refer to files (it would look for them elsewhere).
+            load_small_external(function.graph, limit=MAX_TENSOR_BYTES)
 
     _set_initializer_types(model.graph)
     _run_checker(model)
@@ -124,9 +145,11 @@ def import_model(
     symbols = input_symbols(model.graph)
     warnings += _bind_input_shapes(model.graph, dict(define_symbols or {}), batchsize)
     _require_static_inputs(model.graph)
+    check_value_sizes(model.graph.inputs, "input")
     declared = _declared_output_shapes(model.graph)
     _clear_node_output_shapes(model.graph)
     infer_shapes(model)
+    check_value_sizes(_main_values(model.graph), "value")
     _fill_same_shapes(model, registry)
     _apply_declared_shapes(model.graph, declared, registry)
     _raise_unsupported(_unsupported_dtypes(model, registry))
@@ -233,8 +256,12 @@ def require_static_shapes(model: ir.Model) -> None:
 # --- reading ------------------------------------------------------------------------------
 
 
-def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, bool]:
-    """The parsed model, its path, and whether it references external data files."""
+def _read_model(
+    source: ModelSource, folder: ModelFolder = LOCAL
+) -> tuple[onnx.ModelProto, Path | None, bool]:
+    """The parsed model, its path, and whether it references external data files (anywhere:
+    every graph, subgraph, tensor attribute and function). Messages name a model file as
+    `folder` shows it (relative to a confined folder: no server path)."""
     if isinstance(source, onnx.ModelProto):
         return source, None, any(True for _ in _external_tensor_protos(source))
     if isinstance(source, bytes | bytearray | memoryview):
@@ -243,12 +270,13 @@ def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, bool
         proto = _parse(source, "the given bytes")
         return proto, None, any(True for _ in _external_tensor_protos(proto))
     path = Path(source)
+    shown = folder.shown(path)
     if not path.exists():
-        raise CompileError("model_not_found", f"model file '{path}' does not exist")
+        raise CompileError("model_not_found", f"model file '{shown}' does not exist")
     if not path.is_file():
-        raise CompileError("invalid_model", f"model path '{path}' is not a file")
+        raise CompileError("invalid_model", f"model path '{shown}' is not a file")
     if path.stat().st_size == 0:
-        raise CompileError("invalid_model", f"model file '{path}' is empty (0 bytes)")
+        raise CompileError("invalid_model", f"model file '{shown}' is empty (0 bytes)")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         with memoryview(mapped) as view:
             try:
@@ -256,14 +284,11 @@ def _read_model(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, bool
                 stripped = strip_inline_weights(view, path.name)
             except WireError:
                 stripped = None
-            proto = _parse(view if stripped is None else stripped.data, f"'{path}'")
-    if stripped is not None and stripped.had_external:
-        own_external = True
-    elif stripped is None:
-        own_external = any(True for _ in _external_tensor_protos(proto))
-    else:
-        own_external = False
-    return proto, path.resolve(), own_external
+            proto = _parse(view if stripped is None else stripped.data, f"'{shown}'")
+    # The references into the model file itself that stripping made are not external files.
+    moved = stripped.moved if stripped is not None else 0
+    external = sum(1 for _ in _external_tensor_protos(proto))
+    return proto, path.resolve(), external > moved
 
 
 def _parse(data: bytes | bytearray | memoryview, what: str) -> onnx.ModelProto:
@@ -315,9 +340,21 @@ def _run_checker(model: ir.Model) -> None:
 # --- external data --------------------------------------------------------------------------
 
 
-def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
-    """Reject external data that escapes the model's folder, is missing or is too short."""
-    files: dict[str, tuple[str, os.stat_result]] = {}  # location -> (real path, stat), once
+def _external_data_folder(
+    folder: ModelFolder, base_dir: str | os.PathLike[str] | None
+) -> ModelFolder:
+    """Where external data may be: the confined folder, else the model's own folder."""
+    if folder.confined or base_dir is None:
+        return folder
+    return ModelFolder.at(base_dir)
+
+
+def _check_external_data(
+    proto: onnx.ModelProto, base_dir: Path | None, folder: ModelFolder, model_file: Path | None
+) -> None:
+    """Reject external data that escapes `folder`, is missing or is too short. Messages name
+    the tensor and its location as the model writes them, never a resolved server path."""
+    files: dict[str, os.stat_result] = {}  # location -> stat, once per file
     for tensor in _external_tensor_protos(proto):
         info = onnx.external_data_helper.ExternalDataInfo(tensor)
         location = str(info.location)
@@ -329,15 +366,14 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
                 "a folder: pass the model by its file path (or give base_dir)",
             )
         if location not in files:
-            _check_location(location, base_dir, where)
-            real = os.path.realpath(base_dir / location)
-            if not os.path.isfile(real):
+            real = _external_file(location, base_dir, folder, model_file, where)
+            if not real.is_file():
                 raise CompileError(
                     "external_data_missing",
-                    f"{where}: file '{location}' not found next to the model in '{base_dir}'",
+                    f"{where}: file '{location}' not found in the model's folder",
                 )
-            files[location] = (real, os.stat(real))
-        stat = files[location][1]
+            files[location] = real.stat()
+        stat = files[location]
         nbytes = _tensor_nbytes(tensor)
         length = info.length if info.length not in (None, -1) else nbytes
         if length != nbytes:
@@ -361,23 +397,85 @@ def _check_external_data(proto: onnx.ModelProto, base_dir: Path | None) -> None:
             )
 
 
-def _check_location(location: str, base_dir: Path, where: str) -> None:
+def _external_file(
+    location: str, base_dir: Path, folder: ModelFolder, model_file: Path | None, where: str
+) -> Path:
+    """The real path of an external data file, which must be inside `folder` (or be the
+    model file itself: its own large tensors, see onnx_wire)."""
     parts = re.split(r"[\\/]", location)
     if os.path.isabs(location) or location.startswith(("/", "\\")) or re.match(r"^\w:", location):
         reason = "is an absolute path"
     elif ".." in parts:
         reason = "contains '..'"
     else:
-        base_real = os.path.realpath(base_dir)
-        real = os.path.realpath(base_dir / location)
-        if os.path.commonpath([base_real, real]) == base_real:
-            return
-        reason = f"resolves (through a symlink) to '{real}', outside the model's folder"
+        if model_file is not None and (base_dir / location).resolve() == model_file:
+            return model_file
+        try:
+            return folder.resolve(location, where, relative_to=base_dir)
+        except CompileError:
+            reason = "resolves through a symlink to outside the model's folder"
     raise CompileError(
         "unsafe_external_data",
         f"{where} {reason}: external data must be a file inside the model's folder",
         details={"tensor": _tensor_name(where), "location": location},
     )
+
+
+def _set_base_dir(model: ir.Model, base_dir: str) -> None:
+    """External tensors resolve against the model's folder: the main graph with its
+    subgraphs (onnx_ir's helper) and every local function's body (which it skips)."""
+    ir.external_data.set_base_dir(model.graph, base_dir)
+    for function in model.functions.values():
+        ir.external_data.set_base_dir(function.graph, base_dir)
+
+
+def _confine_external_tensors(
+    model: ir.Model, folder: ModelFolder, model_file: Path | None
+) -> None:
+    """Every external tensor the IR will read, wherever it sits, resolves inside `folder`
+    (or is the model file itself): the check on what is actually opened, after the check of
+    the locations the proto names."""
+    for tensor in _ir_tensors(model):
+        if not isinstance(tensor, ir.ExternalTensor):
+            continue
+        if model_file is not None and Path(tensor.path).resolve() == model_file:
+            continue
+        try:
+            folder.resolve(tensor.path, "external data")
+        except CompileError:
+            raise CompileError(
+                "unsafe_external_data",
+                f"tensor '{tensor.name}' (external data location '{tensor.location}') is not a "
+                "file inside the model's folder",
+                details={"tensor": tensor.name or "", "location": tensor.location},
+            ) from None
+
+
+def _ir_tensors(model: ir.Model) -> Iterator[ir.TensorProtocol]:
+    graphs: list[ir.Graph] = [model.graph, *(f.graph for f in model.functions.values())]
+    for graph in graphs:
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                yield value.const_value
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for attr in node.attributes.values():
+                if attr.is_ref() or attr.value is None:
+                    continue
+                if attr.type == ir.AttributeType.TENSOR:
+                    yield attr.value
+                elif attr.type == ir.AttributeType.TENSORS:
+                    yield from attr.value
+                elif attr.type == ir.AttributeType.GRAPH:
+                    yield from _initializer_tensors(attr.value)
+                elif attr.type == ir.AttributeType.GRAPHS:
+                    for body in attr.value:
+                        yield from _initializer_tensors(body)
+
+
+def _initializer_tensors(graph: ir.Graph) -> Iterator[ir.TensorProtocol]:
+    for value in graph.initializers.values():
+        if value.const_value is not None:
+            yield value.const_value
 
 
 def _tensor_name(where: str) -> str:
@@ -391,25 +489,8 @@ def _tensor_nbytes(tensor: onnx.TensorProto) -> int:
 
 
 def _external_tensor_protos(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    graphs: list[onnx.GraphProto] = [proto.graph]
-    nodes: list[onnx.NodeProto] = [n for f in proto.functions for n in f.node]
-    tensors: list[onnx.TensorProto] = []
-    while graphs or nodes:
-        if graphs:
-            graph = graphs.pop()
-            tensors.extend(graph.initializer)
-            for sparse in graph.sparse_initializer:
-                tensors.extend((sparse.values, sparse.indices))
-            nodes.extend(graph.node)
-            continue
-        for attr in nodes.pop().attribute:
-            if attr.HasField("t"):
-                tensors.append(attr.t)
-            tensors.extend(attr.tensors)
-            if attr.HasField("g"):
-                graphs.append(attr.g)
-            graphs.extend(attr.graphs)
-    for tensor in tensors:
+    """Every tensor of the model that keeps its data in a file (see `tensor_protos`)."""
+    for tensor in tensor_protos(proto):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             yield tensor
 
@@ -622,18 +703,17 @@ def _bind_input_shapes(
 ) -> list[str]:
     """Apply `-onnx-define-symbol` and `-batchsize` to the graph inputs; return warnings."""
     for name, size in symbols.items():
-        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+        if not _dimension_value(size):
             raise CompileError(
                 "invalid_option",
-                f"-onnx-define-symbol={name},{size}: the value must be a positive integer",
+                f"-onnx-define-symbol={name},{size}: the value must be an integer from 1 to "
+                f"{MAX_DIMENSION}",
                 flag="-onnx-define-symbol",
             )
-    if batchsize is not None and (
-        isinstance(batchsize, bool) or not isinstance(batchsize, int | np.integer) or batchsize < 1
-    ):
+    if batchsize is not None and not _dimension_value(batchsize):
         raise CompileError(
             "invalid_option",
-            f"-batchsize={batchsize} must be a positive integer",
+            f"-batchsize={batchsize} must be an integer from 1 to {MAX_DIMENSION}",
             flag="-batchsize",
         )
     declared = input_symbols(graph)
@@ -647,6 +727,12 @@ def _bind_input_shapes(
         for name, size in symbols.items()
         if name not in declared
     ]
+
+
+def _dimension_value(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        return False
+    return 1 <= int(value) <= MAX_DIMENSION
 
 
 def input_symbols(graph: ir.Graph) -> frozenset[str]:

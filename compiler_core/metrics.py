@@ -7,6 +7,7 @@ each has a stable code, the ONNX nodes concerned and the flag or change that wou
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,25 +43,30 @@ MAX_NODES = 8
 
 
 def _histogram(program: Program) -> list[dict[str, Any]]:
-    sizes = sorted(
-        int(np.prod(k.info.out_shapes[0], dtype=np.int64)) if k.info.out_shapes else 0
+    """Kernels by output size in buckets of powers of four (1, 4, 16, ...). Each size finds
+    its bucket on its own, in Python integers: any size (even a negative or absurd one that
+    slipped past the importer) ends in one bucket, so this always terminates."""
+    sizes = [
+        math.prod(int(d) for d in k.info.out_shapes[0]) if k.info.out_shapes else 0
         for k in program.kernels
-    )
+    ]
+    buckets: dict[int, int] = {}
+    for size in sizes:
+        bound = 1
+        while bound < size:
+            bound *= 4
+        buckets[bound] = buckets.get(bound, 0) + 1
     rows: list[dict[str, Any]] = []
-    bound, done = 1, 0
-    while done < len(sizes):
-        low = bound // 4 if bound > 1 else -1
-        count = sum(1 for s in sizes if low < s <= bound)
-        done += count
-        if count:
-            rows.append(
-                {
-                    "output_elements_up_to": bound,
-                    "ops": count,
-                    "cumulative_percent": round(100.0 * done / len(sizes), 1),
-                }
-            )
-        bound *= 4
+    done = 0
+    for bound in sorted(buckets):
+        done += buckets[bound]
+        rows.append(
+            {
+                "output_elements_up_to": bound,
+                "ops": buckets[bound],
+                "cumulative_percent": round(100.0 * done / len(sizes), 1),
+            }
+        )
     return rows
 
 

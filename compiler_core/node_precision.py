@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from compiler_core.errors import CompileError
-from compiler_core.options import read_option_file
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 FLAG = "-node-precision-info"
 KEYS = ("FP32NodeInstanceNames", "FP16NodeInstanceNames")
@@ -31,13 +31,13 @@ class NodePrecision:
     fp16: frozenset[str]
 
 
-def load_node_precision(path: str | os.PathLike[str]) -> NodePrecision:
+def load_node_precision(path: str | os.PathLike[str], folder: ModelFolder = LOCAL) -> NodePrecision:
     import yaml
 
-    text = read_option_file(path, FLAG)
+    text = folder.read_text(path, FLAG)
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError) as exc:
         raise _invalid(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(doc, dict) or not doc or set(doc) - set(KEYS):
         raise _invalid(f"{path} must be a mapping with the keys {' and/or '.join(KEYS)}")

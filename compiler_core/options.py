@@ -13,15 +13,14 @@ from __future__ import annotations
 import difflib
 import json
 import math
-import os
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from compiler_core.devices import (
     HW_VERSION_SPELLINGS,
+    MAX_SOC_DDR_BYTES,
     DeviceProfile,
     default_device_for,
     device_names,
@@ -35,6 +34,9 @@ Kind = Literal[
 
 MAX_PMU_EVENTS = 8
 MAX_CORES = 16
+MAX_DIMENSION = MAX_SOC_DDR_BYTES
+"""The largest batch size or symbol value: one-byte elements that many fill the largest SoC's
+DDR (compiler_core/model_bounds.py bounds whole tensors the same way)."""
 STATS_LEVELS = (40, 50, 70, 100)
 PMU_RECIPES = ("AxiRd", "AxiWr", "AxiRdWr", "KernelUtil", "HmxMacs")
 QUANT_PRECISIONS = ("Int8", "Int16")
@@ -241,6 +243,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "int",
         "Recompile the model for this batch size.",
         minimum=1,
+        maximum=MAX_DIMENSION,
         group=PRECISION,
         default_text="the model's",
     ),
@@ -249,6 +252,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "symbol_map",
         "Bind a symbolic dimension: <name>,<value> (repeat once per symbol).",
         default={},
+        minimum=1,
+        maximum=MAX_DIMENSION,
         repeatable=True,
         group=PRECISION,
         metavar="<name>,<value>",
@@ -429,6 +434,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "int",
         "Batch size that stats are normalised by.",
         minimum=1,
+        maximum=MAX_DIMENSION,
         group=PROFILING,
         default_text="the batch size",
     ),
@@ -593,6 +599,13 @@ def _coerce_bool(spec: OptionSpec, value: Any) -> bool:
     raise _invalid(spec, value, "must be true or false")
 
 
+def _integer_text(text: str) -> bool:
+    """Decimal integer text short enough to be a 64-bit number (longer is out of every range,
+    and Python refuses to parse more than 4,300 digits)."""
+    text = text.strip()
+    return len(text) <= 24 and text.isascii() and text.lstrip("+-").isdigit()
+
+
 def _coerce_int(spec: OptionSpec, value: Any) -> int:
     rule = (
         "must be one of " + ", ".join(str(c) for c in spec.choices)
@@ -604,7 +617,7 @@ def _coerce_int(spec: OptionSpec, value: Any) -> int:
         number = value
     elif isinstance(value, str):
         text = value.strip()
-        if text.isascii() and text.lstrip("+-").isdigit():
+        if _integer_text(text):
             number = int(text)
     if number is None:
         raise _invalid(spec, value, rule)
@@ -716,10 +729,14 @@ def _symbol(spec: OptionSpec, name: Any, raw: Any, shown: Any) -> tuple[str, int
     value: int | None = None
     if isinstance(raw, int) and not isinstance(raw, bool):
         value = raw
-    elif isinstance(raw, str) and raw.strip().isascii() and raw.strip().lstrip("+-").isdigit():
+    elif isinstance(raw, str) and _integer_text(raw):
         value = int(raw.strip())
-    if value is None or value < 1:
-        raise _invalid(spec, shown, f"the value of symbol {name.strip()} must be an integer >= 1")
+    if value is None or not _in_range(spec, value):
+        raise _invalid(
+            spec,
+            shown,
+            f"the value of symbol {name.strip()} {_range_rule(spec, 'an integer')}",
+        )
     return name.strip(), value
 
 
@@ -1255,7 +1272,8 @@ def _json_type(spec: OptionSpec) -> dict[str, Any]:
             ]
         }
     elif spec.kind == "symbol_map":
-        return {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}}
+        value = {"type": "integer", "minimum": spec.minimum, "maximum": spec.maximum}
+        return {"type": "object", "additionalProperties": value}
     elif spec.kind == "name_list":
         return {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}]}
     else:
@@ -1318,14 +1336,3 @@ __all__ = [
     "usage",
     "wants_help",
 ]
-
-
-def read_option_file(path: str | os.PathLike[str], flag: str) -> str:
-    """The text of a file an option names; unreadable is an `invalid_option` naming the flag."""
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CompileError(
-            "invalid_option", f"{flag}: cannot read {path}: {reason}", flag=flag
-        ) from None

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiler_core.errors import CompileError
-from compiler_core.options import read_option_file
+from compiler_core.model_folder import LOCAL, ModelFolder
+from compiler_core.options import MAX_DIMENSION
 
 FLAG = "-network-specialization-config"
 
@@ -34,11 +35,13 @@ class Specialization:
         return {"name": self.name, "symbols": dict(self.symbols)}
 
 
-def load_specializations(path: str | os.PathLike[str]) -> list[Specialization]:
-    text = read_option_file(path, FLAG)
+def load_specializations(
+    path: str | os.PathLike[str], folder: ModelFolder = LOCAL
+) -> list[Specialization]:
+    text = folder.read_text(path, FLAG)
     try:
         doc = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise _invalid(f"{path} is not JSON: {exc}") from None
     return parse_specializations(doc)
 
@@ -88,8 +91,13 @@ def _value(key: Any, value: Any, where: str) -> int:
         raise _invalid(f"{where}: symbol names must be non-empty strings")
     plain = isinstance(value, str | int) and not isinstance(value, bool)
     text = str(value).strip() if plain else ""
-    if not text.isdigit() or int(text) < 1:
-        raise _invalid(f"{where}: {key} must be a positive integer, got {value!r}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 24) or not (
+        1 <= int(text) <= MAX_DIMENSION
+    ):
+        shown = value if len(text) <= 24 else f"{text[:24]}..."
+        raise _invalid(
+            f"{where}: {key} must be a positive integer up to {MAX_DIMENSION}, got {shown!r}"
+        )
     return int(text)
 
 

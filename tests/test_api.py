@@ -817,18 +817,21 @@ def test_a_file_option_outside_the_upload_is_refused_at_submit(
     assert "relative to the model" in response.json()["message"]
 
 
-@pytest.mark.parametrize("bare", [True, False])
-def test_a_file_option_the_upload_does_not_carry_fails_the_job_naming_it(
-    local: LiveServer, local_api: httpx.Client, bare: bool
+def test_a_file_option_on_a_bare_model_is_refused_at_submit(local_api: httpx.Client) -> None:
+    model = upload(local_api)
+    response = submit(local_api, model["id"], flags=LLM_FLAGS)
+    assert response.status_code == 422, response.text
+    assert error_code(response) == "invalid_option"
+    assert "uploaded as a bare .onnx" in response.json()["message"]
+
+
+def test_a_file_option_the_archive_does_not_carry_fails_the_job_naming_it(
+    local: LiveServer, local_api: httpx.Client
 ) -> None:
-    if bare:
-        model = upload(local_api)
-    else:
-        model = upload(local_api, _decoder_archive(with_files=False), "decoder.zip")
+    model = upload(local_api, _decoder_archive(with_files=False), "decoder.zip")
     job = submit(local_api, model["id"], flags=LLM_FLAGS).json()
     play_worker(local, job["id"])
     done = local_api.get(f"/v1/compile-jobs/{job['id']}").json()
     assert done["status"] == "failed"
     assert done["error"]["code"] == "invalid_option"
-    expected = "uploaded as a bare .onnx" if bare else "has no file specs.json beside the model"
-    assert expected in done["error"]["message"]
+    assert "has no file specs.json beside the model" in done["error"]["message"]

@@ -155,7 +155,7 @@ def test_mos_is_between_1_and_the_cores() -> None:
 
 @pytest.mark.parametrize("value", ["0", "-1", "0.0"])
 def test_batchsize_must_be_at_least_one(value: str) -> None:
-    assert_names(rejected([f"-batchsize={value}"]), "-batchsize", value, ">= 1")
+    assert_names(rejected([f"-batchsize={value}"]), "-batchsize", value, "from 1 to")
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.2", "nan", "inf", "x"])
@@ -210,7 +210,7 @@ def test_stats_level_takes_the_documented_levels_only() -> None:
 
 
 def test_stats_batchsize_is_at_least_one_and_defaults_to_the_batch() -> None:
-    assert_names(rejected(["-stats-batchsize=0"]), "-stats-batchsize", "0", ">= 1")
+    assert_names(rejected(["-stats-batchsize=0"]), "-stats-batchsize", "0", "from 1 to")
     assert CompileOptions.from_flags(["-batchsize=4"]).effective_stats_batchsize == 4
     o = CompileOptions.from_flags(["-batchsize=4", "-stats-batchsize=2"])
     assert o.effective_stats_batchsize == 2
@@ -265,7 +265,12 @@ def test_define_symbol_is_repeatable_and_collects_a_mapping() -> None:
 
 @pytest.mark.parametrize(
     ("value", "rule"),
-    [("batch", "<name>,<value>"), ("batch,0", ">= 1"), ("batch,x", ">= 1"), (",4", "name")],
+    [
+        ("batch", "<name>,<value>"),
+        ("batch,0", "from 1 to"),
+        ("batch,x", "from 1 to"),
+        (",4", "name"),
+    ],
 )
 def test_define_symbol_values_are_name_comma_positive_int(value: str, rule: str) -> None:
     assert_names(rejected([f"-onnx-define-symbol={value}"]), "-onnx-define-symbol", value, rule)

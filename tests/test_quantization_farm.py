@@ -73,11 +73,20 @@ def test_dump_profile_job_stores_a_profile_that_a_load_profile_job_reuses(local,
     assert job3["cache_hit"] is False
 
 
-def test_calibration_inputs_missing_from_the_upload_fail_naming_the_flag(local, local_api):
+def test_calibration_inputs_missing_from_the_upload_are_refused_naming_the_flag(
+    local, local_api
+):
     model = cnn(seed=int(np.random.default_rng().integers(1 << 20)))
     bare = upload(local_api, model.SerializeToString(), "m.onnx")
-    job = submit(
+    answer = submit(
         local_api, bare["id"], flags=["-dump-profile=p.json", "-input-list-file=calib.npz"]
+    )
+    assert (answer.status_code, answer.json()["code"]) == (422, "invalid_option")
+    assert "-input-list-file" in answer.json()["message"]
+    archive = zip_bytes({"model.onnx": model.SerializeToString()})
+    packed = upload(local_api, archive, "m.zip")
+    job = submit(
+        local_api, packed["id"], flags=["-dump-profile=p.json", "-input-list-file=calib.npz"]
     ).json()
     play_worker(local, job["id"])
     done = local_api.get(f"/v1/compile-jobs/{job['id']}").json()

@@ -23,13 +23,14 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from compiler_core import CompileError, CompileOptions
+from compiler_core.model_folder import ModelFolder
 from compiler_core.version import COMPILER_VERSION
 from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
 from qpcfarm.app.db.base import utcnow
 from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from qpcfarm.app.db.ops import insert_or_ignore
 from qpcfarm.app.services.errors import ServiceError, internal_error_message
-from qpcfarm.app.services.model_files import resolve_model_files
+from qpcfarm.app.services.model_files import check_model_files
 from qpcfarm.app.services.models import KIND_ARCHIVE, materialize_model
 from qpcfarm.app.services.qpcs import PROFILE_METRIC
 from qpcfarm.worker import claims
@@ -308,11 +309,14 @@ def run_compile(
             # The farm's report always carries perf metrics and warnings: they are outputs of
             # the compile, not choices that change the QPC (and not part of the cache key).
             model_dir = model_path.parent if model.kind == KIND_ARCHIVE else None
-            farm_options = resolve_model_files(options, model_dir).with_(
+            check_model_files(options, model_dir)
+            # Every file the compile reads must be inside the model's own folder.
+            folder = ModelFolder.at(model_dir) if model_dir else ModelFolder.bare()
+            farm_options = options.with_(
                 aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
             )
             farm_options = _profile_in(farm_options, work)
-            result = _compile(model_path, farm_options, progress, compiler)
+            result = _compile(model_path, farm_options, progress, compiler, folder)
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
@@ -359,13 +363,17 @@ def _profile_in(options: CompileOptions, work: Path) -> CompileOptions:
 
 
 def _compile(
-    model_path: Path, options: CompileOptions, progress: _Progress, compiler: Any
+    model_path: Path,
+    options: CompileOptions,
+    progress: _Progress,
+    compiler: Any,
+    folder: ModelFolder,
 ) -> Any:
     if compiler is not None:  # a process of its own (the embedded mode's worker threads)
-        return compiler.compile(model_path, options, progress)
+        return compiler.compile(model_path, options, progress, folder)
     from compiler_core.compile import compile_model  # heavy: loaded on the first compile
 
-    return compile_model(model_path, options, progress=progress)
+    return compile_model(model_path, options, progress=progress, model_folder=folder)
 
 
 def _requirements(qpc_path: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler_core import CompileError, CompileOptions
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def _child_main(conn: Connection) -> None:
         if request == _CANCEL:
             # a cancel that crossed the compile's last report: that compile is over already
             continue
-        model_path, options_json = request
+        model_path, options_json, folder = request
 
         def progress(stage: str, fraction: float) -> None:
             conn.send(("progress", stage, fraction))
@@ -65,7 +66,7 @@ def _child_main(conn: Connection) -> None:
 
         try:
             options = CompileOptions.from_json(options_json)
-            result = compile_model(model_path, options, progress=progress)
+            result = compile_model(model_path, options, progress=progress, model_folder=folder)
             conn.send(
                 (
                     "done",
@@ -110,6 +111,7 @@ class CompileProcess:
         model_path: Path,
         options: CompileOptions,
         progress: Callable[[str, float], None],
+        folder: ModelFolder = LOCAL,
     ) -> CompiledInChild:
         """Compile in the child; `progress` is called in this thread with each report and
         may raise to stop the compile (the exception is re-raised once the child stopped)."""
@@ -117,7 +119,7 @@ class CompileProcess:
             conn = self._ensure()
             # full=True: the options that leave the QPC's bytes alone count here too (the
             # output folder, -aic-perf-warnings: the farm's report always has the analysis).
-            conn.send((str(model_path), options.to_json(full=True)))
+            conn.send((str(model_path), options.to_json(full=True), folder))
             stop: BaseException | None = None
             while True:
                 try:

@@ -33,6 +33,7 @@ from qpcfarm.app.db.models import (
 )
 from qpcfarm.app.db.ops import insert_or_ignore, rowcount
 from qpcfarm.app.services.errors import ServiceError, not_found
+from qpcfarm.app.services.model_files import check_files_travel
 from qpcfarm.app.services.pages import Page, paginate
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ JobRow = Row[Any]
 
 _JOBS = cast(Table, CompileJob.__table__)
 _JOB_COLUMNS = tuple(_JOBS.c)
-_MODEL_OF = select(Model.team_id, Model.sha256).where(Model.id == bindparam("model_id"))
+_MODEL_OF = select(Model.team_id, Model.sha256, Model.kind).where(
+    Model.id == bindparam("model_id")
+)
 _ACTIVE_JOB = (
     select(*_JOB_COLUMNS)
     .where(
@@ -142,9 +145,10 @@ def submit(
         found = connection.execute(_MODEL_OF, {"model_id": model_id}).first()
         if found is None or found.team_id != team.id:
             raise not_found("model", model_id)
-        sha256 = found.sha256
+        sha256, kind = found.sha256, found.kind
     else:
-        sha256 = model.sha256
+        sha256, kind = model.sha256, model.kind
+    check_files_travel(options, kind)
     canonical = options.to_json()
     key = options_key(sha256, options, canonical)
     common: dict[str, Any] = {

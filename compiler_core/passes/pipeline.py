@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from typing import Protocol
 
 from compiler_core.custom_io import load_custom_io
+from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.node_precision import load_node_precision
 from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
@@ -69,14 +70,16 @@ PASS_NAMES = (
 """Every pass name the pipeline can contain (what may be disabled)."""
 
 
-def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
+def graph_pipeline(options: PipelineOptions, folder: ModelFolder = LOCAL) -> list[GraphPass]:
     """Fresh pass instances for one compile (passes hold per-run results such as warnings).
 
     Folding runs again after BatchNorm folding because folding creates new constants; epilogue
     fusion comes after every rewrite that expects plain ONNX; precision conversion last, so
     that it sees the final constants (folded weights are clipped once, after folding); the
     boundary precisions of `-custom-IO-list-file` after that, so they replace its boundary
-    Casts rather than add to them.
+    Casts rather than add to them. Files the options name are read through `folder`; a
+    profile this compile has just written (`-dump-profile`) is its own output and is read
+    where it was written.
     """
     passes: list[GraphPass] = [
         CanonicalizePass(),
@@ -92,15 +95,20 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         from compiler_core.quant.profile import read_profile
 
         load = getattr(options, "load_profile", None)
+        dumped = getattr(options, "dump_profile", None)
         flag = "-load-profile" if load else "-dump-profile"
-        path = load or getattr(options, "dump_profile", None)
+        path = load or dumped
         assert path is not None
-        passes.append(QuantizePass(read_profile(path, flag), QuantSettings.from_options(options)))
+        source = LOCAL if path == dumped else folder
+        profile = read_profile(path, flag, source)
+        passes.append(QuantizePass(profile, QuantSettings.from_options(options)))
     passes.append(FoldQDQPass(keep_float=keep))
     if _FUSE_EPILOGUES.get():
         passes.append(FuseEpiloguePass())
     precision = (
-        load_node_precision(options.node_precision_info) if options.node_precision_info else None
+        load_node_precision(options.node_precision_info, folder)
+        if options.node_precision_info
+        else None
     )
     if options.convert_to_fp16:
         passes.append(ConvertToFp16Pass(keep_fp32=precision.fp32 if precision else frozenset()))
@@ -110,6 +118,6 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     elif precision is not None and precision.fp16:
         passes.append(ConvertToFp16Pass(only=precision.fp16))
     if options.custom_io_list_file:
-        passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file)))
+        passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file, folder)))
     passes.append(EliminateDeadCodePass())
     return passes

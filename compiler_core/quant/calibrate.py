@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.options import QUANT_TUNING, CompileOptions
 from compiler_core.quant.accuracy import poor, report, split
 from compiler_core.quant.inputs import Feeds, InputSpec, load_inputs
@@ -38,15 +39,17 @@ def float_options(opts: CompileOptions) -> CompileOptions:
     return opts.with_(**dict.fromkeys(FLOAT_ONLY))
 
 
-def compile_float(source: Any, opts: CompileOptions, *, observable: bool) -> Any:
+def compile_float(
+    source: Any, opts: CompileOptions, folder: ModelFolder, *, observable: bool
+) -> Any:
     """The float model compiled with our kernels (`observable`: every node its own kernel)."""
     from compiler_core.compile import compile_model
     from compiler_core.passes.pipeline import without_epilogue_fusion
 
     if observable:
         with without_epilogue_fusion():
-            return compile_model(source, float_options(opts))
-    return compile_model(source, float_options(opts))
+            return compile_model(source, float_options(opts), model_folder=folder)
+    return compile_model(source, float_options(opts), model_folder=folder)
 
 
 def input_specs(program: Any) -> list[InputSpec]:
@@ -58,9 +61,11 @@ def input_specs(program: Any) -> list[InputSpec]:
     ]
 
 
-def calibration_samples(opts: CompileOptions, program: Any) -> list[Feeds]:
+def calibration_samples(
+    opts: CompileOptions, program: Any, folder: ModelFolder = LOCAL
+) -> list[Feeds]:
     assert opts.input_list_file is not None
-    return load_inputs(opts.input_list_file, input_specs(program))
+    return load_inputs(opts.input_list_file, input_specs(program), folder)
 
 
 @dataclass
@@ -72,13 +77,13 @@ class Reference:
     held_back: list[Feeds]
 
 
-def dump_profile(source: Any, opts: CompileOptions) -> Reference:
+def dump_profile(source: Any, opts: CompileOptions, folder: ModelFolder = LOCAL) -> Reference:
     """Profile the float model on the calibration part of `-input-list-file` (the last
     quarter is held back for the accuracy report) and write `-dump-profile`."""
     assert opts.dump_profile is not None
-    result = compile_float(source, opts, observable=True)
+    result = compile_float(source, opts, folder, observable=True)
     try:
-        samples = calibration_samples(opts, result.program)
+        samples = calibration_samples(opts, result.program, folder)
         calibration, held_back = split(samples)
         profile = collect(result.qpc_path, calibration, opts.num_histogram_bins)
         write_profile(profile, opts.dump_profile)
@@ -88,12 +93,18 @@ def dump_profile(source: Any, opts: CompileOptions) -> Reference:
     return Reference(result, calibration, held_back)
 
 
-def add_accuracy(source: Any, opts: CompileOptions, result: Any, ref: Reference | None) -> None:
+def add_accuracy(
+    source: Any,
+    opts: CompileOptions,
+    result: Any,
+    ref: Reference | None,
+    folder: ModelFolder = LOCAL,
+) -> None:
     """The accuracy report of a quantized compile (`result.accuracy`), and a warning when
     an output falls short, naming the nodes that lose most."""
     if ref is None:
-        floats = compile_float(source, opts, observable=False)
-        ref = Reference(floats, [], calibration_samples(opts, floats.program))
+        floats = compile_float(source, opts, folder, observable=False)
+        ref = Reference(floats, [], calibration_samples(opts, floats.program, folder))
     try:
         accuracy = report(
             ref.result.qpc_path,

@@ -3,7 +3,9 @@
 A list file has one inference per line; the entries of a line (separated by spaces or commas)
 are the inputs, in the model's input order, or `name:=path` in any order. Each file is a .npy
 array or raw bytes (`.raw`, `.bin`: the input's type and shape, little endian). Relative paths
-are relative to the list file. Blank lines and lines starting with `#` are skipped.
+are relative to the list file. Blank lines and lines starting with `#` are skipped. On the
+farm (a confined `ModelFolder`) the list file and every file it names must resolve inside the
+model's folder; messages name files as the list names them, never by their server path.
 
 An .npz holds one array per input name: either one sample (the input's shape) or several
 stacked on a new leading axis.
@@ -11,6 +13,7 @@ stacked on a new leading axis.
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler_core.errors import CompileError
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 FLAG = "-input-list-file"
 Feeds = dict[str, np.ndarray]
@@ -35,43 +39,48 @@ def _invalid(message: str) -> CompileError:
     return CompileError("invalid_option", f"{FLAG}: {message}", flag=FLAG)
 
 
-def load_inputs(path: str | Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+def load_inputs(
+    path: str | Path, specs: Sequence[InputSpec], folder: ModelFolder = LOCAL
+) -> list[Feeds]:
     """Every calibration sample as feeds by input name, checked against the model's inputs."""
-    path = Path(path)
-    if not path.is_file():
-        raise _invalid(f"{path} does not exist")
-    if zipfile.is_zipfile(path):
-        samples = _from_npz(path, specs)
+    name = str(path)
+    real = folder.resolve(path, FLAG)
+    if not real.is_file():
+        raise _invalid(f"{name} does not exist")
+    if zipfile.is_zipfile(real):
+        samples = _from_npz(real, name, specs)
     else:
-        samples = _from_list(path, specs)
+        samples = _from_list(real, name, specs, folder)
     if not samples:
-        raise _invalid(f"{path} holds no sample")
+        raise _invalid(f"{name} holds no sample")
     return samples
 
 
-def _from_npz(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+def _from_npz(real: Path, path: str, specs: Sequence[InputSpec]) -> list[Feeds]:
+    """The samples of an .npz; each input's array shape is checked from its header first, so
+    only arrays of the right shape are ever decompressed (and only the inputs' arrays)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: np.asarray(data[name]) for name in data.files}
+        shapes = _npz_shapes(real)
+        missing = [s.name for s in specs if s.name not in shapes]
+        if missing:
+            raise _invalid(
+                f"{path} has no array for input {', '.join(missing)} (it has "
+                f"{', '.join(sorted(shapes)) or 'none'})"
+            )
+        for spec in specs:
+            _check_npz_shape(shapes[spec.name], spec, path)
+        with np.load(real, allow_pickle=False) as data:
+            arrays = {spec.name: np.asarray(data[spec.name]) for spec in specs}
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise _invalid(f"{path} is not a readable .npz: {exc}") from None
-    missing = [s.name for s in specs if s.name not in arrays]
-    if missing:
-        raise _invalid(
-            f"{path} has no array for input {', '.join(missing)} (it has "
-            f"{', '.join(sorted(arrays)) or 'none'})"
-        )
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise _invalid(f"{path} is not a readable .npz: {reason}") from None
     counts = set()
     stacked: dict[str, np.ndarray] = {}
     for spec in specs:
         array = arrays[spec.name]
+        _check_npz_shape(array.shape, spec, path)
         if array.shape == spec.shape:
             array = array[None]
-        elif array.shape[1:] != spec.shape:
-            raise _invalid(
-                f"{path}: array {spec.name} has shape {list(array.shape)}; expected "
-                f"{list(spec.shape)} or [samples, {', '.join(map(str, spec.shape))}]"
-            )
         stacked[spec.name] = array
         counts.add(array.shape[0])
     if len(counts) != 1:
@@ -83,18 +92,47 @@ def _from_npz(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
     ]
 
 
-def _from_list(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
+def _npz_shapes(real: Path) -> dict[str, tuple[int, ...]]:
+    """Array name -> shape, from each member's .npy header (nothing is decompressed beyond
+    the header)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    with zipfile.ZipFile(real) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version == (1, 0):
+                    shape, _, _ = np.lib.format.read_array_header_1_0(member)
+                else:
+                    shape, _, _ = np.lib.format.read_array_header_2_0(member)
+            shapes[info.filename[: -len(".npy")]] = tuple(shape)
+    return shapes
+
+
+def _check_npz_shape(shape: tuple[int, ...], spec: InputSpec, path: str) -> None:
+    if shape != spec.shape and shape[1:] != spec.shape:
+        raise _invalid(
+            f"{path}: array {spec.name} has shape {list(shape)}; expected "
+            f"{list(spec.shape)} or [samples, {', '.join(map(str, spec.shape))}]"
+        )
+
+
+def _from_list(
+    real: Path, path: str, specs: Sequence[InputSpec], folder: ModelFolder
+) -> list[Feeds]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = real.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise _invalid(f"cannot read {path}: {exc}") from None
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise _invalid(f"cannot read {path}: {reason}") from None
     by_name = {s.name: s for s in specs}
     samples = []
     for number, line in enumerate(text.splitlines(), start=1):
         entries = line.replace(",", " ").split()
         if not entries or entries[0].startswith("#"):
             continue
-        where = f"{path.name} line {number}"
+        where = f"{Path(path).name} line {number}"
         feeds: Feeds = {}
         for position, entry in enumerate(entries):
             if ":=" in entry:
@@ -106,7 +144,9 @@ def _from_list(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
                 if position >= len(specs):
                     raise _invalid(f"{where}: {len(entries)} files for {len(specs)} inputs")
                 spec, file = specs[position], entry
-            feeds[spec.name] = _read_file(path.parent / file, spec, where)
+            # Relative to the list file; confined: inside the model's folder, else refused.
+            found = folder.resolve(file, FLAG, relative_to=real.parent)
+            feeds[spec.name] = _read_file(found, file, spec, where)
         missing = [s.name for s in specs if s.name not in feeds]
         if missing:
             raise _invalid(f"{where}: no file for input {', '.join(missing)}")
@@ -114,28 +154,32 @@ def _from_list(path: Path, specs: Sequence[InputSpec]) -> list[Feeds]:
     return samples
 
 
-def _read_file(file: Path, spec: InputSpec, where: str) -> np.ndarray:
+def _read_file(file: Path, name: str, spec: InputSpec, where: str) -> np.ndarray:
+    """One input's array from `file` (`name`: as the list names it, for messages)."""
     if not file.is_file():
-        raise _invalid(f"{where}: {file} does not exist")
+        raise _invalid(f"{where}: {name} does not exist")
+    dtype = np.dtype(spec.dtype).newbyteorder("<")
+    want = math.prod(spec.shape) * dtype.itemsize
     if file.suffix == ".npy":
         try:
-            array = np.load(file, allow_pickle=False)
+            # Mapped: the header's shape is checked before the data is read.
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as exc:
-            raise _invalid(f"{where}: {file} is not a readable .npy: {exc}") from None
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise _invalid(f"{where}: {name} is not a readable .npy: {reason}") from None
         if array.shape != spec.shape:
             raise _invalid(
-                f"{where}: {file.name} has shape {list(array.shape)}, input {spec.name} is "
-                f"{list(spec.shape)}"
+                f"{where}: {Path(name).name} has shape {list(array.shape)}, input {spec.name} "
+                f"is {list(spec.shape)}"
             )
-        return _typed(array, spec, f"{where}: {file.name}")
-    raw = file.read_bytes()
-    dtype = np.dtype(spec.dtype).newbyteorder("<")
-    want = int(np.prod(spec.shape, dtype=np.int64)) * dtype.itemsize
-    if len(raw) != want:
+        return _typed(np.array(array), spec, f"{where}: {Path(name).name}")
+    size = file.stat().st_size
+    if size != want:  # checked before reading: a wrong file is never read whole
         raise _invalid(
-            f"{where}: {file.name} has {len(raw)} bytes; input {spec.name} ({spec.dtype}"
+            f"{where}: {Path(name).name} has {size} bytes; input {spec.name} ({spec.dtype}"
             f"{list(spec.shape)}) takes {want}"
         )
+    raw = file.read_bytes()
     return np.frombuffer(raw, dtype=dtype).reshape(spec.shape).astype(spec.dtype)
 
 

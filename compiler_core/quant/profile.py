@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from compiler_core.errors import CompileError
+from compiler_core.model_folder import LOCAL, ModelFolder
 
 FORMAT = "qpcfarm-quantization-profile"
 VERSION = 1
@@ -86,17 +87,20 @@ def write_profile(profile: Profile, path: str | Path) -> None:
         ) from None
 
 
-def read_profile(path: str | Path, flag: str = "-load-profile") -> Profile:
-    """A profile file, checked: a clear `invalid_option` naming the flag otherwise."""
+def read_profile(
+    path: str | Path, flag: str = "-load-profile", folder: ModelFolder = LOCAL
+) -> Profile:
+    """A profile file, checked: a clear `invalid_option` naming the flag otherwise (and a
+    file outside a confined `folder` is `file_outside_model`)."""
 
     def bad(reason: str) -> CompileError:
         return CompileError("invalid_option", f"{flag}: {path}: {reason}", flag=flag)
 
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = json.loads(folder.resolve(path, flag).read_text(encoding="utf-8"))
     except OSError as exc:
         raise bad(f"cannot read it ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise bad(f"not a JSON profile ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise bad(f'not a quantization profile (no "format": "{FORMAT}")')
