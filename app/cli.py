@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 PROG = "qpcfarm"
 LOCAL_TEAM = "local"
 API_KEY_FILE = "api-key"
+"""`Settings.local_key_file`'s name, for callers that must not import the settings (pydantic)."""
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 SWITCH_INTERVAL_S = 0.001
@@ -150,7 +151,7 @@ def _announce_local_key(settings: Settings) -> None:
     the key on its own line and save it to `<data_dir>/api-key` (mode 0600) for local
     clients; on later starts say where the key is."""
     key = ensure_local_key(settings)
-    key_file = Path(settings.data_dir) / API_KEY_FILE
+    key_file = settings.local_key_file
     if key is not None:
         print(
             f"{PROG}: created team {LOCAL_TEAM!r}; its API key (saved to {key_file}):",
@@ -180,7 +181,7 @@ def ensure_local_key(settings: Settings) -> str | None:
                 session, team, name="created by qpcfarm serve", admin=True
             )
             # Written before the commit: if the key cannot be saved, no team is created.
-            write_secret(Path(settings.data_dir) / API_KEY_FILE, key + "\n")
+            write_secret(settings.local_key_file, key + "\n")
         return key
     finally:
         engine.dispose()
