@@ -73,6 +73,8 @@ def serve_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise CliError("--workers must be at least 1")
+    # Before anything is created (a farm, its key): a busy port would fail the start after.
+    check_port_free(args.host, args.port)
 
     import uvicorn
 
@@ -108,6 +110,35 @@ def serve_command(argv: list[str]) -> int:
         ssl_keyfile=args.ssl_keyfile,
     )
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, as uvicorn would bind it (SO_REUSEADDR, so
+    a port left in TIME_WAIT by a stopped server is free), with what to do instead."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CliError(
+                    f"port {port} on {host} is in use (another {PROG} serve, or another "
+                    "program): stop it, or choose a free port with --port N"
+                ) from None
+            if exc.errno == errno.EACCES:
+                raise CliError(
+                    f"port {port} on {host} needs privileges this user lacks: choose a port "
+                    "above 1023 with --port N"
+                ) from None
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 DEFAULT_SECRETS = frozenset({"qpcfarm", "postgres", "password", "secret", "changeme", "admin"})
