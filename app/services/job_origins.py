@@ -32,7 +32,7 @@ class JobList:
     counts: dict[Origin, int]
 
 
-def _made_by_sweeps(team: Team) -> Select[tuple[uuid.UUID, uuid.UUID]]:
+def _made_by_sweeps(team: Team) -> Select[uuid.UUID, uuid.UUID]:
     """(job id, sweep id) of every job a sweep of the team made."""
     return (
         select(SweepCompile.compile_job_id, SweepCompile.sweep_id)
