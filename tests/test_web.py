@@ -671,7 +671,8 @@ def test_a_sweep_page_follows_the_sweep_live_sorts_its_table_and_links_points_to
 
     bar = browser.execute_script(
         "const b = document.querySelector('#sweep-bar');"
-        "return [b.getBoundingClientRect().width, b.firstElementChild.getBoundingClientRect().width];"
+        "return [b.getBoundingClientRect().width,"
+        "        b.firstElementChild.getBoundingClientRect().width];"
     )
     assert bar[0] > 0 and bar[1] == pytest.approx(bar[0], abs=1)  # done: a full bar
     assert css(browser, "#sweep-base-flags").text == "-convert-to-fp16"

@@ -162,7 +162,7 @@ def sign_in(
 ) -> Response:
     target = auth.safe_next(next)
     if not auth.csrf_ok(request, csrf):
-        context = {"next": target, "error": csrf_refused()}
+        context = {"next": target, "error": csrf_refused(), "key_hint": views.key_hint(settings)}
         return render(request, "sign_in.html", context, 403)
     found = teams.key_for(session, api_key.strip())
     if found is None:
