@@ -700,7 +700,7 @@ def test_a_resnet_class_job_page_fits_the_page_with_its_node_lists_folded(
     onnx.save(models.resnet(spec), str(model_path))
     server.gate.open()
     sign_in(browser, server)
-    upload(browser, model_path, "-aic-num-cores=14 -convert-to-fp16 -aic-perf-warnings")
+    upload(browser, model_path, "-aic-num-cores=14 -convert-to-fp16 -stats-level=70")
     wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
     assert "already on its way" not in css(browser, "#notice").text
     css(browser, "#notice-job").click()
@@ -736,3 +736,15 @@ def test_a_resnet_class_job_page_fits_the_page_with_its_node_lists_folded(
     assert_fits(browser)
     assert broken_flags(browser) == []
     browser.save_screenshot(str(tmp_path / "jobs-list.png"))  # to look at, when it fails
+
+    browser.back()
+    css(browser, "#profile").click()  # the profile page of a real model fits too
+    wait_for(browser, lambda d: "/profiles/" in d.current_url, "the profile page did not open")
+    wait_for(
+        browser,
+        lambda d: css(d, "#profile-status").text in ("succeeded", "failed"),
+        "the profile never finished on the page",
+    )
+    assert css(browser, "#profile-status").text == "succeeded"
+    assert len(css_all(browser, "#op-chart tr.op-row")) > 20
+    assert_fits(browser)
