@@ -199,7 +199,7 @@ def dashboard(
     session: SessionDep,
     settings: SettingsDep,
     submitted: str | None = None,
-    attached: bool = False,
+    attached: str | None = None,
     show: str | None = None,
 ) -> Response:
     team = auth.web_team(request, session, settings)
@@ -207,7 +207,7 @@ def dashboard(
         return auth.sign_in_redirect(request)
     submitted_job = find_job(session, team, submitted) if submitted else None
     context = dashboard_context(
-        session, team, show, submitted_job=submitted_job, attached=attached
+        session, team, show, submitted_job=submitted_job, attached=bool(attached)
     )
     return render(request, "dashboard.html", context)
 
