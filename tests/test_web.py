@@ -688,7 +688,7 @@ def test_a_resnet_class_job_page_fits_the_page_with_its_node_lists_folded(
     server: Server, browser: Any, tmp_path: Path
 ) -> None:
     """A model of real size (a ResNet-50-shaped network, narrower and on a smaller image to
-    compile quickly: 53 convolutions, 177 nodes): its per-precision node lists are long, and
+    compile quickly: 53 convolutions, 175 nodes): its per-precision node lists are long, and
     every table of the job page still fits the page; the device is named with the estimates."""
     import onnx
 
