@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 PROG = "qpcfarm"
 LOCAL_TEAM = "local"
 API_KEY_FILE = "api-key"
+"""`Settings.local_key_file`'s name, for callers that must not import the settings (pydantic)."""
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 SWITCH_INTERVAL_S = 0.001
@@ -72,6 +73,8 @@ def serve_command(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         raise CliError("--workers must be at least 1")
+    # Before anything is created (a farm, its key): a busy port would fail the start after.
+    check_port_free(args.host, args.port)
 
     import uvicorn
 
@@ -107,6 +110,35 @@ def serve_command(argv: list[str]) -> int:
         ssl_keyfile=args.ssl_keyfile,
     )
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, as uvicorn would bind it (SO_REUSEADDR, so
+    a port left in TIME_WAIT by a stopped server is free), with what to do instead."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CliError(
+                    f"port {port} on {host} is in use (another {PROG} serve, or another "
+                    "program): stop it, or choose a free port with --port N"
+                ) from None
+            if exc.errno == errno.EACCES:
+                raise CliError(
+                    f"port {port} on {host} needs privileges this user lacks: choose a port "
+                    "above 1023 with --port N"
+                ) from None
+            raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
 DEFAULT_SECRETS = frozenset({"qpcfarm", "postgres", "password", "secret", "changeme", "admin"})
@@ -150,7 +182,7 @@ def _announce_local_key(settings: Settings) -> None:
     the key on its own line and save it to `<data_dir>/api-key` (mode 0600) for local
     clients; on later starts say where the key is."""
     key = ensure_local_key(settings)
-    key_file = Path(settings.data_dir) / API_KEY_FILE
+    key_file = settings.local_key_file
     if key is not None:
         print(
             f"{PROG}: created team {LOCAL_TEAM!r}; its API key (saved to {key_file}):",
@@ -180,7 +212,7 @@ def ensure_local_key(settings: Settings) -> str | None:
                 session, team, name="created by qpcfarm serve", admin=True
             )
             # Written before the commit: if the key cannot be saved, no team is created.
-            write_secret(Path(settings.data_dir) / API_KEY_FILE, key + "\n")
+            write_secret(settings.local_key_file, key + "\n")
         return key
     finally:
         engine.dispose()

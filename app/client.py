@@ -24,6 +24,7 @@ import httpx
 from compiler_core.errors import CompileError
 
 CHUNK = 1 << 20
+PROG = "qpcfarm"
 USER_AGENT = "qpcfarm-client"
 
 
@@ -55,7 +56,15 @@ def _connection_error(base_url: str, exc: httpx.HTTPError) -> FarmError:
     if isinstance(exc, httpx.TimeoutException):
         return FarmError("server_timeout", f"the server at {base_url} did not answer in time")
     detail = " ".join(str(exc).split()) or type(exc).__name__
-    return FarmError("server_unreachable", f"cannot reach the server at {base_url}: {detail}")
+    hint = ""
+    if isinstance(exc, httpx.ConnectError):
+        hint = (
+            f"; is a farm running there? Start one on this machine with `{PROG} serve`, or "
+            "name yours with --server URL (or QPCFARM_SERVER)"
+        )
+    return FarmError(
+        "server_unreachable", f"cannot reach the server at {base_url}: {detail}{hint}"
+    )
 
 
 def _file_chunks(path: Path) -> Iterator[bytes]:

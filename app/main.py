@@ -35,6 +35,7 @@ from qpcfarm.app.security_headers import SecurityHeaders
 from qpcfarm.app.settings import Settings, get_settings
 from qpcfarm.app.web import docs as web_docs
 from qpcfarm.app.web import router as web_router
+from qpcfarm.app.web.errors import install_page_errors
 
 if TYPE_CHECKING:
     from qpcfarm.app.queue import JobQueue
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         redoc_url=None,
     )
     install_error_handlers(app)
+    install_page_errors(app)  # a browser's 404 is a page; the API's stay JSON
     app.add_middleware(SecurityHeaders)
     for router in (
         models.router,

@@ -15,6 +15,8 @@ from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GiB = 1 << 30
+LOCAL_KEY_FILE = "api-key"
+"""Where in `data_dir` the embedded mode's first start saves team `local`'s key."""
 
 
 class Settings(BaseSettings):
@@ -60,6 +62,11 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")
+
+    @property
+    def local_key_file(self) -> Path:
+        """The embedded mode's saved key (`qpcfarm serve` writes it on its first start)."""
+        return self.data_dir / LOCAL_KEY_FILE
 
     @property
     def embedded_worker(self) -> bool:

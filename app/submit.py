@@ -362,6 +362,15 @@ def wait_for_job(
     return job
 
 
+def cache_hit_line(job: dict[str, Any]) -> str:
+    """Said when the farm compiled nothing: the QPC is an earlier identical compile's."""
+    return (
+        f"{PROG}: job {str(job.get('id'))[:8]}: cache hit: the farm had compiled this model "
+        "with these flags and this compiler version before; that QPC is reused (nothing was "
+        "compiled)"
+    )
+
+
 def job_failure(job: dict[str, Any]) -> str:
     """One line saying why a job did not succeed."""
     error = job.get("error")
@@ -425,6 +434,8 @@ def _submit(args: SubmitArgs) -> int:
         uploaded = client.upload_model(path, name)
         job = client.submit_job(str(uploaded["id"]), flags)
         job = wait_for_job(client, job, args.timeout, ProgressDisplay(sys.stderr, str(job["id"])))
+        if job.get("cache_hit"):
+            print(cache_hit_line(job), file=sys.stderr)
         if job.get("status") != "succeeded":
             raise SubmitError(job_failure(job))
         if not job.get("qpc_id"):

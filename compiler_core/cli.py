@@ -103,6 +103,11 @@ def model_path(options: CompileOptions) -> Path:
         raise CompileError(
             "model_not_found", f"model path is not a file: {options.model} (-m)", flag="-m"
         )
+    from compiler_core.file_kinds import model_problem, sniff_file
+
+    problem = model_problem(sniff_file(path), options.model)
+    if problem is not None:
+        raise CompileError("invalid_model", problem, flag="-m")
     return path
 
 
@@ -222,6 +227,8 @@ def run_command(args: argparse.Namespace) -> int:
     path = qpc_path(args.qpc)
     inputs = load_inputs(args.inputs) if args.inputs is not None else {}
     with QpcSession(str(path)) as session, warnings.catch_warnings():
+        for message in narrowed_inputs(session, inputs):
+            print(f"warning: {message}", file=sys.stderr)
         warnings.simplefilter("ignore", NonFiniteWarning)  # printed below, as a warning line
         outputs = session.run(
             inputs, profiling_out_dir=args.profiling_out_dir, iterations=args.iterations
@@ -237,6 +244,31 @@ def run_command(args: argparse.Namespace) -> int:
         array = np.asarray(value)
         print(f"{name:<{width}}  {'x'.join(map(str, array.shape)) or 'scalar'}  {array.dtype}")
     return 0
+
+
+def narrowed_inputs(session: Any, inputs: dict[str, Any]) -> list[str]:
+    """One line per input the QPC takes in a narrower dtype than given (float64 for a
+    float32 input, int64 for int32): `run` casts it, as numpy does (`same_kind`), and says
+    so, since values may round or overflow; a cast across kinds is refused by the runtime."""
+    import numpy as np
+
+    if not inputs:
+        return []
+    spec = session.select(inputs)
+    wanted = {io.name: np.dtype(io.dtype) for io in spec.inputs}
+    lines = []
+    for name, value in inputs.items():
+        given, expected = np.asarray(value).dtype, wanted.get(name)
+        if expected is None or given == expected:
+            continue
+        if not np.can_cast(given, expected, casting="safe") and np.can_cast(
+            given, expected, casting="same_kind"
+        ):
+            lines.append(
+                f"input '{name}' is {given}, the QPC takes {expected}: cast to {expected} "
+                f"(values may round or overflow; save the .npz as {expected} to silence this)"
+            )
+    return lines
 
 
 def _configure_qpc(parser: argparse.ArgumentParser) -> None:

@@ -53,3 +53,17 @@ def inputs_problem(kind: str | None) -> str | None:
     what = f"is {kind}" if kind else "is not a numpy .npz archive"
     where = " (`qpcfarm qpc inspect QPC` lists the names and shapes)" if kind in (ONNX, QPC) else ""
     return f"{what}: inputs are an .npz archive of arrays by input name{where}: {NPZ_HOWTO}"
+
+
+def model_problem(kind: str | None, path: str) -> str | None:
+    """Why a file of `kind` cannot be a model to compile (None: it may be): a QPC is already
+    compiled, and is run or inspected instead."""
+    if kind == QPC:
+        return (
+            f"{path} is a QPC (a compiled program, magic 0x00A1CD7C), not an ONNX model: "
+            f"run it with `qpcfarm run {path}` or summarise it with `qpcfarm qpc inspect {path}`; "
+            "compile the .onnx it came from"
+        )
+    if kind in (NPZ, NPY, STATS):
+        return f"{path} is {kind}, not an ONNX model"
+    return None

@@ -37,6 +37,7 @@ import onnx_ir as ir
 from google.protobuf.message import DecodeError
 
 from compiler_core.errors import CompileError
+from compiler_core.file_kinds import HEAD_BYTES, model_problem, sniff
 from compiler_core.model_bounds import (
     MAX_DIMENSION,
     MAX_TENSOR_BYTES,
@@ -293,6 +294,9 @@ def _read_model(
 
 def _parse(data: bytes | bytearray | memoryview, what: str) -> onnx.ModelProto:
     proto = onnx.ModelProto()
+    problem = model_problem(sniff(bytes(data[:HEAD_BYTES])), what.strip("'"))
+    if problem is not None:  # a QPC, an .npz...: say what it is
+        raise CompileError("invalid_model", problem)
     try:
         proto.ParseFromString(data)
     except DecodeError as exc:

@@ -169,8 +169,10 @@ def test_a_second_identical_submit_is_a_cache_hit_with_the_same_bytes(
 ) -> None:
     model = _save(tiny_model(scale=0.5), tmp_path / "m.onnx")
     assert _submit(server, f"-m={model}", f"-aic-binary-dir={tmp_path / 'a'}") == 0
+    assert "cache hit" not in capsys.readouterr().err  # the first one compiled
     assert _submit(server, f"-model={model}", f"-aic-binary-dir={tmp_path / 'b'}") == 0
-    capsys.readouterr()
+    said = [line for line in capsys.readouterr().err.splitlines() if "cache hit" in line]
+    assert len(said) == 1 and "reused" in said[0] and "nothing was compiled" in said[0]
     first = (tmp_path / "a" / "programqpc.bin").read_bytes()
     assert (tmp_path / "b" / "programqpc.bin").read_bytes() == first
 
@@ -306,7 +308,9 @@ def test_an_unreachable_server_is_one_line(
     url = f"http://127.0.0.1:{_free_port()}"
     code = main(["submit", f"-m={model}", f"-aic-binary-dir={tmp_path / 'o'}", "--server", url])
     assert code == 1
-    assert f"cannot reach the server at {url}" in _one_error_line(capsys.readouterr().err)
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"cannot reach the server at {url}" in line
+    assert "`qpcfarm serve`" in line and "--server" in line  # what to do about it
 
 
 def test_an_option_naming_a_missing_local_file_is_refused_before_upload(

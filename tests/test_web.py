@@ -280,6 +280,39 @@ def y_of(driver: Any, selector: str) -> float:
     ))
 
 
+WIDE_TABLES_JS = """
+const page = window.innerWidth;
+const wide = [];
+for (const table of document.querySelectorAll("table")) {
+    const box = table.getBoundingClientRect();
+    const holder = table.parentElement;
+    if (box.right > page + 0.5 || table.scrollWidth > holder.clientWidth + 0.5) {
+        wide.push((table.id || table.className) + ": " + Math.round(box.width) + " px in "
+                  + holder.clientWidth + " px");
+    }
+}
+if (document.documentElement.scrollWidth > page) {
+    wide.push("the page: " + document.documentElement.scrollWidth + " px in " + page + " px");
+}
+return wide;
+"""
+"""Every table that is wider than the page or than the box it sits in (and so scrolls)."""
+
+
+def assert_fits(driver: Any) -> None:
+    """No table is wider than the page, or than its card: nothing scrolls sideways."""
+    wide = driver.execute_script(WIDE_TABLES_JS)
+    assert wide == [], wide
+
+
+def broken_flags(driver: Any) -> list[str]:
+    """The flags drawn over more than one line (a line may break between flags only)."""
+    return list(driver.execute_script(
+        "return [...document.querySelectorAll('code.flag')]"
+        ".filter(e => e.getClientRects().length > 1).map(e => e.textContent);"
+    ))
+
+
 # -------------------------------------------------------------------------------- tests
 
 
@@ -407,7 +440,7 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
 
     browser.get(f"{server.url}/jobs/{job_id}")  # the page as a visitor first sees it
     css(browser, "#metrics")
-    screenshot(browser, tmp_path, "job-page.png")
+    assert_fits(browser)
 
 
 def test_a_bad_upload_shows_its_error_on_the_page(
@@ -636,7 +669,82 @@ def test_a_sweep_page_follows_the_sweep_live_sorts_its_table_and_links_points_to
     wait_for(browser, lambda d: "desc=1" in d.current_url, "no descending sort")
     assert latencies() == sorted((r["latency_us"] for r in scored), reverse=True)
 
+    bar = browser.execute_script(
+        "const b = document.querySelector('#sweep-bar');"
+        "return [b.getBoundingClientRect().width,"
+        "        b.firstElementChild.getBoundingClientRect().width];"
+    )
+    assert bar[0] > 0 and bar[1] == pytest.approx(bar[0], abs=1)  # done: a full bar
+    assert css(browser, "#sweep-base-flags").text == "-convert-to-fp16"
+    assert_fits(browser)
+
     css(browser, "#sweep-chart a.point.best circle").click()
     wait_for(browser, lambda d: "/jobs/" in d.current_url, "the best point did not open its job")
     assert sweep["best"]["job_id"] in browser.current_url
     assert css(browser, "#job-status").text == "succeeded"
+
+
+def test_a_resnet_class_job_page_fits_the_page_with_its_node_lists_folded(
+    server: Server, browser: Any, tmp_path: Path
+) -> None:
+    """A model of real size (a ResNet-50-shaped network, narrower and on a smaller image to
+    compile quickly: 53 convolutions, 175 nodes): its per-precision node lists are long, and
+    every table of the job page still fits the page; the device is named with the estimates."""
+    import onnx
+
+    from tests.codegen_models import bench_models
+
+    models, _ = bench_models()
+    spec = models.ResNetSpec(blocks=(3, 4, 6, 3), width=16, image=64)
+    model_path = tmp_path / "resnet50-shaped.onnx"
+    onnx.save(models.resnet(spec), str(model_path))
+    server.gate.open()
+    sign_in(browser, server)
+    upload(browser, model_path, "-aic-num-cores=14 -convert-to-fp16 -stats-level=70")
+    wait_for(browser, lambda d: "submitted=" in d.current_url, "the upload was not accepted")
+    assert "already on its way" not in css(browser, "#notice").text
+    css(browser, "#notice-job").click()
+    wait_for(browser, lambda d: css(d, "#job-status").text == "succeeded", "the compile")
+    browser.get(browser.current_url)  # the page as a visitor first sees it
+
+    assert_fits(browser)
+    assert broken_flags(browser) == []
+    assert css(browser, "#job-device").text.startswith("AIC100 Pro (aic100-pro)")
+    assert "AIC100 Pro (aic100-pro)" in css(browser, "#metrics-device").text
+    nodes = css(browser, "tr[data-metric='precision.fp16.nodes']")
+    assert css(browser, "tr[data-metric='precision.fp16.nodes'] th").text == "fp16 nodes"
+    summary = nodes.find_element("css selector", "summary")
+    count = int(summary.text.split()[0])
+    assert count > 150 and summary.text.endswith(" nodes")
+    details = nodes.find_element("css selector", "details")
+    assert details.get_attribute("open") is None  # folded: the table stays short
+    # No label is squeezed into a column of a few characters.
+    narrowest = browser.execute_script(
+        "return Math.min(...[...document.querySelectorAll('#metrics tr.metric th')]"
+        ".map(e => e.getBoundingClientRect().width));"
+    )
+    assert narrowest >= 100, narrowest
+
+    summary.click()
+    items = css_all(browser, "tr[data-metric='precision.fp16.nodes'] ul.items li")
+    assert len(items) == count and items[0].is_displayed()
+    assert_fits(browser)  # opened, the list wraps inside its cell
+    screenshot(browser, tmp_path, "job-page.png")
+
+    browser.get(server.url + "/?show=all")
+    css(browser, "#job-rows")
+    assert_fits(browser)
+    assert broken_flags(browser) == []
+    browser.save_screenshot(str(tmp_path / "jobs-list.png"))  # to look at, when it fails
+
+    browser.back()
+    css(browser, "#profile").click()  # the profile page of a real model fits too
+    wait_for(browser, lambda d: "/profiles/" in d.current_url, "the profile page did not open")
+    wait_for(
+        browser,
+        lambda d: css(d, "#profile-status").text in ("succeeded", "failed"),
+        "the profile never finished on the page",
+    )
+    assert css(browser, "#profile-status").text == "succeeded"
+    assert len(css_all(browser, "#op-chart tr.op-row")) > 20
+    assert_fits(browser)

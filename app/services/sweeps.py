@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from compiler_core.configurator.scoring import meets, pareto_front
 from compiler_core.configurator.search import Result, best, next_groups, ranked, results
 from compiler_core.configurator.space import SearchSpace
+from compiler_core.options import CompileOptions
 from qpcfarm.app.db.base import utcnow
 from qpcfarm.app.db.models import (
     CompileJob,
@@ -374,7 +375,7 @@ def view(session: Session, sweep: Sweep) -> dict[str, Any]:
         "latency_bound_us": sweep.latency_bound_us,
         "status": sweep.status.value,
         "error": sweep.error_message,
-        "base_flags": state.space.groups[0].options.to_flags() if state.space.groups else [],
+        "base_flags": CompileOptions.from_json(state.space.base).to_flags(),
         "created_at": sweep.created_at.isoformat(),
         "finished_at": sweep.finished_at.isoformat() if sweep.finished_at else None,
         "estimated": True,

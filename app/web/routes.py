@@ -27,7 +27,16 @@ from compiler_core.profiling.opstats import OPSTATS_LEVEL
 from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
 from qpcfarm.app.blobs import BlobStore
 from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
-from qpcfarm.app.services import jobs, models, profiles, qpcs, teams, validations, web_sessions
+from qpcfarm.app.services import (
+    job_origins,
+    jobs,
+    models,
+    profiles,
+    qpcs,
+    teams,
+    validations,
+    web_sessions,
+)
 from qpcfarm.app.services.errors import ServiceError
 from qpcfarm.app.services.farm_options import farm_options
 from qpcfarm.app.web import auth, profile_views, views
@@ -40,6 +49,7 @@ STATS_LEVEL_DEFAULT = CompileOptions().stats_level
 
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 templates.env.filters.update(views.FILTERS)
+templates.env.globals.update(views.GLOBALS)
 
 router = APIRouter(include_in_schema=False)
 
@@ -91,8 +101,18 @@ def not_found_page(request: Request, team: Team, what: str, ident: str) -> HTMLR
     return render(request, "error.html", {"team": team, "error": error}, 404)
 
 
-def team_jobs(session: Session, team: Team) -> list[CompileJob]:
-    return jobs.list_jobs(session, team, limit=JOB_LIST_LIMIT).items
+def team_jobs(session: Session, team: Team, show: str | None = None) -> dict[str, Any]:
+    """The job list's context: the jobs of the origin `show` asks for (own by default),
+    the sweep that made each sweep job, and the count of each origin."""
+    listed = job_origins.list_jobs(
+        session, team, job_origins.origin_of(show), limit=JOB_LIST_LIMIT
+    )
+    return {
+        "jobs": listed.jobs,
+        "sweep_of": listed.sweep_of,
+        "origin": listed.origin,
+        "counts": listed.counts,
+    }
 
 
 def compile_flags(flags: str, cores: str, fp16: bool, device: str) -> list[str]:
@@ -110,10 +130,12 @@ def compile_flags(flags: str, cores: str, fp16: bool, device: str) -> list[str]:
     return argv
 
 
-def dashboard_context(session: Session, team: Team, **extra: Any) -> dict[str, Any]:
+def dashboard_context(
+    session: Session, team: Team, show: str | None = None, **extra: Any
+) -> dict[str, Any]:
     return {
         "team": team,
-        "jobs": team_jobs(session, team),
+        **team_jobs(session, team, show),
         "devices": list_devices(),
         "form": {"flags": "", "cores": "", "fp16": False, "device": ""},
         **extra,
@@ -124,8 +146,9 @@ def dashboard_context(session: Session, team: Team, **extra: Any) -> dict[str, A
 
 
 @router.get("/sign-in", response_class=HTMLResponse)
-def sign_in_page(request: Request, next: str = "/") -> HTMLResponse:
-    return render(request, "sign_in.html", {"next": auth.safe_next(next)})
+def sign_in_page(request: Request, settings: SettingsDep, next: str = "/") -> HTMLResponse:
+    context = {"next": auth.safe_next(next), "key_hint": views.key_hint(settings)}
+    return render(request, "sign_in.html", context)
 
 
 @router.post("/sign-in", response_model=None)
@@ -139,13 +162,14 @@ def sign_in(
 ) -> Response:
     target = auth.safe_next(next)
     if not auth.csrf_ok(request, csrf):
-        context = {"next": target, "error": csrf_refused()}
+        context = {"next": target, "error": csrf_refused(), "key_hint": views.key_hint(settings)}
         return render(request, "sign_in.html", context, 403)
     found = teams.key_for(session, api_key.strip())
     if found is None:
         session.commit()
         error = problem("unauthorized", "the API key is unknown or revoked")
-        return render(request, "sign_in.html", {"next": target, "error": error}, 401)
+        context = {"next": target, "error": error, "key_hint": views.key_hint(settings)}
+        return render(request, "sign_in.html", context, 401)
     token = web_sessions.open_session(session, *found)
     session.commit()
     response = RedirectResponse(target, status_code=303)
@@ -171,23 +195,32 @@ def sign_out(request: Request, session: SessionDep, csrf: FormStr = "") -> Respo
 
 @router.get("/", response_model=None)
 def dashboard(
-    request: Request, session: SessionDep, settings: SettingsDep, submitted: str | None = None
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    submitted: str | None = None,
+    attached: str | None = None,
+    show: str | None = None,
 ) -> Response:
     team = auth.web_team(request, session, settings)
     if team is None:
         return auth.sign_in_redirect(request)
     submitted_job = find_job(session, team, submitted) if submitted else None
-    context = dashboard_context(session, team, submitted_job=submitted_job)
+    context = dashboard_context(
+        session, team, show, submitted_job=submitted_job, attached=bool(attached)
+    )
     return render(request, "dashboard.html", context)
 
 
 @router.get("/jobs/rows", response_model=None)
-def job_rows(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+def job_rows(
+    request: Request, session: SessionDep, settings: SettingsDep, show: str | None = None
+) -> Response:
     """The job list's rows alone, polled by the dashboard for live status."""
     team = auth.web_team(request, session, settings)
     if team is None:
         return Response(status_code=401)
-    context = {"team": team, "jobs": team_jobs(session, team)}
+    context = {"team": team, **team_jobs(session, team, show)}
     return render(request, "_job_rows.html", context)
 
 
@@ -236,7 +269,8 @@ def submit(
         return render(request, "dashboard.html", context, status)
     if created and job.status == JobStatus.queued:
         queue.enqueue(job.id)
-    return RedirectResponse(f"/?submitted={job.id}", status_code=303)
+    attached = "" if created else "&attached=1"  # joined an identical job in flight
+    return RedirectResponse(f"/?submitted={job.id}{attached}", status_code=303)
 
 
 # ------------------------------------------------------------------------------ a job

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compiler_core import CompileError, CompileOptions
+from compiler_core.devices import get_device
 from compiler_core.report import (
     KIND_IMPORT,
     KIND_OPTION,
@@ -24,6 +25,7 @@ from compiler_core.report import (
     warning_kind,
 )
 from qpcfarm.app.db.models import CompileJob
+from qpcfarm.app.settings import Settings
 from qpcfarm.app.stages import describe_stage
 
 
@@ -35,6 +37,9 @@ class MetricRow:
     label: str = ""
     exact: str = ""
     """The unrounded value (a tooltip), when `value` is rounded into a unit."""
+    items: tuple[str, ...] = ()
+    """A list's entries (node names...), shown as a wrapped list under `value` (their
+    count): one JSON string of them would be one unbreakable line as wide as all of them."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,14 @@ LABELS = {
 
 
 def label_of(name: str) -> str:
-    """`memory_traffic.total.ddr_read_bytes` -> `DDR read`; the group says the rest."""
+    """`memory_traffic.total.ddr_read_bytes` -> `DDR read`; the group says the rest
+    (`precision.fp16.nodes` -> `fp16 nodes`: the precision is not the group)."""
     if name in LABELS:
         return LABELS[name]
-    last = name.split(".")[-1]
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "precision":
+        return f"{parts[1]} {label_of(parts[2]).lower()}"
+    last = parts[-1]
     if name.startswith("unit_busy_percent."):
         return f"{WORDS.get(last, last)} busy"
     for suffix in UNIT_SUFFIXES:
@@ -216,6 +225,11 @@ def split_metrics(metrics: dict[str, Any]) -> Metrics:
         if isinstance(value, dict) and value:
             for key, inner in value.items():
                 walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif _is_scalars(value):
+            items = tuple(format_value(v) for v in value)
+            noun = "nodes" if prefix.endswith("nodes") else "items"
+            shown = f"{len(items):,} {noun}" if items else "none"
+            out.rows.append(MetricRow(prefix, shown, label_of(prefix), "", items))
         elif _is_records(value):
             columns = list(dict.fromkeys(k for record in value for k in record))
             rows = [[_cell(c, r.get(c, "")) for c in columns] for r in value]
@@ -244,6 +258,10 @@ def _cell(name: str, value: Any) -> str:
     if isinstance(value, float) and unit_of(name) in ("%", "us"):
         return f"{value:,.1f}" if unit_of(name) == "%" else format_us(value)
     return format_value(value)
+
+
+def _is_scalars(value: Any) -> bool:
+    return isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value)
 
 
 def _is_records(value: Any) -> bool:
@@ -342,6 +360,36 @@ def job_stage(job: CompileJob) -> str:
     return describe_stage(job.status.value, job.stage, cache_hit=job.cache_hit)
 
 
+def device_label(name: str | None) -> str:
+    """`aic100-pro` -> `AIC100 Pro (aic100-pro)`; an unknown name as it is."""
+    if not name:
+        return ""
+    try:
+        return f"{get_device(name).display_name} ({name})"
+    except CompileError:
+        return name
+
+
+def default_device() -> str:
+    """The device a compile targets when no -aic-device is given (the hardware version's
+    full SoC): the device its estimates are for."""
+    return CompileOptions().device.name
+
+
+def device_is_default(job: CompileJob) -> bool:
+    """Whether the job's device came from no -aic-device (the hardware version's default)."""
+    return not (job.options or {}).get("aic-device")
+
+
+def key_hint(settings: Settings) -> str:
+    """Where the sign-in page tells a person to find a key: in the embedded mode the key
+    `qpcfarm serve` saved on its first start; on a farm, the admin's command."""
+    if not (settings.is_sqlite and settings.embedded_worker):
+        return ""
+    path = settings.local_key_file
+    return str(path) if path.is_absolute() else f"./{path}"
+
+
 FILTERS = {
     "when": format_time,
     "ms": format_ms,
@@ -349,4 +397,7 @@ FILTERS = {
     "bytes": format_bytes,
     "stage": job_stage,
     "flags": flags_of,
+    "device": device_label,
 }
+GLOBALS = {"default_device": default_device, "device_is_default": device_is_default}
+"""Functions the templates call (`templates.env.globals`)."""

@@ -104,8 +104,8 @@ class ConvertToFp16Pass(GraphPass):
         inner, outer = (FLOAT16, FLOAT) if self.only is not None else (FLOAT, FLOAT16)
         converted += _isolate(graph, odd, inner, outer, names)
         self.warnings = risks.warnings()
-        for warning in self.warnings:
-            log.warning("%s (nodes: %s)", warning["message"], ", ".join(warning["nodes"]))
+        for warning in self.warnings:  # reported once, by the compile's warnings
+            log.info("%s (nodes: %s)", warning["message"], ", ".join(warning["nodes"]))
         log.info("convert-to-fp16: converted %d values and attributes", converted)
         return ir.passes.PassResult(model, modified=converted > 0)
 

@@ -209,10 +209,11 @@ class QuantizePass(GraphPass):
 
     def _loss_warning(self) -> list[dict[str, Any]]:
         """One warning naming the quantized nodes whose outputs lose most (lowest SQNR)."""
-        worst = [item for item in self.losses if item[0] != "(input)"][:WORST]
+        lossy = [i for i in self.losses if i[0] != "(input)" and math.isfinite(i[2])]
+        worst = lossy[:WORST]  # an exact output (SQNR inf) loses nothing: never named
         if not worst:
             return []
-        listed = ", ".join(f"{node} ({sqnr:g} dB)" for node, _, sqnr in worst)
+        listed = ", ".join(f"{node} ({format_sqnr(sqnr)})" for node, _, sqnr in worst)
         return [
             {
                 "code": "quantization_loss",
@@ -238,10 +239,11 @@ class QuantizePass(GraphPass):
         scale, zero = float(p.scale), int(p.zero)
         lo, hi = (int(info.min) - zero) * scale, (int(info.max) - zero) * scale
         clipped = np.clip(centres, lo, hi)
-        error = np.where(centres == clipped, scale**2 / 12.0, (centres - clipped) ** 2)
+        rounding = np.where(centres == 0.0, 0.0, scale**2 / 12.0)  # zero is the zero point
+        error = np.where(centres == clipped, rounding, (centres - clipped) ** 2)
         noise = float(np.sum(stats.counts * error))
         signal = float(np.sum(stats.counts * centres**2))
-        sqnr = 10.0 * math.log10(max(signal, 1e-30) / max(noise, 1e-30))
+        sqnr = sqnr_db(signal, noise)
         producer = value.producer()
         node = (producer.name or producer.op_type) if producer is not None else "(input)"
         return node, value.name or "", round(sqnr, 2)
@@ -490,3 +492,22 @@ def _quantize(x: np.ndarray, scale: np.ndarray, zero: np.ndarray, dtype: str) ->
     info = np.iinfo(np.dtype(dtype))
     y = np.rint(x.astype(np.float32) / scale.astype(np.float32)).astype(np.float64) + zero
     return np.clip(y, info.min, info.max).astype(dtype)
+
+
+def sqnr_db(signal: float, noise: float) -> float:
+    """Signal-to-quantization-noise ratio in dB: inf when the integer form is exact (no
+    noise, an all-zero tensor among them), -inf when there is noise but no signal."""
+    if noise <= 0.0:
+        return math.inf
+    if signal <= 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def format_sqnr(sqnr: float) -> str:
+    """`31.2 dB`; `exact` for no noise; `no signal` for noise on an all-zero tensor."""
+    if sqnr == math.inf:
+        return "exact"
+    if sqnr == -math.inf:
+        return "no signal (all zero), only noise"
+    return f"{sqnr:g} dB"
