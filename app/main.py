@@ -30,6 +30,7 @@ from qpcfarm.app.api import (
 )
 from qpcfarm.app.api.errors import install_error_handlers
 from qpcfarm.app.api.openapi import complete
+from qpcfarm.app.api.request_guard import RequestGuard
 from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
 from qpcfarm.app.security_headers import SecurityHeaders
 from qpcfarm.app.settings import Settings, get_settings
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
         redoc_url=None,
     )
     install_error_handlers(app)
+    app.add_middleware(RequestGuard)  # inside SecurityHeaders: its answers get them too
     app.add_middleware(SecurityHeaders)
     for router in (
         models.router,
