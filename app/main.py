@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -100,10 +101,13 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     from qpcfarm.app.db.session import (
         make_engine,
         make_session_factory,
+        private_folder,
         upgrade_database,
         wait_for_database,
     )
 
+    if settings.blob_store == "filesystem" or settings.is_sqlite:
+        private_folder(Path(settings.data_dir))  # the embedded mode's home: 0700 when made
     wait_for_database(settings.database_url)
     engine = make_engine(settings.database_url)
     upgrade_database(engine)

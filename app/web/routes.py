@@ -152,6 +152,7 @@ def sign_in(
     session.commit()
     response = RedirectResponse(target, status_code=303)
     auth.set_session_cookie(request, response, token, settings)
+    auth.rotate_csrf(response)
     return response
 
 
@@ -165,6 +166,7 @@ def sign_out(request: Request, session: SessionDep, csrf: FormStr = "") -> Respo
         session.commit()
     response = RedirectResponse("/sign-in", status_code=303)
     response.delete_cookie(auth.SESSION_COOKIE, path="/")
+    auth.rotate_csrf(response)
     return response
 
 
