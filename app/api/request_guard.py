@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -115,11 +116,22 @@ def upload_patterns(app: Any) -> list[tuple[frozenset[str], re.Pattern[str]]]:
     if found is None:
         found = [
             (frozenset(route.methods or ()), route.path_regex)
-            for route in app.routes
+            for route in _all_routes(app.routes)
             if is_upload_route(route) and hasattr(route, "path_regex")
         ]
         app.state.upload_patterns = found
     return found
+
+
+def _all_routes(routes: Any) -> Iterator[Any]:
+    """Every endpoint route, inside included routers too (FastAPI keeps an included router
+    as one entry whose `original_router` holds its routes, their paths already prefixed)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _all_routes(inner.routes)
+        else:
+            yield route
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -142,10 +142,10 @@ class _Budget:
         self.check(self.used + n)
 
     def check(self, total: int) -> None:
+        if total > self.ratio_bytes:  # first: a bomb is named as one, whatever its total
+            raise archive_ratio(self.max_ratio)
         if total > self.max_bytes:
             raise archive_too_large(self.max_bytes)
-        if total > self.ratio_bytes:
-            raise archive_ratio(self.max_ratio)
 
     def spend(self, n: int) -> None:
         """Count `n` bytes about to be written; refuse before they are."""
