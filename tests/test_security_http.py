@@ -227,6 +227,41 @@ def test_an_unauthenticated_stream_costs_the_api_no_more_than_a_few_kb(
     assert list(private_tmp.iterdir()) == []
 
 
+def test_the_guard_knows_every_route_whose_body_is_a_file(local: LiveServer) -> None:
+    from qpcfarm.app.api.request_guard import upload_patterns
+
+    found = {
+        (method, path)
+        for methods, pattern in upload_patterns(local.app)
+        for method in methods
+        for path in ("/v1/models", "/v1/validations", f"/v1/qpcs/{uuid.uuid4()}/profile", "/")
+        if pattern.match(path)
+    }
+    assert {m for m, _ in found} == {"POST"}
+    assert len(found) == 4
+
+
+def test_web_forms_are_bounded_before_they_are_read(local: LiveServer, private_tmp: Path) -> None:
+    """Signing in needs no session, so its form has the small form bound; a signed-in
+    upload form has the upload bound (a larger one is refused from its headers)."""
+    form = {"Content-Type": "application/x-www-form-urlencoded", "Content-Length": str(HUGE)}
+    refused(partial_request(local, "POST", "/sign-in", form, b"api_key="), 413, "body_too_large")
+    with httpx.Client(base_url=local.url) as browser:
+        page = browser.get("/sign-in").text
+        token = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert token is not None
+        data = {"api_key": local.new_key(), "csrf": token.group(1)}
+        assert browser.post("/sign-in", data=data).status_code == 303
+        session = browser.cookies["qpcfarm_session"]
+    upload = {
+        "Content-Type": "multipart/form-data; boundary=b",
+        "Content-Length": str(UPLOAD_LIMIT + (1 << 20)),
+        "Cookie": f"qpcfarm_session={session}",
+    }
+    refused(partial_request(local, "POST", "/", upload, b"--b\r\n"), 413, "upload_too_large")
+    assert list(private_tmp.iterdir()) == []
+
+
 def test_a_json_body_over_the_limit_is_413_body_too_large_from_its_headers(
     api: httpx.Client, server: LiveServer
 ) -> None:
