@@ -254,7 +254,11 @@ class RequestGuard:
 
 
 async def _lookup(app: Any, cache: deps.TeamCache, slot: str, find: Any, secret: str) -> Any:
-    """The cached caller of a key or session, looked up on a session of its own."""
+    """The caller of a key or session: from the cache (no session, no thread hop: the
+    common case), else looked up on a session of its own."""
+    known = cache.get(slot)
+    if known is not None:
+        return known
     session = app.state.session_factory()
     try:
         return await deps._cached(cache, slot, find, session, secret)

@@ -14,7 +14,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
@@ -33,7 +33,7 @@ Source = BinaryIO | Iterable[bytes]
 class BlobRef:
     sha256: str
     size: int
-    created: bool = False
+    created: bool = field(default=False, compare=False)
     """True when this `put` stored content the store did not hold (so a refused upload
     may remove it again: `orphans.discard_refused`)."""
 
