@@ -108,19 +108,39 @@ def is_upload_route(route: Any) -> bool:
     return "multipart/form-data" in content or "application/octet-stream" in content
 
 
-def upload_patterns(app: Any) -> list[tuple[frozenset[str], re.Pattern[str]]]:
+Patterns = list[tuple[frozenset[str], re.Pattern[str]]]
+
+
+def upload_patterns(app: Any) -> Patterns:
     """(methods, path regex) of the app's upload routes, found once."""
-    found: list[tuple[frozenset[str], re.Pattern[str]]] | None = getattr(
-        app.state, "upload_patterns", None
-    )
+    return _patterns(app)[1]
+
+
+def body_patterns(app: Any) -> Patterns:
+    """(methods, path regex) of every route that takes a body method, found once."""
+    return _patterns(app)[0]
+
+
+def _patterns(app: Any) -> tuple[Patterns, Patterns]:
+    found: tuple[Patterns, Patterns] | None = getattr(app.state, "route_patterns", None)
     if found is None:
-        found = [
-            (frozenset(route.methods or ()), route.path_regex)
+        routes = [
+            (route, frozenset(route.methods or ()) & BODY_METHODS)
             for route in _all_routes(app.routes)
-            if is_upload_route(route) and hasattr(route, "path_regex")
+            if hasattr(route, "path_regex")
         ]
-        app.state.upload_patterns = found
+        found = (
+            [(methods, route.path_regex) for route, methods in routes if methods],
+            [(methods, route.path_regex) for route, methods in routes if is_upload_route(route)],
+        )
+        app.state.route_patterns = found
     return found
+
+
+def _matches(patterns: Patterns, scope: Scope) -> bool:
+    return any(
+        scope["method"] in methods and pattern.match(scope["path"]) for methods, pattern in patterns
+    )
 
 
 def _all_routes(routes: Any) -> Iterator[Any]:
@@ -162,7 +182,9 @@ class RequestGuard:
             return
         app = scope["app"]
         settings: Settings | None = getattr(app.state, "settings", None)
-        if settings is None:  # not started (no lifespan): nothing to check against
+        if settings is None or not _matches(body_patterns(app), scope):
+            # Not started (no lifespan), or no route takes this method here: the router's
+            # 404 or 405 reads no body.
             await self.app(scope, receive, send)
             return
         try:
@@ -174,10 +196,7 @@ class RequestGuard:
             await who(scope, receive, send)
             return
         media = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
-        upload = media in UPLOAD_MEDIA and any(
-            scope["method"] in methods and pattern.match(scope["path"])
-            for methods, pattern in upload_patterns(app)
-        )
+        upload = media in UPLOAD_MEDIA and _matches(upload_patterns(app), scope)
         limit, too_large = self._bound(scope, settings, upload, media)
         declared = _header(scope, b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
