@@ -9,6 +9,7 @@ filesystem blobs, PostgreSQL + database blobs).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import random
@@ -484,6 +485,11 @@ def npz_declaring(declared: int, deflated: bool = True) -> bytes:
     return buffer.getvalue()
 
 
+@functools.cache
+def npz_of_1_gib() -> bytes:
+    return npz_declaring(1 << 30)
+
+
 def lying_npz() -> bytes:
     """A member whose .npy header declares 1 GiB that its bytes do not hold."""
     header = io.BytesIO()
@@ -507,7 +513,7 @@ def test_profile_inputs_declaring_1_gib_are_refused_from_their_headers_unread(
     from qpcfarm.app.services import profiles
     from qpcfarm.app.services.errors import ServiceError
 
-    data = npz_declaring(1 << 30)
+    data = npz_of_1_gib()
     assert len(data) < 8 * MiB
     tracemalloc.start()
     try:
