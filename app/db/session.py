@@ -92,15 +92,20 @@ def private_folder(path: Path) -> None:
 def private_file(path: Path) -> None:
     """The embedded database file created 0600 before SQLite opens it (SQLite gives its
     `-wal` and `-shm` files the database's mode), or narrowed to 0600 if it exists."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    if str(path).startswith("file:"):  # a SQLite URI: its own options decide
+        return
     try:
-        os.fchmod(fd, PRIVATE_FILE_MODE)
-    finally:
-        os.close(fd)
-    for suffix in ("-wal", "-shm"):
-        sidecar = Path(f"{path}{suffix}")
-        if sidecar.exists():
-            os.chmod(sidecar, PRIVATE_FILE_MODE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        finally:
+            os.close(fd)
+        for suffix in ("-wal", "-shm"):
+            sidecar = Path(f"{path}{suffix}")
+            if sidecar.exists():
+                os.chmod(sidecar, PRIVATE_FILE_MODE)
+    except OSError:  # read-only, or another user's file: SQLite reports what it can't do
+        return
 
 
 class WriterLock:
