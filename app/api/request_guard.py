@@ -239,11 +239,9 @@ class RequestGuard:
         authorization = _header(scope, b"authorization")
         cache = deps.team_cache_of(app)
         if path.startswith("/v1/") or path == "/v1":
-            if authorization:
-                scheme, _, key = authorization.partition(" ")
-                if scheme.lower() != "bearer" or not key.strip():
-                    raise unauthorized("send the API key as `Authorization: Bearer <key>`")
-                key = key.strip()
+            scheme, _, key = (authorization or "").partition(" ")
+            key = key.strip()
+            if scheme.lower() == "bearer" and key:  # another scheme is no key (as HTTPBearer)
                 caller = await _lookup(
                     app, cache, deps.teams.hash_key(key), deps._caller_for_key, key
                 )
