@@ -180,6 +180,18 @@ def test_a_body_without_a_valid_key_is_answered_401_before_a_byte_of_it_is_read(
         assert answer.headers["www-authenticate"] == "Bearer"
 
 
+def test_without_required_keys_another_authorization_scheme_is_no_key(tmp_path: Path) -> None:
+    """A proxy's `Authorization: Basic` reaches a farm that requires no key: it is not a
+    bearer key, so the request goes on as the local team's (as before the guard)."""
+    with live_server("sqlite", tmp_path / "data", require_auth=False) as server:
+        answer = httpx.post(
+            f"{server.url}/v1/compile-jobs",
+            json={"model_id": str(uuid.uuid4())},
+            headers={"Authorization": "Basic dXNlcjpwYXNz"},
+        )
+        refused(answer, 404, "not_found")
+
+
 def test_a_web_form_without_a_session_is_refused_before_its_file_is_spooled(
     local: LiveServer, private_tmp: Path
 ) -> None:
