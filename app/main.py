@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -30,6 +31,7 @@ from qpcfarm.app.api import (
 )
 from qpcfarm.app.api.errors import install_error_handlers
 from qpcfarm.app.api.openapi import complete
+from qpcfarm.app.api.request_guard import RequestGuard
 from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
 from qpcfarm.app.security_headers import SecurityHeaders
 from qpcfarm.app.settings import Settings, get_settings
@@ -76,6 +78,7 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
     )
     install_error_handlers(app)
     install_page_errors(app)  # a browser's 404 is a page; the API's stay JSON
+    app.add_middleware(RequestGuard)  # inside SecurityHeaders: its answers get them too
     app.add_middleware(SecurityHeaders)
     for router in (
         models.router,
@@ -100,10 +103,13 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     from qpcfarm.app.db.session import (
         make_engine,
         make_session_factory,
+        private_folder,
         upgrade_database,
         wait_for_database,
     )
 
+    if settings.blob_store == "filesystem" or settings.is_sqlite:
+        private_folder(Path(settings.data_dir))  # the embedded mode's home: 0700 when made
     wait_for_database(settings.database_url)
     engine = make_engine(settings.database_url)
     upgrade_database(engine)

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+KiB = 1 << 10
+MiB = 1 << 20
 GiB = 1 << 30
 LOCAL_KEY_FILE = "api-key"
 """Where in `data_dir` the embedded mode's first start saves team `local`'s key."""
@@ -50,6 +52,33 @@ class Settings(BaseSettings):
     `X-Forwarded-Proto`/`-For` are believed, so the farm knows a request came over HTTPS."""
     cache_scope: Literal["team", "farm"] = "team"
     """Whose QPCs a submit may reuse: the team's own (default), or any team's (`farm`)."""
+
+    # ---- Request and upload limits (docs/security.md): what one request may cost. --------
+    max_json_body_bytes: int = 2 * MiB
+    """Largest JSON (or other non-upload) request body; more is 413 `body_too_large`, refused
+    from the Content-Length before a byte is read, or as soon as a streamed body passes it."""
+    max_form_body_bytes: int = 64 * KiB
+    """Largest web form body without a file (sign-in, the job page's buttons)."""
+    body_read_timeout_s: float = 60.0
+    """A request body that sends nothing for this long is dropped with 408 `body_timeout`
+    (what it had sent of an upload is removed)."""
+    max_uploads_per_key: int = 8
+    """Uploads one API key (or one browser session) may have in flight; more is 429
+    `too_many_uploads` with `Retry-After`, answered before the body is read."""
+    archive_max_unpacked_bytes: int = 16 * GiB
+    """What an archive may unpack to in total (also never more than the upload limit at
+    upload); more is 413 `archive_too_large`, refused before the byte past it is written."""
+    archive_max_ratio: float = 100.0
+    """How many times its own size an archive may unpack to (beyond its first MiB); more is
+    413 `archive_ratio` (a zip bomb)."""
+    max_profile_inputs_bytes: int = 256 * MiB
+    """What the arrays of a profile's uploaded `.npz` may declare in total (checked from the
+    `.npy` headers; the arrays are never unpacked in the API)."""
+    max_sweep_combinations: int = 1024
+    """Combinations one sweep request may hold; more is 422 `sweep_too_large`."""
+    max_team_sweep_compiles: int = 64
+    """Compiles a team's sweeps may have queued or running at once; the sweeps submit the
+    rest as those finish (`services.sweeps.sweep_compile_allowance`, the quota hook)."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

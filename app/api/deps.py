@@ -76,9 +76,13 @@ class TeamCache:
 
 def team_cache(request: Request) -> TeamCache:
     """The app's cache, made on first use."""
-    cache: TeamCache | None = getattr(request.app.state, "team_cache", None)
+    return team_cache_of(request.app)
+
+
+def team_cache_of(app: Any) -> TeamCache:
+    cache: TeamCache | None = getattr(app.state, "team_cache", None)
     if cache is None:
-        cache = request.app.state.team_cache = TeamCache()
+        cache = app.state.team_cache = TeamCache()
     return cache
 
 
@@ -149,7 +153,12 @@ async def current_caller(
     nothing that changes state is accepted on the cookie alone.
 
     Callers are cached for `TEAM_CACHE_TTL_S` per key or session, so a revoked key or an
-    ended session stops working in every API process within that time."""
+    ended session stops working in every API process within that time. A request with a
+    body was authenticated before its body was read (`request_guard`): its caller is kept
+    on the request."""
+    known: Caller | None = getattr(request.state, "caller", None)
+    if known is not None:
+        return known
     cache = team_cache(request)
     if credentials is not None:
         key = credentials.credentials

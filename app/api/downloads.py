@@ -26,7 +26,9 @@ from qpcfarm.app.blobs.integrity import verified_bytes, verified_range
 
 CHECK_FIRST_BYTES = 16 << 20
 """Blobs up to this size are checked whole before the first byte is sent."""
-_RANGE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
+_RANGE = re.compile(r"^\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*$", re.IGNORECASE)
+"""One `bytes=a-b` range; a position of more than 19 digits (past any file) is malformed:
+416 like any range that cannot be served, never a number too long to convert."""
 
 
 def etag_matches(header: str | None, etag: str) -> bool:

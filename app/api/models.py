@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query, Request, Response
 from qpcfarm.app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep, TeamModel
 from qpcfarm.app.api.schemas import ModelList, ModelOut
 from qpcfarm.app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
+from qpcfarm.app.blobs.orphans import discarded_on_refusal
 from qpcfarm.app.db.models import Model
 from qpcfarm.app.db.session import unit_of_work
 from qpcfarm.app.services import models
@@ -47,10 +48,11 @@ async def upload_model(
     compiler's importer; the answer's `id` is what compile jobs name."""
 
     def consume(upload: Upload, chunks: Iterator[bytes]) -> Model:
-        with unit_of_work(session):
+        sessions = request.app.state.session_factory
+        with discarded_on_refusal(store, sessions) as kept, unit_of_work(session):
             return models.store_model(
                 session,
-                store,
+                kept,
                 team,
                 chunks,
                 upload.filename or filename,

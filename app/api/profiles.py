@@ -25,6 +25,7 @@ from qpcfarm.app.api.downloads import blob_response
 from qpcfarm.app.api.errors import ApiError
 from qpcfarm.app.api.schemas import ProfileCreate, ProfileOut
 from qpcfarm.app.api.uploads import Upload, receive_upload
+from qpcfarm.app.blobs.orphans import discarded_on_refusal
 from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc, Team
 from qpcfarm.app.db.session import unit_of_work
 from qpcfarm.app.services import profiles
@@ -70,7 +71,7 @@ def _settings(data: dict[str, Any]) -> ProfileCreate:
     openapi_extra={"requestBody": _BODY_DOC},
     responses={
         404: {"description": "`not_found`: no such QPC for this team"},
-        413: {"description": "`upload_too_large`"},
+        413: {"description": "`upload_too_large`, `inputs_too_large` (arrays declared)"},
         422: {"description": "`invalid_request`, `bad_inputs` (not an .npz)"},
     },
 )
@@ -93,11 +94,18 @@ async def submit_profile(
 
         def consume(upload: Upload, chunks: Iterator[bytes]) -> ProfileJob:
             body = _settings(dict(upload.fields))
-            ref = profiles.store_inputs(store, chunks, max_bytes=settings.max_upload_bytes)
-            with unit_of_work(session):
-                return profiles.submit(
-                    session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
+            sessions = request.app.state.session_factory
+            with discarded_on_refusal(store, sessions) as kept:
+                ref = profiles.store_inputs(
+                    kept,
+                    chunks,
+                    max_bytes=settings.max_upload_bytes,
+                    max_array_bytes=settings.max_profile_inputs_bytes,
                 )
+                with unit_of_work(session):
+                    return profiles.submit(
+                        session, team, qpc, iterations=body.iterations, inputs_sha256=ref.sha256
+                    )
 
         job = await receive_upload(
             request, consume, max_bytes=settings.max_upload_bytes, file_field="inputs"

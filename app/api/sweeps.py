@@ -152,7 +152,10 @@ TeamSweep = Annotated[Sweep, Depends(team_sweep)]
     response_model=SweepOut,
     responses={
         404: {"description": "`not_found`: no such model for this team"},
-        422: {"description": "`invalid_search_space`, `invalid_option`, `invalid_objective`"},
+        422: {
+            "description": "`invalid_search_space`, `invalid_option`, `invalid_objective`, "
+            "`sweep_too_large` (over `QPCFARM_MAX_SWEEP_COMBINATIONS`)"
+        },
     },
 )
 def create_sweep(
@@ -170,10 +173,12 @@ def create_sweep(
     except CompileError as exc:
         raise from_compile_error(exc) from None
     space = parse_space(body)
+    sweeps.check_size(space, settings.max_sweep_combinations)
     model = models.get_model(session, team, body.model_id)
     sweep, queued = sweeps.create_sweep(
         session, team, model, space, mode=body.mode, objective=objective,
         latency_bound_us=bound, cache_scope=settings.cache_scope,
+        team_compile_limit=settings.max_team_sweep_compiles,
     )  # fmt: skip
     session.commit()
     for job_id in queued:

@@ -13,6 +13,7 @@ from qpcfarm.app.api.errors import invalid_request
 from qpcfarm.app.api.models import Limit, Offset
 from qpcfarm.app.api.schemas import ValidationList, ValidationOut
 from qpcfarm.app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
+from qpcfarm.app.blobs.orphans import discarded_on_refusal
 from qpcfarm.app.db.models import Validation
 from qpcfarm.app.db.session import unit_of_work
 from qpcfarm.app.services import validations
@@ -69,10 +70,11 @@ async def validate_upload(
         form_device = upload.fields.get("device") or None
         if device is not None and form_device is not None and form_device != device:
             raise invalid_request("`device` given twice with different values")
-        with unit_of_work(session):
+        sessions = request.app.state.session_factory
+        with discarded_on_refusal(store, sessions) as kept, unit_of_work(session):
             return validations.validate_uploaded(
                 session,
-                store,
+                kept,
                 team,
                 chunks,
                 device or form_device,

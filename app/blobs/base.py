@@ -14,7 +14,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
@@ -33,6 +33,9 @@ Source = BinaryIO | Iterable[bytes]
 class BlobRef:
     sha256: str
     size: int
+    created: bool = field(default=False, compare=False)
+    """True when this `put` stored content the store did not hold (so a refused upload
+    may remove it again: `orphans.discard_refused`)."""
 
 
 class BlobTooLarge(Exception):
@@ -152,8 +155,8 @@ class HashingCounter:
             raise BlobTooLarge(self.max_bytes)
         self._hash.update(chunk)
 
-    def ref(self) -> BlobRef:
-        return BlobRef(self._hash.hexdigest(), self.size)
+    def ref(self, created: bool = False) -> BlobRef:
+        return BlobRef(self._hash.hexdigest(), self.size, created)
 
 
 class BackgroundHashingCounter(HashingCounter):
@@ -193,9 +196,9 @@ class BackgroundHashingCounter(HashingCounter):
             self._thread.join()
             self._chunks = self._thread = None
 
-    def ref(self) -> BlobRef:
+    def ref(self, created: bool = False) -> BlobRef:
         self._join()
-        return super().ref()
+        return super().ref(created)
 
     def __enter__(self) -> BackgroundHashingCounter:
         return self

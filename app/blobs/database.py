@@ -66,11 +66,12 @@ class DatabaseBlobStore:
             ref = counter.ref()
             row = {"sha256": ref.sha256, "size": ref.size, "created_at": utcnow()}
             chunks = BlobChunk.sha256 == upload_key
-            if insert_or_ignore(session, Blob, row, ["sha256"]):
+            created = insert_or_ignore(session, Blob, row, ["sha256"])
+            if created:
                 session.execute(update(BlobChunk).where(chunks).values(sha256=ref.sha256))
             else:
                 session.execute(delete(BlobChunk).where(chunks))
-        return ref
+        return BlobRef(ref.sha256, ref.size, bool(created))
 
     def open(self, sha256: str) -> BinaryIO:
         raw = _ChunkReader(self._sessions, sha256, self.size(sha256))

@@ -29,6 +29,11 @@ from qpcfarm.app.blobs.base import (
     iter_chunks,
 )
 
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+"""Blobs are a team's models and QPCs: readable by the farm's own user only (the umask can
+only narrow these)."""
+
 
 class FilesystemBlobStore:
     """Writes go to `<root>/tmp/` while hashing, then are renamed into place atomically, so a
@@ -39,7 +44,8 @@ class FilesystemBlobStore:
     ) -> None:
         self.root = Path(root)
         self._tmp = self.root / "tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self._tmp.mkdir(mode=DIR_MODE, exist_ok=True)
         self._quarantine_dir = self.root / "quarantine"
         self._on_quarantine = on_quarantine
 
@@ -51,20 +57,24 @@ class FilesystemBlobStore:
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         try:
             # Unbuffered: chunks are large, so a buffer would only add a copy.
-            with BackgroundHashingCounter(max_bytes) as counter, open(tmp, "wb", 0) as out:
+            with (
+                BackgroundHashingCounter(max_bytes) as counter,
+                open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb", 0) as out,
+            ):
                 for chunk in iter_chunks(data):
                     counter.update(chunk)
                     _write_all(out, chunk)
                 os.fsync(out.fileno())  # once, at the end
                 ref = counter.ref()
             final = self._path(ref.sha256)
-            final.parent.mkdir(exist_ok=True)
+            final.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            created = not final.exists()
             os.replace(tmp, final)  # over a stored copy too: these bytes are known good
             fsync_dir(final.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return ref
+        return BlobRef(ref.sha256, ref.size, created)
 
     def open(self, sha256: str) -> BinaryIO:
         try:
@@ -102,9 +112,8 @@ class FilesystemBlobStore:
             raise BlobNotFound(sha256)
         return path
 
-
     def quarantine(self, sha256: str, *, actual_sha256: str, size: int, found_by: str) -> None:
-        self._quarantine_dir.mkdir(exist_ok=True)
+        self._quarantine_dir.mkdir(mode=DIR_MODE, exist_ok=True)
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
         target = self._quarantine_dir / f"{sha256}.{stamp}"
         try:

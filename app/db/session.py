@@ -50,7 +50,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return create_engine(url, **kwargs)
 
     if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        private_folder(Path(parsed.database).parent)
+        private_file(Path(parsed.database))
         kwargs.setdefault("pool_size", SQLITE_POOL_SIZE)
         kwargs.setdefault("max_overflow", SQLITE_POOL_SIZE)
     lock_file = None
@@ -73,6 +74,38 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         cursor.close()
 
     return engine
+
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_folder(path: Path) -> None:
+    """Create `path` (and missing parents) readable by this user only; a folder that was
+    already there keeps its mode (it may be the user's own, like the current folder)."""
+    if path.is_dir():
+        return
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, PRIVATE_DIR_MODE)  # mkdir's mode is narrowed by the umask, never widened
+
+
+def private_file(path: Path) -> None:
+    """The embedded database file created 0600 before SQLite opens it (SQLite gives its
+    `-wal` and `-shm` files the database's mode), or narrowed to 0600 if it exists."""
+    if str(path).startswith("file:"):  # a SQLite URI: its own options decide
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        try:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+        finally:
+            os.close(fd)
+        for suffix in ("-wal", "-shm"):
+            sidecar = Path(f"{path}{suffix}")
+            if sidecar.exists():
+                os.chmod(sidecar, PRIVATE_FILE_MODE)
+    except OSError:  # read-only, or another user's file: SQLite reports what it can't do
+        return
 
 
 class WriterLock:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import uuid
 import zipfile
+import zlib
+from typing import BinaryIO
 
 import numpy as np
 from sqlalchemy import select
@@ -27,7 +29,6 @@ MAX_ITERATIONS = 100
 TRACE_NAME = "trace.json"
 
 
-
 def check_iterations(iterations: int) -> int:
     if not 1 <= iterations <= MAX_ITERATIONS:
         raise ServiceError(
@@ -36,30 +37,93 @@ def check_iterations(iterations: int) -> int:
     return iterations
 
 
-def store_inputs(store: BlobStore, stream: Source, *, max_bytes: int | None = None) -> BlobRef:
-    """Store an uploaded `.npz` of inputs; refuse (422 `bad_inputs`) what numpy cannot read
-    as arrays without pickles. Names, shapes and dtypes are checked by the runtime."""
+MAX_INPUT_ARRAYS = 256
+"""Arrays one profile's `.npz` may hold (a network has a few inputs)."""
+
+
+def store_inputs(
+    store: BlobStore,
+    stream: Source,
+    *,
+    max_bytes: int | None = None,
+    max_array_bytes: int = 256 << 20,
+) -> BlobRef:
+    """Store an uploaded `.npz` of inputs; refuse (422 `bad_inputs`, 413
+    `inputs_too_large`) what is not a zip of plain `.npy` arrays declaring at most
+    `max_array_bytes` in total. Only each member's `.npy` header is read (its dtype and
+    shape): nothing is decompressed in the API, so a small file declaring gigabytes of zeros
+    costs a few KB here. Names and shapes are matched to the QPC by the runtime."""
     try:
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
     with store.open(ref.sha256) as src:
-        problem = inputs_problem(sniff(src.read(HEAD_BYTES)))
-        if problem is not None:
-            raise ServiceError("bad_inputs", f"the uploaded inputs {problem}", 422)
-        src.seek(0)
-        try:
-            archive = np.load(src, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile) or not archive.files:
-                raise ValueError("not an .npz of named arrays")
-            with archive:
-                for name in archive.files:
-                    archive[name]  # noqa: B018 - reading each array validates it
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-            raise ServiceError(
-                "bad_inputs", f"the inputs must be a numpy .npz of named arrays: {exc}", 422
-            ) from None
+        check_npz_headers(src, max_array_bytes)
     return ref
+
+
+def check_npz_headers(src: BinaryIO, max_array_bytes: int) -> None:
+    """Check an `.npz` from its zip directory and its members' `.npy` headers."""
+    problem = inputs_problem(sniff(src.read(HEAD_BYTES)))
+    if problem is not None:
+        raise ServiceError("bad_inputs", f"the uploaded inputs {problem}", 422)
+    src.seek(0)
+    try:
+        with zipfile.ZipFile(src) as archive:
+            infos = archive.infolist()
+            if not infos:
+                raise ValueError("it holds no arrays")
+            if len(infos) > MAX_INPUT_ARRAYS:
+                raise ValueError(f"it holds {len(infos)} members (at most {MAX_INPUT_ARRAYS})")
+            total = 0
+            for info in infos:
+                total += _declared_bytes(archive, info)
+                if total > max_array_bytes:
+                    raise ServiceError(
+                        "inputs_too_large",
+                        f"the input arrays declare more than {max_array_bytes:,} bytes, the "
+                        "limit (QPCFARM_MAX_PROFILE_INPUTS_BYTES)",
+                        413,
+                        {"max_bytes": max_array_bytes},
+                    )
+    except ServiceError:
+        raise
+    except (ValueError, OSError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as exc:
+        detail = str(exc).split("\n")[0][:200] if "/" not in str(exc) else type(exc).__name__
+        raise ServiceError(
+            "bad_inputs", f"the inputs must be a numpy .npz of named arrays: {detail}", 422
+        ) from None
+
+
+def _declared_bytes(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
+    """The bytes one member's `.npy` header declares (ValueError when it is not a plain
+    array whose stored size matches its header)."""
+    name = info.filename[:100]
+    if not info.filename.endswith(".npy") or info.is_dir():
+        raise ValueError(f"member {name!r} is not an .npy array")
+    if info.flag_bits & 0x1:
+        raise ValueError(f"member {name!r} is encrypted")
+    with archive.open(info) as member:  # reads (and inflates) only the header's bytes
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, _fortran, dtype = np.lib.format.read_array_header_1_0(member)
+        elif version in ((2, 0), (3, 0)):
+            shape, _fortran, dtype = np.lib.format.read_array_header_2_0(member)
+        else:
+            raise ValueError(f"member {name!r} has .npy version {version}")
+        header = member.tell()
+    if dtype.hasobject:
+        raise ValueError(f"member {name!r} holds Python objects (not allowed)")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    declared = count * dtype.itemsize
+    if header + declared != info.file_size:
+        raise ValueError(
+            f"member {name!r} declares {declared:,} bytes of data but holds "
+            f"{max(0, info.file_size - header):,}"
+        )
+    return declared
 
 
 def submit(

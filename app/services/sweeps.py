@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from compiler_core.configurator.scoring import meets, pareto_front
@@ -165,6 +165,29 @@ def _lock(session: Session, sweep_id: uuid.UUID) -> Sweep | None:
     return session.execute(query).scalar_one_or_none()
 
 
+TEAM_COMPILE_LIMIT_KEY = "team_compile_limit"
+"""Where a sweep's row keeps the per-team bound it was created under (every process that
+advances it then applies the same one)."""
+
+
+def sweep_compile_allowance(session: Session, team_id: uuid.UUID, limit: int) -> int:
+    """How many more compiles the team's sweeps may submit now: `limit` less the team's
+    sweep compiles still queued or running.
+
+    The hook for per-team quotas: the multi-team quota (issue 23) replaces `limit` with the
+    team's share here, and every sweep (create, reads, the periodic advance) obeys it."""
+    active = session.execute(
+        select(func.count(func.distinct(SweepCompile.compile_job_id)))
+        .join(Sweep, Sweep.id == SweepCompile.sweep_id)
+        .join(CompileJob, CompileJob.id == SweepCompile.compile_job_id)
+        .where(
+            Sweep.team_id == team_id,
+            CompileJob.status.in_((JobStatus.queued, JobStatus.running)),
+        )
+    ).scalar_one()
+    return max(0, limit - int(active))
+
+
 def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
     """Move a running sweep on: submit the groups the search wants now, close it when the
     search is finished. Returns the ids of new queued jobs; the caller commits, then enqueues
@@ -184,6 +207,9 @@ def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
     )  # fmt: skip
     to_enqueue: list[uuid.UUID] = []
     if wanted:
+        limit = int(sweep.space.get(TEAM_COMPILE_LIMIT_KEY) or _default_team_limit())
+        # At most the team's allowance now; the rest when those finish (a later advance).
+        wanted = wanted[: sweep_compile_allowance(session, sweep.team_id, limit)]
         team = session.get(Team, sweep.team_id)
         model = session.get(Model, sweep.model_id)
         if team is None or model is None:
@@ -224,6 +250,25 @@ def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
     return to_enqueue
 
 
+def _default_team_limit() -> int:
+    from qpcfarm.app.settings import get_settings
+
+    return get_settings().max_team_sweep_compiles
+
+
+def check_size(space: SearchSpace, max_combinations: int) -> None:
+    """One request's sweep holds at most `max_combinations` combinations (422
+    `sweep_too_large`), before any of them is checked further or submitted."""
+    if len(space.points) > max_combinations:
+        raise ServiceError(
+            "sweep_too_large",
+            f"the search space has {len(space.points):,} combinations; a sweep may hold at "
+            f"most {max_combinations:,} (QPCFARM_MAX_SWEEP_COMBINATIONS): split it",
+            422,
+            {"max_combinations": max_combinations},
+        )
+
+
 def _finish(sweep: Sweep, status: JobStatus, message: str | None) -> None:
     sweep.status = status
     sweep.error_message = message
@@ -240,9 +285,12 @@ def create_sweep(
     objective: str,
     latency_bound_us: float | None,
     cache_scope: str = "team",
+    team_compile_limit: int | None = None,
 ) -> tuple[Sweep, list[uuid.UUID]]:
     """A new running sweep with its first compiles submitted; (sweep, job ids to enqueue
-    after the commit). A space with no valid combination is refused (422)."""
+    after the commit). A space with no valid combination is refused (422). The team's sweeps
+    have at most `team_compile_limit` compiles queued or running at once (default: the
+    setting `max_team_sweep_compiles`); the rest are submitted as those finish."""
     if model.team_id != team.id:
         raise not_found("model", model.id)
     if not space.groups:
@@ -258,7 +306,11 @@ def create_sweep(
         mode=mode,
         objective=objective,
         latency_bound_us=latency_bound_us,
-        space={**space.to_json(), "cache_scope": cache_scope},
+        space={
+            **space.to_json(),
+            "cache_scope": cache_scope,
+            TEAM_COMPILE_LIMIT_KEY: team_compile_limit or _default_team_limit(),
+        },
         status=JobStatus.running,
     )
     session.add(sweep)

@@ -1,15 +1,19 @@
-"""Who a browser is: a server-side session in an HttpOnly cookie, and a double-submit CSRF
-token.
+"""Who a browser is: a server-side session in an HttpOnly cookie, and a CSRF token bound to
+that session (before sign-in, a double-submit cookie's).
 
 Signing in with an API key opens a session (app.services.web_sessions); the cookie holds the
 session's random token, never the key. It is HttpOnly, SameSite=Strict, and Secure when the
 page came over HTTPS (or the farm runs in production), so other sites can neither read it nor
-send it with their forms; the CSRF token (a second cookie echoed in every form) also stops a
-forged post from a same-site page, and login CSRF on the sign-in form itself.
+send it with their forms; the CSRF token echoed in every form (an HMAC of the session's
+token, new at each sign-in) also stops a forged post from a same-site page, and the
+pre-sign-in cookie's token stops login CSRF on the sign-in form itself.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import secrets
 from urllib.parse import quote
 
@@ -83,7 +87,13 @@ def set_session_cookie(
 
 
 def csrf_token(request: Request) -> str:
-    """This browser's CSRF token: the cookie's, or a new one (see `remember_csrf`)."""
+    """The CSRF token of this browser's forms. Signed in: derived from the session's token
+    (`session_csrf`), so it is bound to that session and changes at every sign-in. Before
+    sign-in (the sign-in form itself, or a farm without auth): the double-submit cookie's
+    token, or a new one (see `remember_csrf`)."""
+    session_token = _session_token(request)
+    if session_token is not None:
+        return session_csrf(session_token)
     token = request.cookies.get(CSRF_COOKIE)
     if token and 20 <= len(token) <= 100:
         return token
@@ -92,6 +102,19 @@ def csrf_token(request: Request) -> str:
         cached = secrets.token_urlsafe(32)
         request.state.new_csrf = cached
     return cached
+
+
+def session_csrf(session_token: str) -> str:
+    """A session's CSRF token: an HMAC of its (secret, HttpOnly) token. Another page cannot
+    compute it, one session's token is refused in another, and knowing it reveals nothing
+    of the session token."""
+    digest = hmac.new(session_token.encode(), b"qpcfarm-csrf-v1", hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def _session_token(request: Request) -> str | None:
+    token = request.cookies.get(SESSION_COOKIE)
+    return token if token and 20 <= len(token) <= 100 else None
 
 
 def remember_csrf(request: Request, response: Response) -> None:
@@ -108,9 +131,17 @@ def remember_csrf(request: Request, response: Response) -> None:
         )
 
 
+def rotate_csrf(response: Response) -> None:
+    """At sign-in and sign-out: the pre-sign-in token is dropped (the signed-in forms carry
+    the session's own, and the next sign-in form gets a new one)."""
+    response.delete_cookie(CSRF_COOKIE, path="/")
+
+
 def csrf_ok(request: Request, submitted: str | None) -> bool:
-    """Double-submit check: the form's token equals the cookie's."""
-    cookie = request.cookies.get(CSRF_COOKIE)
-    return bool(cookie and submitted) and secrets.compare_digest(
-        str(cookie).encode(), str(submitted).encode()
+    """The form's token is this browser's: the session's while signed in, else the
+    double-submit cookie's."""
+    session_token = _session_token(request)
+    expected = session_csrf(session_token) if session_token else request.cookies.get(CSRF_COOKIE)
+    return bool(expected and submitted) and secrets.compare_digest(
+        str(expected).encode(), str(submitted).encode()
     )

@@ -26,7 +26,9 @@ from compiler_core.devices import list_devices
 from compiler_core.profiling.opstats import OPSTATS_LEVEL
 from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
 from qpcfarm.app.blobs import BlobStore
+from qpcfarm.app.blobs.orphans import discarded_on_refusal
 from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
+from qpcfarm.app.db.session import unit_of_work
 from qpcfarm.app.services import (
     job_origins,
     jobs,
@@ -174,6 +176,7 @@ def sign_in(
     session.commit()
     response = RedirectResponse(target, status_code=303)
     auth.set_session_cookie(request, response, token, settings)
+    auth.rotate_csrf(response)
     return response
 
 
@@ -187,6 +190,7 @@ def sign_out(request: Request, session: SessionDep, csrf: FormStr = "") -> Respo
         session.commit()
     response = RedirectResponse("/sign-in", status_code=303)
     response.delete_cookie(auth.SESSION_COOKIE, path="/")
+    auth.rotate_csrf(response)
     return response
 
 
@@ -224,7 +228,11 @@ def job_rows(
     return render(request, "_job_rows.html", context)
 
 
-@router.post("/", response_model=None)
+UPLOAD_FORM: dict[str, Any] = {"requestBody": {"content": {"multipart/form-data": {}}}}
+"""Marks the upload form for `request_guard` (its body may be as large as an upload)."""
+
+
+@router.post("/", response_model=None, openapi_extra=UPLOAD_FORM)
 def submit(
     request: Request,
     session: SessionDep,
@@ -255,13 +263,14 @@ def submit(
         options = farm_options(flags=compile_flags(flags, cores, bool(fp16), device))
         if model is None or not model.filename:
             raise ServiceError("no_file", "choose an .onnx model (or a .zip/.tar of one)", 422)
-        row = models.store_model(
-            session, store, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
-        )
-        job, created = jobs.submit_job(
-            session, team, row, options, store=store, cache_scope=settings.cache_scope
-        )
-        session.commit()
+        sessions = request.app.state.session_factory
+        with discarded_on_refusal(store, sessions) as kept, unit_of_work(session):
+            row = models.store_model(
+                session, kept, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
+            )
+            job, created = jobs.submit_job(
+                session, team, row, options, store=store, cache_scope=settings.cache_scope
+            )
     except (CompileError, ServiceError) as exc:
         session.rollback()
         status = exc.status if isinstance(exc, ServiceError) else 422

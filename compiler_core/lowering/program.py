@@ -606,20 +606,23 @@ def decode_program(data: bytes | memoryview) -> Program:
     setup = [reader.stream() for _ in range(num_streams)]
     if reader.pos != len(reader.data):
         raise CompileError("invalid_program", "program.bin has trailing bytes")
-    program = Program(
-        tensors=tensors,
-        kernels=kernels,
-        streams=streams,
-        num_semaphores=int(doc["num_semaphores"]),
-        ddr_size=int(doc["ddr_size"]),
-        constants_size=int(doc["constants_size"]),
-        vtcm_used=[int(v) for v in doc["vtcm_used"]],
-        inputs=[int(v) for v in doc["inputs"]],
-        outputs=[int(v) for v in doc["outputs"]],
-        meta=_unjson(doc.get("meta", {})),
-        setup=setup,
-        resident=int(doc.get("resident", 0)),
-    )
+    try:
+        program = Program(
+            tensors=tensors,
+            kernels=kernels,
+            streams=streams,
+            num_semaphores=int(doc["num_semaphores"]),
+            ddr_size=int(doc["ddr_size"]),
+            constants_size=int(doc["constants_size"]),
+            vtcm_used=[int(v) for v in doc["vtcm_used"]],
+            inputs=[int(v) for v in doc["inputs"]],
+            outputs=[int(v) for v in doc["outputs"]],
+            meta=_unjson(doc.get("meta", {})),
+            setup=setup,
+            resident=int(doc.get("resident", 0)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CompileError("invalid_program", f"program.bin tables are malformed: {exc}") from exc
     check_program(program)
     return program
 
