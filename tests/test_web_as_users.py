@@ -71,12 +71,15 @@ def site(tmp_path: Path) -> Iterator[Site]:
 
 
 def sign_in(site: Site) -> str:
+    """Signs in and returns the form token of the signed-in session (it changes at sign-in)."""
     page = site.client.get("/sign-in")
     found = re.search(r'name="csrf" value="([^"]+)"', page.text)
     assert found is not None
-    csrf = found.group(1)
-    assert site.client.post("/sign-in", data={"api_key": site.key, "csrf": csrf}).status_code == 303
-    return csrf
+    answer = site.client.post("/sign-in", data={"api_key": site.key, "csrf": found.group(1)})
+    assert answer.status_code == 303
+    signed_in = re.search(r'name="csrf" value="([^"]+)"', site.client.get("/").text)
+    assert signed_in is not None
+    return signed_in.group(1)
 
 
 def upload(site: Site, csrf: str, body: bytes, **form: str) -> Any:
