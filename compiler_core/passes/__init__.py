@@ -9,6 +9,7 @@ from compiler_core.passes.eliminate_common_subexpressions import (
 from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
 from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
 from compiler_core.passes.fold_constants import FoldConstantsPass
+from compiler_core.passes.fp16_range import CheckFp16RangePass, FoldMatMulScalePass
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass, FusionRefusal
 from compiler_core.passes.manager import PassContext, PassTiming, ProgressReporter, run_passes
 from compiler_core.passes.pipeline import PASS_NAMES, graph_pipeline
@@ -16,11 +17,13 @@ from compiler_core.passes.pipeline import PASS_NAMES, graph_pipeline
 __all__ = [
     "PASS_NAMES",
     "CanonicalizePass",
+    "CheckFp16RangePass",
     "ConvertToFp16Pass",
     "EliminateCommonSubexpressionsPass",
     "EliminateDeadCodePass",
     "FoldBatchNormIntoConvPass",
     "FoldConstantsPass",
+    "FoldMatMulScalePass",
     "FuseEpiloguePass",
     "FusionRefusal",
     "GraphPass",

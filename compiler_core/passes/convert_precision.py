@@ -33,6 +33,9 @@ FP16_ROUNDS_TO_ZERO = 2.0**-25
 NODE_PRECISION_FIX = "-node-precision-info with FP32NodeInstanceNames: [{}]"
 FLOAT = ir.DataType.FLOAT
 FLOAT16 = ir.DataType.FLOAT16
+KEEP_FP32 = "qpc.keep_fp32"
+"""Node meta set by a pass that keeps the node in float32 whatever the options say
+(`compiler_core.passes.fp16_range`: a MatMul whose scale is too small to fold)."""
 
 FLOAT32_ONLY_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
 """(op type, input index) slots whose type the ONNX spec fixes to float32."""
@@ -85,7 +88,7 @@ class ConvertToFp16Pass(GraphPass):
             kept = find_nodes(graph, self.keep_fp32, "FP32NodeInstanceNames")
             convert = lambda node: node not in kept  # noqa: E731
         original = set(graph)
-        converting = {node for node in original if convert(node)}
+        converting = {node for node in original if convert(node) and not node.meta.get(KEEP_FP32)}
         kept_fp32 = _float32_only_initializers(graph)
         risks = _Risks()
         converted = 0
@@ -191,9 +194,7 @@ def _readers(constants: dict[str, list[str]]) -> list[str]:
     return list(dict.fromkeys(n for readers in constants.values() for n in readers))
 
 
-def _precision_warning(
-    code: str, message: str, nodes: list[str], advice: str
-) -> dict[str, Any]:
+def _precision_warning(code: str, message: str, nodes: list[str], advice: str) -> dict[str, Any]:
     fix = NODE_PRECISION_FIX.format(", ".join(nodes)) if nodes else "-node-precision-info"
     return {"code": code, "message": message, "nodes": nodes, "suggestion": f"{advice} {fix}"}
 

@@ -8,7 +8,7 @@ from contextvars import ContextVar
 from typing import Protocol
 
 from compiler_core.custom_io import load_custom_io
-from compiler_core.node_precision import load_node_precision
+from compiler_core.node_precision import NodePrecision, load_node_precision
 from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
 from compiler_core.passes.canonicalize import CanonicalizePass
@@ -20,6 +20,7 @@ from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
 from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
 from compiler_core.passes.fold_constants import FoldConstantsPass
 from compiler_core.passes.fold_qdq import FoldQDQPass
+from compiler_core.passes.fp16_range import CheckFp16RangePass, FoldMatMulScalePass, Fp16Scope
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
 from compiler_core.passes.quantize import QuantizePass, QuantSettings
 
@@ -62,6 +63,8 @@ PASS_NAMES = (
     FoldBatchNormIntoConvPass.name,
     QuantizePass.name,
     FoldQDQPass.name,
+    FoldMatMulScalePass.name,
+    CheckFp16RangePass.name,
     FuseEpiloguePass.name,
     ConvertToFp16Pass.name,
     ApplyCustomIOPass.name,
@@ -73,7 +76,9 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     """Fresh pass instances for one compile (passes hold per-run results such as warnings).
 
     Folding runs again after BatchNorm folding because folding creates new constants; epilogue
-    fusion comes after every rewrite that expects plain ONNX; precision conversion last, so
+    fusion comes after every rewrite that expects plain ONNX, float16's range is looked after
+    before it (a scale folds out of a MatMul before fusion makes it the MatMul's epilogue);
+    precision conversion last, so
     that it sees the final constants (folded weights are clipped once, after folding); the
     boundary precisions of `-custom-IO-list-file` after that, so they replace its boundary
     Casts rather than add to them.
@@ -97,11 +102,14 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         assert path is not None
         passes.append(QuantizePass(read_profile(path, flag), QuantSettings.from_options(options)))
     passes.append(FoldQDQPass(keep_float=keep))
-    if _FUSE_EPILOGUES.get():
-        passes.append(FuseEpiloguePass())
     precision = (
         load_node_precision(options.node_precision_info) if options.node_precision_info else None
     )
+    scope = _fp16_scope(options.convert_to_fp16, precision, fp16_types)
+    if scope is not None:
+        passes += [FoldMatMulScalePass(scope), CheckFp16RangePass(scope)]
+    if _FUSE_EPILOGUES.get():
+        passes.append(FuseEpiloguePass())
     if options.convert_to_fp16:
         passes.append(ConvertToFp16Pass(keep_fp32=precision.fp32 if precision else frozenset()))
     elif fp16_types:
@@ -113,3 +121,16 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file)))
     passes.append(EliminateDeadCodePass())
     return passes
+
+
+def _fp16_scope(
+    convert_to_fp16: bool, precision: NodePrecision | None, fp16_types: frozenset[str]
+) -> Fp16Scope | None:
+    """The nodes the conversion will compute in float16 (as ConvertToFp16Pass picks them),
+    or None when nothing is."""
+    if convert_to_fp16:
+        return Fp16Scope(everything=True, fp32=precision.fp32 if precision else frozenset())
+    if fp16_types or (precision is not None and precision.fp16):
+        fp16 = precision.fp16 if precision is not None else frozenset()
+        return Fp16Scope(everything=False, fp16=fp16, types=fp16_types)
+    return None
