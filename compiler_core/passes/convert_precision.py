@@ -35,10 +35,30 @@ FLOAT = ir.DataType.FLOAT
 FLOAT16 = ir.DataType.FLOAT16
 KEEP_FP32 = "qpc.keep_fp32"
 """Node meta set by a pass that keeps the node in float32 whatever the options say
-(`compiler_core.passes.fp16_range`: a MatMul whose scale is too small to fold)."""
+(`compiler_core.passes.fold_matmul_scale`: a MatMul whose scale is too small to fold)."""
 
 FLOAT32_ONLY_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
 """(op type, input index) slots whose type the ONNX spec fixes to float32."""
+
+
+@dataclass(frozen=True)
+class Fp16Scope:
+    """Which nodes the precision pass computes in float16: every node but `fp32` (names)
+    under `-convert-to-fp16`, else the nodes named in `fp16` or of an op type in `types`."""
+
+    everything: bool
+    fp32: frozenset[str] = frozenset()
+    fp16: frozenset[str] = frozenset()
+    types: frozenset[str] = frozenset()
+
+    def covers(self, node: ir.Node) -> bool:
+        if node.meta.get(KEEP_FP32) or node.domain not in ("", "ai.onnx"):
+            return False
+        labels = {node.name or "", *fused_node_names(node), *(v.name or "" for v in node.outputs)}
+        if self.everything:
+            return not labels & self.fp32
+        return node.op_type in self.types or bool(labels & self.fp16)
+
 
 DTYPE_ATTR_OPS = frozenset(
     {"EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike"}

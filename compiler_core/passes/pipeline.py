@@ -12,15 +12,16 @@ from compiler_core.node_precision import NodePrecision, load_node_precision
 from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
 from compiler_core.passes.canonicalize import CanonicalizePass
-from compiler_core.passes.convert_precision import ConvertToFp16Pass
+from compiler_core.passes.check_fp16_range import CheckFp16RangePass
+from compiler_core.passes.convert_precision import ConvertToFp16Pass, Fp16Scope
 from compiler_core.passes.eliminate_common_subexpressions import (
     EliminateCommonSubexpressionsPass,
 )
 from compiler_core.passes.eliminate_dead_code import EliminateDeadCodePass
 from compiler_core.passes.fold_batchnorm import FoldBatchNormIntoConvPass
 from compiler_core.passes.fold_constants import FoldConstantsPass
+from compiler_core.passes.fold_matmul_scale import FoldMatMulScalePass
 from compiler_core.passes.fold_qdq import FoldQDQPass
-from compiler_core.passes.fp16_range import CheckFp16RangePass, FoldMatMulScalePass, Fp16Scope
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
 from compiler_core.passes.quantize import QuantizePass, QuantSettings
 

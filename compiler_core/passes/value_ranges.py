@@ -1,309 +1,29 @@
-"""float16's range (+-65504) under `-convert-to-fp16`: avoid what the compiler can, name what it
-cannot guarantee.
+"""Interval bounds of a graph's float values, from what is known without running it.
 
-`FoldMatMulScalePass`: a MatMul whose result is only scaled down by a scalar constant (the
-attention scores' `Div(sqrt(d))` or `Mul(1/sqrt(d))`) is computed with the scale applied to an
-operand first, so the float16 result never holds the unscaled products. The scale goes into
-constants when the operand is a linear chain back to them (Q = Transpose(Reshape(x @ Wq + bq))
-gives Wq*s and bq*s: no new kernel, one rounding of each scaled constant, as converting it to
-float16 rounds it anyway); otherwise the smaller operand is scaled by the same op and constant
-right before the MatMul, one extra float16 rounding of that operand (relative 2^-11 per element,
-the size of the rounding float16 operands already carry). A scale so small that an operand of
-magnitude 1 would leave float16's normal range (below 2^-14) keeps the MatMul and its scale in
-float32 instead. Programs of models without the pattern do not change.
-
-`CheckFp16RangePass`: bounds every float value from what is known (constants, and ops whose
-result is bounded whatever their input: Softmax, Sigmoid, Tanh, LayerNormalization, a Cast from
-an 8- or 16-bit integer, a Gather from a constant table) through the ops that follow, and
-warns (`fp16_range`) of each float16 MatMul, Gemm, Conv, ConvTranspose or ReduceSum whose
-result's bound exceeds 65504, with the `-node-precision-info` line that keeps it in float32.
-Values fed by float graph inputs have no known range; the run-time diagnosis covers those.
+Known: constants, integer graph inputs of 16 bits or less, and ops whose result is bounded
+whatever their input (Sigmoid, Tanh, Softmax, Erf, LayerNormalization...). Carried through
+arithmetic (Add, Mul, Div by what cannot be 0, Relu, Clip...), data movement and pooling
+(within their input's range) and products: a MatMul/Gemm/Conv with constant weights is
+bounded by its input's magnitude times its largest sum of absolute weights over one output;
+a MatMul of Softmax rows by the magnitude of its other operand. A float graph input, and
+whatever only it determines, is unknown (None). The checked ops (`ACCUMULATING`) report their
+bound.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from compiler_core.fusion import FUSED_NODES_KEY, fused_node_names
-from compiler_core.passes.base import (
-    GraphPass,
-    NameScope,
-    add_initializer,
-    const_array,
-    model_opset,
-    replace_value,
-    static_dims,
-)
-from compiler_core.passes.convert_precision import FP16_MAX, KEEP_FP32, NODE_PRECISION_FIX
+from compiler_core.passes.base import const_array, static_dims
 from compiler_core.tensors import release_mapping
 
-log = logging.getLogger(__name__)
-
-MIN_OPERAND_SCALE = 2.0**-14
-"""The smallest scale applied to an activation operand: 1 * scale stays a normal float16."""
-FLOAT = ir.DataType.FLOAT
-LINEAR_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
-"""Ops through which a scale moves to their input unchanged."""
 Interval = tuple[float, float]
-
-
-@dataclass(frozen=True)
-class Fp16Scope:
-    """Which nodes the precision pass computes in float16: every node but `fp32` (names)
-    under `-convert-to-fp16`, else the nodes named in `fp16` or of an op type in `types`."""
-
-    everything: bool
-    fp32: frozenset[str] = frozenset()
-    fp16: frozenset[str] = frozenset()
-    types: frozenset[str] = frozenset()
-
-    def covers(self, node: ir.Node) -> bool:
-        if node.meta.get(KEEP_FP32) or node.domain not in ("", "ai.onnx"):
-            return False
-        labels = {node.name or "", *fused_node_names(node), *(v.name or "" for v in node.outputs)}
-        if self.everything:
-            return not labels & self.fp32
-        return node.op_type in self.types or bool(labels & self.fp16)
-
-
-@dataclass
-class _Scale:
-    """A MatMul's scale node and what it multiplies by (`op`: Mul or Div by `constant`)."""
-
-    node: ir.Node
-    op: str
-    constant: ir.Value
-    factor: float
-    """The multiplier: the constant, or its reciprocal for Div."""
-
-
-@dataclass
-class _Plan:
-    """Constants to replace by scaled copies: (reader, input index, array)."""
-
-    constants: list[tuple[ir.Node, int, np.ndarray]] = field(default_factory=list)
-
-
-class FoldMatMulScalePass(GraphPass):
-    name = "fold-matmul-scale"
-
-    def __init__(self, scope: Fp16Scope) -> None:
-        super().__init__()
-        self.scope = scope
-        self.folded: dict[str, str] = {}
-        """MatMul name -> where its scale went ("constants" or the scaled operand's name)."""
-        self.kept_fp32: list[str] = []
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.folded, self.kept_fp32 = {}, []
-        if model_opset(model) < 7:  # Mul and Div broadcast from opset 7
-            return ir.passes.PassResult(model, modified=False)
-        graph = model.graph
-        names = NameScope(graph)
-        for node in list(graph):
-            if node.op_type != "MatMul" or not self.scope.covers(node):
-                continue
-            scale = _scale_of(node)
-            if scale is None or not self.scope.covers(scale.node):
-                continue
-            self._fold(graph, node, scale, names)
-        log.info(
-            "fold-matmul-scale: %d folded, %d kept in float32",
-            len(self.folded),
-            len(self.kept_fp32),
-        )
-        return ir.passes.PassResult(model, modified=bool(self.folded or self.kept_fp32))
-
-    def _fold(self, graph: ir.Graph, matmul: ir.Node, scale: _Scale, names: NameScope) -> None:
-        label = matmul.name or matmul.op_type
-        for index in (0, 1):
-            plan = _Plan()
-            operand = matmul.inputs[index]
-            if operand is not None and _plan_constants(matmul, index, scale, plan):
-                for reader, slot, array in plan.constants:
-                    _replace_constant(graph, reader, slot, array, names)
-                self.folded[label] = "constants"
-                _bypass(graph, matmul, scale)
-                return
-        if abs(scale.factor) < MIN_OPERAND_SCALE:
-            matmul.meta[KEEP_FP32] = True
-            scale.node.meta[KEEP_FP32] = True
-            self.kept_fp32.append(label)
-            return
-        index = _smaller_operand(matmul)
-        operand = matmul.inputs[index]
-        assert operand is not None
-        out = ir.Value(
-            name=names.fresh(f"{operand.name or label}_scaled"),
-            type=operand.type,
-            shape=operand.shape,
-        )
-        step = ir.Node(
-            "",
-            scale.op,
-            [operand, scale.constant],
-            outputs=[out],
-            name=f"{label}/{scale.op.lower()}_{index}",
-        )
-        graph.insert_before(matmul, step)
-        matmul.replace_input_with(index, out)
-        self.folded[label] = operand.name or str(index)
-        _bypass(graph, matmul, scale)
-
-
-def _scale_of(matmul: ir.Node) -> _Scale | None:
-    """The Mul/Div by a scalar constant of magnitude below 1 that alone reads `matmul`."""
-    out = matmul.outputs[0]
-    uses = list(out.uses())
-    if len(matmul.outputs) != 1 or out.is_graph_output() or len(uses) != 1 or out.dtype != FLOAT:
-        return None
-    node, slot = uses[0].node, uses[0].idx
-    if node.op_type not in ("Mul", "Div") or node.domain not in ("", "ai.onnx"):
-        return None
-    if len(node.inputs) != 2 or (node.op_type == "Div" and slot != 0):
-        return None
-    constant = node.inputs[1 - slot]
-    array = const_array(constant)
-    rank = static_dims(out)
-    if constant is None or array is None or array.size != 1 or constant.dtype != FLOAT:
-        return None
-    if rank is None or array.ndim > len(rank) or node.outputs[0].dtype != FLOAT:
-        return None
-    value = float(array.reshape(()))
-    if not math.isfinite(value) or value == 0.0:
-        return None
-    factor = value if node.op_type == "Mul" else 1.0 / value
-    if abs(factor) >= 1.0:
-        return None  # scaling up first would only bring an overflow forward
-    return _Scale(node, node.op_type, constant, factor)
-
-
-def _plan_constants(reader: ir.Node, slot: int, scale: _Scale, plan: _Plan) -> bool:
-    """Whether `reader`'s input `slot` is linear in constants only (and the plan that scales
-    them): a constant, or a single-use chain of moves, Add/Sub of a constant, or a
-    MatMul/Gemm/Conv with constant weights and bias."""
-    value = reader.inputs[slot]
-    if value is None:
-        return False
-    array = const_array(value)
-    if array is not None:
-        scaled = _scaled(array, scale)
-        if scaled is None:
-            return False
-        plan.constants.append((reader, slot, scaled))
-        return True
-    producer = value.producer()
-    if producer is None or value.is_graph_output() or len(list(value.uses())) != 1:
-        return False
-    if len(producer.outputs) != 1 or producer.domain not in ("", "ai.onnx"):
-        return False
-    op = producer.op_type
-    if op in LINEAR_MOVES:
-        return _plan_constants(producer, 0, scale, plan)
-    if op in ("Add", "Sub") and len(producer.inputs) == 2:
-        return all(_plan_constants(producer, i, scale, plan) for i in (0, 1))
-    if op in ("MatMul", "Gemm", "Conv"):
-        weight = 0 if op == "MatMul" and const_array(producer.inputs[0]) is not None else 1
-        slots = [weight] + ([2] if op != "MatMul" and len(producer.inputs) > 2 else [])
-        if any(const_array(producer.inputs[i]) is None for i in slots if producer.inputs[i]):
-            return False
-        return all(_plan_constants(producer, i, scale, plan) for i in slots if producer.inputs[i])
-    return False
-
-
-def _scaled(array: np.ndarray, scale: _Scale) -> np.ndarray | None:
-    """`array` times the scale, rounded once; None when float16 would flush to 0 a value it
-    holds unscaled (the fold would lose it)."""
-    if array.dtype != np.float32:
-        return None
-    wide = array.astype(np.float64)
-    constant = float(np.asarray(const_array(scale.constant)).reshape(()))
-    result = (wide * constant if scale.op == "Mul" else wide / constant).astype(np.float32)
-    with np.errstate(over="ignore"):
-        lost = (result.astype(np.float16) == 0) & (array.astype(np.float16) != 0)
-    return None if bool(lost.any()) else result
-
-
-def _replace_constant(
-    graph: ir.Graph, reader: ir.Node, slot: int, array: np.ndarray, names: NameScope
-) -> None:
-    """`reader` reads `array` at `slot`: in place when it alone read the constant there
-    (same name in reports and constants.bin), else from a new initializer."""
-    value = reader.inputs[slot]
-    assert value is not None
-    if len(list(value.uses())) == 1 and not value.is_graph_output() and value.is_initializer():
-        value.const_value = ir.tensor(array, name=value.name)
-        return
-    scaled = add_initializer(graph, array, names.fresh(f"{value.name or 'const'}_scaled"))
-    reader.replace_input_with(slot, scaled)
-
-
-def _smaller_operand(matmul: ir.Node) -> int:
-    sizes = [static_dims(v) for v in matmul.inputs[:2]]
-    if sizes[0] is None or sizes[1] is None:
-        return 0
-    return 0 if math.prod(sizes[0]) <= math.prod(sizes[1]) else 1
-
-
-def _bypass(graph: ir.Graph, matmul: ir.Node, scale: _Scale) -> None:
-    """The MatMul's output replaces the scale node's, which goes (its name stays on the
-    MatMul, so -node-precision-info and reports still find it)."""
-    replace_value(scale.node.outputs[0], matmul.outputs[0])
-    matmul.meta[FUSED_NODES_KEY] = (
-        *fused_node_names(matmul),
-        scale.node.name or scale.node.op_type,
-    )
-    graph.remove(scale.node, safe=True)
-
-
-# -- range check ----------------------------------------------------------------------------
-
-
-class CheckFp16RangePass(GraphPass):
-    name = "check-fp16-range"
-
-    def __init__(self, scope: Fp16Scope) -> None:
-        super().__init__()
-        self.scope = scope
-        self.bounds: dict[str, float] = {}
-        """Node -> the bound of its result, for every float16 node checked."""
-        self.warnings: list[dict[str, Any]] = []
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        ranges = _Ranges()
-        self.bounds = {}
-        for node in model.graph:
-            bound = ranges.visit(node)
-            if bound is not None and self.scope.covers(node):
-                self.bounds[node.name or node.op_type] = bound
-        unsafe = {name: b for name, b in self.bounds.items() if b > FP16_MAX}
-        self.warnings = [_range_warning(unsafe)] if unsafe else []
-        for warning in self.warnings:
-            log.warning("%s", warning["message"])
-        return ir.passes.PassResult(model, modified=False)
-
-
-def _range_warning(unsafe: dict[str, float]) -> dict[str, Any]:
-    nodes = list(unsafe)
-    listed = ", ".join(f"{name} (up to {bound:.3g})" for name, bound in unsafe.items())
-    fix = NODE_PRECISION_FIX.format(", ".join(nodes))
-    return {
-        "code": "fp16_range",
-        "message": f"convert-to-fp16: float16's range (+-{FP16_MAX:g}) is not guaranteed at "
-        f"{len(nodes)} node(s): {listed}: the largest result the known ranges of their "
-        "inputs allow (constants, Softmax/LayerNormalization/Sigmoid/Tanh outputs...) "
-        "exceeds it",
-        "nodes": nodes,
-        "suggestion": "if a run gives inf or NaN there (the run names the node), keep them in "
-        f"float32: {fix}",
-    }
+LINEAR_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+"""Ops that move values without changing them (and commute with a scale)."""
 
 
 _TYPE_RANGES: dict[ir.DataType, Interval] = {
@@ -355,7 +75,7 @@ ACCUMULATING = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ReduceSum"
 """Ops whose result can outgrow every operand: the ones checked."""
 
 
-class _Ranges:
+class ValueRanges:
     """Interval bounds of float values, None where nothing is known."""
 
     def __init__(self) -> None:
@@ -457,7 +177,7 @@ def _mul(a: Interval, b: Interval) -> Interval:
     return (min(products), max(products))
 
 
-def _binary(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _binary(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     if len(node.inputs) != 2:
         return None
     a, b = ranges.of(node.inputs[0]), ranges.of(node.inputs[1])
@@ -475,7 +195,7 @@ def _binary(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return _mul(a, (1.0 / b[1], 1.0 / b[0]))
 
 
-def _unary(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _unary(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     x = ranges.of(node.inputs[0]) if node.inputs else None
     if x is None:
         return None
@@ -500,7 +220,7 @@ def _unary(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return None
 
 
-def _cast(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _cast(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     source = node.inputs[0] if node.inputs else None
     if source is None:
         return None
@@ -509,7 +229,7 @@ def _cast(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return ranges.of(source) if source.dtype in _FLOATS else None
 
 
-def _clip(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _clip(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     x = ranges.of(node.inputs[0]) if node.inputs else None
     lo, hi = -math.inf, math.inf
     if "min" in node.attributes:
@@ -530,7 +250,7 @@ def _clip(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return (lo, hi)
 
 
-def _pad(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _pad(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     x = ranges.of(node.inputs[0]) if node.inputs else None
     if x is None:
         return None
@@ -546,7 +266,7 @@ def _pad(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return (min(x[0], fill), max(x[1], fill))
 
 
-def _layer_norm(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _layer_norm(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     """|normalized| <= sqrt(N - 1) over N elements (Samuelson), then scale and bias."""
     dims = static_dims(node.inputs[0])
     gamma = ranges.of(node.inputs[1]) if len(node.inputs) > 1 else None
@@ -561,7 +281,7 @@ def _layer_norm(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return _add(_mul(_symmetric(math.sqrt(max(count - 1, 1))), gamma), beta)
 
 
-def _matmul(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _matmul(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     a_value, b_value = node.inputs[0], node.inputs[1]
     if a_value is None or b_value is None:
         return None
@@ -595,7 +315,7 @@ def _rows_sum_to_one(producer: ir.Node | None) -> bool:
     return dims is not None and axis % len(dims) == len(dims) - 1
 
 
-def _gemm(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _gemm(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     a, b_value = ranges.of(node.inputs[0]), node.inputs[1]
     if a is None or b_value is None:
         return None
@@ -625,7 +345,7 @@ def _gemm(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return _symmetric(bound)
 
 
-def _conv(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _conv(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     """Per output channel, the sum of |w| over what it reads times the input's magnitude,
     plus the bias. Conv weights are [M, C/g, k...]: output channel m reads all of w[m].
     ConvTranspose weights are [C, M/g, k...]: an output gathers at most every tap of every
@@ -657,7 +377,7 @@ def _conv(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return _symmetric(bound)
 
 
-def _reduce_sum(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _reduce_sum(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     x = ranges.of(node.inputs[0]) if node.inputs else None
     dims = static_dims(node.inputs[0]) if node.inputs else None
     out = static_dims(node.outputs[0])
@@ -667,7 +387,7 @@ def _reduce_sum(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return (count * x[0], count * x[1])
 
 
-def _batch_norm(ranges: _Ranges, node: ir.Node) -> Interval | None:
+def _batch_norm(ranges: ValueRanges, node: ir.Node) -> Interval | None:
     if len(node.inputs) < 5:
         return None
     x = ranges.of(node.inputs[0])
@@ -681,7 +401,7 @@ def _batch_norm(ranges: _Ranges, node: ir.Node) -> Interval | None:
     return _symmetric(_magnitude(x) * float(np.abs(scale).max()) + float(np.abs(shift).max()))
 
 
-_HANDLERS: dict[str, Callable[[_Ranges, ir.Node], Interval | None]] = {
+_HANDLERS: dict[str, Callable[[ValueRanges, ir.Node], Interval | None]] = {
     "Add": _binary,
     "Sub": _binary,
     "Mul": _binary,
