@@ -348,3 +348,27 @@ def test_a_bfloat16_boundary_raises_an_old_model_to_opset_13(tmp_path):
     ours = np.asarray(run_qpc(result.qpc_path, {"x": x})["y"], np.float32)
     np.testing.assert_allclose(ours, run_ort(model, {"x": x})[0], rtol=1e-2, atol=1e-2)
     result.cleanup()
+
+
+def test_an_old_model_scaled_attention_folds_into_valid_operators_under_fp16():
+    """fold-matmul-scale inserts a Mul (opset 7+) where the scale cannot go into constants."""
+    nodes = [
+        oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        oh.make_node("MatMul", ["q", "kt"], ["s"]),
+        oh.make_node("Div", ["s", "d"], ["y"]),
+    ]
+    inits = {"d": np.array(np.sqrt(80.0), np.float32)}
+    model = _model(nodes, [("q", [1, 4, 80]), ("k", [1, 4, 80])], [("y", [1, 4, 4])], inits, 9)
+    proto = after_passes(model, "-convert-to-fp16")
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 9
+    assert [n.op_type for n in proto.graph.node if n.op_type != "Cast"] == [
+        "Transpose",
+        "Div",
+        "MatMul",
+    ]
+    onnx.checker.check_model(proto, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {n: (rng.normal(0, 20, (1, 4, 80)) + 60).astype(np.float32) for n in ("q", "k")}
+    (ours,) = run_ort(proto, feeds, optimize=False)
+    (ref,) = run_ort(model, feeds)
+    np.testing.assert_allclose(ours, ref, rtol=1e-2)

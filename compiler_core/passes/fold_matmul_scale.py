@@ -32,7 +32,7 @@ from compiler_core.passes.base import (
     replace_value,
     static_dims,
 )
-from compiler_core.passes.convert_precision import KEEP_FP32, Fp16Scope
+from compiler_core.passes.convert_precision import FP16_ROUNDS_TO_ZERO, KEEP_FP32, Fp16Scope
 from compiler_core.passes.value_ranges import LINEAR_MOVES
 
 log = logging.getLogger(__name__)
@@ -188,16 +188,16 @@ def _plan_constants(reader: ir.Node, slot: int, scale: _Scale, plan: _Plan) -> b
 
 
 def _scaled(array: np.ndarray, scale: _Scale) -> np.ndarray | None:
-    """`array` times the scale, rounded once; None when float16 would flush to 0 a value it
-    holds unscaled (the fold would lose it)."""
+    """`array` times the scale: one correctly rounded float32 operation per value, as the
+    scale node computed it; None when float16 would flush to 0 a value it holds unscaled
+    (the fold would lose it)."""
     if array.dtype != np.float32:
         return None
-    wide = array.astype(np.float64)
-    constant = float(np.asarray(const_array(scale.constant)).reshape(()))
-    result = (wide * constant if scale.op == "Mul" else wide / constant).astype(np.float32)
-    with np.errstate(over="ignore"):
-        lost = (result.astype(np.float16) == 0) & (array.astype(np.float16) != 0)
-    return None if bool(lost.any()) else result
+    constant = np.asarray(const_array(scale.constant), np.float32).reshape(())
+    result = array * constant if scale.op == "Mul" else array / constant
+    # 2^-25 itself rounds to 0 too (a tie, to even)
+    lost = (np.abs(result) <= FP16_ROUNDS_TO_ZERO) & (np.abs(array) > FP16_ROUNDS_TO_ZERO)
+    return None if bool(lost.any()) else result.astype(np.float32, copy=False)
 
 
 def _replace_constant(
