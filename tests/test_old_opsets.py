@@ -372,3 +372,26 @@ def test_an_old_model_scaled_attention_folds_into_valid_operators_under_fp16():
     (ours,) = run_ort(proto, feeds, optimize=False)
     (ref,) = run_ort(model, feeds)
     np.testing.assert_allclose(ours, ref, rtol=1e-2)
+
+
+def test_a_bfloat16_boundary_raises_before_fusion_so_fused_steps_read_the_new_opset(tmp_path):
+    """Conv + Clip-6 (bounds as attributes) fused into one kernel: the Clip is converted to
+    its opset-13 form (bounds as inputs) before fusion records it."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        oh.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+        oh.make_node("Clip", ["c"], ["y"], min=-0.5, max=0.7),
+    ]
+    inits = {
+        "w": rng.normal(0, 0.5, (4, 3, 3, 3)).astype(np.float32),
+        "b": rng.normal(0, 0.1, (4,)).astype(np.float32),
+    }
+    model = _model(nodes, [("x", [1, 3, 8, 8])], [("y", [1, 4, 8, 8])], inits, 9)
+    (tmp_path / "io.yaml").write_text("- IOName: y\n  Precision: bfloat16\n")
+    result = compile_model(model, [f"-custom-IO-list-file={tmp_path / 'io.yaml'}"])
+    (conv,) = [k for k in result.program.kernels if k.info.op_type == "Conv"]
+    assert conv.info.opset == 13 and [(e.op_type, e.opset) for e in conv.epilogue] == [("Clip", 13)]
+    x = rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32)
+    ours = np.asarray(run_qpc(result.qpc_path, {"x": x})["y"], np.float32)
+    np.testing.assert_allclose(ours, run_ort(model, {"x": x})[0], rtol=1e-2, atol=1e-2)
+    result.cleanup()

@@ -15,13 +15,13 @@ import onnx_ir as ir
 from compiler_core.custom_io import FLAG, CustomIO
 from compiler_core.errors import CompileError
 from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
-from compiler_core.passes.raise_opset import raise_opset
 
 log = logging.getLogger(__name__)
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 BFLOAT16_CAST_OPSET = 13
-"""Cast converts to and from bfloat16 from opset 13; an older model is raised to it."""
+"""Cast converts to and from bfloat16 from opset 13: the pipeline raises an older model to it
+before epilogue fusion (`compiler_core.passes.raise_opset.RaiseOpsetPass`)."""
 
 
 class ApplyCustomIOPass(GraphPass):
@@ -33,8 +33,6 @@ class ApplyCustomIOPass(GraphPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        if any(entry.precision == "bfloat16" for entry in self.entries):
-            raise_opset(model, BFLOAT16_CAST_OPSET, "a bfloat16 boundary Cast")
         names = NameScope(graph)
         inputs = {v.name or "": v for v in graph.inputs}
         outputs = {v.name or "": i for i, v in enumerate(graph.outputs)}

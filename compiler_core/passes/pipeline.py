@@ -9,7 +9,7 @@ from typing import Protocol
 
 from compiler_core.custom_io import load_custom_io
 from compiler_core.node_precision import NodePrecision, load_node_precision
-from compiler_core.passes.apply_custom_io import ApplyCustomIOPass
+from compiler_core.passes.apply_custom_io import BFLOAT16_CAST_OPSET, ApplyCustomIOPass
 from compiler_core.passes.base import GraphPass
 from compiler_core.passes.canonicalize import CanonicalizePass
 from compiler_core.passes.check_fp16_range import CheckFp16RangePass
@@ -24,6 +24,7 @@ from compiler_core.passes.fold_matmul_scale import FoldMatMulScalePass
 from compiler_core.passes.fold_qdq import FoldQDQPass
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
 from compiler_core.passes.quantize import QuantizePass, QuantSettings
+from compiler_core.passes.raise_opset import RaiseOpsetPass
 
 
 class PipelineOptions(Protocol):
@@ -64,6 +65,7 @@ PASS_NAMES = (
     FoldBatchNormIntoConvPass.name,
     QuantizePass.name,
     FoldQDQPass.name,
+    RaiseOpsetPass.name,
     FoldMatMulScalePass.name,
     CheckFp16RangePass.name,
     FuseEpiloguePass.name,
@@ -77,12 +79,13 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     """Fresh pass instances for one compile (passes hold per-run results such as warnings).
 
     Folding runs again after BatchNorm folding because folding creates new constants; epilogue
-    fusion comes after every rewrite that expects plain ONNX, float16's range is looked after
-    before it (a scale folds out of a MatMul before fusion makes it the MatMul's epilogue);
-    precision conversion last, so
-    that it sees the final constants (folded weights are clipped once, after folding); the
-    boundary precisions of `-custom-IO-list-file` after that, so they replace its boundary
-    Casts rather than add to them.
+    fusion comes after every rewrite that expects plain ONNX and after raising an old model's
+    opset for a bfloat16 boundary Cast (fusion records each step at the model's opset);
+    float16's range is looked after before it (a scale folds out of a MatMul before fusion
+    makes it the MatMul's epilogue); precision conversion last, so that it sees the final
+    constants (folded weights are clipped once, after folding); the boundary precisions of
+    `-custom-IO-list-file` after that, so they replace its boundary Casts rather than add to
+    them.
     """
     passes: list[GraphPass] = [
         CanonicalizePass(),
@@ -103,6 +106,9 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
         assert path is not None
         passes.append(QuantizePass(read_profile(path, flag), QuantSettings.from_options(options)))
     passes.append(FoldQDQPass(keep_float=keep))
+    custom_io = load_custom_io(options.custom_io_list_file) if options.custom_io_list_file else []
+    if any(entry.precision == "bfloat16" for entry in custom_io):
+        passes.append(RaiseOpsetPass(BFLOAT16_CAST_OPSET, "a bfloat16 boundary Cast"))
     precision = (
         load_node_precision(options.node_precision_info) if options.node_precision_info else None
     )
@@ -119,7 +125,7 @@ def graph_pipeline(options: PipelineOptions) -> list[GraphPass]:
     elif precision is not None and precision.fp16:
         passes.append(ConvertToFp16Pass(only=precision.fp16))
     if options.custom_io_list_file:
-        passes.append(ApplyCustomIOPass(load_custom_io(options.custom_io_list_file)))
+        passes.append(ApplyCustomIOPass(custom_io))
     passes.append(EliminateDeadCodePass())
     return passes
 

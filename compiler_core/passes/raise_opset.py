@@ -24,7 +24,13 @@ import onnx.version_converter
 import onnx_ir as ir
 
 from compiler_core.errors import CompileError
-from compiler_core.passes.base import NameScope, add_initializer, has_subgraph, model_opset
+from compiler_core.passes.base import (
+    GraphPass,
+    NameScope,
+    add_initializer,
+    has_subgraph,
+    model_opset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,23 @@ element types (the body is converted node by node, the op itself needs nothing).
 COERCED_2D = frozenset({"Softmax", "LogSoftmax", "Hardmax"})
 """Before opset 13 these flatten to 2-D around `axis`; over the last axis that is the same as
 the opset-13 definition, so such a node needs no Flatten/Reshape around it."""
+
+
+class RaiseOpsetPass(GraphPass):
+    """Raise the model to `target` for operators a later pass writes. In the pipeline it runs
+    before epilogue fusion, which records each fused step at the model's opset."""
+
+    name = "raise-opset"
+
+    def __init__(self, target: int, reason: str) -> None:
+        super().__init__()
+        self.target = target
+        self.reason = reason
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        before = model_opset(model)
+        raise_opset(model, self.target, self.reason)
+        return ir.passes.PassResult(model, modified=model_opset(model) != before)
 
 
 def raise_opset(model: ir.Model, target: int, reason: str) -> int:
