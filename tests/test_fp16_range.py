@@ -354,3 +354,34 @@ def test_a_constant_that_the_scale_would_flush_to_zero_is_left_and_the_activatio
     assert [k[1] for k in ops if k[0] == "Mul"] == [("dense/mul_0",)], ops
     assert next(k for k in ops if k[0] == "MatMul")[1] == ("dense", "scale")
     result.cleanup()
+
+
+def normed_scores(sigma: float, hidden: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """LayerNormalization, then q = n Wq, k = n Wk and q k^T: |n| <= sqrt(64) = 8, so every
+    score is at most (8 |Wq|_F)(8 |Wk|_F) = (512 sigma)^2 (Cauchy-Schwarz), where intervals
+    would allow 64 |q|max |k|max, some 40x more."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "gamma": np.ones(hidden, np.float32),
+        "beta": np.zeros(hidden, np.float32),
+        "wq": rng.normal(0, sigma, (hidden, hidden)).astype(np.float32),
+        "wk": rng.normal(0, sigma, (hidden, hidden)).astype(np.float32),
+    }
+    nodes = [
+        oh.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], axis=-1, name="ln"),
+        oh.make_node("MatMul", ["n", "wq"], ["q"], name="q_proj"),
+        oh.make_node("MatMul", ["n", "wk"], ["k"], name="k_proj"),
+        oh.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="k_t"),
+        oh.make_node("MatMul", ["q", "kt"], ["y"], name="scores"),
+    ]
+    return _model(nodes, {"x": [1, SEQ, hidden]}, {"y": [1, SEQ, SEQ]}, inits)
+
+
+def test_attention_scores_after_a_layer_norm_are_bounded_by_vector_norms():
+    quiet = compile_model(normed_scores(0.4), ["-convert-to-fp16"])  # <= 41,943
+    assert range_warning(quiet) is None
+    quiet.cleanup()
+    flagged = compile_model(normed_scores(0.6), ["-convert-to-fp16"])  # <= 94,372
+    warning = range_warning(flagged)
+    assert warning is not None and warning["nodes"] == ["scores"]
+    flagged.cleanup()

@@ -5,7 +5,9 @@ whatever their input (Sigmoid, Tanh, Softmax, Erf, LayerNormalization...). Carri
 arithmetic (Add, Mul, Div by what cannot be 0, Relu, Clip...), data movement and pooling
 (within their input's range) and products: a MatMul/Gemm/Conv with constant weights is
 bounded by its input's magnitude times its largest sum of absolute weights over one output;
-a MatMul of Softmax rows by the magnitude of its other operand. A float graph input, and
+a MatMul of Softmax rows by the magnitude of its other operand; a MatMul of two activations
+whose vector norms are known (`VectorNorm`: after a LayerNormalization and constant
+projections) by the product of the norms (Cauchy-Schwarz). A float graph input, and
 whatever only it determines, is unknown (None). The checked ops (`ACCUMULATING`) report their
 bound.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -75,12 +78,31 @@ ACCUMULATING = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "ReduceSum"
 """Ops whose result can outgrow every operand: the ones checked."""
 
 
+@dataclass(frozen=True)
+class VectorNorm:
+    """Every vector of a value along `axis` (counted from the end) has an L2 norm of at most
+    `bound`. With `squares` (the last axis only): the vectors are y @ W + `bias` with
+    |y| <= `source`, so a slice S of one has a norm of at most
+    source * sqrt(sum(squares[S])) + |bias[S]| (`squares`: W's squared column norms, so that
+    sqrt(sum) is the Frobenius norm of W[:, S], at least its spectral norm)."""
+
+    axis: int
+    bound: float
+    source: float = 0.0
+    squares: np.ndarray | None = None
+    bias: np.ndarray | None = None
+
+
 class ValueRanges:
     """Interval bounds of float values, None where nothing is known."""
 
     def __init__(self) -> None:
         self.known: dict[int, Interval | None] = {}
         self.abs_sums: dict[tuple[int, str], float] = {}
+        self.norms: dict[int, VectorNorm] = {}
+        self.squares: dict[int, np.ndarray] = {}
+        """Vector norm bounds: what bounds a product of two activations (attention scores
+        |q . k| <= |q| |k|) far tighter than elementwise intervals."""
 
     def of(self, value: ir.Value | None) -> Interval | None:
         if value is None:
@@ -111,6 +133,11 @@ class ValueRanges:
             found = self._union(node)
         elif handler is not None:
             found = handler(self, node)
+        norm = _NORM_RULES[node.op_type](self, node) if node.op_type in _NORM_RULES else None
+        if norm is not None and node.outputs:
+            self.norms[id(node.outputs[0])] = norm
+        if node.op_type == "MatMul":
+            found = _narrower(found, self._cauchy_schwarz(node))
         for out in node.outputs:
             if out.dtype in _FLOATS:
                 self.known[id(out)] = found
@@ -119,6 +146,16 @@ class ValueRanges:
         if node.op_type in ACCUMULATING and found is not None:
             return _magnitude(found)
         return None
+
+    def _cauchy_schwarz(self, node: ir.Node) -> float | None:
+        """|A row . B column| <= |A row| |B column| when both norms are known."""
+        a, b = node.inputs[0], node.inputs[1]
+        if a is None or b is None:
+            return None
+        a_norm, b_norm = self.norms.get(id(a)), self.norms.get(id(b))
+        if a_norm is None or b_norm is None or a_norm.axis != -1 or b_norm.axis != -2:
+            return None
+        return a_norm.bound * b_norm.bound
 
     def _union(self, node: ir.Node) -> Interval | None:
         floats = [v for v in node.inputs if v is not None and v.dtype in _FLOATS]
@@ -144,9 +181,23 @@ class ValueRanges:
             # a sum of n terms rounds by at most (n - 1) units of 2^-24 of it (float32)
             slack = 1.0 + (array.size // max(sums.size, 1)) * float(np.finfo(array.dtype).eps)
             self.abs_sums[cache] = float(sums.max()) * slack if sums.size else 0.0
+            if array.ndim == 2 and key == "columns":  # read once for the norm rule too
+                self.squares[id(value)] = _column_squares(array)
             del array, sums
             release_mapping(tensor)
         return self.abs_sums[cache]
+
+    def column_squares(self, value: ir.Value) -> np.ndarray | None:
+        """The squared L2 norm of each column of a 2-D constant (rounded up)."""
+        if id(value) not in self.squares:
+            tensor = value.const_value
+            array = const_array(value)
+            if array is None or array.ndim != 2 or array.dtype.kind != "f":
+                return None
+            self.squares[id(value)] = _column_squares(array)
+            del array
+            release_mapping(tensor)
+        return self.squares[id(value)]
 
 
 def _const_interval(value: ir.Value) -> Interval | None:
@@ -425,4 +476,117 @@ _HANDLERS: dict[str, Callable[[ValueRanges, ir.Node], Interval | None]] = {
     "ConvTranspose": _conv,
     "ReduceSum": _reduce_sum,
     "BatchNormalization": _batch_norm,
+}
+
+
+def _narrower(found: Interval | None, bound: float | None) -> Interval | None:
+    if bound is None:
+        return found
+    if found is None:
+        return _symmetric(bound)
+    return (max(found[0], -bound), min(found[1], bound))
+
+
+def _norm_layer_norm(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    """The normalized vector n has sum(n^2) = N var / (var + eps) <= N; then scale and bias."""
+    dims = static_dims(node.inputs[0])
+    gamma = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+    if dims is None or gamma is None or not dims:
+        return None
+    attr = node.attributes.get("axis")
+    if (attr.as_int() if attr is not None else -1) % len(dims) != len(dims) - 1:
+        return None
+    beta = const_array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+    if len(node.inputs) > 2 and node.inputs[2] is not None and beta is None:
+        return None
+    shift = float(np.linalg.norm(np.broadcast_to(beta, (dims[-1],)))) if beta is not None else 0.0
+    scale = float(np.abs(gamma).max()) if gamma.size else 0.0
+    return VectorNorm(-1, scale * math.sqrt(dims[-1]) + shift)
+
+
+def _norm_matmul(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    """y @ W (W constant, 2-D): |slice S of y W| <= |y| |W[:, S]|_F."""
+    y, w = ranges.norms.get(id(node.inputs[0])), node.inputs[1]
+    if y is None or y.axis != -1 or w is None or w.const_value is None:
+        return None
+    squares = ranges.column_squares(w)
+    if squares is None:
+        return None
+    return VectorNorm(-1, y.bound * math.sqrt(float(squares.sum())), y.bound, squares)
+
+
+def _column_squares(array: np.ndarray) -> np.ndarray:
+    squares = np.square(array).sum(axis=0).astype(np.float64)
+    return squares * (1.0 + (array.shape[0] + 1) * float(np.finfo(array.dtype).eps))
+
+
+def _norm_add(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    """y @ W + b, b a constant vector over the last axis."""
+    for index in (0, 1):
+        x = ranges.norms.get(id(node.inputs[index]))
+        bias = const_array(node.inputs[1 - index])
+        if x is None or x.squares is None or bias is None or bias.dtype.kind != "f":
+            continue
+        length = x.squares.shape[0]
+        if bias.size not in (1, length) or (bias.size > 1 and bias.shape[-1] != length):
+            return None
+        total = (x.bias if x.bias is not None else 0.0) + np.broadcast_to(
+            bias.reshape(-1).astype(np.float64), (length,)
+        )
+        bound = x.source * math.sqrt(float(x.squares.sum())) + float(np.linalg.norm(total))
+        return VectorNorm(-1, bound, x.source, x.squares, total)
+    return None
+
+
+def _norm_mul(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    """A vector times a scalar constant."""
+    for index in (0, 1):
+        x = ranges.norms.get(id(node.inputs[index]))
+        factor = const_array(node.inputs[1 - index])
+        if x is None or factor is None or factor.size != 1 or factor.dtype.kind != "f":
+            continue
+        c = float(factor.reshape(()))
+        bias = x.bias * c if x.bias is not None else None
+        return VectorNorm(x.axis, x.bound * abs(c), x.source * abs(c), x.squares, bias)
+    return None
+
+
+def _norm_reshape(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    """The last axis kept, or split into heads: each head's slice bounded on its own."""
+    x = ranges.norms.get(id(node.inputs[0]))
+    before, after = static_dims(node.inputs[0]), static_dims(node.outputs[0])
+    if x is None or x.axis != -1 or before is None or after is None or not before or not after:
+        return None
+    if after[-1] == before[-1] and math.prod(after[:-1]) == math.prod(before[:-1]):
+        return x
+    if len(after) < 2 or after[:-2] != before[:-1] or after[-2] * after[-1] != before[-1]:
+        return None
+    if x.squares is None:
+        return VectorNorm(-1, x.bound)  # a slice is no longer than the vector
+    heads = x.squares.reshape(after[-2], after[-1]).sum(axis=1)
+    bias = x.bias if x.bias is not None else np.zeros(before[-1])
+    shifts = np.linalg.norm(bias.reshape(after[-2], after[-1]), axis=1)
+    return VectorNorm(-1, float((x.source * np.sqrt(heads) + shifts).max()))
+
+
+def _norm_transpose(ranges: ValueRanges, node: ir.Node) -> VectorNorm | None:
+    x = ranges.norms.get(id(node.inputs[0]))
+    dims = static_dims(node.inputs[0])
+    if x is None or dims is None:
+        return None
+    attr = node.attributes.get("perm")
+    perm = list(attr.as_ints()) if attr is not None else list(reversed(range(len(dims))))
+    where = perm.index(len(dims) + x.axis) - len(dims)
+    if where == -1:
+        return VectorNorm(-1, x.bound, x.source, x.squares, x.bias)
+    return VectorNorm(where, x.bound)
+
+
+_NORM_RULES: dict[str, Callable[[ValueRanges, ir.Node], VectorNorm | None]] = {
+    "LayerNormalization": _norm_layer_norm,
+    "MatMul": _norm_matmul,
+    "Add": _norm_add,
+    "Mul": _norm_mul,
+    "Reshape": _norm_reshape,
+    "Transpose": _norm_transpose,
 }
