@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class CheckFp16RangePass(GraphPass):
+    """Warn `fp16_range` of the float16 nodes in `scope` whose result may pass 65504."""
+
     name = "check-fp16-range"
 
     def __init__(self, scope: Fp16Scope) -> None:

@@ -61,6 +61,8 @@ class _Plan:
 
 
 class FoldMatMulScalePass(GraphPass):
+    """Move a float16 MatMul's down-scale onto an operand (see the module's docstring)."""
+
     name = "fold-matmul-scale"
 
     def __init__(self, scope: Fp16Scope) -> None:
