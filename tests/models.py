@@ -117,10 +117,10 @@ OVERFLOW_INPUTS = {"x": np.ones((1, OVERFLOW_WIDTH), np.float32)}
 def overflowing_model(with_mask_branch: bool = False) -> onnx.ModelProto:
     """x @ W (W = 5000): 80,000 with x = 1, past float16's 65,504; scaled by 1e-4 into a
     Softmax, whose +inf inputs make NaN. The scale is a per-column vector: a scalar one the
-    compile folds into W (compiler_core/passes/fp16_range.py), and nothing would overflow.
-    With the mask branch, an earlier kernel turns finite
-    inputs into -inf (Log of 0, as an attention mask does) that its Softmax turns back into
-    zeros: not the cause, and not blamed."""
+    compile folds into W (compiler_core/passes/fold_matmul_scale.py) and nothing overflows.
+    With the mask branch, an earlier kernel turns finite inputs into -inf (Log of 0, as an
+    attention mask does) that its Softmax turns back into zeros: not the cause, and not
+    blamed."""
     nodes = []
     inits = [
         numpy_helper.from_array(np.full((OVERFLOW_WIDTH, OVERFLOW_WIDTH), 5000.0, np.float32), "W"),
