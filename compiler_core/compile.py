@@ -415,6 +415,8 @@ def _lower(
         reporter = ProgressReporter(lambda _name, f: stages.report("graph-passes", f))
         run_passes(ir_model, passes, timing=timing, progress=reporter)
         require_static_shapes(ir_model)
+        opsets = ir_model.opset_imports  # quantizing raises an old model's opset
+        imported.opset = opsets.get("", opsets.get("ai.onnx", imported.opset))
     with stages.stage("lower"):
         config = config_from(opts, opts.device)
         if not policy.k_splits:

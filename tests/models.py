@@ -116,13 +116,15 @@ OVERFLOW_INPUTS = {"x": np.ones((1, OVERFLOW_WIDTH), np.float32)}
 
 def overflowing_model(with_mask_branch: bool = False) -> onnx.ModelProto:
     """x @ W (W = 5000): 80,000 with x = 1, past float16's 65,504; scaled by 1e-4 into a
-    Softmax, whose +inf inputs make NaN. With the mask branch, an earlier kernel turns finite
-    inputs into -inf (Log of 0, as an attention mask does) that its Softmax turns back into
-    zeros: not the cause, and not blamed."""
+    Softmax, whose +inf inputs make NaN. The scale is a per-column vector: a scalar one the
+    compile folds into W (compiler_core/passes/fold_matmul_scale.py) and nothing overflows.
+    With the mask branch, an earlier kernel turns finite inputs into -inf (Log of 0, as an
+    attention mask does) that its Softmax turns back into zeros: not the cause, and not
+    blamed."""
     nodes = []
     inits = [
         numpy_helper.from_array(np.full((OVERFLOW_WIDTH, OVERFLOW_WIDTH), 5000.0, np.float32), "W"),
-        numpy_helper.from_array(np.array(1e-4, np.float32), "s"),
+        numpy_helper.from_array(np.full((OVERFLOW_WIDTH,), 1e-4, np.float32), "s"),
     ]
     if with_mask_branch:
         z = np.zeros((OVERFLOW_WIDTH, OVERFLOW_WIDTH), np.float32)

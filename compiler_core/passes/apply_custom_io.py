@@ -19,6 +19,9 @@ from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_t
 log = logging.getLogger(__name__)
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+BFLOAT16_CAST_OPSET = 13
+"""Cast converts to and from bfloat16 from opset 13: the pipeline raises an older model to it
+before epilogue fusion (`compiler_core.passes.raise_opset.RaiseOpsetPass`)."""
 
 
 class ApplyCustomIOPass(GraphPass):

@@ -55,6 +55,10 @@ class NameScope:
                     names.add(value.name)
         self._names = names
 
+    def reserve(self, name: str) -> None:
+        """Count `name` as taken (a name from outside the main graph's own values)."""
+        self._names.add(name)
+
     def fresh(self, hint: str) -> str:
         name = hint
         counter = 1

@@ -33,9 +33,32 @@ FP16_ROUNDS_TO_ZERO = 2.0**-25
 NODE_PRECISION_FIX = "-node-precision-info with FP32NodeInstanceNames: [{}]"
 FLOAT = ir.DataType.FLOAT
 FLOAT16 = ir.DataType.FLOAT16
+KEEP_FP32 = "qpc.keep_fp32"
+"""Node meta set by a pass that keeps the node in float32 whatever the options say
+(`compiler_core.passes.fold_matmul_scale`: a MatMul whose scale is too small to fold)."""
 
 FLOAT32_ONLY_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
 """(op type, input index) slots whose type the ONNX spec fixes to float32."""
+
+
+@dataclass(frozen=True)
+class Fp16Scope:
+    """Which nodes the precision pass computes in float16: every node but `fp32` (names)
+    under `-convert-to-fp16`, else the nodes named in `fp16` or of an op type in `types`."""
+
+    everything: bool
+    fp32: frozenset[str] = frozenset()
+    fp16: frozenset[str] = frozenset()
+    types: frozenset[str] = frozenset()
+
+    def covers(self, node: ir.Node) -> bool:
+        if node.meta.get(KEEP_FP32) or node.domain not in ("", "ai.onnx"):
+            return False
+        labels = {node.name or "", *fused_node_names(node), *(v.name or "" for v in node.outputs)}
+        if self.everything:
+            return not labels & self.fp32
+        return node.op_type in self.types or bool(labels & self.fp16)
+
 
 DTYPE_ATTR_OPS = frozenset(
     {"EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike"}
@@ -85,7 +108,7 @@ class ConvertToFp16Pass(GraphPass):
             kept = find_nodes(graph, self.keep_fp32, "FP32NodeInstanceNames")
             convert = lambda node: node not in kept  # noqa: E731
         original = set(graph)
-        converting = {node for node in original if convert(node)}
+        converting = {node for node in original if convert(node) and not node.meta.get(KEEP_FP32)}
         kept_fp32 = _float32_only_initializers(graph)
         risks = _Risks()
         converted = 0
@@ -191,9 +214,7 @@ def _readers(constants: dict[str, list[str]]) -> list[str]:
     return list(dict.fromkeys(n for readers in constants.values() for n in readers))
 
 
-def _precision_warning(
-    code: str, message: str, nodes: list[str], advice: str
-) -> dict[str, Any]:
+def _precision_warning(code: str, message: str, nodes: list[str], advice: str) -> dict[str, Any]:
     fix = NODE_PRECISION_FIX.format(", ".join(nodes)) if nodes else "-node-precision-info"
     return {"code": code, "message": message, "nodes": nodes, "suggestion": f"{advice} {fix}"}
 

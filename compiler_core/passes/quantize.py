@@ -31,6 +31,7 @@ import onnx_ir as ir
 from compiler_core.ops.registry import REGISTRY
 from compiler_core.passes.base import GraphPass, NameScope, add_initializer, model_opset
 from compiler_core.passes.fold_qdq import MOVE_OPS, NOT_LUT, _activation_tail, _const, bias_add
+from compiler_core.passes.raise_opset import raise_opset
 from compiler_core.quant.profile import Profile, TensorStats
 from compiler_core.quant.ranges import abs_histogram, side_histogram, threshold
 
@@ -41,6 +42,10 @@ BINARY = frozenset({"Add", "Sub", "Mul"})
 POOL = frozenset({"GlobalAveragePool", "ReduceMean", "AveragePool"})
 WORST = 5
 """Nodes the quantization-loss warning names."""
+QDQ_OPSET = {"Int8": 13, "Int16": 21}
+"""The first opset whose QuantizeLinear/DequantizeLinear take what this pass writes: `axis`
+(per-channel weights and int32 biases) from 13, 16-bit codes from 21. A model importing less
+is raised to it first (`compiler_core.passes.raise_opset`)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ class QuantizePass(GraphPass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
+        target = QDQ_OPSET.get(self.settings.precision, QDQ_OPSET["Int8"])
+        raise_opset(model, target, f"{self.settings.precision} QuantizeLinear/DequantizeLinear")
         self.graph = graph
         self.names = NameScope(graph)
         self.opset = model_opset(model)
