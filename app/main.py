@@ -101,7 +101,10 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
         upgrade_database,
         wait_for_database,
     )
+    from qpcfarm.app.services import describer
+    from qpcfarm.app.services.limits import check_limits
 
+    describer.configure(check_limits(settings))  # the upload checkers' limits
     wait_for_database(settings.database_url)
     engine = make_engine(settings.database_url)
     upgrade_database(engine)
