@@ -233,7 +233,9 @@ class _Progress:
     started: float = field(default_factory=time.monotonic)
     lines: list[str] = field(default_factory=list)
     _stage: str | None = None
+    _fraction: float = 0.0
     _written: float = 0.0
+    _written_stage: str | None = None
     _polled: float = 0.0
 
     def __call__(self, stage: str, fraction: float) -> None:
@@ -244,12 +246,16 @@ class _Progress:
         if changed:
             self.note(f"stage {stage}")
             self._stage = stage
+        self._fraction = fraction
         since = now - self._written
         if since >= self.interval or (changed and since >= STAGE_WRITE_GAP_S):
-            self._written = now
-            if report_progress(self.session, self.job, stage, fraction):
-                raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
+            self._write(now)
         self.check()
+
+    def _write(self, now: float) -> None:
+        self._written, self._written_stage = now, self._stage
+        if report_progress(self.session, self.job, self._stage, self._fraction):
+            raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
 
     @property
     def stage(self) -> str | None:
@@ -266,6 +272,8 @@ class _Progress:
         cancel flag every `CANCEL_POLL_S` (a pass may run for minutes without a report)."""
         self.check()
         now = time.monotonic()
+        if self._stage != self._written_stage and now - self._written >= STAGE_WRITE_GAP_S:
+            self._write(now)  # a stage held back by the write gap: the row names it now
         if now - self._polled >= CANCEL_POLL_S:
             self._polled = now
             if self._cancel_requested():

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import AuthenticationString  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ def _child_main(conn: Connection, memory_bytes: int | None, parent: int) -> None
             # a cancel that crossed the compile's last report: that compile is over already
             continue
         model_path, options_json, tmp_dir = request
+        conn.send(("started",))  # the time limit counts from here, not from the imports
 
         def progress(stage: str, fraction: float) -> None:
             conn.send(("progress", stage, fraction))
@@ -151,6 +153,21 @@ def memory_limit_error(limits: Limits) -> CompileError:
     )
 
 
+def allow_children() -> None:
+    """Let this process start its compile child although multiprocessing counts it as
+    daemonic (a Celery prefork child, the embedded mode's job process): such a process may
+    not have children only because it could not clean them up at exit, and the compile
+    child cleans up after itself (it exits when its parent is gone)."""
+    current = multiprocessing.current_process()
+    config = current._config  # type: ignore[attr-defined]
+    if config.get("daemon"):
+        config["daemon"] = False
+    # Celery's pool (billiard) gives its processes an authkey of its own type, which
+    # multiprocessing's spawn refuses to pickle: the same bytes in multiprocessing's type.
+    if not isinstance(config.get("authkey"), AuthenticationString):
+        config["authkey"] = AuthenticationString(bytes(current.authkey))
+
+
 class CompileProcess:
     """One child compiler process under `limits`, started on first use and replaced when it
     dies, is killed, or hit its memory limit."""
@@ -175,6 +192,7 @@ class CompileProcess:
     def _ensure(self) -> Connection:
         if self._process is None or not self._process.is_alive():
             self._kill()
+            allow_children()
             parent, child = self._ctx.Pipe()
             self._process = self._ctx.Process(
                 target=_child_main,
@@ -228,7 +246,7 @@ class CompileProcess:
         request = (str(model_path), options.to_json(full=True), str(tmp_dir) if tmp_dir else None)
         conn.send(request)
         self._busy = True
-        deadline = None if self.limits.time_s is None else time.monotonic() + self.limits.time_s
+        deadline: float | None = None
         stop: BaseException | None = None
         kill_at: float | None = None
         while True:
@@ -259,6 +277,10 @@ class CompileProcess:
                     raise stop from None
                 raise self._crashed(code) from None
             kind = message[0]
+            if kind == "started":
+                if self.limits.time_s is not None:
+                    deadline = time.monotonic() + self.limits.time_s
+                continue
             if kind == "progress":
                 if stop is None:
                     try:

@@ -100,10 +100,6 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
         os.nice(NICENESS)
     except OSError:  # not permitted here: same priority as the API
         pass
-    # Daemonic to the API (it ends with it), yet it must start its own compile child, which
-    # multiprocessing refuses to a daemonic process; that child watches this one and exits
-    # with it.
-    multiprocessing.current_process().daemon = False
     from pathlib import Path
 
     from qpcfarm.app.blobs.quarantine import recorder

@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -124,16 +125,29 @@ def configure(limits: Limits) -> None:
 def inspect_in_child(path: Path, filename: str | None, max_bytes: int, work: Path) -> Inspected:
     """`models.inspect_upload(path, filename, max_bytes, work)`, run in a checker process
     under the limits; its ServiceError is raised here as it would be in process."""
+    outcome = run_limited(_inspect, str(path), filename, max_bytes, str(work))
+    if outcome[0] == "ok":
+        return outcome[1]  # type: ignore[no-any-return]
+    _, code, message, status, detail = outcome
+    raise ServiceError(code, message, status, detail)
+
+
+def run_limited(function: Callable[..., tuple[Any, ...]], *args: Any) -> tuple[Any, ...]:
+    """`function(*args)` in a checker process under the limits: its result, unless a limit
+    stops it (ServiceError `model_check_limit`, the checker replaced: a `("memory",)` result
+    or a MemoryError says the memory limit stopped it) or its process dies twice
+    (`invalid_model`). `function` must be importable by name (a module's function)."""
     for attempt in (1, 2):
         slots = _get_slots()
         pool = slots.take()
         replace = True
         try:
-            future = pool.submit(_inspect, str(path), filename, max_bytes, str(work))
-            outcome = future.result(timeout=slots.limits.time_s)
+            outcome = pool.submit(function, *args).result(timeout=slots.limits.time_s)
             replace = outcome[0] == "memory"  # a fresh process after an exhausted one
         except FutureTimeout:
             raise time_limit_error(slots.limits) from None
+        except MemoryError:
+            raise memory_limit_error(slots.limits) from None
         except BrokenProcessPool:
             if attempt == 2:
                 raise ServiceError(
@@ -144,12 +158,9 @@ def inspect_in_child(path: Path, filename: str | None, max_bytes: int, work: Pat
             continue
         finally:
             slots.give_back(pool, replace=replace)
-        if outcome[0] == "ok":
-            return outcome[1]  # type: ignore[no-any-return]
         if outcome[0] == "memory":
             raise memory_limit_error(slots.limits)
-        _, code, message, status, detail = outcome
-        raise ServiceError(code, message, status, detail)
+        return outcome
     raise AssertionError("unreachable")
 
 
