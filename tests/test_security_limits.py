@@ -631,9 +631,10 @@ def test_embedded_serve_fails_a_compile_past_its_time_limit_and_runs_the_next(
 def test_farm_mode_cancels_a_stuck_compile_limits_memory_and_resends_what_the_broker_lost(
     tmp_path: Path,
 ) -> None:
-    """One Celery worker, a private Redis, requeue threshold 10 minutes: a compile stuck in a
-    pass is cancelled; a job whose message the broker lost in a restart runs at once; a
-    compile past the memory limit fails with it; the worker stays up throughout."""
+    """One Celery worker, a private Redis, requeue threshold 10 minutes: the folder of a job
+    killed earlier is removed; a compile stuck in a pass is cancelled; a job whose message
+    the broker lost in a restart runs at once; a compile past the memory limit fails with
+    it; the worker stays up throughout."""
     from tests.conftest import _postgres_problem, postgres_url
     from tests.service_helpers import (
         Api,
@@ -660,10 +661,14 @@ def test_farm_mode_cancels_a_stuck_compile_limits_memory_and_resends_what_the_br
             QPCFARM_COMPILE_MEMORY_LIMIT_MIB="1024",
             QPCFARM_WORK_DIR=str(tmp_path / "work"),
         )
+        holder, abandoned = hold_folder(tmp_path / "work")  # a job killed before this start
+        holder.kill()
+        holder.wait()
         with processes(tmp_path) as procs:
             api: Api = start_farm_api(procs, env, tmp_path)
             worker = procs.start("worker", ["worker"], env)
             wait_for_worker(worker)
+            wait_for(lambda: not abandoned.exists(), "the worker to remove the killed job's folder")
 
             stuck = api.submit(api.upload(stuck_model().SerializeToString())["id"], {})
             api.wait(stuck["id"], ("running",), timeout=SLACK_S)

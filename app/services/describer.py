@@ -56,13 +56,15 @@ class _Slots:
         self._cond = threading.Condition()
         self._closed = False
 
-    def take(self) -> ProcessPoolExecutor:
-        """A checker of its own for the caller (started when the slot has none)."""
+    def take(self) -> tuple[ProcessPoolExecutor, bool]:
+        """A checker of its own for the caller, and whether it is new (started because the
+        slot had none: its process still has to start and import the importer)."""
         with self._cond:
             self._cond.wait_for(lambda: bool(self._free) or self._closed)
             if self._closed:
                 raise RuntimeError("the upload checkers are shut down")
             pool = self._free.pop()
+            fresh = pool is None
             if pool is None:
                 pool = ProcessPoolExecutor(
                     1,
@@ -71,7 +73,7 @@ class _Slots:
                     initargs=(os.getpid(), self.limits.memory_bytes),
                 )
             self._busy.add(pool)
-            return pool
+            return pool, fresh
 
     def give_back(self, pool: ProcessPoolExecutor, *, replace: bool = False) -> None:
         """Return the caller's checker; `replace`: it is killed (or broken) and the slot
@@ -139,9 +141,11 @@ def run_limited(function: Callable[..., tuple[Any, ...]], *args: Any) -> tuple[A
     (`invalid_model`). `function` must be importable by name (a module's function)."""
     for attempt in (1, 2):
         slots = _get_slots()
-        pool = slots.take()
+        pool, fresh = slots.take()
         replace = True
         try:
+            if fresh:  # the limit counts the check, not the process's start and imports
+                pool.submit(_warm).result()
             outcome = pool.submit(function, *args).result(timeout=slots.limits.time_s)
             replace = outcome[0] == "memory"  # a fresh process after an exhausted one
         except FutureTimeout:
@@ -198,6 +202,13 @@ def _inspect(path: str, filename: str | None, max_bytes: int, work: str) -> tupl
         return ("error", exc.code, exc.message, exc.status, exc.detail)
     except MemoryError:
         return ("memory",)
+
+
+def _warm() -> int:
+    """In a new checker: import what a check needs."""
+    import qpcfarm.app.services.models  # noqa: F401
+
+    return os.getpid()
 
 
 def _get_slots() -> _Slots:
