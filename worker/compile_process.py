@@ -258,7 +258,7 @@ class CompileProcess:
                         self._kill()
                         assert stop is not None
                         raise stop
-                    if deadline is not None and now >= deadline:
+                    if stop is None and deadline is not None and now >= deadline:
                         self._kill()
                         log.warning("compile of %s stopped at its time limit", model_path)
                         raise time_limit_error(self.limits)
@@ -271,7 +271,10 @@ class CompileProcess:
                     continue
                 message = conn.recv()
             except (EOFError, OSError):
-                code = self._process.exitcode if self._process is not None else None
+                code = None
+                if self._process is not None:
+                    self._process.join(1)  # its pipe closes just before it is reaped
+                    code = self._process.exitcode
                 self._kill()
                 if stop is not None:
                     raise stop from None
