@@ -107,9 +107,12 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
         upgrade_database,
         wait_for_database,
     )
+    from qpcfarm.app.services import describer
+    from qpcfarm.app.services.limits import check_limits
 
     if settings.blob_store == "filesystem" or settings.is_sqlite:
         private_folder(Path(settings.data_dir))  # the embedded mode's home: 0700 when made
+    describer.configure(check_limits(settings))  # the upload checkers' limits
     wait_for_database(settings.database_url)
     engine = make_engine(settings.database_url)
     upgrade_database(engine)

@@ -3,7 +3,8 @@ themselves (Celery in the farm, threads in the embedded mode) live in `worker.qu
 API holds one through this protocol only.
 
 The API commits a job row, then enqueues its id. A failed enqueue is logged, not raised: the
-job is safely in the database and the sweep enqueues it again after `requeue_after_s`.
+job is safely in the database and the sweep enqueues it again after `requeue_after_s`, or at
+once when the broker comes back having lost its messages (`BrokerWatch`).
 """
 
 from __future__ import annotations
@@ -27,4 +28,15 @@ class JobQueue(Protocol):
 
     def ping(self) -> bool:
         """Whether jobs can be handed over now (readiness)."""
+        ...
+
+
+@runtime_checkable
+class BrokerWatch(Protocol):
+    """A queue over a broker that can lose its messages (a restart without persistence, a
+    flush): the sweep asks it each time whether that happened since it last asked."""
+
+    def broker_lost_messages(self) -> bool:
+        """True once per loss of the broker's data, to one caller across the farm (who then
+        enqueues every queued job again); False otherwise."""
         ...

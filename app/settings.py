@@ -102,6 +102,27 @@ class Settings(BaseSettings):
         """True when jobs run in the API process (no broker configured)."""
         return self.broker_url is None
 
+    # ---------------------------------------------------------------------------------
+    # Compile and upload-check limits (issue 26; `app.services.limits`, docs/security.md).
+    # Each compile and each upload check runs in a child process with an address-space
+    # limit (RLIMIT_AS) and a wall-clock deadline its parent enforces by killing it.
+    compile_memory_limit_mib: int | None = None
+    """Address-space limit of a compile's process, in MiB; None: 3/4 of the host's memory
+    (at least 2 GiB); 0: no limit. A compile over it fails `compile_memory_limit`."""
+    compile_time_limit_s: float | None = None
+    """Wall-clock limit of one compile; None: `job_time_limit_s` less the margin of Celery's
+    soft limit, so this limit (with its coded error) always comes first; 0: no limit."""
+    check_memory_limit_mib: int | None = None
+    """Address-space limit of an upload checker's process, in MiB (None, 0: as above). An
+    upload over it is refused 422 `model_check_limit`."""
+    check_time_limit_s: float = 600.0
+    """Wall-clock limit of one upload check (importer, ONNX checker, archive extraction);
+    0: no limit. An upload over it is refused 422 `model_check_limit`."""
+    work_dir: Path | None = None
+    """Where workers make each job's private folder (`worker.workdirs`); None: the system's
+    temporary folder's `qpcfarm-work`. Folders of killed jobs are removed at the next worker
+    start and by the sweep."""
+
 
 @lru_cache
 def get_settings() -> Settings:

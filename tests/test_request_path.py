@@ -140,8 +140,8 @@ def test_a_failed_lookup_is_not_shared_as_an_answer() -> None:
 def test_uploads_are_checked_in_a_describer_process(api: httpx.Client) -> None:
     good = api.post("/v1/models", files={"file": ("m.onnx", tiny_model_bytes(0.73))})
     assert good.status_code == 201 and good.json()["inputs"][0]["name"] == "x"
-    pids = describer._get_pool().submit(os.getpid).result()
-    assert pids != os.getpid()
+    pids = describer.checker_pids()
+    assert pids and os.getpid() not in pids
     bad = api.post("/v1/models", files={"file": ("m.onnx", b"not a model")})
     assert bad.status_code == 422 and bad.json()["code"] == "invalid_model"
 
@@ -150,18 +150,15 @@ def test_a_describer_that_dies_is_replaced_and_the_upload_still_answers(
     api: httpx.Client,
 ) -> None:
     assert api.post("/v1/models", files={"file": ("m.onnx", tiny_model_bytes(0.74))}).is_success
-    pool = describer._get_pool()
-    children = list(pool._processes.values())  # noqa: SLF001 - the test kills them
+    children = describer.checker_pids()
     assert children
-    for child in children:
-        assert child.pid is not None
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
 
     again = api.post("/v1/models", files={"file": ("m.onnx", tiny_model_bytes(0.75))})
 
     assert again.status_code == 201, again.text
-    assert describer._get_pool() is not pool
+    assert not set(describer.checker_pids()) & set(children)
 
 
 def test_the_describer_answers_a_refusal_with_the_importer_s_code(tmp_path: Path) -> None:

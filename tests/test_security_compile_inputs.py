@@ -578,9 +578,9 @@ def test_the_embedded_compile_process_confines_files_to_the_folder_it_is_given(
     bad = CompileOptions.from_flags([out, f"-custom-IO-list-file={secret}"])
     try:
         inside = ModelFolder.at(folder)
-        assert child.compile(folder / "model.onnx", good, lambda s, f: None, inside)
+        assert child.compile(folder / "model.onnx", good, lambda s, f: None, folder=inside)
         with pytest.raises(CompileError) as err:
-            child.compile(folder / "model.onnx", bad, lambda s, f: None, inside)
+            child.compile(folder / "model.onnx", bad, lambda s, f: None, folder=inside)
     finally:
         child.close()
     _refused(err, "file_outside_model", folder, given=str(secret))

@@ -4,14 +4,17 @@ the QPC and its report, or the structured error.
 Results are stored by content: a job run twice (a redelivered message, a re-claim after a
 dead worker) stores one QPC row per team and one blob. A cancel, or losing the job to another
 worker, stops the compile at its next progress report or heartbeat (the progress callback
-raises a private BaseException that no `except Exception` in the compiler swallows).
+raises a private BaseException that no `except Exception` in the compiler swallows); a
+compile in a child process (`worker.compile_process`) is also polled between reports, and
+killed when it does not stop, so a compile stuck inside one pass is stopped within seconds.
+The job works in a private folder (`worker.workdirs`) that is removed even if its process
+is killed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from qpcfarm.worker import claims
 from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
 from qpcfarm.worker.compile_process import CompileProcess
 from qpcfarm.worker.heartbeat import JobHeartbeat
+from qpcfarm.worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +210,9 @@ class _Stop(BaseException):
         self.cancelled = cancelled
 
 
+CANCEL_POLL_S = 1.0
+"""How often a compile in a child process reads its row's cancel flag between reports."""
+
 STAGE_WRITE_GAP_S = 0.1
 """A stage change is written at once unless the row was written less than this ago (then with
 the next report due): a small compile passes a dozen stages in 0.1 s, and each write is a
@@ -227,7 +234,10 @@ class _Progress:
     started: float = field(default_factory=time.monotonic)
     lines: list[str] = field(default_factory=list)
     _stage: str | None = None
+    _fraction: float = 0.0
     _written: float = 0.0
+    _written_stage: str | None = None
+    _polled: float = 0.0
 
     def __call__(self, stage: str, fraction: float) -> None:
         now = time.monotonic()
@@ -237,12 +247,16 @@ class _Progress:
         if changed:
             self.note(f"stage {stage}")
             self._stage = stage
+        self._fraction = fraction
         since = now - self._written
         if since >= self.interval or (changed and since >= STAGE_WRITE_GAP_S):
-            self._written = now
-            if report_progress(self.session, self.job, stage, fraction):
-                raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
+            self._write(now)
         self.check()
+
+    def _write(self, now: float) -> None:
+        self._written, self._written_stage = now, self._stage
+        if report_progress(self.session, self.job, self._stage, self._fraction):
+            raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
 
     @property
     def stage(self) -> str | None:
@@ -251,7 +265,20 @@ class _Progress:
 
     def check(self) -> None:
         if self.should_cancel is not None and self.should_cancel():
-            raise _Stop(cancelled=True)
+            # the heartbeat stopped: a cancel, or the job went to another worker
+            raise _Stop(cancelled=self._cancel_requested())
+
+    def poll(self) -> None:
+        """Between reports of a compile in a child: the heartbeat's stop, and the row's
+        cancel flag every `CANCEL_POLL_S` (a pass may run for minutes without a report)."""
+        self.check()
+        now = time.monotonic()
+        if self._stage != self._written_stage and now - self._written >= STAGE_WRITE_GAP_S:
+            self._write(now)  # a stage held back by the write gap: the row names it now
+        if now - self._polled >= CANCEL_POLL_S:
+            self._polled = now
+            if self._cancel_requested():
+                raise _Stop(cancelled=True)
 
     def _cancel_requested(self) -> bool:
         flag = self.session.execute(
@@ -273,13 +300,17 @@ def run_compile(
     *,
     progress_interval_s: float = 1.0,
     compiler: CompileProcess | None = None,
+    work_root: Path | None = None,
 ) -> CompileJob:
     """Compile a job this worker has claimed, from model blob to stored QPC and report.
 
     Progress goes to the job row (and to `progress_cb`); a cancel (the row's flag or
-    `should_cancel()`) stops the compile at its next progress report. Ends the job
-    succeeded, failed (a CompileError keeps its code, flag and node; anything else is
-    `internal_error`) or cancelled. A job that is not running is returned untouched. Commits.
+    `should_cancel()`) stops the compile at its next progress report, or, in `compiler`'s
+    child, within seconds whatever it is doing. Ends the job succeeded, failed (a
+    CompileError keeps its code, flag and node; a limit of `compiler` is
+    `compile_time_limit` or `compile_memory_limit`; anything else is `internal_error`) or
+    cancelled. The job's files live in a folder under `work_root` (`worker.workdirs`). A job
+    that is not running is returned untouched. Commits.
     """
     if job.status != JobStatus.running:
         return job
@@ -289,8 +320,7 @@ def run_compile(
         if model is None:
             raise CompileError("model_missing", f"model {job.model_id} no longer exists")
         options = CompileOptions.from_json(job.options)
-        with tempfile.TemporaryDirectory(prefix="qpcfarm-job-") as tmp:
-            work = Path(tmp)
+        with job_folder("compile", job.id, work_root) as work:
             try:
                 model_path = materialize_model(store, model, work)
             except BlobNotFound:
@@ -316,7 +346,7 @@ def run_compile(
                 aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
             )
             farm_options = _profile_in(farm_options, work)
-            result = _compile(model_path, farm_options, progress, compiler, folder)
+            result = _compile(model_path, farm_options, progress, compiler, work, folder)
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
@@ -367,10 +397,15 @@ def _compile(
     options: CompileOptions,
     progress: _Progress,
     compiler: Any,
+    work: Path,
     folder: ModelFolder,
 ) -> Any:
-    if compiler is not None:  # a process of its own (the embedded mode's worker threads)
-        return compiler.compile(model_path, options, progress, folder)
+    if compiler is not None:  # a process of its own, under the farm's limits
+        tmp = work / "tmp"
+        tmp.mkdir()
+        return compiler.compile(
+            model_path, options, progress, poll=progress.poll, tmp_dir=tmp, folder=folder
+        )
     from compiler_core.compile import compile_model  # heavy: loaded on the first compile
 
     return compile_model(model_path, options, progress=progress, model_folder=folder)

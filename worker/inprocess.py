@@ -8,7 +8,8 @@ in-memory SQLite) keeps jobs in the threads, with only the compile in a child.
 
 The queue lives in memory, so on start it re-enqueues from the database every job that
 is queued, and every running job whose heartbeat went stale (the process that ran it died):
-a restart loses nothing. With `sweep_interval_s` it also sweeps for itself (only it can run
+a restart loses nothing. It also removes the work folders that killed jobs left behind
+(`worker.workdirs`). With `sweep_interval_s` it also sweeps for itself (only it can run
 the embedded mode's jobs), re-taking jobs whose message was lost or whose thread died.
 """
 
@@ -18,12 +19,14 @@ import logging
 import queue
 import threading
 import uuid
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from qpcfarm.app.blobs import BlobStore
 from qpcfarm.app.db.session import session_scope
 from qpcfarm.app.queue import JobKind
+from qpcfarm.app.services.limits import Limits
 from qpcfarm.worker.claims import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_REQUEUE_AFTER_S,
@@ -35,6 +38,7 @@ from qpcfarm.worker.compile_process import CompileProcess
 from qpcfarm.worker.job_process import JobProcess, JobProcessConfig
 from qpcfarm.worker.runner import default_worker_name, process_job
 from qpcfarm.worker.sweep import JOB_TABLES, Sweeper
+from qpcfarm.worker.workdirs import remove_abandoned
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ class InProcessQueue:
         sweep_interval_s: float | None = None,
         isolate_compiles: bool = True,
         job_process: JobProcessConfig | None = None,
+        compile_limits: Limits | None = None,
+        work_root: Path | None = None,
     ) -> None:
         self._sessions = session_factory
         self._store = store
@@ -76,6 +82,10 @@ class InProcessQueue:
         self._job_config = job_process
         """Given: each thread runs whole jobs in a child process of its own, which opens the
         same database and store again (`worker.job_process`; `queue_from_settings` gives it)."""
+        self._compile_limits = compile_limits or (
+            job_process.compile_limits if job_process is not None else Limits()
+        )
+        self._work_root = work_root
 
     @property
     def isolated(self) -> bool:
@@ -86,6 +96,10 @@ class InProcessQueue:
         """Re-enqueue what the database says is pending, then start the threads."""
         if self._threads:
             return self
+        try:
+            remove_abandoned(self._work_root)
+        except OSError:  # a folder we may not remove: the sweep tries again
+            log.warning("could not remove abandoned work folders", exc_info=True)
         for item in self.recover():
             self._ids.put(item)
         for index in range(self._concurrency):
@@ -104,6 +118,7 @@ class InProcessQueue:
                 self._sweep_interval_s,
                 stale_after_s=self._stale_after_s,
                 requeue_after_s=self._requeue_after_s,
+                work_root=self._work_root,
             ).start()
         return self
 
@@ -169,7 +184,7 @@ class InProcessQueue:
             finally:
                 jobs.close()
             return
-        compiler = CompileProcess() if self._isolate else None
+        compiler = CompileProcess(self._compile_limits) if self._isolate else None
         try:
             self._serve(worker_name, compiler, None)
         finally:
@@ -198,6 +213,7 @@ class InProcessQueue:
                     worker_name=worker_name,
                     heartbeat_s=self._heartbeat_s,
                     stale_after_s=self._stale_after_s,
+                    work_root=self._work_root,
                 )
             except Exception:  # a database outage: the sweep re-enqueues the job later
                 log.exception("%s %s: worker error; the sweep will retry it", kind, job_id)

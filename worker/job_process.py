@@ -6,7 +6,9 @@ hashing the QPC, reading its requirements back, recording the result: measured u
 of submits, that work held more than half of the API process's GIL time besides the compile.
 So each worker thread owns one child process (spawned once, reused, at a lower CPU priority)
 that runs `worker.runner.process_job` with its own database engine and blob store, exactly as
-a Celery worker would; the thread only hands it job ids and waits.
+a Celery worker would; the thread only hands it job ids and waits. The compile itself runs one
+level further down, in the job process's own `CompileProcess` under the farm's memory and
+time limits, as in a Celery worker.
 
 The job row stays the truth: the child claims, beats and finishes the job through the
 database, and a cancel reaches it there. A child that dies mid-job (a crash, the OOM killer)
@@ -34,6 +36,7 @@ from sqlalchemy.orm import Session
 
 from qpcfarm.app.blobs import BlobStore
 from qpcfarm.app.queue import JobKind
+from qpcfarm.app.services.limits import Limits, compile_limits
 
 if TYPE_CHECKING:
     from qpcfarm.app.settings import Settings
@@ -57,6 +60,10 @@ class JobProcessConfig:
     through a pool of its own, as in the API)."""
     heartbeat_s: float
     stale_after_s: float
+    compile_limits: Limits = Limits()
+    """The limits of the job process's compile child (`app.services.limits`)."""
+    work_root: str | None = None
+    """Where job folders go (`worker.workdirs`; None: the default)."""
 
 
 def config_for(settings: Settings, store: BlobStore) -> JobProcessConfig | None:
@@ -77,7 +84,13 @@ def config_for(settings: Settings, store: BlobStore) -> JobProcessConfig | None:
     else:
         return None
     return JobProcessConfig(
-        settings.database_url, kind, root, settings.heartbeat_s, settings.stale_after_s
+        settings.database_url,
+        kind,
+        root,
+        settings.heartbeat_s,
+        settings.stale_after_s,
+        compile_limits(settings),
+        None if settings.work_dir is None else str(settings.work_dir),
     )
 
 
@@ -87,6 +100,8 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
         os.nice(NICENESS)
     except OSError:  # not permitted here: same priority as the API
         pass
+    from pathlib import Path
+
     from qpcfarm.app.blobs.quarantine import recorder
     from qpcfarm.app.db.session import make_engine, make_session_factory
     from qpcfarm.worker.runner import process_job
@@ -105,6 +120,10 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
         blob_engine = make_engine(config.database_url, **BLOB_POOL)
         blob_sessions = make_session_factory(blob_engine)
         store = DatabaseBlobStore(blob_sessions, on_quarantine=recorder(blob_sessions))
+    from qpcfarm.worker.compile_process import CompileProcess
+
+    compiler = CompileProcess(config.compile_limits).start()
+    work_root = None if config.work_root is None else Path(config.work_root)
     conn.send(("ready",))
     while True:
         try:
@@ -120,6 +139,8 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
                 worker_name=worker_name,
                 heartbeat_s=config.heartbeat_s,
                 stale_after_s=config.stale_after_s,
+                compiler=compiler if kind == "compile" else None,
+                work_root=work_root,
             )
             conn.send(("done", None if status is None else status.value))
         except Exception as exc:  # noqa: BLE001 - a database outage: the sweep retries the job

@@ -13,7 +13,6 @@ import datetime as dt
 import io
 import json
 import logging
-import tempfile
 import uuid
 import warnings
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from qpcfarm.app.services.errors import internal_error_message
 from qpcfarm.worker import claims
 from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
 from qpcfarm.worker.heartbeat import JobHeartbeat
+from qpcfarm.worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +67,17 @@ def heartbeat(
     return JobHeartbeat(session_factory, ProfileJob, job.id, job.worker, interval_s)
 
 
-def run_profile(session: Session, store: BlobStore, job: ProfileJob) -> ProfileJob:
+def run_profile(
+    session: Session, store: BlobStore, job: ProfileJob, work_root: Path | None = None
+) -> ProfileJob:
     """Run a profile this worker has claimed and store its results; ends the job succeeded
     or failed (a CompileError keeps its code, e.g. `stats_level_too_low` or `bad_inputs`;
-    anything else is `internal_error`). A job not running is returned untouched. Commits."""
+    anything else is `internal_error`). Its files live in a folder under `work_root`
+    (`worker.workdirs`). A job not running is returned untouched. Commits."""
     if job.status != JobStatus.running:
         return job
     try:
-        results = _profile(session, store, job)
+        results = _profile(session, store, job, work_root)
         now = utcnow()
         session.execute(
             update(ProfileJob)
@@ -98,7 +101,9 @@ def run_profile(session: Session, store: BlobStore, job: ProfileJob) -> ProfileJ
     return job
 
 
-def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, Any]:
+def _profile(
+    session: Session, store: BlobStore, job: ProfileJob, work_root: Path | None
+) -> dict[str, Any]:
     from compiler_core.profiling import opstats
     from compiler_core.qpc.container import load_qpc
     from compiler_core.runtime import QpcSession
@@ -107,8 +112,7 @@ def _profile(session: Session, store: BlobStore, job: ProfileJob) -> dict[str, A
     qpc = session.get(Qpc, job.qpc_id)
     if qpc is None:
         raise CompileError("qpc_missing", f"QPC {job.qpc_id} no longer exists")
-    with tempfile.TemporaryDirectory(prefix="qpcfarm-profile-") as tmp:
-        work = Path(tmp)
+    with job_folder("profile", job.id, work_root) as work:
         try:
             with verified_path(
                 store, qpc.sha256, work, "programqpc.bin", found_by="profile"

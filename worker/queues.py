@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BROKER_EPOCH_KEY = "qpcfarm:broker-epoch"
+"""The Redis key holding the run_id of the broker the farm's messages were sent to."""
+
 
 class CeleryQueue:
     """Sends `qpcfarm.compile(id)` or `qpcfarm.profile(id)` through the Celery broker of
@@ -46,6 +49,22 @@ class CeleryQueue:
                 "could not enqueue %s %s; the sweep will retry", kind, job_id, exc_info=True
             )
 
+    def broker_lost_messages(self) -> bool:
+        """Whether the Redis broker restarted or lost its keys since any sweeper last looked
+        (`app.queue.BrokerWatch`). The broker's epoch is its `run_id` (new at every start),
+        kept under `BROKER_EPOCH_KEY`: a restart changes the run_id, a flush removes the key.
+        GETSET makes exactly one sweeper of the farm see each change. Other brokers: False
+        (the requeue threshold covers them)."""
+        with self._app.connection_for_write() as connection:
+            if connection.transport.driver_type != "redis":
+                return False
+            client = connection.default_channel.client
+            run_id = str(client.info("server")["run_id"])
+            previous = client.getset(BROKER_EPOCH_KEY, run_id)
+        if isinstance(previous, bytes):
+            previous = previous.decode()
+        return previous != run_id
+
     def ping(self) -> bool:
         try:
             with self._app.connection_for_write() as connection:
@@ -67,6 +86,7 @@ def queue_from_settings(
     again). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
         return CeleryQueue(settings)
+    from qpcfarm.app.services.limits import compile_limits
     from qpcfarm.worker.inprocess import InProcessQueue
     from qpcfarm.worker.job_process import config_for
     from qpcfarm.worker.sweep import sweep_interval
@@ -80,4 +100,6 @@ def queue_from_settings(
         requeue_after_s=settings.requeue_after_s,
         sweep_interval_s=sweep_interval(settings),
         job_process=config_for(settings, store),
+        compile_limits=compile_limits(settings),
+        work_root=settings.work_dir,
     ).start()

@@ -15,6 +15,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -64,13 +65,15 @@ def process_job(
     max_attempts: int = MAX_ATTEMPTS,
     progress_cb: compile_jobs.ProgressCallback | None = None,
     compiler: CompileProcess | None = None,
+    work_root: Path | None = None,
 ) -> JobStatus | None:
     """Claim and run job `job_id` of `kind` (None: looked up); returns its final status, or
     None when this call did not get the job (unknown, finished, cancelled, or running on a
     live worker).
 
-    With `compiler`, a compile runs in that child process instead of this one (the
-    embedded mode's worker threads share the API's process). Transient database errors
+    With `compiler`, a compile runs in that child process, under its limits, instead of
+    this one (every worker passes one; tests may compile in process). The job's files live
+    in a private folder under `work_root` (`worker.workdirs`). Transient database errors
     while claiming propagate (the Celery task retries them); every
     error of the work itself ends the job `failed` with a structured error.
     """
@@ -80,7 +83,7 @@ def process_job(
             kind = kind_of(session, job_id)
         if kind == "profile":
             return _profile(session, job_id, session_factory, store, worker_name, heartbeat_s,
-                            stale_after_s, max_attempts)  # fmt: skip
+                            stale_after_s, max_attempts, work_root)  # fmt: skip
         job = compile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
         if job is None:
             log.info("job %s: not claimable (finished, cancelled or taken); skipped", job_id)
@@ -99,6 +102,7 @@ def process_job(
                 beat.stop_requested,
                 progress_interval_s=progress_interval_s,
                 compiler=compiler,
+                work_root=work_root,
             )
         log.info("job %s: %s", job_id, job.status.value)
         return job.status
@@ -122,6 +126,7 @@ def _profile(
     heartbeat_s: float,
     stale_after_s: float,
     max_attempts: int,
+    work_root: Path | None,
 ) -> JobStatus | None:
     job = profile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
     if job is None:
@@ -133,6 +138,6 @@ def _profile(
         return job.status
     log.info("profile %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
     with profile_jobs.heartbeat(session_factory, job, heartbeat_s):
-        profile_jobs.run_profile(session, store, job)
+        profile_jobs.run_profile(session, store, job, work_root)
     log.info("profile %s: %s", job_id, job.status.value)
     return job.status

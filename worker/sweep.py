@@ -5,6 +5,11 @@ The broker only carries job ids; the database says which jobs still need a worke
 heartbeat). Any number of sweepers may run (every API process, optionally every Celery worker):
 `stale_jobs` stamps what it returns so the next sweep leaves it alone for a while, and a
 duplicate message is harmless because `claim` is conditional.
+
+A broker that comes back without its messages (a Redis restart without persistence, a flush)
+is noticed by the next sweep (`app.queue.BrokerWatch`), which then enqueues every queued job
+at once instead of waiting `requeue_after_s` for each (workers would idle meanwhile). Each
+sweep also removes the work folders of killed jobs (`worker.workdirs`).
 """
 
 from __future__ import annotations
@@ -13,19 +18,24 @@ import datetime as dt
 import logging
 import threading
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from qpcfarm.app.db.base import utcnow
 from qpcfarm.app.db.models import CompileJob, ProfileJob
 from qpcfarm.app.db.session import session_scope
-from qpcfarm.app.queue import JobKind
+from qpcfarm.app.queue import BrokerWatch, JobKind
 from qpcfarm.worker.claims import (
     DEFAULT_REQUEUE_AFTER_S,
     DEFAULT_STALE_AFTER_S,
     JobTable,
+    queued_ids,
     stale_ids,
 )
+from qpcfarm.worker.workdirs import remove_abandoned
 
 if TYPE_CHECKING:
     from qpcfarm.app.queue import JobQueue
@@ -65,6 +75,34 @@ def sweep_once(
     return [job_id for _, job_id in found]
 
 
+def requeue_if_broker_lost(
+    session_factory: sessionmaker[Session], queue: JobQueue
+) -> list[uuid.UUID]:
+    """When `queue`'s broker lost its messages since the last look (`BrokerWatch`), enqueue
+    every queued job again now (oldest first), stamped as enqueued; returns their ids."""
+    if not isinstance(queue, BrokerWatch) or not queue.broker_lost_messages():
+        return []
+    found: list[tuple[JobKind, uuid.UUID]] = []
+    now = utcnow()
+    with session_scope(session_factory) as session:
+        for kind, table in JOB_TABLES.items():
+            ids = queued_ids(session, table)
+            if ids:
+                session.execute(
+                    update(table).where(table.id.in_(ids)).values(enqueued_at=now),
+                    execution_options={"synchronize_session": False},
+                )
+            found += [(kind, job_id) for job_id in ids]
+    log.warning(
+        "the broker came back without its messages (restarted or flushed); enqueueing the "
+        "%d queued job(s) again",
+        len(found),
+    )
+    for kind, job_id in found:
+        queue.enqueue(job_id, kind)
+    return [job_id for _, job_id in found]
+
+
 def advance_sweeps(session_factory: sessionmaker[Session], queue: JobQueue) -> int:
     """Move every running configurator sweep on (`services.sweeps.advance`): an optimize
     sweep nobody is reading still reaches its next round, and a sweep whose API process
@@ -94,8 +132,10 @@ class Sweeper:
         *,
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
+        work_root: Path | None = None,
     ) -> None:
         self._sessions = session_factory
+        self._work_root = work_root
         self._queue = queue
         self._interval = interval_s
         self._stale_after_s = stale_after_s
@@ -115,6 +155,14 @@ class Sweeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            try:
+                requeue_if_broker_lost(self._sessions, self._queue)
+            except Exception:  # the broker is away: asked again at the next interval
+                log.warning("could not reach the broker to check its epoch", exc_info=True)
+            try:
+                remove_abandoned(self._work_root)
+            except OSError:
+                log.warning("could not remove abandoned work folders", exc_info=True)
             try:
                 sweep_once(
                     self._sessions,
@@ -141,4 +189,5 @@ def start_sweeper(
         interval_s if interval_s is not None else sweep_interval(settings),
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
+        work_root=settings.work_dir,
     ).start()

@@ -3,8 +3,11 @@
 
 The message carries only the id; the task re-reads the row and the logic lives in the
 runner. Only named transient database errors are retried (with backoff); any other error of
-a compile is stored on the job by the runner. Database engines and the blob store are built
-per process on first use (a prefork child never reuses its parent's connections).
+a compile is stored on the job by the runner. Database engines, the blob store and the
+compile child (`worker.compile_process`: compiles run there, under the farm's memory and
+time limits, never in the Celery process itself) are built per process on first use (a
+prefork child never reuses its parent's connections or children). A worker's start removes
+the work folders that killed jobs left behind (`worker.workdirs`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
     from qpcfarm.app.blobs import BlobStore
     from qpcfarm.app.settings import Settings
+    from qpcfarm.worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +45,12 @@ class _Resources:
     pid: int
     session_factory: Callable[[], Session]
     store: BlobStore
+    compiler: CompileProcess
 
 
 class ProcessResources:
-    """The database session factory and blob store of the current process, rebuilt after a
-    fork (Celery's prefork children each get their own connections)."""
+    """The database session factory, blob store and compile child of the current process,
+    rebuilt after a fork (Celery's prefork children each get their own)."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -62,18 +67,33 @@ class ProcessResources:
     def _build(self, pid: int) -> _Resources:
         from qpcfarm.app.blobs import blob_store_from_settings
         from qpcfarm.app.db.session import make_engine, make_session_factory
+        from qpcfarm.app.services.limits import compile_limits
+        from qpcfarm.worker.compile_process import CompileProcess
 
         factory = make_session_factory(make_engine(self._settings.database_url))
-        return _Resources(pid, factory, blob_store_from_settings(self._settings, factory))
+        return _Resources(
+            pid,
+            factory,
+            blob_store_from_settings(self._settings, factory),
+            CompileProcess(compile_limits(self._settings)).start(),
+        )
 
 
 def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
     """Add one task per kind of job to `app` (`qpcfarm.compile`, `qpcfarm.profile`); returns
     them by kind. A compile task given a profile's id (a message from before the kinds had
     tasks of their own) looks the kind up."""
+    from celery import signals
+
     from qpcfarm.worker.runner import default_worker_name, process_job
+    from qpcfarm.worker.workdirs import remove_abandoned
 
     resources = ProcessResources(settings)
+
+    def clean_work_folders(**_: Any) -> None:
+        remove_abandoned(settings.work_dir)
+
+    signals.worker_init.connect(clean_work_folders, weak=False, dispatch_uid="qpcfarm-workdirs")
 
     def make(kind: JobKind) -> Any:
         @app.task(
@@ -101,6 +121,8 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
                 kind=None if kind == "compile" else kind,
                 heartbeat_s=settings.heartbeat_s,
                 stale_after_s=settings.stale_after_s,
+                compiler=current.compiler,
+                work_root=settings.work_dir,
             )
             return None if status is None else status.value
 

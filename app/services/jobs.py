@@ -324,8 +324,9 @@ def list_jobs(
 
 
 def cancel(session: Session, team: Team, job: CompileJob) -> CompileJob:
-    """Cancel a job: a queued one at once; a running one is flagged and its worker stops it
-    at its next progress report. A finished job cannot be cancelled (409). Caller commits."""
+    """Cancel a job: a queued one at once; a running one is flagged and its worker, which
+    reads the flag every second, stops it within seconds (killing its compile process if it
+    does not stop). A finished job cannot be cancelled (409). Caller commits."""
     if job.team_id != team.id:
         raise not_found("job", job.id)
     now = utcnow()
