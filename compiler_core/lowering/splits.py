@@ -12,7 +12,7 @@ until the network's weights fit the room left for them.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import itertools
 import math
@@ -324,7 +324,7 @@ class SplitChooser:
         if shared is None:
             shared = self._priced[key] = self._price(ks, parts, plain, cycles)
             shared.key = key
-        return dataclasses.replace(shared, moves={})
+        return _fresh(shared)
 
     # ------------------------------------------------------------------------- K splits
 
@@ -347,7 +347,7 @@ class SplitChooser:
                 except CompileError as exc:  # its partials do not fit VTCM: no K split
                     if exc.code != "vtcm_overflow":
                         raise
-        return [dataclasses.replace(c, moves={}) for c in shared]
+        return [_fresh(c) for c in shared]
 
     def _k_candidate(self, ks: KernelSplit, sig: Hashable, slices: int, cores: int) -> _Candidate:
         """A K split into `slices` priced: the slowest core's partial product, then the NoC
@@ -471,21 +471,41 @@ class SplitChooser:
         by_core: dict[int, list[TileSpec]] = {}
         resident: dict[int, dict[int, list[Box]]] = {}
         dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
+        kinds = ks.kinds
+        weights = [i for i, kind in enumerate(kinds) if kind == "constant" and i not in req.indexed]
         for t, c in zip(tiles, cycles, strict=True):
-            by_core.setdefault(t.core, []).append(t)
-            compute[t.core] = compute.get(t.core, 0.0) + c
-            for i, box in enumerate(t.in_boxes):
-                if box is not None and ks.kinds[i] == "constant" and i not in req.indexed:
-                    resident.setdefault(i, {}).setdefault(t.core, []).append(box)
+            core = t.core
+            found = by_core.get(core)
+            if found is None:
+                by_core[core] = [t]
+                compute[core] = 0.0 + c
+            else:
+                found.append(t)
+                compute[core] += c
+            in_boxes = t.in_boxes
+            for i in weights:
+                if i >= len(in_boxes):
+                    break
+                box = in_boxes[i]
+                if box is not None:
+                    resident.setdefault(i, {}).setdefault(core, []).append(box)
         weight_bytes = 0
         distinct: set[tuple[int, Box]] = set()
         engine = 0
         for i, per_core in resident.items():
             worst = 0
+            dtype = dtypes[i]
             for boxes in per_core.values():
-                worst = max(worst, _bytes(bounding_box(boxes), dtypes[i]))
-                engine = max(engine, sum(_bytes(b, dtypes[i]) for b in set(boxes)))
-                distinct.update((i, b) for b in boxes)
+                unique = set(boxes)
+                if len(unique) == 1:
+                    (only,) = unique
+                    held = _bytes(only, dtype)
+                    worst = max(worst, held)
+                    engine = max(engine, held)
+                else:
+                    worst = max(worst, _bytes(bounding_box(boxes), dtype))
+                    engine = max(engine, sum(_bytes(b, dtype) for b in unique))
+                distinct.update((i, b) for b in unique)
             weight_bytes += worst
         streamed = sum(_bytes(b, dtypes[i]) for i, b in distinct)
         stream = max(streamed / self.ddr, engine / self.engine)
@@ -558,19 +578,31 @@ class SplitChooser:
         local = producer if kind == "chip" and not ks.reshaped[i] else None
         remote = 0
         pieces = 0
+        producer_ks = self.kernels[ks.producers[i]] if local is not None else ks
+        slot = ks.slots[i]
         for core, tiles in cand.by_core.items():
             held: list[Box] = []
             if local is not None:
-                held = self._held(local, self.kernels[ks.producers[i]], core, ks.slots[i])
+                held = self._held(local, producer_ks, core, slot)
             seen: set[Box] = set()
             for t in tiles:
                 box = t.in_boxes[i]
                 if box is None or box in seen:
                     continue
                 seen.add(box)
-                need = _volume(box)
+                need = 1
+                for a, b in box:
+                    need *= b - a
                 for p in held:
-                    need -= _overlap(box, p)
+                    # the overlap of `box` with what the core holds (inlined `_overlap`)
+                    n = 1
+                    for (a0, a1), (b0, b1) in zip(box, p, strict=True):
+                        d = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                        if d <= 0:
+                            n = 0
+                            break
+                        n *= d
+                    need -= n
                 if need > 0:
                     remote += need * size
                     pieces += 1
@@ -622,6 +654,13 @@ class SplitChooser:
             picked = best
         self.picked = picked
         return [list(c.tiles) for c in picked]
+
+
+def _fresh(shared: _Candidate) -> _Candidate:
+    """A kernel's own copy of a shared candidate: everything shared but its transfer prices."""
+    cand = copy.copy(shared)
+    cand.moves = {}
+    return cand
 
 
 def _busiest(tiles: list[TileSpec], cycles: list[float]) -> float:
