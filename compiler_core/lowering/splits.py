@@ -264,14 +264,16 @@ class SplitChooser:
             tiles *= p
             box.append((0, -(-d // p)))
         per_core = -(-tiles // self.cores(req))
-        tile = _tile_spec(req, tuple(box))
+        out_box = tuple(box)
+        # an HMX tile's cycles depend on its output box alone: its input boxes are not needed
+        in_boxes = () if ks.unit == "hmx" else _tile_spec(req, out_box).in_boxes
         cost = tile_cost(
             req.info,
             ks.unit,
             ks.macs,
             ks.epilogue,
-            tile.out_box,
-            tile.in_boxes,
+            out_box,
+            in_boxes,
             req.opdef,
             self.device,
         )
@@ -622,13 +624,13 @@ class SplitChooser:
         chosen: list[_Candidate | None] = [None] * len(self.kernels)
         total = 0
         for k, cands in enumerate(self.candidates):
-            best = min(
-                cands,
-                key=lambda c: (
-                    self._time(k, c, chosen) + min(price * c.resident, c.stream),
-                    c.resident,
-                ),
-            )
+            best = cands[0]
+            if len(cands) > 1:  # the first of the cheapest, as min() picks
+                lowest: tuple[float, int] | None = None
+                for c in cands:
+                    key = (self._time(k, c, chosen) + min(price * c.resident, c.stream), c.resident)
+                    if lowest is None or key < lowest:
+                        best, lowest = c, key
             chosen[k] = best
             if price * best.resident <= best.stream:
                 total += best.resident

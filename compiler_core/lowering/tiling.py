@@ -84,7 +84,15 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
     indexed = req.indexed
     ws = 0
     for i, b in enumerate(in_boxes):
-        ws += _nbytes(out_box if indexed and i in indexed else b, dtypes[i])
+        if indexed and i in indexed:
+            b = out_box
+        d = dtypes[i]
+        if b is None or d is None:
+            continue
+        n = _itemsize(d)
+        for start, stop in b:
+            n *= stop - start
+        ws += (n + ALIGN - 1) // ALIGN * ALIGN
     outs = output_boxes(req.opdef, info, out_box)
     for b, d in zip(outs, info.out_dtypes, strict=True):
         ws += _nbytes(b, d)
@@ -185,8 +193,10 @@ def tiles_of(req: TilingRequest, parts: dict[int, int]) -> list[TileSpec]:
         _check_fits(req, tile.working_set)
         return [tile]
     tiles = [_tile(req, b) for b in _tiles_for(req, parts)]
+    budget = req.budget
     for t in tiles:
-        _check_fits(req, t.working_set)
+        if t.working_set > budget:
+            _check_fits(req, t.working_set)
     return tiles
 
 
