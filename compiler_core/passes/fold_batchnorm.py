@@ -170,7 +170,15 @@ def scaled_weight(weight: ir.TensorProtocol, scale: np.ndarray, dtype: np.dtype)
         # other compilers fold, and a fraction of the time of an fp64 round trip.
         work = np.float32 if dtype == np.float16 else dtype
         factor = scale.reshape(-1, *trailing).astype(work)
-        result = np.multiply(source, factor, dtype=work).astype(dtype, copy=False)
+        if source.dtype == work and source.flags.aligned:
+            product = np.multiply(source, factor)
+        else:
+            # weights read in place from the model file are often unaligned, and numpy then
+            # multiplies through small buffers (several copies per element): one aligned copy,
+            # then the product in place, is the same arithmetic at half the cost
+            product = np.array(source, dtype=work)
+            np.multiply(product, factor, out=product)
+        result = product.astype(dtype, copy=False)
         del source
         release_mapping(weight)  # unmap the source pages now that they are read
         return ir.tensor(result)
