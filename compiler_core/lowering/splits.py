@@ -501,9 +501,9 @@ class SplitChooser:
                 unique = set(boxes)
                 if len(unique) == 1:
                     (only,) = unique
-                    held = _bytes(only, dtype)
-                    worst = max(worst, held)
-                    engine = max(engine, held)
+                    nbytes = _bytes(only, dtype)
+                    worst = max(worst, nbytes)
+                    engine = max(engine, nbytes)
                 else:
                     worst = max(worst, _bytes(bounding_box(boxes), dtype))
                     engine = max(engine, sum(_bytes(b, dtype) for b in unique))
