@@ -492,11 +492,12 @@ class SplitChooser:
                 if box is not None:
                     resident.setdefault(i, {}).setdefault(core, []).append(box)
         weight_bytes = 0
-        distinct: set[tuple[int, Box]] = set()
+        streamed = 0
         engine = 0
         for i, per_core in resident.items():
             worst = 0
             dtype = dtypes[i]
+            distinct: set[Box] = set()
             for boxes in per_core.values():
                 unique = set(boxes)
                 if len(unique) == 1:
@@ -507,9 +508,9 @@ class SplitChooser:
                 else:
                     worst = max(worst, _bytes(bounding_box(boxes), dtype))
                     engine = max(engine, sum(_bytes(b, dtype) for b in unique))
-                distinct.update((i, b) for b in unique)
+                distinct |= unique
             weight_bytes += worst
-        streamed = sum(_bytes(b, dtypes[i]) for i, b in distinct)
+            streamed += sum(_bytes(b, dtype) for b in distinct)
         stream = max(streamed / self.ddr, engine / self.engine)
         held: dict[tuple[int, int], Box | None] = {}
         busiest = max(compute.values(), default=0.0)

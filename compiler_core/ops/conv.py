@@ -393,7 +393,7 @@ def conv_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
     w_shape = node.in_shapes[1]
     assert w_shape is not None
     # math.prod, not np.prod: the split chooser asks for thousands of tiles' HMX shapes
-    taps = int(math.prod(int(d) for d in w_shape[2:]))
+    taps = int(math.prod(w_shape[2:]))
     positions = shape[0] * int(math.prod(shape[2:]))
     groups = max(1, -(-shape[1] // out_per_group)) if group > 1 else 1
     channels = min(shape[1], out_per_group) if group > 1 else shape[1]
