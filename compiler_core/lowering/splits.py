@@ -176,6 +176,7 @@ class SplitChooser:
         self._priced: dict[Hashable, _Candidate] = {}
         self._moves: dict[Hashable, tuple[float, float]] = {}
         self._kshared: dict[Hashable, list[_Candidate]] = {}
+        self._factored: dict[Hashable, list[dict[int, int]]] = {}
         self._moved = [
             [
                 (i, ks.producers[i])
@@ -224,7 +225,12 @@ class SplitChooser:
         quick: list[tuple[float, int, dict[int, int]]] = []
         failure: CompileError | None = None
         for n in sorted(counts):
-            for parts in _factorizations(n, axes, limit):
+            # alike layers (same axes and limits) share the list: read-only
+            fkey = (n, tuple(axes), tuple(limit[a] for a in axes))
+            factored = self._factored.get(fkey)
+            if factored is None:
+                factored = self._factored[fkey] = _factorizations(n, axes, limit)
+            for parts in factored:
                 asked = tuple(sorted(parts.items()))
                 if asked in tried:
                     continue
