@@ -177,6 +177,7 @@ class SplitChooser:
         self._moves: dict[Hashable, tuple[float, float]] = {}
         self._kshared: dict[Hashable, list[_Candidate]] = {}
         self._factored: dict[Hashable, list[dict[int, int]]] = {}
+        self._signatures: dict[Hashable, int] = {}
         self._moved = [
             [
                 (i, ks.producers[i])
@@ -196,7 +197,9 @@ class SplitChooser:
     def _candidates(self, ks: KernelSplit) -> list[_Candidate]:
         """The cuts worth pricing in full; a kernel identical to an earlier one but for its
         name (ResNet's repeated blocks, a transformer's layers) reuses that one's cuts."""
-        sig = _signature(ks)
+        # alike kernels by a small number: the signature is a deep tuple, and every key of
+        # the chooser's caches (cuts, tiles, prices, transfers) starts with it
+        sig = self._signatures.setdefault(_signature(ks), len(self._signatures))
         cuts = self._cuts.get(sig)
         if cuts is None:
             cuts = self._cuts[sig] = self._cuts_of(ks)
