@@ -181,7 +181,7 @@ def scaled_weight(weight: ir.TensorProtocol, scale: np.ndarray, dtype: np.dtype)
         result = product.astype(dtype, copy=False)
         del source
         release_mapping(weight)  # unmap the source pages now that they are read
-        return ir.tensor(result)
+        return ir.Tensor(result)  # what ir.tensor makes of an array, without its protocol checks
 
     return ir.LazyTensor(compute, dtype=weight.dtype, shape=ir.Shape(weight.shape.numpy()))
 
@@ -195,7 +195,7 @@ def _set_input(
 ) -> None:
     """Give input `index` of `node` the constant `data`: in place when only this node reads
     the old initializer (so the old weights are freed at once), else as a new initializer."""
-    tensor = ir.tensor(data, name=name) if isinstance(data, np.ndarray) else data
+    tensor = ir.Tensor(data, name=name) if isinstance(data, np.ndarray) else data
     old = node.inputs[index]
     if (
         old is not None
