@@ -188,6 +188,8 @@ class SplitChooser:
         ]
         """Per kernel: the operands that may have to move, and their producers."""
         self.candidates = [self._candidates(k) for k in kernels]
+        self._times: list[dict[tuple[int, ...], list[float]]] = [{} for _ in kernels]
+        """Per kernel: its candidates' times by the ids of its operands' producers' cuts."""
 
     def cores(self, req: TilingRequest) -> int:
         return min(self.active or req.num_cores, req.num_cores)
@@ -636,9 +638,15 @@ class SplitChooser:
         for k, cands in enumerate(self.candidates):
             best = cands[0]
             if len(cands) > 1:  # the first of the cheapest, as min() picks
+                # a kernel's times depend only on its producers' cuts, mostly the same from
+                # one price to the next: kept per choice of producers
+                producers = tuple(id(chosen[s]) if s >= 0 else 0 for _, s in self._moved[k])
+                times = self._times[k].get(producers)
+                if times is None:
+                    times = self._times[k][producers] = [self._time(k, c, chosen) for c in cands]
                 lowest: tuple[float, int] | None = None
-                for c in cands:
-                    key = (self._time(k, c, chosen) + min(price * c.resident, c.stream), c.resident)
+                for c, t in zip(cands, times, strict=True):
+                    key = (t + min(price * c.resident, c.stream), c.resident)
                     if lowest is None or key < lowest:
                         best, lowest = c, key
             chosen[k] = best
