@@ -20,6 +20,7 @@ installing the wheel does (`byte_compile_packages`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -391,8 +392,11 @@ def warm_in_process(model: Path, out_dir: Path, cores: int, repeat: int) -> dict
         wall, cpu = _timed(ort_once)
         ort_s.append(wall)
         ort_cpu_s.append(cpu)
+    with open(out_dir / "qpc-warm" / "programqpc.bin", "rb") as qpc:
+        digest = hashlib.file_digest(qpc, "sha256").hexdigest()
     return {
         "cores": cores,
+        "qpc_sha256": digest,
         "compile_s": compile_s,
         "ort_s": ort_s,
         "compile_cpu_s": compile_cpu_s,
@@ -547,6 +551,7 @@ class Results:
             f"  {'in-process warm: ORT offline session':<40} {warm['ort_s_median']:8.2f} "
             f"{warm['ort_cpu_s_median']:8.2f}",
             "  compile stages (last warm run): " + ", ".join(f"{k} {v:.2f}s" for k, v in top),
+            f"  QPC sha256 (warm compile): {warm['qpc_sha256']}",
         ]
 
     def _big_lines(self) -> list[str]:

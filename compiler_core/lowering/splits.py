@@ -12,7 +12,7 @@ until the network's weights fit the room left for them.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import itertools
 import math
@@ -176,6 +176,8 @@ class SplitChooser:
         self._priced: dict[Hashable, _Candidate] = {}
         self._moves: dict[Hashable, tuple[float, float]] = {}
         self._kshared: dict[Hashable, list[_Candidate]] = {}
+        self._factored: dict[Hashable, list[dict[int, int]]] = {}
+        self._signatures: dict[Hashable, int] = {}
         self._moved = [
             [
                 (i, ks.producers[i])
@@ -186,6 +188,8 @@ class SplitChooser:
         ]
         """Per kernel: the operands that may have to move, and their producers."""
         self.candidates = [self._candidates(k) for k in kernels]
+        self._times: list[dict[tuple[int, ...], list[float]]] = [{} for _ in kernels]
+        """Per kernel: its candidates' times by the ids of its operands' producers' cuts."""
 
     def cores(self, req: TilingRequest) -> int:
         return min(self.active or req.num_cores, req.num_cores)
@@ -195,7 +199,9 @@ class SplitChooser:
     def _candidates(self, ks: KernelSplit) -> list[_Candidate]:
         """The cuts worth pricing in full; a kernel identical to an earlier one but for its
         name (ResNet's repeated blocks, a transformer's layers) reuses that one's cuts."""
-        sig = _signature(ks)
+        # alike kernels by a small number: the signature is a deep tuple, and every key of
+        # the chooser's caches (cuts, tiles, prices, transfers) starts with it
+        sig = self._signatures.setdefault(_signature(ks), len(self._signatures))
         cuts = self._cuts.get(sig)
         if cuts is None:
             cuts = self._cuts[sig] = self._cuts_of(ks)
@@ -224,7 +230,12 @@ class SplitChooser:
         quick: list[tuple[float, int, dict[int, int]]] = []
         failure: CompileError | None = None
         for n in sorted(counts):
-            for parts in _factorizations(n, axes, limit):
+            # alike layers (same axes and limits) share the list: read-only
+            fkey = (n, tuple(axes), tuple(limit[a] for a in axes))
+            factored = self._factored.get(fkey)
+            if factored is None:
+                factored = self._factored[fkey] = _factorizations(n, axes, limit)
+            for parts in factored:
                 asked = tuple(sorted(parts.items()))
                 if asked in tried:
                     continue
@@ -264,14 +275,16 @@ class SplitChooser:
             tiles *= p
             box.append((0, -(-d // p)))
         per_core = -(-tiles // self.cores(req))
-        tile = _tile_spec(req, tuple(box))
+        out_box = tuple(box)
+        # an HMX tile's cycles depend on its output box alone: its input boxes are not needed
+        in_boxes = () if ks.unit == "hmx" else _tile_spec(req, out_box).in_boxes
         cost = tile_cost(
             req.info,
             ks.unit,
             ks.macs,
             ks.epilogue,
-            tile.out_box,
-            tile.in_boxes,
+            out_box,
+            in_boxes,
             req.opdef,
             self.device,
         )
@@ -324,7 +337,7 @@ class SplitChooser:
         if shared is None:
             shared = self._priced[key] = self._price(ks, parts, plain, cycles)
             shared.key = key
-        return dataclasses.replace(shared, moves={})
+        return _fresh(shared)
 
     # ------------------------------------------------------------------------- K splits
 
@@ -347,7 +360,7 @@ class SplitChooser:
                 except CompileError as exc:  # its partials do not fit VTCM: no K split
                     if exc.code != "vtcm_overflow":
                         raise
-        return [dataclasses.replace(c, moves={}) for c in shared]
+        return [_fresh(c) for c in shared]
 
     def _k_candidate(self, ks: KernelSplit, sig: Hashable, slices: int, cores: int) -> _Candidate:
         """A K split into `slices` priced: the slowest core's partial product, then the NoC
@@ -471,23 +484,44 @@ class SplitChooser:
         by_core: dict[int, list[TileSpec]] = {}
         resident: dict[int, dict[int, list[Box]]] = {}
         dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
+        kinds = ks.kinds
+        weights = [i for i, kind in enumerate(kinds) if kind == "constant" and i not in req.indexed]
         for t, c in zip(tiles, cycles, strict=True):
-            by_core.setdefault(t.core, []).append(t)
-            compute[t.core] = compute.get(t.core, 0.0) + c
-            for i, box in enumerate(t.in_boxes):
-                if box is not None and ks.kinds[i] == "constant" and i not in req.indexed:
-                    resident.setdefault(i, {}).setdefault(t.core, []).append(box)
+            core = t.core
+            found = by_core.get(core)
+            if found is None:
+                by_core[core] = [t]
+                compute[core] = 0.0 + c
+            else:
+                found.append(t)
+                compute[core] += c
+            in_boxes = t.in_boxes
+            for i in weights:
+                if i >= len(in_boxes):
+                    break
+                box = in_boxes[i]
+                if box is not None:
+                    resident.setdefault(i, {}).setdefault(core, []).append(box)
         weight_bytes = 0
-        distinct: set[tuple[int, Box]] = set()
+        streamed = 0
         engine = 0
         for i, per_core in resident.items():
             worst = 0
+            dtype = dtypes[i]
+            distinct: set[Box] = set()
             for boxes in per_core.values():
-                worst = max(worst, _bytes(bounding_box(boxes), dtypes[i]))
-                engine = max(engine, sum(_bytes(b, dtypes[i]) for b in set(boxes)))
-                distinct.update((i, b) for b in boxes)
+                unique = set(boxes)
+                if len(unique) == 1:
+                    (only,) = unique
+                    nbytes = _bytes(only, dtype)
+                    worst = max(worst, nbytes)
+                    engine = max(engine, nbytes)
+                else:
+                    worst = max(worst, _bytes(bounding_box(boxes), dtype))
+                    engine = max(engine, sum(_bytes(b, dtype) for b in unique))
+                distinct |= unique
             weight_bytes += worst
-        streamed = sum(_bytes(b, dtypes[i]) for i, b in distinct)
+            streamed += sum(_bytes(b, dtype) for b in distinct)
         stream = max(streamed / self.ddr, engine / self.engine)
         held: dict[tuple[int, int], Box | None] = {}
         busiest = max(compute.values(), default=0.0)
@@ -558,19 +592,31 @@ class SplitChooser:
         local = producer if kind == "chip" and not ks.reshaped[i] else None
         remote = 0
         pieces = 0
+        producer_ks = self.kernels[ks.producers[i]] if local is not None else ks
+        slot = ks.slots[i]
         for core, tiles in cand.by_core.items():
             held: list[Box] = []
             if local is not None:
-                held = self._held(local, self.kernels[ks.producers[i]], core, ks.slots[i])
+                held = self._held(local, producer_ks, core, slot)
             seen: set[Box] = set()
             for t in tiles:
                 box = t.in_boxes[i]
                 if box is None or box in seen:
                     continue
                 seen.add(box)
-                need = _volume(box)
+                need = 1
+                for a, b in box:
+                    need *= b - a
                 for p in held:
-                    need -= _overlap(box, p)
+                    # the overlap of `box` with what the core holds (inlined `_overlap`)
+                    n = 1
+                    for (a0, a1), (b0, b1) in zip(box, p, strict=True):
+                        d = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                        if d <= 0:
+                            n = 0
+                            break
+                        n *= d
+                    need -= n
                 if need > 0:
                     remote += need * size
                     pieces += 1
@@ -590,13 +636,19 @@ class SplitChooser:
         chosen: list[_Candidate | None] = [None] * len(self.kernels)
         total = 0
         for k, cands in enumerate(self.candidates):
-            best = min(
-                cands,
-                key=lambda c: (
-                    self._time(k, c, chosen) + min(price * c.resident, c.stream),
-                    c.resident,
-                ),
-            )
+            best = cands[0]
+            if len(cands) > 1:  # the first of the cheapest, as min() picks
+                # a kernel's times depend only on its producers' cuts, mostly the same from
+                # one price to the next: kept per choice of producers
+                producers = tuple(id(chosen[s]) if s >= 0 else 0 for _, s in self._moved[k])
+                times = self._times[k].get(producers)
+                if times is None:
+                    times = self._times[k][producers] = [self._time(k, c, chosen) for c in cands]
+                lowest: tuple[float, int] | None = None
+                for c, t in zip(cands, times, strict=True):
+                    key = (t + min(price * c.resident, c.stream), c.resident)
+                    if lowest is None or key < lowest:
+                        best, lowest = c, key
             chosen[k] = best
             if price * best.resident <= best.stream:
                 total += best.resident
@@ -622,6 +674,13 @@ class SplitChooser:
             picked = best
         self.picked = picked
         return [list(c.tiles) for c in picked]
+
+
+def _fresh(shared: _Candidate) -> _Candidate:
+    """A kernel's own copy of a shared candidate: everything shared but its transfer prices."""
+    cand = copy.copy(shared)
+    cand.moves = {}
+    return cand
 
 
 def _busiest(tiles: list[TileSpec], cycles: list[float]) -> float:

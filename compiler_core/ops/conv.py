@@ -8,6 +8,7 @@ needs (a whole tensor included), so the same code serves whole ops and tiles.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -252,20 +253,53 @@ def conv_split_axes(node: NodeInfo) -> list[int]:
     return [0, 1, *range(2, rank)]
 
 
-def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
-    group, in_per_group, out_per_group = node.once(
-        "conv_groups", lambda: _conv_group_geometry(node)
+@dataclass(frozen=True)
+class _BoxGeometry:
+    """What `conv_input_boxes` reads of a node, worked out once: the split chooser asks for
+    the boxes of thousands of tiles of the same node."""
+
+    group: int
+    in_per_group: int
+    out_per_group: int
+    channels: tuple[int, int]
+    """The input channels a tile reads when the conv has one group (all of them)."""
+    kernel: Box
+    windows: tuple[tuple[int, int, int, int], ...]
+    """Per spatial axis: stride, leading pad, span and input size (see `Window`)."""
+    bias: bool
+
+
+def _box_geometry(node: NodeInfo) -> _BoxGeometry:
+    group, in_per_group, out_per_group = _conv_group_geometry(node)
+    return _BoxGeometry(
+        group,
+        in_per_group,
+        out_per_group,
+        whole_box(node, 0)[1],
+        full_box(node.in_shapes[1][1:]),  # type: ignore[index]
+        tuple((w.stride, w.pad_begin, w.span, w.in_size) for w in _conv_windows(node)),
+        node.has_input(2),
     )
+
+
+def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    geo = node.derived.get("conv_box_geometry")
+    if geo is None:
+        geo = node.derived["conv_box_geometry"] = _box_geometry(node)
     (n0, n1), (m0, m1) = out_box[0], out_box[1]
-    spatial = tuple(w.clipped(*out_box[2 + i]) for i, w in enumerate(_conv_windows(node)))
-    if group == 1:
-        channels = node.once("conv_channels", lambda: whole_box(node, 0)[1])
+    x_box: list[tuple[int, int]] = [(n0, n1)]
+    if geo.group == 1:
+        x_box.append(geo.channels)
     else:
-        g0, g1 = m0 // out_per_group, (m1 - 1) // out_per_group + 1
-        channels = (g0 * in_per_group, g1 * in_per_group)
-    kernel = node.once("conv_kernel_box", lambda: full_box(node.in_shapes[1][1:]))  # type: ignore[index]
-    boxes: list[Box | None] = [((n0, n1), channels, *spatial), ((m0, m1), *kernel)]
-    if node.has_input(2):
+        g0, g1 = m0 // geo.out_per_group, (m1 - 1) // geo.out_per_group + 1
+        x_box.append((g0 * geo.in_per_group, g1 * geo.in_per_group))
+    for (stride, pad_begin, span, size), (o0, o1) in zip(geo.windows, out_box[2:], strict=True):
+        # Window.clipped, inlined
+        lo = o0 * stride - pad_begin
+        hi = (o1 - 1) * stride - pad_begin + span
+        x_box.append(clip_range(lo, hi, size))
+    boxes: list[Box | None] = [tuple(x_box), ((m0, m1), *geo.kernel)]
+    if geo.bias:
         boxes.append(((m0, m1),))
     return boxes
 
@@ -358,8 +392,9 @@ def conv_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
     shape = box_shape(out_box)
     w_shape = node.in_shapes[1]
     assert w_shape is not None
-    taps = int(np.prod(w_shape[2:], dtype=np.int64))
-    positions = shape[0] * int(np.prod(shape[2:], dtype=np.int64))
+    # math.prod, not np.prod: the split chooser asks for thousands of tiles' HMX shapes
+    taps = int(math.prod(w_shape[2:]))
+    positions = shape[0] * int(math.prod(shape[2:]))
     groups = max(1, -(-shape[1] // out_per_group)) if group > 1 else 1
     channels = min(shape[1], out_per_group) if group > 1 else shape[1]
     if in_per_group < 32 and group == 1:
@@ -372,8 +407,8 @@ def conv_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
 def conv_macs(node: NodeInfo) -> int:
     w_shape = node.in_shapes[1]
     assert w_shape is not None
-    per_output = int(np.prod(w_shape[1:], dtype=np.int64))
-    return int(np.prod(node.out_shapes[0], dtype=np.int64)) * per_output
+    per_output = int(math.prod(int(d) for d in w_shape[1:]))
+    return int(math.prod(int(d) for d in node.out_shapes[0])) * per_output
 
 
 register(

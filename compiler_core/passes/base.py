@@ -73,7 +73,7 @@ def add_initializer(graph: ir.Graph, array: np.ndarray, name: str) -> ir.Value:
     """Register `array` as a new initializer called `name` (already unique) and return it."""
     if not array.flags.c_contiguous:
         array = array.copy(order="C")
-    tensor = ir.tensor(array, name=name)
+    tensor = ir.Tensor(array, name=name)  # ir.tensor's result for an array, without its checks
     value = ir.Value(
         name=name,
         shape=ir.Shape(array.shape),

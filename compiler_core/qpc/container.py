@@ -13,13 +13,17 @@ import mmap
 import os
 import struct
 import tempfile
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeAlias
 
 from compiler_core.errors import CompileError
+
+try:  # ISA-L's CRC-32: the same checksum as zlib's, 3-4x faster (CLMUL), ~1 ms to import
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - an environment installed before the dependency
+    from zlib import crc32 as _crc32
 
 if TYPE_CHECKING:
     from compiler_core.lowering.program import Program
@@ -152,7 +156,7 @@ def _write_stream(out: IO[bytes], segments: Sequence[Segment]) -> int:
         size, crc = 0, 0
         for chunk in _chunks(segment.data):
             out.write(chunk)
-            crc = zlib.crc32(chunk, crc)
+            crc = _crc32(chunk, crc)
             size += chunk.nbytes
         offset_field = size if segment.offset_field is None else segment.offset_field
         records.append((size, offset_field, name_offsets[index], start))
@@ -381,7 +385,7 @@ def crc32(view: memoryview | bytes) -> int:
     view = memoryview(view)
     crc = 0
     for start in range(0, len(view), _CRC_CHUNK):
-        crc = zlib.crc32(view[start : start + _CRC_CHUNK], crc)
+        crc = _crc32(view[start : start + _CRC_CHUNK], crc)
     return crc
 
 
