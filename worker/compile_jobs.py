@@ -265,8 +265,9 @@ class _Progress:
 
     def check(self) -> None:
         if self.should_cancel is not None and self.should_cancel():
-            # the heartbeat stopped: a cancel, or the job went to another worker
-            raise _Stop(cancelled=self._cancel_requested())
+            # the heartbeat stopped: a cancel, or the job went to another worker (then it is
+            # abandoned, not marked cancelled: the row belongs to the other worker now)
+            raise _Stop(cancelled=self._cancel_requested() or self._still_mine())
 
     def poll(self) -> None:
         """Between reports of a compile in a child: the heartbeat's stop, and the row's
@@ -279,6 +280,15 @@ class _Progress:
             self._polled = now
             if self._cancel_requested():
                 raise _Stop(cancelled=True)
+
+    def _still_mine(self) -> bool:
+        worker = self.session.execute(
+            select(CompileJob.worker).where(
+                CompileJob.id == self.job.id, CompileJob.status == JobStatus.running
+            )
+        ).scalar_one_or_none()
+        self.session.commit()
+        return worker is not None and worker == self.job.worker
 
     def _cancel_requested(self) -> bool:
         flag = self.session.execute(
