@@ -42,6 +42,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     DmaGather,
     DmaLoad,
+    DmaScatter,
     DmaStore,
     Instr,
     NocCopy,
@@ -53,6 +54,7 @@ from compiler_core.lowering.program import (
     box_nbytes,
     cores_in,
     gathered_bytes,
+    scattered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -469,8 +471,9 @@ class _Scheduler:
         self.port_of_tensor = {t: i for i, t in enumerate(program.inputs)}
         self.ring: list[int] = []
         landed = 0.0
+        retained = program.retained  # on the device already: never crosses the host link
         for t in program.inputs:
-            landed += tensors[t].nbytes
+            landed += 0 if t in retained else tensors[t].nbytes
             ring = 0 if inputs_ready else landed / HOST_LINK_BYTES_PER_S * device.clock_hz
             self.ring.append(int(np.ceil(ring)))
         self.input_ranges = [
@@ -505,7 +508,9 @@ class _Scheduler:
             return ring
         return start
 
-    def dma(self, core: _Core, instr: DmaLoad | DmaStore | NocCopy | DmaGather) -> tuple[int, int]:
+    def dma(
+        self, core: _Core, instr: DmaLoad | DmaStore | NocCopy | DmaGather | DmaScatter
+    ) -> tuple[int, int]:
         program = self.program
         t = program.tensors[instr.tensor]
         timeline = self.timeline
@@ -552,6 +557,22 @@ class _Scheduler:
             if t.kind == KIND_CONSTANT:
                 timeline.ddr_read_constant[c] += nbytes
                 run.read_constant_bytes += nbytes
+        elif isinstance(instr, DmaScatter):
+            pieces = [
+                (p.vtcm, p.vtcm + box_nbytes(p.box, program.tensors[tid].dtype))
+                for tid, operand in ((instr.source, instr.update), (instr.index, instr.indices))
+                for p in operand.pieces
+            ]
+            for lo, hi in pieces:
+                start = max(start, core.vtcm.ready_to_read(lo, hi))
+            nbytes = scattered_bytes(program, instr)
+            entries = box_elements(instr.indices.box)  # one descriptor per batch entry's rows
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES * entries, nbytes, self.engine)
+            for lo, hi in pieces:
+                core.vtcm.mark_read(lo, hi, end)
+            timeline.ddr_write[c] += nbytes
+            run = self.run(core, instr.kernel)
+            run.write_bytes += nbytes
         elif isinstance(instr, DmaStore):
             lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
@@ -647,7 +668,7 @@ def _next_start(core: _Core) -> int:
     """The earliest its next instruction can start: cores go in this order, so the shared
     calendars are booked roughly in time order."""
     instr = core.stream[core.pc]
-    if isinstance(instr, DmaLoad | DmaStore | DmaGather):
+    if isinstance(instr, DmaLoad | DmaStore | DmaGather | DmaScatter):
         return max(core.now, core.dma_free)
     if isinstance(instr, NocCopy):
         return max(core.now, core.noc_free)
@@ -748,7 +769,8 @@ def build_timeline(
     timeline = _empty_timeline(device, cores, len(ports))
     timeline.port_names = [program.tensors[t].name for t in ports]
     timeline.port_is_input = [i < n_in for i in range(len(ports))]
-    timeline.port_bytes = [program.tensors[t].nbytes for t in ports]
+    kept = {*program.retained, *program.retained.values()}
+    timeline.port_bytes = [0 if t in kept else program.tensors[t].nbytes for t in ports]
     # Program activation: the resident constants' loads, once, on their own.
     setup = _empty_timeline(device, cores, len(ports))
     setup_streams = program.setup or [[] for _ in range(cores)]

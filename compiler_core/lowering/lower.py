@@ -24,6 +24,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     KIND_INPUT,
     KIND_OUTPUT,
+    SCATTER_IN_PLACE,
     EpilogueDesc,
     KernelDesc,
 )
@@ -84,6 +85,10 @@ class LoweredGraph:
     num_cores: int
     network_name: str
     warnings: list[dict[str, object]] = field(default_factory=list)
+    retained: dict[int, int] = field(default_factory=dict)
+    """-retained-state: each retained input -> the `<input>_RetainedState` output that feeds
+    it. They are one device buffer: the output aliases the input when a scatter writes it in
+    place, else a device copy kernel at the end writes the output into the input."""
 
     def root(self, tensor_id: int) -> int:
         t = self.tensors[tensor_id]
@@ -119,6 +124,8 @@ class LoweringConfig:
     """Cut kernels over this many of the cores only (None: all); the rest stay idle."""
     k_splits: bool = True
     """Let the chooser split MatMul/Gemm along K where that is faster (see `ksplit`)."""
+    retain_state: bool = False
+    """-retained-state: `<input>_RetainedState` outputs share their input's device buffer."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -133,6 +140,7 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         device=device,
         # MXFP6 weights are encoded for MatMul/Gemm B operands read whole along K
         k_splits=not getattr(options, "mxfp6_matmul", False),
+        retain_state=bool(getattr(options, "retained_state", False)),
     )
 
 
@@ -369,6 +377,7 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
             builder.copy_kernel(src, out)
             tid = out
         outputs.append(tid)
+    retained = _retain_state(builder, inputs, outputs) if config.retain_state else {}
     lowered = LoweredGraph(
         tensors=builder.tensors,
         kernels=builder.kernels,
@@ -376,12 +385,81 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
         outputs=outputs,
         num_cores=config.num_cores,
         network_name=graph.name or "network",
+        retained=retained,
     )
     if config.device is not None:
         choose_splits(
             lowered, config.device, config.vtcm_budget, config.active_cores, config.k_splits
         )
     return lowered
+
+
+def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> dict[int, int]:
+    """Make each `<input>_RetainedState` output and its input one device buffer.
+
+    A TensorScatter that writes the cache input into its own retained output, when nothing
+    else reads the cache, is done in place: the output aliases the input and the kernel
+    becomes a scatter DMA of the new rows only. Any other retained output is copied into its
+    input on the device by a copy kernel after everything that reads the input. Pairs that
+    do not match (no such input, another type or shape) are left for the compile to refuse.
+    """
+    from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
+
+    tensors = builder.tensors
+    by_name = {tensors[t].name: t for t in inputs}
+    producer = {t: k for k, lk in enumerate(builder.kernels) for t in lk.desc.outputs if t >= 0}
+    pairs: dict[int, int] = {}
+    for out in outputs:
+        t = tensors[out]
+        source = by_name.get(t.name[: -len(RETAINED_SUFFIX)]) if t.name.endswith(
+            RETAINED_SUFFIX
+        ) else None
+        if source is None or (tensors[source].dtype, tensors[source].shape) != (t.dtype, t.shape):
+            continue
+        pairs[source] = out
+        k = producer.get(out)
+        if k is not None and _scatters_in_place(builder, k, source):
+            _make_in_place(builder, k, source, out)
+        else:
+            builder.copy_kernel(out, source)
+    return pairs
+
+
+def _root(tensors: list[LTensor], tid: int) -> int:
+    while tensors[tid].alias_of is not None:
+        tid = tensors[tid].alias_of  # type: ignore[assignment]
+    return tid
+
+
+def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
+    """Kernel k is a plain TensorScatter into `source`, and no other kernel reads `source`."""
+    desc = builder.kernels[k].desc
+    tensors = builder.tensors
+    if (desc.info.op_type, desc.info.domain) != ("TensorScatter", "") or desc.epilogue:
+        return False
+    if len(desc.outputs) != 1 or len(desc.inputs) < 3 or desc.inputs[2] < 0:
+        return False
+    if desc.inputs[0] != source or any(_root(tensors, t) == source for t in desc.inputs[1:] if t >= 0):
+        return False
+    return not any(
+        t >= 0 and _root(tensors, t) == source
+        for other, lk in enumerate(builder.kernels)
+        if other != k
+        for t in lk.desc.inputs
+    )
+
+
+def _make_in_place(builder: _Builder, k: int, source: int, out: int) -> None:
+    from compiler_core.ops.kv_cache import in_place_input_boxes
+
+    lk = builder.kernels[k]
+    builder.tensors[out].alias_of = source
+    lk.desc = dataclasses.replace(lk.desc, kernel=SCATTER_IN_PLACE)
+    assert lk.request is not None
+    opdef = dataclasses.replace(lk.request.opdef, input_boxes=in_place_input_boxes)
+    lk.request = dataclasses.replace(lk.request, opdef=opdef)
+    if builder.config.device is None:
+        lk.tiles = plan_tiles(lk.request)
 
 
 RESIDENT_SHARE = 1.0

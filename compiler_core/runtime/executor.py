@@ -22,6 +22,7 @@ from compiler_core.lowering.program import (
     KIND_ONCHIP,
     DmaGather,
     DmaLoad,
+    DmaScatter,
     DmaStore,
     KernelDesc,
     NocCopy,
@@ -33,6 +34,7 @@ from compiler_core.lowering.program import (
     TensorDesc,
     cores_in,
     gathered_bytes,
+    scattered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -116,6 +118,14 @@ class Machine:
         self.vtcm_bytes = vtcm_bytes
         self.protected = 0
         """VTCM bytes [0, protected) are read-only: the resident constants, once loaded."""
+        self.bound: list[tuple[int, np.ndarray]] = []
+        """Retained-state buffers (-retained-state) that live outside this program's DDR
+        image: (DDR offset, bytes). They keep their contents from run to run and are shared
+        by every specialization of the network (see `bind`)."""
+
+    def bind(self, offset: int, storage: np.ndarray) -> None:
+        """Back DDR [offset, offset + storage.nbytes) with `storage` (uint8, kept as is)."""
+        self.bound = [(o, s) for o, s in self.bound if o != offset] + [(offset, storage)]
 
     def tensor(self, t: TensorDesc, *, write: bool = False) -> np.ndarray:
         if t.nbytes == 0:  # an empty tensor owns no bytes, wherever its offset points
@@ -125,6 +135,10 @@ class Machine:
         start, end = t.ddr_offset, t.ddr_offset + t.nbytes
         if end > self.program.ddr_size or start < 0:
             raise RuntimeFault(f"tensor {t.name} [{start}, {end}) lies outside DDR")
+        for offset, storage in self.bound:
+            if offset <= start and end <= offset + storage.nbytes:
+                raw = storage[start - offset : end - offset]
+                return raw.view(np.dtype(t.dtype)).reshape(t.shape)
         base = self.program.constants_size
         if end <= base:
             if write:
@@ -277,6 +291,27 @@ class Executor:
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
         """Per core, the end of the highest VTCM byte an inference may write."""
+        self.retained = {
+            program.tensors[i].name: (i, o) for i, o in program.retained.items()
+        }
+        """Retained input name -> (input, output) tensor ids: one device buffer that the
+        host neither sends nor receives."""
+
+    def bind_state(self, state: Mapping[str, np.ndarray]) -> None:
+        """Use `state`'s arrays (by retained input name) as the retained buffers: runs read
+        and update them in place. Unbound ones start as zeros of this executor's own."""
+        for name, (tid, _) in self.retained.items():
+            t = self.program.tensors[tid]
+            array = state[name]
+            if array.shape != t.shape or array.dtype != np.dtype(t.dtype):
+                raise CompileError(
+                    "bad_inputs",
+                    f"retained state {name!r} is {array.dtype}{list(array.shape)}, the program "
+                    f"keeps {t.dtype}{list(t.shape)}",
+                )
+            if not array.flags.c_contiguous:
+                raise CompileError("bad_inputs", f"retained state {name!r} is not contiguous")
+            self.machine.bind(t.ddr_offset, array.reshape(-1).view(np.uint8))
 
     def activate(self) -> None:
         """Program activation: load the resident constants into every core's VTCM once;
@@ -319,7 +354,12 @@ class Executor:
         self.copies.forget_scratch()
         self.deferred.clear()
         self.traffic = [Traffic() for _ in range(program.num_cores)]
-        expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
+        host_inputs, host_outputs = program.host_ports()
+        for name, (tid, _) in self.retained.items():
+            t = program.tensors[tid]
+            if not any(o == t.ddr_offset for o, _ in machine.bound):
+                machine.bind(t.ddr_offset, np.zeros(t.nbytes, np.uint8))
+        expected = {program.tensors[t].name: program.tensors[t] for t in host_inputs}
         missing = sorted(set(expected) - set(inputs))
         unknown = sorted(set(inputs) - set(expected))
         if missing or unknown:
@@ -346,7 +386,7 @@ class Executor:
         self._run_streams(streams)
         return {
             program.tensors[t].name: machine.tensor(program.tensors[t]).copy()
-            for t in program.outputs
+            for t in host_outputs
         }
 
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
@@ -425,6 +465,8 @@ class Executor:
                 return self._noc_copy(core, instr)
             if isinstance(instr, DmaGather):
                 return self._gather(core, instr)
+            if isinstance(instr, DmaScatter):
+                return self._scatter(core, instr)
             if isinstance(instr, RunKernel):
                 return self._kernel(core, instr)
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
@@ -584,6 +626,53 @@ class Executor:
             copies.wrote(core, start, end, None)
             traffic.ddr_read += nbytes
             traffic.ddr_read_constant += constant
+
+        return step
+
+    def _scatter(self, core: int, instr: DmaScatter) -> Step:
+        """Write the update's rows into DDR at the positions the write indices name."""
+        from compiler_core.ops.kv_cache import positions
+
+        tensors = self.program.tensors
+        t, source = tensors[instr.tensor], tensors[instr.source]
+        _check_box(instr.box, t.shape, f"scatter into {t.name}")
+        axis, size = instr.axis, t.shape[instr.axis] if 0 <= instr.axis < len(t.shape) else 0
+        if instr.axis == 0 or size == 0 or instr.box[axis] != (0, size):
+            raise RuntimeFault(
+                f"core {core}: scatter into {t.name} along axis {axis} needs the whole axis"
+            )
+        off_axis = [a for a in range(len(t.shape)) if a != axis]
+        if [instr.update.box[a] for a in off_axis] != [instr.box[a] for a in off_axis]:
+            raise RuntimeFault(
+                f"core {core}: scatter update {instr.update.box} does not match {instr.box}"
+            )
+        if instr.indices.box != (instr.box[0],):
+            raise RuntimeFault(f"core {core}: scatter indices {instr.indices.box} for {instr.box}")
+        info = self.kernels[instr.kernel].desc.info if 0 <= instr.kernel < len(self.kernels) else None
+        if info is None or info.op_type != "TensorScatter":
+            raise RuntimeFault(f"core {core}: scatter names kernel {instr.kernel}")
+        update = self._operand(core, instr.source, instr.update)
+        indices = self._operand(core, instr.index, instr.indices)
+        reads = [
+            (piece.vtcm, piece.vtcm + _nbytes(piece.box, tensors[tid].dtype))
+            for tid, operand in ((instr.source, instr.update), (instr.index, instr.indices))
+            for piece in operand.pieces
+        ]
+        target = np.moveaxis(self.machine.tensor(t, write=True)[_view(instr.box)], axis, 1)
+        length = instr.update.box[axis][1] - instr.update.box[axis][0]
+        first = instr.box[0][0]
+        nbytes = scattered_bytes(self.program, instr)
+        deferred = self.deferred
+
+        def step(traffic: Traffic) -> None:
+            for start, end in reads:
+                deferred.settle(core, start, end)
+            rows = np.moveaxis(update() if callable(update) else update, axis, 1)  # type: ignore[arg-type]
+            starts = np.asarray(indices() if callable(indices) else indices).astype(np.int64)  # type: ignore[arg-type]
+            for b in range(target.shape[0]):
+                at = positions(info, int(starts[b]), length, size, first + b)
+                target[b, at] = rows[b]
+            traffic.ddr_write += nbytes
 
         return step
 
