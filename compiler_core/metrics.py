@@ -332,7 +332,7 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
         constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
     for tid, boxes in state_read.items():
         t = program.tensors[tid]
-        constant += min(t.nbytes, sum(box_nbytes(b, t.dtype) for b in boxes))
+        constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
     ddr_bytes = io + constant + written
     ddr_cycles = int(ddr_bytes / device.ddr_bandwidth_bytes_per_s * device.clock_hz)
     return Floors(int(compute / max(1, cores)), ddr_bytes, ddr_cycles)

@@ -141,7 +141,9 @@ def test_retained_ports_carry_no_host_bytes_and_the_host_time_counts_real_io_onl
     assert all(ports[n]["host_bytes"] == 0 for n in retained)
     real = sum(p["host_bytes"] for n, p in ports.items() if n not in retained)
     assert real == 8 + 8 + 48 * 4  # input_ids, position_ids, logits (fp32 at the boundary)
-    assert metrics["host_transfer_us"] == pytest.approx(real / HOST_LINK_BYTES_PER_S * 1e6, abs=1e-3)
+    assert metrics["host_transfer_us"] == pytest.approx(
+        real / HOST_LINK_BYTES_PER_S * 1e6, abs=1e-3
+    )
 
 
 def test_a_decode_step_writes_the_new_rows_and_the_metrics_equal_the_runtime_dmas(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +60,17 @@ class LTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+class Mxint8Tensor(LTensor):
+    """Retained state stored as MXINT8 blocks along its last axis (compiler_core/mxint8.py):
+    its DDR size is the stored size; loads and stores move stored bytes."""
+
+    @property
+    def nbytes(self) -> int:
+        from compiler_core.mxint8 import mxint8_nbytes
+
+        return mxint8_nbytes(self.shape)
 
 
 @functools.cache
@@ -126,6 +138,10 @@ class LoweringConfig:
     """Let the chooser split MatMul/Gemm along K where that is faster (see `ksplit`)."""
     retain_state: bool = False
     """-retained-state: `<input>_RetainedState` outputs share their input's device buffer."""
+    mxint8: frozenset[str] = frozenset()
+    """Retained state stored as MXINT8 blocks, by input or `_RetainedState` output name."""
+    mxint8_all: bool = False
+    """-mxint8-kv-cache: every retained-state tensor stored as MXINT8."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -141,7 +157,18 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         # MXFP6 weights are encoded for MatMul/Gemm B operands read whole along K
         k_splits=not getattr(options, "mxfp6_matmul", False),
         retain_state=bool(getattr(options, "retained_state", False)),
+        mxint8=_mxint8_names(options),
+        mxint8_all=bool(getattr(options, "mxint8_kv_cache", False)),
     )
+
+
+def _mxint8_names(options: object) -> frozenset[str]:
+    path = getattr(options, "custom_io_list_file", None)
+    if not path:
+        return frozenset()
+    from compiler_core.custom_io import load_custom_io, mxint8_names
+
+    return mxint8_names(load_custom_io(path))
 
 
 class _Builder:
@@ -378,6 +405,13 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
             tid = out
         outputs.append(tid)
     retained = _retain_state(builder, inputs, outputs) if config.retain_state else {}
+    if config.mxint8 and not config.retain_state:
+        raise CompileError(
+            "invalid_option",
+            "-custom-IO-list-file: Precision mxint8 stores retained state; it needs "
+            "-retained-state",
+            flag="-custom-IO-list-file",
+        )
     lowered = LoweredGraph(
         tensors=builder.tensors,
         kernels=builder.kernels,
@@ -408,20 +442,43 @@ def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> d
     tensors = builder.tensors
     by_name = {tensors[t].name: t for t in inputs}
     producer = {t: k for k, lk in enumerate(builder.kernels) for t in lk.desc.outputs if t >= 0}
+    config = builder.config
     pairs: dict[int, int] = {}
+    mx_named: set[str] = set()
     for out in outputs:
         t = tensors[out]
-        source = by_name.get(t.name[: -len(RETAINED_SUFFIX)]) if t.name.endswith(
-            RETAINED_SUFFIX
-        ) else None
+        source = (
+            by_name.get(t.name[: -len(RETAINED_SUFFIX)])
+            if t.name.endswith(RETAINED_SUFFIX)
+            else None
+        )
         if source is None or (tensors[source].dtype, tensors[source].shape) != (t.dtype, t.shape):
             continue
         pairs[source] = out
+        names = {tensors[source].name, t.name}
+        mx = config.mxint8_all or bool(names & config.mxint8)
+        mx_named |= names & config.mxint8
         k = producer.get(out)
         if k is not None and _scatters_in_place(builder, k, source):
-            _make_in_place(builder, k, source, out)
+            _make_in_place(builder, k, source, out, mx)
+        elif mx:
+            raise CompileError(
+                "unsupported_option",
+                f"{tensors[source].name}: MXINT8 storage needs the retained output "
+                f"{t.name!r} written in place by a TensorScatter of its input",
+                flag="-custom-IO-list-file" if not config.mxint8_all else "-mxint8-kv-cache",
+            )
         else:
             builder.copy_kernel(out, source)
+    stray = sorted(config.mxint8 - mx_named)
+    if stray:
+        raise CompileError(
+            "invalid_option",
+            f"-custom-IO-list-file: Precision mxint8 is a storage format of retained state "
+            f"(-retained-state), but {', '.join(map(repr, stray))} is not a retained input or "
+            "output",
+            flag="-custom-IO-list-file",
+        )
     return pairs
 
 
@@ -439,7 +496,9 @@ def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
         return False
     if len(desc.outputs) != 1 or len(desc.inputs) < 3 or desc.inputs[2] < 0:
         return False
-    if desc.inputs[0] != source or any(_root(tensors, t) == source for t in desc.inputs[1:] if t >= 0):
+    if desc.inputs[0] != source or any(
+        _root(tensors, t) == source for t in desc.inputs[1:] if t >= 0
+    ):
         return False
     return not any(
         t >= 0 and _root(tensors, t) == source
@@ -449,17 +508,41 @@ def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
     )
 
 
-def _make_in_place(builder: _Builder, k: int, source: int, out: int) -> None:
+def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: bool) -> None:
     from compiler_core.ops.kv_cache import in_place_input_boxes
 
     lk = builder.kernels[k]
     builder.tensors[out].alias_of = source
+    if mxint8:  # the input and its retained output: one buffer of MX blocks
+        for tid in (source, out):
+            held = builder.tensors[tid]
+            builder.tensors[tid] = Mxint8Tensor(
+                id=held.id,
+                name=held.name,
+                dtype=held.dtype,
+                shape=held.shape,
+                kind=held.kind,
+                alias_of=held.alias_of,
+            )
     lk.desc = dataclasses.replace(lk.desc, kernel=SCATTER_IN_PLACE)
     assert lk.request is not None
     opdef = dataclasses.replace(lk.request.opdef, input_boxes=in_place_input_boxes)
+    if mxint8:  # a tile writes whole MX blocks: never cut the block (last) axis
+        whole_rows = _without_last_axis(opdef.split_axes)
+        opdef = dataclasses.replace(opdef, split_axes=whole_rows)
     lk.request = dataclasses.replace(lk.request, opdef=opdef)
     if builder.config.device is None:
         lk.tiles = plan_tiles(lk.request)
+
+
+def _without_last_axis(
+    split_axes: Callable[[NodeInfo], list[int]],
+) -> Callable[[NodeInfo], list[int]]:
+    def axes(node: NodeInfo) -> list[int]:
+        last = len(node.out_shapes[0]) - 1
+        return [a for a in split_axes(node) if a != last]
+
+    return axes
 
 
 RESIDENT_SHARE = 1.0

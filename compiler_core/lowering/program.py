@@ -95,12 +95,21 @@ def box_nbytes(box: Box, dtype: str) -> int:
 
 
 def stored_bytes(t: TensorDesc, box: Box) -> int:
-    """The DDR bytes a load of `box` reads: an encoded constant (MXFP6) moves its stored size."""
+    """The DDR bytes a transfer of `box` moves: an encoded tensor (an MXFP6 constant, MXINT8
+    retained state) moves its stored size."""
     n = box_nbytes(box, t.dtype)
-    logical = box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
-    if t.kind == KIND_CONSTANT and 0 < t.nbytes < logical:
-        return -(-n * t.nbytes // logical)
+    if t.kind == KIND_CONSTANT or t.kind in (KIND_INPUT, KIND_OUTPUT):
+        logical = box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
+        if 0 < t.nbytes < logical:
+            return -(-n * t.nbytes // logical)
     return n
+
+
+def is_encoded_state(t: TensorDesc) -> bool:
+    """Retained state stored in blocks (MXINT8): its DDR bytes are not its values'."""
+    if t.kind not in (KIND_INPUT, KIND_OUTPUT):
+        return False
+    return t.nbytes != box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
 
 
 def gathered_bytes(t: TensorDesc, instr: DmaGather) -> int:
@@ -204,8 +213,9 @@ class DmaScatter:
 
 
 def scattered_bytes(program: Program, instr: DmaScatter) -> int:
-    """DDR bytes a scatter writes: the update's rows, whatever the indices."""
-    return box_nbytes(instr.update.box, program.tensors[instr.source].dtype)
+    """DDR bytes a scatter writes: the update's rows in the cache's stored format, whatever
+    the indices."""
+    return stored_bytes(program.tensors[instr.tensor], instr.update.box)
 
 
 @dataclass(frozen=True)
