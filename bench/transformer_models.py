@@ -52,7 +52,8 @@ class DecoderSpec:
     ffn: int = 8192
     vocab: int = 32000
     ctx: int = 1024
-    seq: int = 1
+    seq: int | str = 1
+    """Tokens per run, or a symbol (`seq_len`) that specializations bind."""
     seed: int = 0
 
     @property

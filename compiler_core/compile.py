@@ -47,6 +47,7 @@ from compiler_core.lowering.memory import (
 )
 from compiler_core.lowering.placement import CodegenPolicy, Planned, plan_schedule
 from compiler_core.lowering.program import Program, encode_program
+from compiler_core.llm_report import llm_report
 from compiler_core.metrics import perf_metrics, perf_warnings, pmu_warnings
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
@@ -369,6 +370,15 @@ def _compile(
         first = dict(next(iter(each.values())))
         if len(builds) > 1:
             first["specializations"] = each
+        llm = llm_report(
+            [
+                (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
+                for b, name in zip(builds, each, strict=True)
+            ],
+            device,
+        )
+        if llm is not None:
+            first["llm"] = llm
         return first
 
     return CompileResult(

@@ -29,6 +29,7 @@ labelled so wherever it is reported.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -79,6 +80,15 @@ ACTIVATION_CYCLES_PER_INSTR = 2
 the resident-constant loads come on top."""
 HOST_LINK_BYTES_PER_S = 16e9
 """Host-to-device input transfer (PCIe Gen4 x8, modelled): input doorbells ring as inputs land."""
+MXFP6_DECODE_VECTOR_OPS = 16
+"""HVX vector instructions to turn 64 MXFP6 weights into fp16 (one 1024-bit vector of output):
+unpacking 48 bytes of 6-bit codes into 16-bit lanes (byte shuffles, shifts and masks: 6), the
+E2M3 code -> fp16 lookup (4), the block scale's multiply and the conversion back to IEEE fp16
+(6). Our count of the work (no figure is published); one instruction per HVX thread and cycle,
+so a core decodes 4 x 64 / 16 = 16 weights a cycle. The decoded weight feeds HMX: a tile
+decodes its streamed MXFP6 weights before its HMX work starts (resident weights stay decoded
+in VTCM: no per-inference decode)."""
+MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE = 64 / MXFP6_DECODE_VECTOR_OPS
 BUCKET_CYCLES = 256
 """Granularity of the shared-bandwidth calendars."""
 
@@ -342,7 +352,7 @@ def tile_compute(
     program: Program, instr: RunKernel, device: DeviceProfile, opdef: OpDef | None = None
 ) -> TileCompute:
     kernel = program.kernels[instr.kernel]
-    return tile_cost(
+    cost = tile_cost(
         kernel.info,
         kernel.unit,
         kernel.macs,
@@ -352,6 +362,33 @@ def tile_compute(
         opdef,
         device,
     )
+    decoded = _mxfp6_streamed_elements(program, kernel.inputs, instr)
+    if not decoded:
+        return cost
+    rate = device.hvx_threads * MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE
+    return dataclasses.replace(
+        cost,
+        main_cycles=cost.main_cycles + math.ceil(decoded / rate),
+        hvx_work=cost.hvx_work + decoded,
+    )
+
+
+def _mxfp6_streamed_elements(program: Program, inputs: Sequence[int], instr: RunKernel) -> int:
+    """Weights of this tile stored as MXFP6 and streamed into VTCM (not resident): the HVX
+    decodes them to fp16 before HMX reads them."""
+    count = 0
+    for tid, operand in zip(inputs, instr.inputs, strict=False):
+        if operand is None or tid < 0:
+            continue
+        t = program.tensors[tid]
+        if t.kind != KIND_CONSTANT or stored_bytes(t, operand.box) >= box_nbytes(
+            operand.box, t.dtype
+        ):
+            continue
+        if all(piece.vtcm < program.resident for piece in operand.pieces):
+            continue  # resident: decoded once when the program was activated
+        count += box_elements(operand.box)
+    return count
 
 
 def tile_compute_cycles(program: Program, instr: RunKernel, device: DeviceProfile) -> int:

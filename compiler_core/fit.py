@@ -1,0 +1,354 @@
+"""Does the model fit the device? Decided from the model's header, before any compile.
+
+What one SoC's DDR must hold (per SoC: a program runs on one):
+- the weights, at the size they are stored: fp16 with `-convert-to-fp16` (float32 weights),
+  MXFP6 (6.25 bits an element, scales included) for MatMul/Gemm weights with
+  `-mxfp6-matmul`, their own type otherwise;
+- the KV cache (with `-retained-state`, every input whose `<input>_RetainedState` output
+  feeds it), with its batch of sequences, fp16 or MXINT8 as the custom-IO list or
+  `-mxint8-kv-cache` says;
+- the working set: every specialization's other inputs and outputs, and the two largest
+  activations any of them has (a lower bound of what the memory plan places: at least a
+  producer's input and output are alive at once).
+
+Shapes come from the header only: weights are never read (an external-data model's header
+is a few hundred kilobytes whatever its weights weigh), and shape inference runs on the header
+with the options' symbols bound. A model that cannot fit is refused with `model_does_not_fit`,
+the bytes needed and available, and the options that would make it fit.
+
+The host memory a compile needs is reported (`host_bytes`: the stored weights, the most the
+compiler maps at once) but not checked here: the compile runs on a worker, not where the job
+is submitted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import tarfile
+import zipfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from compiler_core.errors import CompileError
+
+CODE = "model_does_not_fit"
+RETAINED_SUFFIX = "_RetainedState"
+_FLOAT = {1: 4, 10: 2, 16: 2, 11: 8}
+"""ONNX float types (FLOAT, FLOAT16, BFLOAT16, DOUBLE) -> bytes."""
+
+
+@dataclass(frozen=True)
+class FitReport:
+    fits: bool
+    needed_bytes: int
+    available_bytes: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    working_set_bytes: int
+    sequences: int
+    kv_bytes_per_sequence: int
+    host_bytes: int
+    device: str
+    suggestions: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def message(self) -> str:
+        gb = 1e9
+        text = (
+            f"the model needs {self.needed_bytes / gb:.2f} GB of device DDR per SoC "
+            f"(weights {self.weights_bytes / gb:.2f} GB, KV cache {self.kv_cache_bytes / gb:.2f} "
+            f"GB for {self.sequences} sequence(s), working set "
+            f"{self.working_set_bytes / gb:.2f} GB); {self.device} has "
+            f"{self.available_bytes / gb:.2f} GB"
+        )
+        if self.suggestions:
+            text += "; it would fit with " + ", or ".join(self.suggestions)
+        return text
+
+
+def _itemsize(elem_type: int) -> int:
+    import onnx
+
+    return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+
+
+def _mxfp6_weights(model: Any) -> set[str]:
+    """Initializers read as the weight operand of a MatMul/Gemm (what -mxfp6-matmul encodes)."""
+    names = set()
+    for node in model.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm"):
+            if len(node.input) > 1:
+                names.add(node.input[1])
+    return names
+
+
+def _weights(model: Any, fp16: bool, mxfp6: bool) -> tuple[int, int]:
+    """(bytes stored on the device, bytes in the model's files)."""
+    from compiler_core.mxfp import mxfp6_nbytes
+
+    encoded = _mxfp6_weights(model) if mxfp6 else set()
+    stored = files = 0
+    for init in model.graph.initializer:
+        shape = [int(d) for d in init.dims]
+        count = math.prod(shape)
+        size = _itemsize(init.data_type)
+        files += count * size
+        if init.name in encoded and init.data_type in _FLOAT and len(shape) == 2:
+            stored += mxfp6_nbytes(shape, 0)
+        elif fp16 and init.data_type == 1:
+            stored += count * 2
+        else:
+            stored += count * size
+    return stored, files
+
+
+def _bound(model: Any, symbols: Mapping[str, int]) -> Any:
+    """A copy of the header with the symbols bound and shapes inferred."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for value in (*copy.graph.input, *copy.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param and dim.dim_param in symbols:
+                dim.dim_value = int(symbols[dim.dim_param])
+    try:
+        return onnx.shape_inference.infer_shapes(copy)
+    except Exception:  # noqa: BLE001 - inference is a refinement; the I/O shapes still count
+        return copy
+
+
+def _tensor_bytes(value: Any, fp16: bool) -> int | None:
+    t = value.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    if any(d is None for d in dims):
+        return None
+    size = 2 if fp16 and t.elem_type == 1 else _itemsize(t.elem_type)
+    return math.prod(dims) * size  # type: ignore[arg-type]
+
+
+def check_fit_model(
+    model: Any, options: Any, specializations: list[Mapping[str, int]]
+) -> FitReport:
+    """The fit of a header-only ModelProto under `options` (CompileOptions)."""
+    from compiler_core.mxint8 import mxint8_nbytes
+
+    device = options.device
+    fp16 = bool(options.convert_to_fp16)
+    weights, files = _weights(model, fp16, bool(options.mxfp6_matmul))
+    mx_all = bool(getattr(options, "mxint8_kv_cache", False))
+    mx_names = _custom_io_mxint8(options)
+    bindings = [dict(options.onnx_define_symbol) | dict(s) for s in specializations] or [
+        dict(options.onnx_define_symbol)
+    ]
+    kv = 0
+    kv_fp16 = 0
+    sequences = 1
+    working = 0
+    outputs = {o.name for o in model.graph.output}
+    for symbols in bindings:
+        bound = _bound(model, symbols)
+        retained = {
+            i.name
+            for i in bound.graph.input
+            if options.retained_state and f"{i.name}{RETAINED_SUFFIX}" in outputs
+        }
+        spec_kv = spec_kv16 = io_bytes = 0
+        for value in (*bound.graph.input, *bound.graph.output):
+            name = value.name
+            base = name[: -len(RETAINED_SUFFIX)] if name.endswith(RETAINED_SUFFIX) else name
+            n = _tensor_bytes(value, fp16 and base not in retained)
+            if n is None:
+                continue
+            if base in retained:
+                if name == base:
+                    dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+                    plain = math.prod(dims) * min(_itemsize(value.type.tensor_type.elem_type), 2)
+                    mx = mx_all or bool({name, f"{name}{RETAINED_SUFFIX}"} & mx_names)
+                    spec_kv += mxint8_nbytes(dims) if mx else plain
+                    spec_kv16 += plain
+                    sequences = max(sequences, dims[0] if dims else 1)
+            else:
+                io_bytes += n
+        largest = sorted(
+            (b for v in bound.graph.value_info if (b := _tensor_bytes(v, fp16)) is not None),
+            reverse=True,
+        )[:2]
+        kv = max(kv, spec_kv)
+        kv_fp16 = max(kv_fp16, spec_kv16)
+        working = max(working, io_bytes + sum(largest))
+    needed = weights + kv + working
+    available = device.ddr_bytes_per_soc
+    report = FitReport(
+        fits=needed <= available,
+        needed_bytes=needed,
+        available_bytes=available,
+        weights_bytes=weights,
+        kv_cache_bytes=kv,
+        working_set_bytes=working,
+        sequences=sequences,
+        kv_bytes_per_sequence=kv // max(1, sequences),
+        host_bytes=files,
+        device=device.name,
+    )
+    if report.fits:
+        return report
+    suggestions = []
+    if not options.mxfp6_matmul:
+        mx_weights, _ = _weights(model, fp16, True)
+        if mx_weights + kv + working <= available:
+            suggestions.append(f"-mxfp6-matmul (weights {mx_weights / 1e9:.2f} GB)")
+    if kv and not mx_all and kv == kv_fp16:
+        mx_kv = kv * 33 // 64  # fp16 -> MXINT8: 33 bytes per 32 elements
+        if weights + mx_kv + working <= available:
+            suggestions.append("-mxint8-kv-cache")
+    if kv and weights + working < available:
+        share = (available - weights - working) / kv
+        suggestions.append(f"a context at most {share:.0%} of the current one")
+    devices = math.ceil(needed / available)
+    suggestions.append(f"{devices} devices (multi-device partitioning)")
+    return FitReport(**{**report.as_dict(), "suggestions": suggestions})
+
+
+def _custom_io_mxint8(options: Any) -> frozenset[str]:
+    path = getattr(options, "custom_io_list_file", None)
+    if not path or not os.path.exists(path):
+        return frozenset()
+    from compiler_core.custom_io import load_custom_io, mxint8_names
+
+    return mxint8_names(load_custom_io(path))
+
+
+def _specializations(options: Any) -> list[Mapping[str, int]]:
+    path = getattr(options, "network_specialization_config", None)
+    if not path or not os.path.exists(path):
+        return []
+    from compiler_core.specializations import load_specializations
+
+    return [s.symbols for s in load_specializations(path)]
+
+
+def read_header(source: str | os.PathLike[str] | bytes) -> Any:
+    """The model's ModelProto without external weights' bytes."""
+    import onnx
+
+    if isinstance(source, bytes):
+        return onnx.load_model_from_string(source)
+    return onnx.load(os.fspath(source), load_external_data=False)
+
+
+def check_fit(source: str | os.PathLike[str] | bytes, options: Any) -> FitReport:
+    """The fit of a model (path or bytes) under `options`, from its header."""
+    return check_fit_model(read_header(source), options, _specializations(options))
+
+
+def require_fit(report: FitReport) -> None:
+    """Refuse a model that cannot fit: `model_does_not_fit` with the figures."""
+    if not report.fits:
+        raise CompileError(CODE, report.message(), details=report.as_dict())
+
+
+def worth_checking(source: object, options: Any) -> bool:
+    """Cheap enough to check before every compile that could overflow: an LLM (retained
+    state) or a model whose stored weights exceed a quarter of the SoC's DDR."""
+    if getattr(options, "retained_state", False):
+        return True
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            total = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
+        except OSError:
+            return False
+        return bool(total > options.device.ddr_bytes_per_soc // 4)
+    return False
+
+
+# --------------------------------------------------------------------------- stored uploads
+
+
+def header_from_upload(
+    stream: IO[bytes], member_files: Mapping[str, str] | None = None
+) -> tuple[Any, dict[str, bytes]]:
+    """From a stored upload (a bare .onnx, or a .zip / .tar(.gz) holding one with its data):
+    the model's header and the bytes of the named small files beside it (option files such as
+    the specializations JSON), reading neither the weights nor any other member."""
+    import onnx
+
+    head = stream.read(4)
+    stream.seek(0)
+    wanted = dict(member_files or {})
+    files: dict[str, bytes] = {}
+    if head.startswith(b"PK"):
+        with zipfile.ZipFile(stream) as archive:
+            names = archive.namelist()
+            onnx_name = _single_onnx(names)
+            header = onnx.load_model_from_string(archive.read(onnx_name))
+            root = os.path.dirname(onnx_name)
+            for key, rel in wanted.items():
+                member = os.path.normpath(os.path.join(root, rel))
+                if member in names:
+                    files[key] = archive.read(member)
+            return header, files
+    if head[:2] == b"\x1f\x8b" or _is_tar(stream):
+        stream.seek(0)
+        with tarfile.open(fileobj=stream, mode="r:*") as archive:
+            header = None
+            for member in archive:
+                if member.isfile() and member.name.endswith(".onnx") and header is None:
+                    handle = archive.extractfile(member)
+                    assert handle is not None
+                    header = onnx.load_model_from_string(handle.read())
+                    root = os.path.dirname(member.name)
+                    for key, rel in wanted.items():
+                        wanted[key] = os.path.normpath(os.path.join(root, rel))
+                elif member.isfile() and member.name in wanted.values():
+                    handle = archive.extractfile(member)
+                    assert handle is not None
+                    key = next(k for k, v in wanted.items() if v == member.name)
+                    files[key] = handle.read()
+            if header is None:
+                raise CompileError("invalid_model", "the archive holds no .onnx model")
+            return header, files
+    stream.seek(0)
+    return onnx.load_model_from_string(stream.read()), files
+
+
+def _is_tar(stream: IO[bytes]) -> bool:
+    stream.seek(257)
+    magic = stream.read(5)
+    stream.seek(0)
+    return magic == b"ustar"
+
+
+def _single_onnx(names: list[str]) -> str:
+    found = [n for n in names if n.endswith(".onnx")]
+    if len(found) != 1:
+        raise CompileError("invalid_model", f"the archive holds {len(found)} .onnx models")
+    return found[0]
+
+
+def check_upload_fit(stream: IO[bytes], options: Any) -> FitReport:
+    """`check_fit` of a stored upload, for the farm's submit: the specializations file (named
+    relative to the model inside the archive) is read from the archive too."""
+    wanted = {}
+    if options.network_specialization_config:
+        wanted["specializations"] = options.network_specialization_config
+    header, files = header_from_upload(stream, wanted)
+    specs: list[Mapping[str, int]] = []
+    if "specializations" in files:
+        from compiler_core.specializations import parse_specializations
+
+        doc = json.loads(io.BytesIO(files["specializations"]).read())
+        specs = [s.symbols for s in parse_specializations(doc)]
+    return check_fit_model(header, options, specs)
