@@ -23,12 +23,14 @@ import onnx_ir as ir
 
 from compiler_core.costmodel import Timeline, build_timeline
 from compiler_core.errors import CompileError
+from compiler_core.fit import check_fit, require_fit, worth_checking
 from compiler_core.importer import (
     ImportedModel,
     ModelSource,
     import_model,
     require_static_shapes,
 )
+from compiler_core.llm_report import llm_report
 from compiler_core.lowering.depth_first import plan_depth_first
 from compiler_core.lowering.emit import emit_program
 from compiler_core.lowering.lower import (
@@ -47,7 +49,6 @@ from compiler_core.lowering.memory import (
 )
 from compiler_core.lowering.placement import CodegenPolicy, Planned, plan_schedule
 from compiler_core.lowering.program import Program, encode_program
-from compiler_core.llm_report import llm_report
 from compiler_core.metrics import perf_metrics, perf_warnings, pmu_warnings
 from compiler_core.mxfp import MXFP6, Mxfp6Tensor, encode_matmul_weights, iter_encode_mxfp6
 from compiler_core.options import CompileOptions
@@ -202,6 +203,8 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    if worth_checking(source, opts):  # refused in a moment, not after minutes of compiling
+        require_fit(check_fit(source, opts))
     reference = None
     if opts.dump_profile:
         from compiler_core.quant.calibrate import dump_profile

@@ -139,21 +139,27 @@ def _tensor_bytes(value: Any, fp16: bool) -> int | None:
 
 
 def check_fit_model(
-    model: Any, options: Any, specializations: list[Mapping[str, int]]
+    model: Any,
+    options: Any,
+    specializations: list[Mapping[str, int]],
+    precisions: Mapping[str, str] | None = None,
 ) -> FitReport:
-    """The fit of a header-only ModelProto under `options` (CompileOptions)."""
+    """The fit of a header-only ModelProto under `options` (CompileOptions); `precisions`:
+    the custom-IO list's entries by name (None: read the list the options name)."""
     from compiler_core.mxint8 import mxint8_nbytes
 
     device = options.device
     fp16 = bool(options.convert_to_fp16)
     weights, files = _weights(model, fp16, bool(options.mxfp6_matmul))
     mx_all = bool(getattr(options, "mxint8_kv_cache", False))
-    mx_names = _custom_io_mxint8(options)
+    if precisions is None:
+        precisions = _custom_io(options)
     bindings = [dict(options.onnx_define_symbol) | dict(s) for s in specializations] or [
         dict(options.onnx_define_symbol)
     ]
     kv = 0
     kv_fp16 = 0
+    mx_kv_bytes = 0
     sequences = 1
     working = 0
     outputs = {o.name for o in model.graph.output}
@@ -164,7 +170,7 @@ def check_fit_model(
             for i in bound.graph.input
             if options.retained_state and f"{i.name}{RETAINED_SUFFIX}" in outputs
         }
-        spec_kv = spec_kv16 = io_bytes = 0
+        spec_kv = spec_kv16 = spec_mx = io_bytes = 0
         for value in (*bound.graph.input, *bound.graph.output):
             name = value.name
             base = name[: -len(RETAINED_SUFFIX)] if name.endswith(RETAINED_SUFFIX) else name
@@ -174,10 +180,13 @@ def check_fit_model(
             if base in retained:
                 if name == base:
                     dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
-                    plain = math.prod(dims) * min(_itemsize(value.type.tensor_type.elem_type), 2)
-                    mx = mx_all or bool({name, f"{name}{RETAINED_SUFFIX}"} & mx_names)
+                    listed = {precisions.get(n) for n in (name, f"{name}{RETAINED_SUFFIX}")}
+                    item = 2 if "float16" in listed else _itemsize(value.type.tensor_type.elem_type)
+                    plain = math.prod(dims) * item
+                    mx = mx_all or "mxint8" in listed
                     spec_kv += mxint8_nbytes(dims) if mx else plain
                     spec_kv16 += plain
+                    spec_mx += mxint8_nbytes(dims)
                     sequences = max(sequences, dims[0] if dims else 1)
             else:
                 io_bytes += n
@@ -187,6 +196,7 @@ def check_fit_model(
         )[:2]
         kv = max(kv, spec_kv)
         kv_fp16 = max(kv_fp16, spec_kv16)
+        mx_kv_bytes = max(mx_kv_bytes, spec_mx)
         working = max(working, io_bytes + sum(largest))
     needed = weights + kv + working
     available = device.ddr_bytes_per_soc
@@ -210,7 +220,7 @@ def check_fit_model(
         if mx_weights + kv + working <= available:
             suggestions.append(f"-mxfp6-matmul (weights {mx_weights / 1e9:.2f} GB)")
     if kv and not mx_all and kv == kv_fp16:
-        mx_kv = kv * 33 // 64  # fp16 -> MXINT8: 33 bytes per 32 elements
+        mx_kv = mx_kv_bytes
         if weights + mx_kv + working <= available:
             suggestions.append("-mxint8-kv-cache")
     if kv and weights + working < available:
@@ -221,13 +231,13 @@ def check_fit_model(
     return FitReport(**{**report.as_dict(), "suggestions": suggestions})
 
 
-def _custom_io_mxint8(options: Any) -> frozenset[str]:
+def _custom_io(options: Any) -> dict[str, str]:
     path = getattr(options, "custom_io_list_file", None)
     if not path or not os.path.exists(path):
-        return frozenset()
-    from compiler_core.custom_io import load_custom_io, mxint8_names
+        return {}
+    from compiler_core.custom_io import load_custom_io
 
-    return mxint8_names(load_custom_io(path))
+    return {e.name: e.precision for e in load_custom_io(path)}
 
 
 def _specializations(options: Any) -> list[Mapping[str, int]]:
@@ -239,16 +249,20 @@ def _specializations(options: Any) -> list[Mapping[str, int]]:
     return [s.symbols for s in load_specializations(path)]
 
 
-def read_header(source: str | os.PathLike[str] | bytes) -> Any:
+def read_header(source: object) -> Any:
     """The model's ModelProto without external weights' bytes."""
     import onnx
 
-    if isinstance(source, bytes):
-        return onnx.load_model_from_string(source)
+    if isinstance(source, onnx.ModelProto):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return onnx.load_model_from_string(bytes(source))
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"no model header in {type(source).__name__}")
     return onnx.load(os.fspath(source), load_external_data=False)
 
 
-def check_fit(source: str | os.PathLike[str] | bytes, options: Any) -> FitReport:
+def check_fit(source: object, options: Any) -> FitReport:
     """The fit of a model (path or bytes) under `options`, from its header."""
     return check_fit_model(read_header(source), options, _specializations(options))
 
@@ -260,8 +274,8 @@ def require_fit(report: FitReport) -> None:
 
 
 def worth_checking(source: object, options: Any) -> bool:
-    """Cheap enough to check before every compile that could overflow: an LLM (retained
-    state) or a model whose stored weights exceed a quarter of the SoC's DDR."""
+    """Checked before a compile that could overflow: an LLM (retained state) or a model whose
+    files weigh more than a quarter of the SoC's DDR. Other models skip the header read."""
     if getattr(options, "retained_state", False):
         return True
     if isinstance(source, (str, os.PathLike)):
@@ -270,8 +284,15 @@ def worth_checking(source: object, options: Any) -> bool:
             total = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file())
         except OSError:
             return False
-        return bool(total > options.device.ddr_bytes_per_soc // 4)
+        return upload_worth_checking(options, total)
     return False
+
+
+def upload_worth_checking(options: Any, size: int) -> bool:
+    """The same for a stored upload of `size` bytes."""
+    if getattr(options, "retained_state", False):
+        return True
+    return bool(size > options.device.ddr_bytes_per_soc // 4)
 
 
 # --------------------------------------------------------------------------- stored uploads
@@ -302,24 +323,24 @@ def header_from_upload(
             return header, files
     if head[:2] == b"\x1f\x8b" or _is_tar(stream):
         stream.seek(0)
-        with tarfile.open(fileobj=stream, mode="r:*") as archive:
-            header = None
-            for member in archive:
-                if member.isfile() and member.name.endswith(".onnx") and header is None:
-                    handle = archive.extractfile(member)
+        with tarfile.open(fileobj=stream, mode="r:*") as tar:
+            found: Any = None
+            for entry in tar:
+                if entry.isfile() and entry.name.endswith(".onnx") and found is None:
+                    handle = tar.extractfile(entry)
                     assert handle is not None
-                    header = onnx.load_model_from_string(handle.read())
-                    root = os.path.dirname(member.name)
+                    found = onnx.load_model_from_string(handle.read())
+                    root = os.path.dirname(entry.name)
                     for key, rel in wanted.items():
                         wanted[key] = os.path.normpath(os.path.join(root, rel))
-                elif member.isfile() and member.name in wanted.values():
-                    handle = archive.extractfile(member)
+                elif entry.isfile() and entry.name in wanted.values():
+                    handle = tar.extractfile(entry)
                     assert handle is not None
-                    key = next(k for k, v in wanted.items() if v == member.name)
+                    key = next(k for k, v in wanted.items() if v == entry.name)
                     files[key] = handle.read()
-            if header is None:
+            if found is None:
                 raise CompileError("invalid_model", "the archive holds no .onnx model")
-            return header, files
+            return found, files
     stream.seek(0)
     return onnx.load_model_from_string(stream.read()), files
 
@@ -344,6 +365,8 @@ def check_upload_fit(stream: IO[bytes], options: Any) -> FitReport:
     wanted = {}
     if options.network_specialization_config:
         wanted["specializations"] = options.network_specialization_config
+    if options.custom_io_list_file:
+        wanted["custom_io"] = options.custom_io_list_file
     header, files = header_from_upload(stream, wanted)
     specs: list[Mapping[str, int]] = []
     if "specializations" in files:
@@ -351,4 +374,12 @@ def check_upload_fit(stream: IO[bytes], options: Any) -> FitReport:
 
         doc = json.loads(io.BytesIO(files["specializations"]).read())
         specs = [s.symbols for s in parse_specializations(doc)]
-    return check_fit_model(header, options, specs)
+    precisions: dict[str, str] = {}
+    if "custom_io" in files:
+        import yaml
+
+        entries = yaml.safe_load(files["custom_io"]) or []
+        precisions = {
+            str(e.get("IOName")): str(e.get("Precision")) for e in entries if isinstance(e, dict)
+        }
+    return check_fit_model(header, options, specs, precisions)
