@@ -203,3 +203,52 @@ def test_a_retained_output_not_written_by_a_scatter_is_copied_on_the_device() ->
             np.testing.assert_array_equal(session.state["state"], np.full((2, 3), 3.0))
     finally:
         result.cleanup()
+
+
+def _without_waits_before_cache_loads(program: Program) -> tuple[Program, int]:
+    """The program with every SemWait dropped that directly precedes a load of a cache."""
+    import dataclasses
+
+    from compiler_core.lowering.program import DmaLoad, SemWait
+
+    cache = {program.tensors[i].ddr_offset for i in program.retained}
+    dropped = 0
+    streams = []
+    for stream in program.streams:
+        kept: list = []
+        for instr in stream:
+            loads_cache = (
+                isinstance(instr, DmaLoad) and program.tensors[instr.tensor].ddr_offset in cache
+            )
+            while loads_cache and kept and isinstance(kept[-1], SemWait):
+                kept.pop()
+                dropped += 1
+            kept.append(instr)
+        streams.append(kept)
+    return dataclasses.replace(program, streams=streams), dropped
+
+
+def test_reading_the_cache_before_the_scatter_lands_is_caught_by_the_runtime(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    """The scatter and the attention's loads of the cache are ordered by semaphores only; a
+    program without those waits reads rows not yet written and computes other logits."""
+    result = compile_model(model.SerializeToString(), _flags(tmp_path, "fp32", 4))
+    try:
+        program = result.programs[f"batch_size=1,seq_len={PROMPT.shape[1]}"]
+        tampered, dropped = _without_waits_before_cache_loads(program)
+        assert dropped > 0
+        feeds = {
+            "input_ids": PROMPT,
+            "position_ids": np.arange(PROMPT.shape[1], dtype=np.int64)[None, :],
+        }
+        qpc = load_qpc(str(result.qpc_path))
+        constants = qpc.segments["constants.bin"]
+        want = ort_runner(model)({**feeds, **empty_cache(model)})["logits"]
+        good = Executor(program, constants, 8_323_072).run(feeds)["logits"]
+        bad = Executor(tampered, constants, 8_323_072).run(feeds)["logits"]
+        qpc.close()
+        np.testing.assert_allclose(good, want, atol=FP32_LOGITS_ATOL, rtol=0)
+        assert not np.allclose(bad, want, atol=1e-2)
+    finally:
+        result.cleanup()
