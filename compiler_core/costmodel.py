@@ -286,10 +286,12 @@ class TileCompute:
     hmx_macs: int
     hmx_padded_macs: int
     hvx_work: int
+    decode_cycles: int = 0
+    """HVX cycles decoding the tile's streamed MXFP6 weights, before the main unit starts."""
 
     @property
     def cycles(self) -> int:
-        return max(self.main_cycles, self.epilogue_cycles)
+        return self.decode_cycles + max(self.main_cycles, self.epilogue_cycles)
 
 
 def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
@@ -368,7 +370,7 @@ def tile_compute(
     rate = device.hvx_threads * MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE
     return dataclasses.replace(
         cost,
-        main_cycles=cost.main_cycles + math.ceil(decoded / rate),
+        decode_cycles=math.ceil(decoded / rate),
         hvx_work=cost.hvx_work + decoded,
     )
 
@@ -676,14 +678,16 @@ class _Scheduler:
         for lo, hi in outs:
             core.vtcm.mark_written(lo, hi, end)
         core.units[cost.unit] = end
-        if cost.unit == "hmx" and cost.epilogue_cycles:
-            core.units["hvx"] = max(
-                core.units["hvx"], start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
-            )
+        decoded = start + KERNEL_LAUNCH_CYCLES + cost.decode_cycles  # MXFP6 weights decoded
+        if cost.unit == "hmx" and (cost.epilogue_cycles or cost.decode_cycles):
+            core.units["hvx"] = max(core.units["hvx"], decoded + cost.epilogue_cycles)
         run = self.run(core, instr.kernel)
         if cost.unit == "hmx":
-            run.thread("hmx", start, start + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
-            epi_end = start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
+            if cost.decode_cycles:
+                run.thread("hmx", decoded, decoded + cost.main_cycles)
+            else:
+                run.thread("hmx", start, start + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
+            epi_end = decoded + cost.epilogue_cycles
             for name in HVX_THREADS:
                 run.thread(name, start + KERNEL_LAUNCH_CYCLES, epi_end)
         else:
