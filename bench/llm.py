@@ -167,6 +167,7 @@ def _sparse_model(spec: Any, path: Path) -> Path:
             self.data.seek(-self.data.tell() % 4096, os.SEEK_CUR)
             offset = self.data.tell()
             length = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+            self.data.truncate(offset + length)  # sparse: no bytes written
             self.data.seek(offset + length)
             tensor = onnx.TensorProto(name=name, data_type=self.onnx_type, dims=list(shape))
             tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -188,9 +189,6 @@ def _sparse_model(spec: Any, path: Path) -> Path:
         written = write_decoder(spec, path, "float16")
     finally:
         transformer_models._Builder = saved  # type: ignore[misc]
-    data = written.parent / f"{written.name}.data"
-    with open(data, "r+b") as handle:  # the sparse file reaches its last tensor's end
-        handle.seek(0, os.SEEK_END)
     return written
 
 
