@@ -52,7 +52,8 @@ class DecoderSpec:
     ffn: int = 8192
     vocab: int = 32000
     ctx: int = 1024
-    seq: int = 1
+    seq: int | str = 1
+    """Tokens per run, or a symbol (`seq_len`) that specializations bind."""
     seed: int = 0
 
     @property
@@ -170,7 +171,7 @@ def write_encoder(spec: EncoderSpec, out_dir: Path, dtype: str = "float32") -> P
             up = b.op("Gelu", [b.dense(x, f"{p}.up", d, spec.ffn)])
             x = b.layer_norm(b.op("Add", [x, b.dense(up, f"{p}.down", spec.ffn, d)]), f"{p}.ln2", d)
         b.nodes[-1].output[0] = "y"
-        dims = ["batch", spec.seq, d]
+        dims: list[str | int] = ["batch", spec.seq, d]
         return helper.make_graph(
             b.nodes,
             spec.name,
@@ -230,8 +231,8 @@ def write_decoder(spec: DecoderSpec, out_dir: Path, dtype: str = "float16") -> P
             x = b.op("Add", [x, b.dense(up, f"{p}.down", spec.ffn, d, False)])
         final = b.layer_norm(x, "final", d)
         b.op("MatMul", [final, b.weight("lm_head", (d, spec.vocab), d**-0.5)], "logits")
-        cache = ["batch", h, spec.ctx, head]
-        tokens_dims = ["batch", spec.seq]
+        cache: list[str | int] = ["batch", h, spec.ctx, head]
+        tokens_dims: list[str | int] = ["batch", spec.seq]
         elem = b.onnx_type
         past = [f"past_{kind}.{i}" for i in range(spec.layers) for kind in ("key", "value")]
         inputs = [

@@ -23,12 +23,14 @@ import onnx_ir as ir
 
 from compiler_core.costmodel import Timeline, build_timeline
 from compiler_core.errors import CompileError
+from compiler_core.fit import check_fit, require_fit, worth_checking
 from compiler_core.importer import (
     ImportedModel,
     ModelSource,
     import_model,
     require_static_shapes,
 )
+from compiler_core.llm_report import llm_report
 from compiler_core.lowering.depth_first import plan_depth_first
 from compiler_core.lowering.emit import emit_program
 from compiler_core.lowering.lower import (
@@ -205,6 +207,8 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    if worth_checking(source, opts):  # refused in a moment, not after minutes of compiling
+        require_fit(check_fit(source, opts, model_folder))
     reference = None
     if opts.dump_profile:
         from compiler_core.quant.calibrate import dump_profile
@@ -378,6 +382,15 @@ def _compile(
         first = dict(next(iter(each.values())))
         if len(builds) > 1:
             first["specializations"] = each
+        llm = llm_report(
+            [
+                (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
+                for b, name in zip(builds, each, strict=True)
+            ],
+            device,
+        )
+        if llm is not None:
+            first["llm"] = llm
         return first
 
     return CompileResult(

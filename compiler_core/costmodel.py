@@ -29,6 +29,7 @@ labelled so wherever it is reported.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     DmaGather,
     DmaLoad,
+    DmaScatter,
     DmaStore,
     Instr,
     NocCopy,
@@ -53,6 +55,7 @@ from compiler_core.lowering.program import (
     box_nbytes,
     cores_in,
     gathered_bytes,
+    scattered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -77,6 +80,15 @@ ACTIVATION_CYCLES_PER_INSTR = 2
 the resident-constant loads come on top."""
 HOST_LINK_BYTES_PER_S = 16e9
 """Host-to-device input transfer (PCIe Gen4 x8, modelled): input doorbells ring as inputs land."""
+MXFP6_DECODE_VECTOR_OPS = 16
+"""HVX vector instructions to turn 64 MXFP6 weights into fp16 (one 1024-bit vector of output):
+unpacking 48 bytes of 6-bit codes into 16-bit lanes (byte shuffles, shifts and masks: 6), the
+E2M3 code -> fp16 lookup (4), the block scale's multiply and the conversion back to IEEE fp16
+(6). Our count of the work (no figure is published); one instruction per HVX thread and cycle,
+so a core decodes 4 x 64 / 16 = 16 weights a cycle. The decoded weight feeds HMX: a tile
+decodes its streamed MXFP6 weights before its HMX work starts (resident weights stay decoded
+in VTCM: no per-inference decode)."""
+MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE = 64 / MXFP6_DECODE_VECTOR_OPS
 BUCKET_CYCLES = 256
 """Granularity of the shared-bandwidth calendars."""
 
@@ -274,10 +286,12 @@ class TileCompute:
     hmx_macs: int
     hmx_padded_macs: int
     hvx_work: int
+    decode_cycles: int = 0
+    """HVX cycles decoding the tile's streamed MXFP6 weights, before the main unit starts."""
 
     @property
     def cycles(self) -> int:
-        return max(self.main_cycles, self.epilogue_cycles)
+        return self.decode_cycles + max(self.main_cycles, self.epilogue_cycles)
 
 
 def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
@@ -340,7 +354,7 @@ def tile_compute(
     program: Program, instr: RunKernel, device: DeviceProfile, opdef: OpDef | None = None
 ) -> TileCompute:
     kernel = program.kernels[instr.kernel]
-    return tile_cost(
+    cost = tile_cost(
         kernel.info,
         kernel.unit,
         kernel.macs,
@@ -350,6 +364,33 @@ def tile_compute(
         opdef,
         device,
     )
+    decoded = _mxfp6_streamed_elements(program, kernel.inputs, instr)
+    if not decoded:
+        return cost
+    rate = device.hvx_threads * MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE
+    return dataclasses.replace(
+        cost,
+        decode_cycles=math.ceil(decoded / rate),
+        hvx_work=cost.hvx_work + decoded,
+    )
+
+
+def _mxfp6_streamed_elements(program: Program, inputs: Sequence[int], instr: RunKernel) -> int:
+    """Weights of this tile stored as MXFP6 and streamed into VTCM (not resident): the HVX
+    decodes them to fp16 before HMX reads them."""
+    count = 0
+    for tid, operand in zip(inputs, instr.inputs, strict=False):
+        if operand is None or tid < 0:
+            continue
+        t = program.tensors[tid]
+        if t.kind != KIND_CONSTANT or stored_bytes(t, operand.box) >= box_nbytes(
+            operand.box, t.dtype
+        ):
+            continue
+        if all(piece.vtcm < program.resident for piece in operand.pieces):
+            continue  # resident: decoded once when the program was activated
+        count += box_elements(operand.box)
+    return count
 
 
 def tile_compute_cycles(program: Program, instr: RunKernel, device: DeviceProfile) -> int:
@@ -469,8 +510,9 @@ class _Scheduler:
         self.port_of_tensor = {t: i for i, t in enumerate(program.inputs)}
         self.ring: list[int] = []
         landed = 0.0
+        retained = program.retained  # on the device already: never crosses the host link
         for t in program.inputs:
-            landed += tensors[t].nbytes
+            landed += 0 if t in retained else tensors[t].nbytes
             ring = 0 if inputs_ready else landed / HOST_LINK_BYTES_PER_S * device.clock_hz
             self.ring.append(int(np.ceil(ring)))
         self.input_ranges = [
@@ -505,7 +547,9 @@ class _Scheduler:
             return ring
         return start
 
-    def dma(self, core: _Core, instr: DmaLoad | DmaStore | NocCopy | DmaGather) -> tuple[int, int]:
+    def dma(
+        self, core: _Core, instr: DmaLoad | DmaStore | NocCopy | DmaGather | DmaScatter
+    ) -> tuple[int, int]:
         program = self.program
         t = program.tensors[instr.tensor]
         timeline = self.timeline
@@ -552,6 +596,22 @@ class _Scheduler:
             if t.kind == KIND_CONSTANT:
                 timeline.ddr_read_constant[c] += nbytes
                 run.read_constant_bytes += nbytes
+        elif isinstance(instr, DmaScatter):
+            pieces = [
+                (p.vtcm, p.vtcm + box_nbytes(p.box, program.tensors[tid].dtype))
+                for tid, operand in ((instr.source, instr.update), (instr.index, instr.indices))
+                for p in operand.pieces
+            ]
+            for lo, hi in pieces:
+                start = max(start, core.vtcm.ready_to_read(lo, hi))
+            nbytes = scattered_bytes(program, instr)
+            entries = box_elements(instr.indices.box)  # one descriptor per batch entry's rows
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES * entries, nbytes, self.engine)
+            for lo, hi in pieces:
+                core.vtcm.mark_read(lo, hi, end)
+            timeline.ddr_write[c] += nbytes
+            run = self.run(core, instr.kernel)
+            run.write_bytes += nbytes
         elif isinstance(instr, DmaStore):
             lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
@@ -618,14 +678,16 @@ class _Scheduler:
         for lo, hi in outs:
             core.vtcm.mark_written(lo, hi, end)
         core.units[cost.unit] = end
-        if cost.unit == "hmx" and cost.epilogue_cycles:
-            core.units["hvx"] = max(
-                core.units["hvx"], start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
-            )
+        decoded = start + KERNEL_LAUNCH_CYCLES + cost.decode_cycles  # MXFP6 weights decoded
+        if cost.unit == "hmx" and (cost.epilogue_cycles or cost.decode_cycles):
+            core.units["hvx"] = max(core.units["hvx"], decoded + cost.epilogue_cycles)
         run = self.run(core, instr.kernel)
         if cost.unit == "hmx":
-            run.thread("hmx", start, start + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
-            epi_end = start + KERNEL_LAUNCH_CYCLES + cost.epilogue_cycles
+            if cost.decode_cycles:
+                run.thread("hmx", decoded, decoded + cost.main_cycles)
+            else:
+                run.thread("hmx", start, start + KERNEL_LAUNCH_CYCLES + cost.main_cycles)
+            epi_end = decoded + cost.epilogue_cycles
             for name in HVX_THREADS:
                 run.thread(name, start + KERNEL_LAUNCH_CYCLES, epi_end)
         else:
@@ -647,7 +709,7 @@ def _next_start(core: _Core) -> int:
     """The earliest its next instruction can start: cores go in this order, so the shared
     calendars are booked roughly in time order."""
     instr = core.stream[core.pc]
-    if isinstance(instr, DmaLoad | DmaStore | DmaGather):
+    if isinstance(instr, DmaLoad | DmaStore | DmaGather | DmaScatter):
         return max(core.now, core.dma_free)
     if isinstance(instr, NocCopy):
         return max(core.now, core.noc_free)
@@ -748,7 +810,8 @@ def build_timeline(
     timeline = _empty_timeline(device, cores, len(ports))
     timeline.port_names = [program.tensors[t].name for t in ports]
     timeline.port_is_input = [i < n_in for i in range(len(ports))]
-    timeline.port_bytes = [program.tensors[t].nbytes for t in ports]
+    kept = {*program.retained, *program.retained.values()}
+    timeline.port_bytes = [0 if t in kept else program.tensors[t].nbytes for t in ports]
     # Program activation: the resident constants' loads, once, on their own.
     setup = _empty_timeline(device, cores, len(ports))
     setup_streams = program.setup or [[] for _ in range(cores)]

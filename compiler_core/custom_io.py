@@ -23,6 +23,15 @@ FLAG = "-custom-IO-list-file"
 
 PRECISIONS = ("float32", "float16", "bfloat16")
 """Boundary precisions this compiler converts to and from (the model side must be a float)."""
+MXINT8 = "mxint8"
+"""Not a boundary type but a storage format: a retained-state tensor (a KV cache, listed by
+its input or its `_RetainedState` output name) kept on the device as MXINT8 blocks
+(compiler_core/mxint8.py); it never crosses the host link, so the boundary is unchanged."""
+
+
+def mxint8_names(entries: list[CustomIO]) -> frozenset[str]:
+    """The names listed with Precision mxint8."""
+    return frozenset(e.name for e in entries if e.precision == MXINT8)
 
 
 @dataclass(frozen=True)
@@ -59,16 +68,10 @@ def _entry(item: Any, index: int) -> CustomIO:
     name, precision = item["IOName"], item["Precision"]
     if not isinstance(name, str) or not name:
         raise _invalid(f"{where}: IOName must be a non-empty string")
-    if precision == "mxint8":
-        raise CompileError(
-            "unsupported_option",
-            f"{where} ({name}): Precision mxint8 is not supported by this compiler; "
-            f"use one of {', '.join(PRECISIONS)}",
-            flag=FLAG,
-        )
-    if precision not in PRECISIONS:
+    if precision not in (*PRECISIONS, MXINT8):
         raise _invalid(
-            f"{where} ({name}): Precision {precision!r} is not one of {', '.join(PRECISIONS)}"
+            f"{where} ({name}): Precision {precision!r} is not one of "
+            f"{', '.join((*PRECISIONS, MXINT8))}"
         )
     return CustomIO(name, precision)
 

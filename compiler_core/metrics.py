@@ -22,11 +22,14 @@ from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
     DmaLoad,
+    DmaScatter,
+    DmaStore,
     KernelDesc,
     NocCopy,
     Program,
     SemWait,
     box_nbytes,
+    scattered_bytes,
     stored_bytes,
 )
 from compiler_core.ops.registry import Box
@@ -163,9 +166,8 @@ def perf_metrics(
     # Throughput with the host queueing inferences (the vendor's set size): the next input
     # crosses PCIe while this inference runs, so the device's own time or the transfers bound it.
     device_latency = build_timeline(program, device, inputs_ready=True).latency_seconds
-    host = sum(program.tensors[t].nbytes for t in (*program.inputs, *program.outputs)) / (
-        HOST_LINK_BYTES_PER_S
-    )
+    host_in, host_out = program.host_ports()  # retained state stays on the device
+    host = sum(program.tensors[t].nbytes for t in (*host_in, *host_out)) / HOST_LINK_BYTES_PER_S
     useful = sum(r.hmx_macs for r in timeline.runs)
     padded = sum(r.hmx_padded_macs for r in timeline.runs)
     peak_cycles = device.hmx_fp16_macs_per_cycle * cores * total
@@ -282,7 +284,8 @@ class Floors:
     HVX peak."""
     ddr_bytes: int
     """Bytes that must cross DDR each inference: inputs, outputs and every constant byte
-    that is not resident on chip."""
+    that is not resident on chip; of retained state (a KV cache), the bytes the program reads
+    of it (each once) and the rows it writes."""
     ddr_cycles: int
 
     @property
@@ -306,22 +309,50 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
             compute += max(base / rate, epilogue / hvx)
         else:
             compute += (base + epilogue) / hvx
-    io = sum(program.tensors[t].nbytes for t in (*program.inputs, *program.outputs))
+    host_in, host_out = program.host_ports()
+    io = sum(program.tensors[t].nbytes for t in (*host_in, *host_out))
     resident = {i.tensor for s in program.setup for i in s if isinstance(i, DmaLoad)}
+    state = _retained_offsets(program)
     streamed: dict[int, set[Box]] = {}
+    state_read: dict[int, set[Box]] = {}
+    written = 0
     for stream in program.streams:
         for instr in stream:
             if isinstance(instr, DmaLoad):
                 t = program.tensors[instr.tensor]
                 if t.kind == KIND_CONSTANT and instr.tensor not in resident:
                     streamed.setdefault(instr.tensor, set()).add(instr.box)
+                elif t.ddr_offset in state and t.nbytes == state[t.ddr_offset]:
+                    state_read.setdefault(instr.tensor, set()).add(instr.box)
+            elif isinstance(instr, DmaScatter | DmaStore):
+                t = program.tensors[instr.tensor]
+                if t.ddr_offset in state:
+                    written += (
+                        scattered_bytes(program, instr)
+                        if isinstance(instr, DmaScatter)
+                        else box_nbytes(instr.box, t.dtype)
+                    )
     constant = 0
     for tid, boxes in streamed.items():
         t = program.tensors[tid]
         constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
-    ddr_bytes = io + constant
+    for tid, boxes in state_read.items():
+        t = program.tensors[tid]
+        constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
+    ddr_bytes = io + constant + written
     ddr_cycles = int(ddr_bytes / device.ddr_bandwidth_bytes_per_s * device.clock_hz)
     return Floors(int(compute / max(1, cores)), ddr_bytes, ddr_cycles)
+
+
+def _retained_offsets(program: Program) -> dict[int, int]:
+    """DDR offset -> bytes of every retained-state buffer (input and output share it, or the
+    output is copied into the input on the device)."""
+    out: dict[int, int] = {}
+    for i, o in program.retained.items():
+        for tid in (i, o):
+            t = program.tensors[tid]
+            out[t.ddr_offset] = t.nbytes
+    return out
 
 
 def _largest_multicast(program: Program) -> int:
@@ -349,18 +380,21 @@ def _resident_total(program: Program) -> int:
 def _port_traffic(program: Program) -> list[dict[str, Any]]:
     """Host ports: bytes the host moves per inference and DDR bytes the cores move for them."""
     rows = []
+    kept = {*program.retained, *program.retained.values()}
     for direction, ids in (("in", program.inputs), ("out", program.outputs)):
         for tid in ids:
             t = program.tensors[tid]
-            rows.append(
-                {
-                    "port": t.name,
-                    "direction": direction,
-                    "host_bytes": t.nbytes,
-                    "ddr_read_bytes": t.nbytes if direction == "in" else 0,
-                    "ddr_write_bytes": t.nbytes if direction == "out" else 0,
-                }
-            )
+            host = 0 if tid in kept else t.nbytes  # retained state never leaves the device
+            row: dict[str, Any] = {
+                "port": t.name,
+                "direction": direction,
+                "host_bytes": host,
+                "ddr_read_bytes": host if direction == "in" else 0,
+                "ddr_write_bytes": host if direction == "out" else 0,
+            }
+            if tid in kept:
+                row["retained"] = True
+            rows.append(row)
     return rows
 
 

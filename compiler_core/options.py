@@ -281,6 +281,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         group=PRECISION,
     ),
     _spec(
+        "mxint8-kv-cache",
+        "bool",
+        "Store every retained-state tensor (the KV cache) as MXINT8 blocks on the device, as "
+        "if each were listed with Precision mxint8 in the custom-IO list.",
+        default=False,
+        group=PRECISION,
+    ),
+    _spec(
         "custom-IO-list-file",
         "path",
         "YAML list of IOName/Precision pairs.",
@@ -820,6 +828,7 @@ class CompileOptions:
     network_specialization_config: str | None = None
     convert_to_fp16: bool = False
     mxfp6_matmul: bool = False
+    mxint8_kv_cache: bool = False
     custom_io_list_file: str | None = None
     node_precision_info: str | None = None
     dump_profile: str | None = None

@@ -17,6 +17,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from compiler_core import CompileOptions
+from compiler_core.fit import CODE as FIT_CODE
+from compiler_core.fit import check_upload_fit, upload_worth_checking
 from compiler_core.version import COMPILER_VERSION
 from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobStore
 from qpcfarm.app.blobs.integrity import verify_blob
@@ -164,6 +166,11 @@ def submit(
         values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
         return connection.execute(plain, values).one(), True
 
+    if store is not None and upload_worth_checking(options, store.size(sha256)):
+        with store.open(sha256) as stream:  # the model's header only: refused in seconds
+            fit = check_upload_fit(stream, options)
+        if fit is not None and not fit.fits:
+            raise ServiceError(FIT_CODE, fit.message(), 422, {"fit": fit.as_dict()})
     for _ in range(ATTACH_ATTEMPTS):
         values = {**common, "id": uuid.uuid4(), "status": JobStatus.queued}
         job = connection.execute(guarded, values).first()

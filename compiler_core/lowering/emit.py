@@ -34,8 +34,10 @@ from compiler_core.lowering.program import (
     KIND_INPUT,
     KIND_ONCHIP,
     KIND_OUTPUT,
+    SCATTER_IN_PLACE,
     DmaGather,
     DmaLoad,
+    DmaScatter,
     DmaStore,
     Instr,
     NocCopy,
@@ -55,7 +57,7 @@ from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
 from compiler_core.ops.registry import Box, full_box
 
-LOAD, STORE, NOC, RUN, GATHER = 1, 2, 3, 4, 5
+LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
 
 BufRef = tuple[int, int]
 """(buffer id, byte offset inside the buffer)."""
@@ -271,8 +273,9 @@ class _Builder:
         # outputs: on-chip slots, or double-buffered scratch stored to DDR
         out_refs: dict[tuple[int, int, int], BufRef] = {}  # (core, step, slot) -> ref
         stores: list[int] = []
+        scatter = desc.kernel == SCATTER_IN_PLACE  # writes DDR straight from its update tile
         for o, tid in enumerate(desc.outputs):
-            if tid < 0:
+            if tid < 0 or scatter:
                 continue
             dtype = self.dtype(tid)
             if tid in self.placement.chip:
@@ -316,8 +319,8 @@ class _Builder:
         streamed: list[int] = []
         gather = self.gathers(k)
         for i, tid in enumerate(desc.inputs):
-            if tid < 0 or (gather and i == 0):
-                continue
+            if tid < 0 or (gather and i == 0) or (scatter and i == 0):
+                continue  # an in-place scatter never reads the cache it writes
             root = graph.root(tid)
             if (graph.layer(k), i) in self.resident_refs:
                 refs = self.resident_refs[(graph.layer(k), i)]
@@ -399,6 +402,19 @@ class _Builder:
                     for i, tid in enumerate(desc.inputs)
                 )
                 out_boxes = _tile_out_boxes(graph, k, tile)
+                if scatter:
+                    self.ops.append(
+                        Op(
+                            core=c,
+                            kind=SCATTER,
+                            kernel=k,
+                            tensor=desc.outputs[0],
+                            box=tile.out_box,
+                            out_box=tile.out_box,
+                            inputs=ins,
+                        )
+                    )
+                    continue
                 outs = tuple(
                     None if box is None else (box, out_refs[(c, j, o)], box)
                     for o, box in enumerate(out_boxes)
@@ -874,6 +890,14 @@ def materialize(
                 vtcm.write(base + lo, base + hi, index, deps)
                 if hi > vtcm_used[target]:
                     vtcm_used[target] = hi
+        elif op.kind == SCATTER:
+            desc = graph.kernels[op.kernel].desc
+            for slot in (1, 2):
+                operand = op.inputs[slot]
+                assert operand is not None
+                for ref, box in operand[1]:
+                    vtcm.read(*span(c, ref, box, desc.inputs[slot]), index, deps)
+            ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
@@ -984,6 +1008,22 @@ def _instr(
         else Operand(operand[0], tuple(Piece(resolve(ref), box) for ref, box in operand[1]))
         for operand in op.inputs
     )
+    if op.kind == SCATTER:
+        assert graph is not None
+        desc = graph.kernels[op.kernel].desc
+        update, indices = ins[1], ins[2]
+        assert update is not None and indices is not None
+        rank = len(graph.tensors[op.tensor].shape)
+        return DmaScatter(
+            tensor=id_map[op.tensor],
+            axis=int(desc.info.attr("axis", -2)) % rank,
+            box=op.box,
+            source=id_map[desc.inputs[1]],
+            update=update,
+            index=id_map[desc.inputs[2]],
+            indices=indices,
+            kernel=op.kernel,
+        )
     outs = tuple(
         None if out is None else Operand(out[0], (Piece(resolve(out[1]), out[2]),))
         for out in op.outputs
@@ -1045,6 +1085,9 @@ def emit_program(
             )
         )
     streams, setup, num_semaphores, vtcm_used = materialize(schedule, graph, plan, resident)
+    meta: dict[str, object] = {}
+    if graph.retained:
+        meta["retained_state"] = [[id_map[i], id_map[o]] for i, o in graph.retained.items()]
     return Program(
         tensors=tensors,
         kernels=kernels,
@@ -1057,6 +1100,7 @@ def emit_program(
         outputs=[id_map[t] for t in graph.outputs],
         setup=setup,
         resident=resident,
+        meta=meta,
     )
 
 

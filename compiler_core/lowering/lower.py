@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     KIND_INPUT,
     KIND_OUTPUT,
+    SCATTER_IN_PLACE,
     EpilogueDesc,
     KernelDesc,
 )
@@ -60,6 +62,17 @@ class LTensor:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
 
+class Mxint8Tensor(LTensor):
+    """Retained state stored as MXINT8 blocks along its last axis (compiler_core/mxint8.py):
+    its DDR size is the stored size; loads and stores move stored bytes."""
+
+    @property
+    def nbytes(self) -> int:
+        from compiler_core.mxint8 import mxint8_nbytes
+
+        return mxint8_nbytes(self.shape)
+
+
 @functools.cache
 def _itemsize(dtype: str) -> int:
     return int(np.dtype(dtype).itemsize)
@@ -84,6 +97,10 @@ class LoweredGraph:
     num_cores: int
     network_name: str
     warnings: list[dict[str, object]] = field(default_factory=list)
+    retained: dict[int, int] = field(default_factory=dict)
+    """-retained-state: each retained input -> the `<input>_RetainedState` output that feeds
+    it. They are one device buffer: the output aliases the input when a scatter writes it in
+    place, else a device copy kernel at the end writes the output into the input."""
 
     def root(self, tensor_id: int) -> int:
         t = self.tensors[tensor_id]
@@ -119,6 +136,12 @@ class LoweringConfig:
     """Cut kernels over this many of the cores only (None: all); the rest stay idle."""
     k_splits: bool = True
     """Let the chooser split MatMul/Gemm along K where that is faster (see `ksplit`)."""
+    retain_state: bool = False
+    """-retained-state: `<input>_RetainedState` outputs share their input's device buffer."""
+    mxint8: frozenset[str] = frozenset()
+    """Retained state stored as MXINT8 blocks, by input or `_RetainedState` output name."""
+    mxint8_all: bool = False
+    """-mxint8-kv-cache: every retained-state tensor stored as MXINT8."""
 
 
 def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
@@ -133,7 +156,19 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         device=device,
         # MXFP6 weights are encoded for MatMul/Gemm B operands read whole along K
         k_splits=not getattr(options, "mxfp6_matmul", False),
+        retain_state=bool(getattr(options, "retained_state", False)),
+        mxint8=_mxint8_names(options),
+        mxint8_all=bool(getattr(options, "mxint8_kv_cache", False)),
     )
+
+
+def _mxint8_names(options: object) -> frozenset[str]:
+    path = getattr(options, "custom_io_list_file", None)
+    if not path:
+        return frozenset()
+    from compiler_core.custom_io import load_custom_io, mxint8_names
+
+    return mxint8_names(load_custom_io(path))
 
 
 class _Builder:
@@ -369,6 +404,14 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
             builder.copy_kernel(src, out)
             tid = out
         outputs.append(tid)
+    retained = _retain_state(builder, inputs, outputs) if config.retain_state else {}
+    if config.mxint8 and not config.retain_state:
+        raise CompileError(
+            "invalid_option",
+            "-custom-IO-list-file: Precision mxint8 stores retained state; it needs "
+            "-retained-state",
+            flag="-custom-IO-list-file",
+        )
     lowered = LoweredGraph(
         tensors=builder.tensors,
         kernels=builder.kernels,
@@ -376,12 +419,130 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
         outputs=outputs,
         num_cores=config.num_cores,
         network_name=graph.name or "network",
+        retained=retained,
     )
     if config.device is not None:
         choose_splits(
             lowered, config.device, config.vtcm_budget, config.active_cores, config.k_splits
         )
     return lowered
+
+
+def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> dict[int, int]:
+    """Make each `<input>_RetainedState` output and its input one device buffer.
+
+    A TensorScatter that writes the cache input into its own retained output, when nothing
+    else reads the cache, is done in place: the output aliases the input and the kernel
+    becomes a scatter DMA of the new rows only. Any other retained output is copied into its
+    input on the device by a copy kernel after everything that reads the input. Pairs that
+    do not match (no such input, another type or shape) are left for the compile to refuse.
+    """
+    from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
+
+    tensors = builder.tensors
+    by_name = {tensors[t].name: t for t in inputs}
+    producer = {t: k for k, lk in enumerate(builder.kernels) for t in lk.desc.outputs if t >= 0}
+    config = builder.config
+    pairs: dict[int, int] = {}
+    mx_named: set[str] = set()
+    for out in outputs:
+        t = tensors[out]
+        source = (
+            by_name.get(t.name[: -len(RETAINED_SUFFIX)])
+            if t.name.endswith(RETAINED_SUFFIX)
+            else None
+        )
+        if source is None or (tensors[source].dtype, tensors[source].shape) != (t.dtype, t.shape):
+            continue
+        pairs[source] = out
+        names = {tensors[source].name, t.name}
+        mx = config.mxint8_all or bool(names & config.mxint8)
+        mx_named |= names & config.mxint8
+        k = producer.get(out)
+        if k is not None and _scatters_in_place(builder, k, source):
+            _make_in_place(builder, k, source, out, mx)
+        elif mx:
+            raise CompileError(
+                "unsupported_option",
+                f"{tensors[source].name}: MXINT8 storage needs the retained output "
+                f"{t.name!r} written in place by a TensorScatter of its input",
+                flag="-custom-IO-list-file" if not config.mxint8_all else "-mxint8-kv-cache",
+            )
+        else:
+            builder.copy_kernel(out, source)
+    stray = sorted(config.mxint8 - mx_named)
+    if stray:
+        raise CompileError(
+            "invalid_option",
+            f"-custom-IO-list-file: Precision mxint8 is a storage format of retained state "
+            f"(-retained-state), but {', '.join(map(repr, stray))} is not a retained input or "
+            "output",
+            flag="-custom-IO-list-file",
+        )
+    return pairs
+
+
+def _root(tensors: list[LTensor], tid: int) -> int:
+    while tensors[tid].alias_of is not None:
+        tid = tensors[tid].alias_of  # type: ignore[assignment]
+    return tid
+
+
+def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
+    """Kernel k is a plain TensorScatter into `source`, and no other kernel reads `source`."""
+    desc = builder.kernels[k].desc
+    tensors = builder.tensors
+    if (desc.info.op_type, desc.info.domain) != ("TensorScatter", "") or desc.epilogue:
+        return False
+    if len(desc.outputs) != 1 or len(desc.inputs) < 3 or desc.inputs[2] < 0:
+        return False
+    if desc.inputs[0] != source or any(
+        _root(tensors, t) == source for t in desc.inputs[1:] if t >= 0
+    ):
+        return False
+    return not any(
+        t >= 0 and _root(tensors, t) == source
+        for other, lk in enumerate(builder.kernels)
+        if other != k
+        for t in lk.desc.inputs
+    )
+
+
+def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: bool) -> None:
+    from compiler_core.ops.kv_cache import in_place_input_boxes
+
+    lk = builder.kernels[k]
+    builder.tensors[out].alias_of = source
+    if mxint8:  # the input and its retained output: one buffer of MX blocks
+        for tid in (source, out):
+            held = builder.tensors[tid]
+            builder.tensors[tid] = Mxint8Tensor(
+                id=held.id,
+                name=held.name,
+                dtype=held.dtype,
+                shape=held.shape,
+                kind=held.kind,
+                alias_of=held.alias_of,
+            )
+    lk.desc = dataclasses.replace(lk.desc, kernel=SCATTER_IN_PLACE)
+    assert lk.request is not None
+    opdef = dataclasses.replace(lk.request.opdef, input_boxes=in_place_input_boxes)
+    if mxint8:  # a tile writes whole MX blocks: never cut the block (last) axis
+        whole_rows = _without_last_axis(opdef.split_axes)
+        opdef = dataclasses.replace(opdef, split_axes=whole_rows)
+    lk.request = dataclasses.replace(lk.request, opdef=opdef)
+    if builder.config.device is None:
+        lk.tiles = plan_tiles(lk.request)
+
+
+def _without_last_axis(
+    split_axes: Callable[[NodeInfo], list[int]],
+) -> Callable[[NodeInfo], list[int]]:
+    def axes(node: NodeInfo) -> list[int]:
+        last = len(node.out_shapes[0]) - 1
+        return [a for a in split_axes(node) if a != last]
+
+    return axes
 
 
 RESIDENT_SHARE = 1.0

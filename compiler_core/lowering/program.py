@@ -29,6 +29,8 @@ KIND_OUTPUT = "output"
 KIND_ACTIVATION = "activation"
 KIND_ONCHIP = "onchip"
 """An activation that lives only in the VTCM of the cores that produce it: it has no DDR."""
+SCATTER_IN_PLACE = "tensor_scatter_in_place"
+"""The kernel name of a TensorScatter into retained state done in place by `DmaScatter`."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,21 @@ def box_nbytes(box: Box, dtype: str) -> int:
 
 
 def stored_bytes(t: TensorDesc, box: Box) -> int:
-    """The DDR bytes a load of `box` reads: an encoded constant (MXFP6) moves its stored size."""
+    """The DDR bytes a transfer of `box` moves: an encoded tensor (an MXFP6 constant, MXINT8
+    retained state) moves its stored size."""
     n = box_nbytes(box, t.dtype)
-    logical = box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
-    if t.kind == KIND_CONSTANT and 0 < t.nbytes < logical:
-        return -(-n * t.nbytes // logical)
+    if t.kind == KIND_CONSTANT or t.kind in (KIND_INPUT, KIND_OUTPUT):
+        logical = box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
+        if 0 < t.nbytes < logical:
+            return -(-n * t.nbytes // logical)
     return n
+
+
+def is_encoded_state(t: TensorDesc) -> bool:
+    """Retained state stored in blocks (MXINT8): its DDR bytes are not its values'."""
+    if t.kind not in (KIND_INPUT, KIND_OUTPUT):
+        return False
+    return t.nbytes != box_nbytes(tuple((0, d) for d in t.shape), t.dtype)
 
 
 def gathered_bytes(t: TensorDesc, instr: DmaGather) -> int:
@@ -183,6 +194,31 @@ class DmaGather:
 
 
 @dataclass(frozen=True)
+class DmaScatter:
+    """VTCM -> DDR at rows known only at run time (a KV-cache write in place): the `update`
+    operand (a box of tensor `source`, in VTCM) lands in `tensor` along `axis`, each batch
+    entry b of `box` at the positions its write index (element b of the `indices` operand, a
+    box of tensor `index`) names, over `box` on the other axes. `box` is the tile of `tensor`
+    those rows lie in (the whole `axis`); only the update's bytes cross DDR. The kernel's node
+    says how positions follow from an index (linear or circular)."""
+
+    tensor: int
+    axis: int
+    box: Box
+    source: int
+    update: Operand
+    index: int
+    indices: Operand
+    kernel: int = -1
+
+
+def scattered_bytes(program: Program, instr: DmaScatter) -> int:
+    """DDR bytes a scatter writes: the update's rows in the cache's stored format, whatever
+    the indices."""
+    return stored_bytes(program.tensors[instr.tensor], instr.update.box)
+
+
+@dataclass(frozen=True)
 class Piece:
     """A VTCM buffer at `vtcm` holding `box` of a tensor (C order)."""
 
@@ -231,7 +267,7 @@ class SemWait:
     count: int
 
 
-Instr = DmaLoad | DmaStore | NocCopy | DmaGather | RunKernel | SemPost | SemWait
+Instr = DmaLoad | DmaStore | NocCopy | DmaGather | DmaScatter | RunKernel | SemPost | SemWait
 
 
 @dataclass
@@ -257,10 +293,26 @@ class Program:
     def num_cores(self) -> int:
         return len(self.streams)
 
+    @property
+    def retained(self) -> dict[int, int]:
+        """-retained-state: retained input -> the output that feeds it (tensor ids). Both are
+        one device buffer that never crosses the host link."""
+        return {int(i): int(o) for i, o in self.meta.get("retained_state", [])}
+
+    def host_ports(self) -> tuple[list[int], list[int]]:
+        """The inputs the host sends and the outputs it receives (retained state excluded)."""
+        retained = self.retained
+        kept = set(retained.values())
+        return (
+            [t for t in self.inputs if t not in retained],
+            [t for t in self.outputs if t not in kept],
+        )
+
 
 # ----------------------------------------------------------------------------------- encoding
 
 _OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC, _OP_GATHER = 1, 2, 3, 4, 5, 6, 7
+_OP_SCATTER = 8
 
 
 def _jsonable(value: Any) -> Any:
@@ -437,6 +489,21 @@ def _pack_stream(stream: list[Instr]) -> list[bytes]:
             )
             for box in (instr.box, instr.index_box, instr.out_box, instr.buf_box):
                 _pack_box(body, box)
+        elif isinstance(instr, DmaScatter):
+            body.append(
+                struct.pack(
+                    "<BIiBII",
+                    _OP_SCATTER,
+                    instr.tensor,
+                    instr.kernel,
+                    instr.axis,
+                    instr.source,
+                    instr.index,
+                )
+            )
+            _pack_box(body, instr.box)
+            _pack_operand(body, instr.update)
+            _pack_operand(body, instr.indices)
         elif isinstance(instr, RunKernel):
             body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
             _pack_box(body, instr.out_box)
@@ -536,6 +603,13 @@ class _Reader:
                         kernel,
                     )
                 )
+            elif code == _OP_SCATTER:
+                tensor, kernel, axis, source, index = self.take("<IiBII")
+                box = self.box()
+                update, indices = self.operand(), self.operand()
+                if update is None or indices is None:
+                    raise CompileError("invalid_program", f"scatter without operands at {self.pos}")
+                stream.append(DmaScatter(tensor, axis, box, source, update, index, indices, kernel))
             elif code == _OP_KERNEL:
                 (kernel,) = self.take("<I")
                 out_box = self.box()
@@ -656,6 +730,10 @@ def check_program(program: Program) -> None:
                 raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
             if isinstance(instr, DmaGather) and (instr.indices >= n_t or instr.out >= n_t):
                 raise CompileError("invalid_program", f"core {core}: gather names tensor")
+            if isinstance(instr, DmaScatter) and (
+                instr.tensor >= n_t or instr.source >= n_t or instr.index >= n_t
+            ):
+                raise CompileError("invalid_program", f"core {core}: scatter names tensor")
             if isinstance(instr, DmaLoad | NocCopy) and (
                 instr.cores == 0 or instr.cores & ~all_cores
             ):

@@ -11,6 +11,12 @@ either mode (sequence_length <= max_sequence_length, as the specification states
 Attributes and shapes are checked when the node is lowered (from `split_axes`, which lowering
 asks first). A linear-mode write index that runs past the end of the cache can only be seen
 at run time and is a runtime fault naming the batch entry.
+
+In place: when the cache is retained state (`-retained-state`) and the scatter's output is the
+cache's own `_RetainedState`, lowering makes the output the cache's buffer and the kernel a
+scatter DMA (`IN_PLACE_KERNEL`): its tiles read only the update and the write indices
+(`in_place_input_boxes`) and the DMA writes the update's rows at the positions the indices
+name (`positions`); no other row of the cache is read or written.
 """
 
 from __future__ import annotations
@@ -72,6 +78,26 @@ def _input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     if node.has_input(2):
         boxes.append((out_box[0],))
     return boxes
+
+
+IN_PLACE_KERNEL = "tensor_scatter_in_place"
+"""The kernel name of a TensorScatter done in place by a scatter DMA (see the module doc)."""
+
+
+def in_place_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
+    """In place: no cache box (it is not read), the update over the new rows, the indices."""
+    boxes = _input_boxes(node, out_box)
+    return [None, *boxes[1:]]
+
+
+def sequence_axis(node: NodeInfo) -> int:
+    return _axis(node)
+
+
+def positions(node: NodeInfo, start: int, length: int, size: int, batch: int) -> Array:
+    """Cache positions of the update's `length` steps written from `start` (a runtime fault
+    when a linear-mode write runs past the cache)."""
+    return _positions(node, start, length, size, batch)
 
 
 def _positions(node: NodeInfo, start: int, length: int, size: int, batch: int) -> Array:

@@ -12,9 +12,10 @@ import logging
 
 import onnx_ir as ir
 
-from compiler_core.custom_io import FLAG, CustomIO
+from compiler_core.custom_io import FLAG, MXINT8, CustomIO
 from compiler_core.errors import CompileError
 from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
+from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,11 @@ before epilogue fusion (`compiler_core.passes.raise_opset.RaiseOpsetPass`)."""
 class ApplyCustomIOPass(GraphPass):
     name = "apply-custom-io"
 
-    def __init__(self, entries: list[CustomIO]) -> None:
+    def __init__(self, entries: list[CustomIO], mxint8_kv_cache: bool = False) -> None:
         super().__init__()
         self.entries = entries
+        self.mxint8_kv_cache = mxint8_kv_cache
+        """-mxint8-kv-cache: every retained pair not listed is treated as listed mxint8."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -37,7 +40,17 @@ class ApplyCustomIOPass(GraphPass):
         inputs = {v.name or "": v for v in graph.inputs}
         outputs = {v.name or "": i for i, v in enumerate(graph.outputs)}
         changed = 0
-        for entry in self.entries:
+        entries = list(self.entries)
+        if self.mxint8_kv_cache:
+            listed = {e.name for e in entries}
+            for name in inputs:
+                pair = (name, f"{name}{RETAINED_SUFFIX}")
+                if pair[1] in outputs and not listed & set(pair):
+                    entries += [CustomIO(n, MXINT8) for n in pair]
+        for entry in entries:
+            if entry.precision == MXINT8:  # a storage format of retained state (lowering)
+                changed += _mxint8_boundary(graph, entry.name, inputs, outputs, names)
+                continue
             target = (
                 ir.DataType[entry.precision.upper()]
                 if entry.precision != "float32"
@@ -57,6 +70,40 @@ class ApplyCustomIOPass(GraphPass):
                 )
         log.info("apply-custom-io: %d boundary values retyped", changed)
         return ir.passes.PassResult(model, modified=changed > 0)
+
+
+def _mxint8_boundary(
+    graph: ir.Graph,
+    name: str,
+    inputs: dict[str, ir.Value],
+    outputs: dict[str, int],
+    names: NameScope,
+) -> int:
+    """An MXINT8 tensor is stored in blocks and read back in the network's compute type: the
+    boundary Cast precision conversion added (to or from float16) goes; otherwise the
+    boundary stays as the model has it."""
+    if name in inputs:
+        value = inputs[name]
+        uses = list(value.uses())
+        if uses and all(is_cast_to(u.node, ir.DataType.FLOAT16) for u in uses):
+            return _retype_input(graph, value, ir.DataType.FLOAT16, names)
+        return 0
+    if name in outputs:
+        producer = graph.outputs[outputs[name]].producer()
+        source = producer.inputs[0] if producer is not None and producer.inputs else None
+        if (
+            producer is not None
+            and producer.op_type == "Cast"
+            and source is not None
+            and (source.dtype == ir.DataType.FLOAT16)
+        ):
+            return _retype_output(graph, outputs[name], ir.DataType.FLOAT16, names)
+        return 0
+    raise CompileError(
+        "invalid_option",
+        f"{FLAG}: {name!r} (mxint8) is neither a graph input nor a graph output",
+        flag=FLAG,
+    )
 
 
 def _check_float(value: ir.Value, target: ir.DataType) -> None:

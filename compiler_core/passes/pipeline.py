@@ -133,8 +133,9 @@ def graph_pipeline(options: PipelineOptions, folder: ModelFolder = LOCAL) -> lis
         passes.append(ConvertToFp16Pass(only=only, only_types=fp16_types))
     elif precision is not None and precision.fp16:
         passes.append(ConvertToFp16Pass(only=precision.fp16))
-    if options.custom_io_list_file:
-        passes.append(ApplyCustomIOPass(custom_io))
+    mxint8_kv_cache = bool(getattr(options, "mxint8_kv_cache", False))
+    if options.custom_io_list_file or mxint8_kv_cache:
+        passes.append(ApplyCustomIOPass(custom_io, mxint8_kv_cache=mxint8_kv_cache))
     passes.append(EliminateDeadCodePass())
     return passes
 

@@ -22,6 +22,7 @@ from compiler_core.lowering.program import (
     KIND_ONCHIP,
     DmaGather,
     DmaLoad,
+    DmaScatter,
     DmaStore,
     KernelDesc,
     NocCopy,
@@ -33,6 +34,8 @@ from compiler_core.lowering.program import (
     TensorDesc,
     cores_in,
     gathered_bytes,
+    is_encoded_state,
+    scattered_bytes,
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
@@ -116,8 +119,35 @@ class Machine:
         self.vtcm_bytes = vtcm_bytes
         self.protected = 0
         """VTCM bytes [0, protected) are read-only: the resident constants, once loaded."""
+        self.bound: list[tuple[int, np.ndarray]] = []
+        """Retained-state buffers (-retained-state) that live outside this program's DDR
+        image: (DDR offset, bytes). They keep their contents from run to run and are shared
+        by every specialization of the network (see `bind`)."""
+
+    def bind(self, offset: int, storage: np.ndarray) -> None:
+        """Back DDR [offset, offset + storage.nbytes) with `storage` (uint8, kept as is)."""
+        self.bound = [(o, s) for o, s in self.bound if o != offset] + [(offset, storage)]
+
+    def raw(self, t: TensorDesc) -> np.ndarray:
+        """The DDR bytes of a retained-state tensor (uint8), however it is stored."""
+        start, end = t.ddr_offset, t.ddr_offset + t.nbytes
+        for offset, storage in self.bound:
+            if offset <= start and end <= offset + storage.nbytes:
+                return storage[start - offset : end - offset]
+        base = self.program.constants_size
+        if start < base or end > self.program.ddr_size:
+            raise RuntimeFault(f"tensor {t.name} [{start}, {end}) is not dynamic DDR")
+        return self.dynamic[start - base : end - base]
+
+    def mx_store(self, t: TensorDesc) -> Any:
+        """An MXINT8-stored retained tensor's blocks, read and written by boxes."""
+        from compiler_core.mxint8 import Mxint8Store
+
+        return Mxint8Store(self.raw(t), t.shape, t.dtype)
 
     def tensor(self, t: TensorDesc, *, write: bool = False) -> np.ndarray:
+        if is_encoded_state(t):
+            raise RuntimeFault(f"{t.name} is stored as MXINT8 blocks: no plain view of it")
         if t.nbytes == 0:  # an empty tensor owns no bytes, wherever its offset points
             return np.empty(t.shape, dtype=np.dtype(t.dtype))
         if t.kind == KIND_ONCHIP:
@@ -125,6 +155,10 @@ class Machine:
         start, end = t.ddr_offset, t.ddr_offset + t.nbytes
         if end > self.program.ddr_size or start < 0:
             raise RuntimeFault(f"tensor {t.name} [{start}, {end}) lies outside DDR")
+        for offset, storage in self.bound:
+            if offset <= start and end <= offset + storage.nbytes:
+                raw = storage[start - offset : end - offset]
+                return raw.view(np.dtype(t.dtype)).reshape(t.shape)
         base = self.program.constants_size
         if end <= base:
             if write:
@@ -277,6 +311,31 @@ class Executor:
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
         """Per core, the end of the highest VTCM byte an inference may write."""
+        self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
+        """Retained input name -> (input, output) tensor ids: one device buffer that the
+        host neither sends nor receives."""
+
+    def bind_state(self, state: dict[str, np.ndarray]) -> None:
+        """Use `state`'s arrays (by retained input name) as the retained buffers: runs read
+        and update them in place. Unbound ones start as zeros of this executor's own."""
+        for name, (tid, _) in self.retained.items():
+            t = self.program.tensors[tid]
+            if is_encoded_state(t):  # its blocks, kept by the caller as bytes
+                blocks = state.get(name)
+                if blocks is None or blocks.dtype != np.uint8 or blocks.nbytes != t.nbytes:
+                    blocks = state[name] = np.zeros(t.nbytes, np.uint8)  # type: ignore[index]
+                self.machine.bind(t.ddr_offset, blocks)
+                continue
+            array = state[name]
+            if array.shape != t.shape or array.dtype != np.dtype(t.dtype):
+                raise CompileError(
+                    "bad_inputs",
+                    f"retained state {name!r} is {array.dtype}{list(array.shape)}, the program "
+                    f"keeps {t.dtype}{list(t.shape)}",
+                )
+            if not array.flags.c_contiguous:
+                raise CompileError("bad_inputs", f"retained state {name!r} is not contiguous")
+            self.machine.bind(t.ddr_offset, array.reshape(-1).view(np.uint8))
 
     def activate(self) -> None:
         """Program activation: load the resident constants into every core's VTCM once;
@@ -319,7 +378,12 @@ class Executor:
         self.copies.forget_scratch()
         self.deferred.clear()
         self.traffic = [Traffic() for _ in range(program.num_cores)]
-        expected = {program.tensors[t].name: program.tensors[t] for t in program.inputs}
+        host_inputs, host_outputs = program.host_ports()
+        for tid, _ in self.retained.values():
+            t = program.tensors[tid]
+            if not any(o == t.ddr_offset for o, _ in machine.bound):
+                machine.bind(t.ddr_offset, np.zeros(t.nbytes, np.uint8))
+        expected = {program.tensors[t].name: program.tensors[t] for t in host_inputs}
         missing = sorted(set(expected) - set(inputs))
         unknown = sorted(set(inputs) - set(expected))
         if missing or unknown:
@@ -345,8 +409,7 @@ class Executor:
             machine.tensor(t, write=True)[...] = array
         self._run_streams(streams)
         return {
-            program.tensors[t].name: machine.tensor(program.tensors[t]).copy()
-            for t in program.outputs
+            program.tensors[t].name: machine.tensor(program.tensors[t]).copy() for t in host_outputs
         }
 
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
@@ -425,6 +488,8 @@ class Executor:
                 return self._noc_copy(core, instr)
             if isinstance(instr, DmaGather):
                 return self._gather(core, instr)
+            if isinstance(instr, DmaScatter):
+                return self._scatter(core, instr)
             if isinstance(instr, RunKernel):
                 return self._kernel(core, instr)
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
@@ -435,6 +500,8 @@ class Executor:
         machine, copies, deferred = self.machine, self.copies, self.deferred
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA load of {t.name}")
+        if is_encoded_state(t):
+            return self._load_blocks(core, instr, t)
         src = machine.tensor(t)[_view(instr.box)]
         dsts = [
             (
@@ -470,6 +537,33 @@ class Executor:
                 copies.wrote(target, start, end, holding)
             traffic.ddr_read += nbytes
             traffic.ddr_read_constant += constant
+            traffic.multicast += multicast
+
+        return step
+
+    def _load_blocks(self, core: int, instr: DmaLoad, t: TensorDesc) -> Step:
+        """A load of MXINT8-stored state: the blocks cross DDR, VTCM gets the values."""
+        machine, copies, deferred = self.machine, self.copies, self.deferred
+        store = machine.mx_store(t)
+        dsts = [
+            (
+                target,
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
+                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
+            )
+            for target in self._targets(core, instr.cores)
+        ]
+        nbytes = stored_bytes(t, instr.box)
+        multicast = nbytes if len(dsts) > 1 else 0
+        whole = instr.box == instr.buf_box
+
+        def step(traffic: Traffic) -> None:
+            values = store.read(instr.box)
+            for target, dst, (start, end) in dsts:
+                deferred.overwrite(target, start, end, whole=whole)
+                dst[...] = values
+                copies.wrote(target, start, end, None)
+            traffic.ddr_read += nbytes
             traffic.multicast += multicast
 
         return step
@@ -584,6 +678,75 @@ class Executor:
             copies.wrote(core, start, end, None)
             traffic.ddr_read += nbytes
             traffic.ddr_read_constant += constant
+
+        return step
+
+    def _scatter(self, core: int, instr: DmaScatter) -> Step:
+        """Write the update's rows into DDR at the positions the write indices name."""
+        from compiler_core.ops.kv_cache import positions
+
+        tensors = self.program.tensors
+        t = tensors[instr.tensor]
+        _check_box(instr.box, t.shape, f"scatter into {t.name}")
+        axis, size = instr.axis, t.shape[instr.axis] if 0 <= instr.axis < len(t.shape) else 0
+        if instr.axis == 0 or size == 0 or instr.box[axis] != (0, size):
+            raise RuntimeFault(
+                f"core {core}: scatter into {t.name} along axis {axis} needs the whole axis"
+            )
+        off_axis = [a for a in range(len(t.shape)) if a != axis]
+        if [instr.update.box[a] for a in off_axis] != [instr.box[a] for a in off_axis]:
+            raise RuntimeFault(
+                f"core {core}: scatter update {instr.update.box} does not match {instr.box}"
+            )
+        if instr.indices.box != (instr.box[0],):
+            raise RuntimeFault(f"core {core}: scatter indices {instr.indices.box} for {instr.box}")
+        info = (
+            self.kernels[instr.kernel].desc.info if 0 <= instr.kernel < len(self.kernels) else None
+        )
+        if info is None or info.op_type != "TensorScatter":
+            raise RuntimeFault(f"core {core}: scatter names kernel {instr.kernel}")
+        update = self._operand(core, instr.source, instr.update)
+        indices = self._operand(core, instr.index, instr.indices)
+        reads = [
+            (piece.vtcm, piece.vtcm + _nbytes(piece.box, tensors[tid].dtype))
+            for tid, operand in ((instr.source, instr.update), (instr.index, instr.indices))
+            for piece in operand.pieces
+        ]
+        blocks = self.machine.mx_store(t) if is_encoded_state(t) else None
+        if blocks is not None and (axis == len(t.shape) - 1 or instr.box[-1] != (0, t.shape[-1])):
+            raise RuntimeFault(f"core {core}: a scatter into {t.name} must write whole MX rows")
+        target = (
+            None
+            if blocks is not None
+            else np.moveaxis(self.machine.tensor(t, write=True)[_view(instr.box)], axis, 1)
+        )
+        length = instr.update.box[axis][1] - instr.update.box[axis][0]
+        # leading-axis coordinates of the tile's rows with the sequence axis second (MX rows)
+        lead = [a for a in range(len(t.shape) - 1) if a != axis]
+        grids = np.meshgrid(*(np.arange(*instr.box[a]) for a in lead), indexing="ij")
+        first = instr.box[0][0]
+        nbytes = scattered_bytes(self.program, instr)
+        deferred = self.deferred
+
+        def step(traffic: Traffic) -> None:
+            for start, end in reads:
+                deferred.settle(core, start, end)
+            values = update() if callable(update) else update
+            written = indices() if callable(indices) else indices
+            assert values is not None and written is not None
+            rows = np.moveaxis(values, axis, 1)
+            starts = np.asarray(written).astype(np.int64)
+            for b in range(rows.shape[0]):
+                at = positions(info, int(starts[b]), length, size, first + b)
+                if target is not None:
+                    target[b, at] = rows[b]
+                    continue
+                assert blocks is not None
+                coords = list(zip(lead, (g[b] for g in grids), strict=True))
+                for j, pos in enumerate(at):  # quantize the rows written, whole MX rows
+                    outer = _outer_index(len(t.shape) - 1, axis, int(pos), coords)
+                    blocks.write_rows(outer, rows[b, j])
+            traffic.ddr_write += nbytes
 
         return step
 
@@ -759,6 +922,21 @@ class Executor:
                 self.on_kernel(core, instr.kernel, instr)
 
         return step
+
+
+def _outer_index(
+    rank: int, axis: int, pos: int, others: list[tuple[int, np.ndarray]]
+) -> tuple[np.ndarray, ...]:
+    """Index arrays over a tensor's leading `rank` axes: `pos` on the sequence axis, the given
+    coordinate grids on the others."""
+    shape = others[0][1].shape if others else ()
+    out: list[np.ndarray] = []
+    for a in range(rank):
+        if a == axis:
+            out.append(np.full(shape, pos, np.int64))
+        else:
+            out.append(next(g for b, g in others if b == a))
+    return tuple(out)
 
 
 def _epilogue_info(

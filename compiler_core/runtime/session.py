@@ -66,6 +66,10 @@ class QpcSession:
 
     def reset(self) -> None:
         """Zero the retained state (a new sequence for a KV cache)."""
+        if self.state:
+            for array in self.state.values():
+                array[...] = 0  # in place: the executors hold these buffers
+            return
         first = self.specializations[0]
         self.state = {
             io.name: np.zeros(io.dims, dtype=np.dtype(io.dtype))
@@ -129,13 +133,15 @@ class QpcSession:
         for inference in range(iterations):
             if recorder is not None:
                 recorder.start()
-            feeds = {**inputs, **self.state}
+            on_device = bool(executor.retained)  # else an older QPC: the host moves the state
+            feeds = dict(inputs) if on_device else {**inputs, **self.state}
             with np.errstate(all="ignore"):  # non-finite results are reported below, once
                 outputs = executor.run(feeds)
             if self.numerics is None:
                 self._check_numerics(executor, feeds, outputs)
-            for name, output in self.retained.items():
-                self.state[name] = outputs.pop(output)
+            if not on_device:
+                for name, output in self.retained.items():
+                    self.state[name][...] = outputs.pop(output)
             if recorder is not None and profiling_out_dir is not None:
                 from compiler_core.profiling.stats_writer import write_stats_file
 
@@ -189,9 +195,10 @@ class QpcSession:
             else:
                 vtcm = max(max(program.vtcm_used, default=0), 8_323_072)
             constants = self._container.segments["constants.bin"]
-            self._executors[spec.program] = Executor(
-                program, constants, vtcm, self._decoded_constants(constants)
-            )
+            executor = Executor(program, constants, vtcm, self._decoded_constants(constants))
+            if executor.retained:
+                executor.bind_state(self.state)  # one device buffer for every specialization
+            self._executors[spec.program] = executor
         return self._executors[spec.program]
 
     def _decoded_constants(self, constants: memoryview | bytes) -> dict[int, np.ndarray]:

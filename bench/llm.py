@@ -1,0 +1,272 @@
+"""LLM benchmark: GPT-J-6B's shape compiled as users compile LLMs for the card (prefill and
+decode specializations in one QPC, the KV cache as retained state), in fp16 and with MXFP6
+weights, on the modelled AIC100 Standard; and the fit check of OPT-13B's shape.
+
+    python bench/llm.py [--work DIR] [--cases gptj-fp16,gptj-mxfp6,opt13b-fit]
+        [--cores 14] [--keep] [--json OUT]
+
+Every figure is the compiler's own estimate (`-aic-perf-metrics`, its `llm` section) of the
+program it emitted: decode tokens/s (batch 1, a context of 2048, so attention reads every
+cache row), time to first token of a 1024-token prompt, beside the published figures
+(Qualcomm's microscaling article: GPT-J-6B on a Standard card 8.08 tokens/s in fp16, 13.9
+with MXFP6, 1.72x). Published figures are checks, never inputs. Each compile runs in a child
+process: its wall time and peak RSS (ru_maxrss of the child) are reported.
+
+The models are random-weight decoders of the published shapes written by
+`transformer_models.write_decoder` (fp16, weights as external data; GPT-J-6B is about 12 GB
+on disk, its fp16 QPC as much again). They are deleted after the run unless `--keep`.
+The fit check (`compiler_core.fit`) reads only the model's header: OPT-13B is written without
+its weights' bytes (a sparse file), since the check never reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+DEVICE = "aic100-standard"
+PROMPT = 1024
+CONTEXT = 2048
+PUBLISHED = {"gptj-fp16": 8.08, "gptj-mxfp6": 13.9}
+"""Decode tokens/s, GPT-J-6B, Standard card, batch 1, prompt 1024, generation 1024."""
+
+
+@dataclass
+class Row:
+    case: str
+    decode_tokens_per_s: float | None = None
+    ttft_ms: float | None = None
+    published: float | None = None
+    ratio: float | None = None
+    compile_s: float = 0.0
+    peak_rss_mib: float = 0.0
+    floor_ddr_ms: float | None = None
+    decode_ms: float | None = None
+    weights_gb: float | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+def gptj(seq: int | str) -> Any:
+    from transformer_models import DecoderSpec
+
+    return DecoderSpec(
+        layers=28, hidden=4096, heads=16, ffn=16384, vocab=50400, ctx=CONTEXT, seq=seq
+    )
+
+
+def opt13b(seq: int | str) -> Any:
+    from transformer_models import DecoderSpec
+
+    return DecoderSpec(
+        layers=40, hidden=5120, heads=40, ffn=20480, vocab=50272, ctx=CONTEXT, seq=seq
+    )
+
+
+def _flags(work: Path, cores: int, mxfp6: bool, out: Path) -> list[str]:
+    spec = work / "specializations.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "specializations": [
+                    {"batch": "1", "seq_len": str(PROMPT)},
+                    {"batch": "1", "seq_len": "1"},
+                ]
+            }
+        )
+    )
+    flags = [
+        f"-aic-device={DEVICE}",
+        f"-aic-num-cores={cores}",
+        f"-network-specialization-config={spec}",
+        "-retained-state",  # the model is fp16 already: no -convert-to-fp16
+        "-aic-perf-metrics",
+        f"-aic-binary-dir={out}",
+    ]
+    return flags + (["-mxfp6-matmul"] if mxfp6 else [])
+
+
+CHILD = """
+import json, sys
+from compiler_core.compile import compile_model
+model, out, flags = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+result = compile_model(model, flags)
+json.dump(result.metrics, open(out, "w"))
+"""
+
+
+def _compile_in_child(model: Path, flags: list[str], metrics_out: Path) -> tuple[float, float]:
+    """Compile in a child process: (wall seconds, peak RSS MiB of the child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), str(metrics_out), json.dumps(flags)],
+        cwd=ROOT,
+        check=True,
+    )
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return seconds, max(peak, before) / 1024
+
+
+def run_gptj(work: Path, cores: int, mxfp6: bool, keep: bool) -> Row:
+    from transformer_models import write_decoder
+
+    case = "gptj-mxfp6" if mxfp6 else "gptj-fp16"
+    row = Row(case=case, published=PUBLISHED[case])
+    spec = gptj("seq_len")
+    model = write_decoder(spec, work / "models", "float16")
+    row.weights_gb = round(spec.parameters * 2 / 1e9, 2)
+    out = work / f"qpc-{case}"
+    metrics_path = work / f"{case}.json"
+    try:
+        row.compile_s, row.peak_rss_mib = _compile_in_child(
+            model, _flags(work, cores, mxfp6, out), metrics_path
+        )
+        metrics = json.loads(metrics_path.read_text())
+        llm = metrics.get("llm") or {}
+        decode = (llm.get("decode") or [{}])[0]
+        row.decode_tokens_per_s = decode.get("tokens_per_s")
+        row.ttft_ms = llm.get("time_to_first_token_ms")
+        decode_metrics = metrics["specializations"]["batch=1,seq_len=1"]
+        row.decode_ms = round(decode_metrics["estimated_latency_us"] / 1e3, 2)
+        row.floor_ddr_ms = round(decode_metrics["floor_ddr_us"] / 1e3, 2)
+        if row.decode_tokens_per_s and row.published:
+            row.ratio = round(row.decode_tokens_per_s / row.published, 3)
+    except subprocess.CalledProcessError as exc:
+        row.error = f"compile failed ({exc.returncode})"
+    finally:
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def _sparse_model(spec: Any, path: Path) -> Path:
+    """The model's header with its external data file as a sparse file of the right length:
+    the fit check reads shapes and types only."""
+    import numpy as np
+    import onnx
+    from transformer_models import _Builder, write_decoder
+
+    class _Header(_Builder):
+        def weight(self, name: str, shape: tuple[int, ...], scale: float) -> str:
+            self.data.seek(-self.data.tell() % 4096, os.SEEK_CUR)
+            offset = self.data.tell()
+            length = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+            self.data.truncate(offset + length)  # sparse: no bytes written
+            self.data.seek(offset + length)
+            tensor = onnx.TensorProto(name=name, data_type=self.onnx_type, dims=list(shape))
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (
+                ("location", self.data_name),
+                ("offset", offset),
+                ("length", length),
+            ):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+            self.inits.append(tensor)
+            return name
+
+    import transformer_models
+
+    saved = transformer_models._Builder
+    transformer_models._Builder = _Header  # type: ignore[misc]
+    try:
+        written = write_decoder(spec, path, "float16")
+    finally:
+        transformer_models._Builder = saved  # type: ignore[misc]
+    return written
+
+
+def run_fit(work: Path, cores: int) -> list[Row]:
+    from compiler_core.fit import check_fit
+    from compiler_core.options import CompileOptions
+
+    rows = []
+    model = _sparse_model(opt13b("seq_len"), work / "opt13b")
+    for mxfp6 in (False, True):
+        case = "opt13b-fit-mxfp6" if mxfp6 else "opt13b-fit-fp16"
+        flags = _flags(work, cores, mxfp6, work / "unused")
+        start = time.perf_counter()
+        report = check_fit(model, CompileOptions.from_flags(flags))
+        row = Row(case=case, compile_s=round(time.perf_counter() - start, 3))
+        row.fit = report.as_dict()
+        row.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--cases", default="opt13b-fit,gptj-fp16,gptj-mxfp6")
+    parser.add_argument("--cores", type=int, default=14)
+    parser.add_argument("--keep", action="store_true", help="keep the models and QPCs")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="qpcfarm-llm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    cases = args.cases.split(",")
+    try:
+        if "opt13b-fit" in cases:
+            rows += run_fit(work, args.cores)
+        for case in ("gptj-fp16", "gptj-mxfp6"):
+            if case in cases:
+                rows.append(run_gptj(work, args.cores, case.endswith("mxfp6"), args.keep))
+                print(json.dumps(asdict(rows[-1])), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work / "models", ignore_errors=True)
+            shutil.rmtree(work / "opt13b", ignore_errors=True)
+    _print(rows)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+def _print(rows: list[Row]) -> None:
+    print(
+        "| case | decode tokens/s | published | ratio | TTFT ms | decode ms | DDR floor ms "
+        "| compile s | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.fit:
+            verdict = "fits" if r.fit.get("fits") else "refused"
+            print(
+                f"| {r.case} | {verdict}: needs {r.fit.get('needed_bytes', 0) / 1e9:.2f} GB of "
+                f"{r.fit.get('available_bytes', 0) / 1e9:.2f} GB | | | | | | {r.compile_s} "
+                f"| {r.peak_rss_mib:.0f} |"
+            )
+            continue
+        print(
+            f"| {r.case} | {r.decode_tokens_per_s} | {r.published} | {r.ratio} | {r.ttft_ms} "
+            f"| {r.decode_ms} | {r.floor_ddr_ms} | {r.compile_s:.1f} | {r.peak_rss_mib:.0f} |"
+            + (f" {r.error}" if r.error else "")
+        )
+    by = {r.case: r for r in rows}
+    fp16, mx = by.get("gptj-fp16"), by.get("gptj-mxfp6")
+    if fp16 and mx and fp16.decode_tokens_per_s and mx.decode_tokens_per_s:
+        print(
+            f"MXFP6 speed-up: {mx.decode_tokens_per_s / fp16.decode_tokens_per_s:.2f}x "
+            "(published 1.72x)"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
