@@ -148,3 +148,56 @@ def test_the_api_refuses_at_submit_with_422_model_does_not_fit(local: LiveServer
         assert body["code"] == "model_does_not_fit"
         assert body["fit"]["needed_bytes"] > body["fit"]["available_bytes"]
         assert api.get("/v1/compile-jobs").json()["count"] == 0
+
+
+def test_the_fit_check_reads_option_files_only_inside_the_jobs_model_folder(
+    tmp_path: Path,
+) -> None:
+    """The check runs before the compile, so it obeys the farm's confinement too: a
+    specializations file outside the model's folder is refused, not read."""
+    from compiler_core.model_folder import ModelFolder
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    path = _matmul_header(folder, 64, 64)
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"specializations": [{"batch": "1"}]}')
+    options = CompileOptions.from_flags([f"-network-specialization-config={outside}"])
+    with pytest.raises(CompileError) as info:
+        check_fit(str(path), options, ModelFolder.at(folder))
+    assert info.value.code == "file_outside_model"
+    assert str(tmp_path) not in info.value.message.replace(str(outside), "")
+
+
+def test_the_submit_time_check_reads_no_more_than_a_bounded_header() -> None:
+    """The API reads a stored upload's header only when it is small and indexed: a tar (no
+    index) or a header past the bound is left to the compile's own check."""
+    import io
+    import tarfile
+
+    from compiler_core import fit
+
+    model = _state_model(4, 4)
+    options = CompileOptions.from_flags(["-retained-state"])
+    assert fit.check_upload_fit(io.BytesIO(model.SerializeToString()), options) is not None
+    assert (
+        fit.check_upload_fit(io.BytesIO(zip_bytes({"m.onnx": model.SerializeToString()})), options)
+        is not None
+    )
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as archive:
+        data = model.SerializeToString()
+        info = tarfile.TarInfo("m.onnx")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    tar.seek(0)
+    assert fit.check_upload_fit(tar, options) is None
+
+    class Huge(io.BytesIO):
+        """A bare upload that claims more bytes than the bound: read no further than it."""
+
+        def read(self, n: int | None = -1) -> bytes:
+            assert n is not None and 0 < n <= fit.MAX_SUBMIT_HEADER_BYTES + 4
+            return b"\x08" * min(n, fit.MAX_SUBMIT_HEADER_BYTES + 1) if n > 4 else b"\x08" * n
+
+    assert fit.check_upload_fit(Huge(), options) is None
