@@ -431,7 +431,7 @@ def _lower(
         opsets = ir_model.opset_imports  # quantizing raises an old model's opset
         imported.opset = opsets.get("", opsets.get("ai.onnx", imported.opset))
     with stages.stage("lower"):
-        config = config_from(opts, opts.device)
+        config = config_from(opts, opts.device, folder)
         if not policy.k_splits:
             config = dataclasses.replace(config, k_splits=False)
         lowered = lower_graph(ir_model.graph, imported.opset, config)

@@ -31,6 +31,7 @@ from compiler_core.lowering.program import (
 )
 from compiler_core.lowering.splits import KernelSplit, SplitChooser
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
+from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.nodeinfo import (
     DECLARED_SHAPE,
     OUTER_SCOPE,
@@ -144,7 +145,9 @@ class LoweringConfig:
     """-mxint8-kv-cache: every retained-state tensor stored as MXINT8."""
 
 
-def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
+def config_from(
+    options: object, device: DeviceProfile, folder: ModelFolder = LOCAL
+) -> LoweringConfig:
     ratio = float(getattr(options, "vtcm_working_set_limit_ratio", 1.0) or 1.0)
     granularity_kib = int(getattr(options, "size_split_granularity", 1024) or 1024)
     return LoweringConfig(
@@ -157,18 +160,19 @@ def config_from(options: object, device: DeviceProfile) -> LoweringConfig:
         # MXFP6 weights are encoded for MatMul/Gemm B operands read whole along K
         k_splits=not getattr(options, "mxfp6_matmul", False),
         retain_state=bool(getattr(options, "retained_state", False)),
-        mxint8=_mxint8_names(options),
+        mxint8=_mxint8_names(options, folder),
         mxint8_all=bool(getattr(options, "mxint8_kv_cache", False)),
     )
 
 
-def _mxint8_names(options: object) -> frozenset[str]:
+def _mxint8_names(options: object, folder: ModelFolder) -> frozenset[str]:
+    """The custom-IO list's MXINT8 entries, read through the compile's model folder."""
     path = getattr(options, "custom_io_list_file", None)
     if not path:
         return frozenset()
     from compiler_core.custom_io import load_custom_io, mxint8_names
 
-    return mxint8_names(load_custom_io(path))
+    return mxint8_names(load_custom_io(path, folder))
 
 
 class _Builder:
