@@ -31,6 +31,7 @@ from compiler_core import CompileOptions
 from qpcfarm.app.db.base import utcnow
 from qpcfarm.app.db.models import JobStatus, ProfileJob, Team
 from qpcfarm.app.services import jobs, models, profiles
+from qpcfarm.app.services.errors import ServiceError
 from qpcfarm.worker import profile_jobs
 from qpcfarm.worker.inprocess import InProcessQueue
 from qpcfarm.worker.runner import process_job
@@ -180,21 +181,19 @@ def test_a_profile_of_a_level_70_qpc_stores_the_opstats_summary_and_trace(
         assert {e["args"]["inference"] for e in spans} == {0, 1}
 
 
-def test_a_qpc_compiled_below_stats_level_70_ends_the_profile_failed_saying_why(
+def test_a_qpc_compiled_below_stats_level_70_is_refused_at_submit_saying_why(
     server: LiveServer,
 ) -> None:
+    """The API refuses what the worker would fail (the web's job page refuses alike), before
+    reading an uploaded .npz."""
     with server.client(server.new_key()) as api:
         qpc_id = compiled_qpc(server, api, {"aic-num-cores": 2})  # the default level, 40
-        profile = profiled(server, api, qpc_id, json={})
-
-        assert profile["status"] == "failed"
-        assert profile["error"]["code"] == "stats_level_too_low"
-        assert "-stats-level=70" in profile["error"]["message"]
-        assert profile["error"]["flag"] == "-stats-level"
-        assert profile["summary"] is None and profile["trace_url"] is None
-        for download in ("summary.txt", "summary.csv", "trace.json"):
-            response = api.get(f"/v1/profiles/{profile['id']}/{download}")
-            assert (response.status_code, response.json()["code"]) == (409, "not_ready")
+        for post in ({"json": {}}, {"files": {"inputs": ("in.npz", npz(x=np.zeros(4)))}}):
+            answer = api.post(f"/v1/qpcs/{qpc_id}/profile", **post)
+            body = answer.json()
+            assert (answer.status_code, body["code"]) == (409, "stats_level_too_low"), body
+            assert "-stats-level=70" in body["message"]
+            assert body["flag"] == "-stats-level" and body["stats_level"] == 40
 
 
 def test_uploaded_npz_inputs_are_run_and_inputs_the_qpc_does_not_take_fail_the_job(
@@ -294,6 +293,32 @@ def queued_profile(farm: Farm, session: Session, team: Team) -> uuid.UUID:
     profile = profiles.submit(session, team, job.qpc, iterations=1)
     session.commit()
     return profile.id
+
+
+def test_the_worker_still_fails_a_profile_queued_for_a_qpc_below_stats_level_70(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    """A profile row that skipped the submit-time check (queued before it existed) is failed
+    by the worker's own analysis, with the same code."""
+    model = models.store_model(
+        session, farm.store, team, io.BytesIO(unique_mlp()), "mlp.onnx", max_bytes=64 << 20
+    )
+    job, _ = jobs.submit_job(session, team, model, CompileOptions())  # the default level, 40
+    session.commit()
+    assert run(farm, job.id) == JobStatus.succeeded
+    session.refresh(job)
+    assert job.qpc is not None
+    with pytest.raises(ServiceError) as refused:
+        profiles.submit(session, team, job.qpc, iterations=1)
+    assert refused.value.code == "stats_level_too_low"
+    row = ProfileJob(team_id=team.id, qpc_id=job.qpc.id, status=JobStatus.queued, iterations=1)
+    session.add(row)
+    session.commit()
+
+    run(farm, row.id)
+    failed = status_of(farm, row.id)
+    assert failed.status == JobStatus.failed
+    assert failed.error_code == "stats_level_too_low"
 
 
 def run(farm: Farm, job_id: uuid.UUID) -> JobStatus | None:

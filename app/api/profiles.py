@@ -71,6 +71,10 @@ def _settings(data: dict[str, Any]) -> ProfileCreate:
     openapi_extra={"requestBody": _BODY_DOC},
     responses={
         404: {"description": "`not_found`: no such QPC for this team"},
+        409: {
+            "description": "`stats_level_too_low`: the QPC was compiled below -stats-level=70 "
+            "and records no per-operator cycles"
+        },
         413: {"description": "`upload_too_large`, `inputs_too_large` (arrays declared)"},
         422: {"description": "`invalid_request`, `bad_inputs` (not an .npz)"},
     },
@@ -87,8 +91,9 @@ async def submit_profile(
 ) -> ProfileOut:
     """Queue a profile: `iterations` inferences on the functional runtime with stats, then
     opstats. JSON `{"iterations": n}` (random inputs), or multipart with the `.npz` in the
-    field `inputs`. The QPC needs `-stats-level=70`, else the job fails
-    `stats_level_too_low`."""
+    field `inputs`. The QPC needs `-stats-level=70`, else 409 `stats_level_too_low`."""
+    # refused before the body (an .npz of inputs) is read
+    await run_in_threadpool(profiles.check_profilable, session, qpc)
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type == "multipart/form-data":
 

@@ -13,11 +13,13 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from compiler_core import CompileOptions
 from compiler_core.file_kinds import HEAD_BYTES, inputs_problem, sniff
+from compiler_core.profiling.opstats import OPSTATS_LEVEL
 from qpcfarm.app.blobs import BlobRef, BlobStore, BlobTooLarge
 from qpcfarm.app.blobs.base import Source
 from qpcfarm.app.blobs.integrity import verified_bytes
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc, Team
+from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Qpc, Team
 from qpcfarm.app.services.errors import ServiceError, not_found
 from qpcfarm.app.services.models import too_large
 from qpcfarm.app.services.qpcs import get_qpc
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 MAX_ITERATIONS = 100
 """Inferences one profile job may run (the functional runtime is slow on big networks)."""
 TRACE_NAME = "trace.json"
+STATS_LEVEL_DEFAULT = CompileOptions().stats_level
 
 
 def check_iterations(iterations: int) -> int:
@@ -136,6 +139,7 @@ def submit(
 ) -> ProfileJob:
     """Queue a profile of a QPC the team can see. The caller commits, then enqueues."""
     get_qpc(session, team, qpc.id)  # 404 unless the team may see it
+    check_profilable(session, qpc)
     job = ProfileJob(
         team_id=team.id,
         qpc_id=qpc.id,
@@ -146,6 +150,32 @@ def submit(
     session.add(job)
     session.flush()
     return job
+
+
+def stats_level_of(session: Session, qpc: Qpc) -> int | None:
+    """The -stats-level a QPC was compiled with (the same for every job that made it: the
+    level is part of the cache key), or None for a QPC no job row names."""
+    options = session.execute(
+        select(CompileJob.options).where(CompileJob.qpc_id == qpc.id).limit(1)
+    ).scalar_one_or_none()
+    if options is None:
+        return None
+    return int(options.get("stats-level", STATS_LEVEL_DEFAULT))
+
+
+def check_profilable(session: Session, qpc: Qpc) -> None:
+    """Profiling reads per-operator cycles, which only a QPC compiled at OPSTATS_LEVEL records:
+    refused here, for the API and the web alike, rather than failed later by the worker."""
+    level = stats_level_of(session, qpc)
+    if level is not None and level < OPSTATS_LEVEL:
+        raise ServiceError(
+            "stats_level_too_low",
+            f"this QPC was compiled with -stats-level={level}: its stats hold no per-operator "
+            f"cycles. Profiling needs -stats-level={OPSTATS_LEVEL}: compile the model again "
+            f"with it (the job page's \"Recompile with -stats-level={OPSTATS_LEVEL}\")",
+            409,
+            {"flag": "-stats-level", "stats_level": level},
+        )
 
 
 def get_profile(session: Session, team: Team, profile_id: uuid.UUID) -> ProfileJob:

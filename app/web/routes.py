@@ -465,15 +465,7 @@ def start_profile(
 
     def act(team: Team, job: CompileJob) -> str:
         qpc = _job_qpc(session, team, job, "profile")
-        level = stats_level_of(job)
-        if level < OPSTATS_LEVEL:
-            raise ServiceError(
-                "stats_level_too_low",
-                f"this QPC was compiled with -stats-level={level}: its stats hold no "
-                f"per-operator cycles. Profiling needs -stats-level={OPSTATS_LEVEL}: use "
-                "\"Recompile with -stats-level=70\" below",
-                409,
-            )
+        profiles.check_profilable(session, qpc)  # before the iterations: the likelier refusal
         try:
             count = int(iterations.strip() or "1")
         except ValueError:
