@@ -475,6 +475,21 @@ class Executor:
             self._written_end[core] = end
         return offset, end
 
+    def _destinations(
+        self, targets: list[int], instr: DmaLoad | NocCopy, dtype: str
+    ) -> list[tuple[int, np.ndarray, tuple[int, int]]]:
+        """Each target core of a load or NoC copy: its view of the destination buffer and the
+        VTCM bytes written there."""
+        machine = self.machine
+        return [
+            (
+                target,
+                machine.part(target, instr.vtcm, instr.buf_box, instr.box, dtype, write=True),
+                self._will_write(target, instr.vtcm, instr.buf_box, dtype),
+            )
+            for target in targets
+        ]
+
     def _decode(self, core: int, instr: object, *, activation: bool = False) -> Step:
         """The instruction as a step, with every static check done now; a fault it would
         raise is raised when the stream reaches it, as if it ran undecoded. Activation's
@@ -503,14 +518,7 @@ class Executor:
         if is_encoded_state(t):
             return self._load_blocks(core, instr, t)
         src = machine.tensor(t)[_view(instr.box)]
-        dsts = [
-            (
-                target,
-                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
-                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
-            )
-            for target in self._targets(core, instr.cores)
-        ]
+        dsts = self._destinations(self._targets(core, instr.cores), instr, t.dtype)
         nbytes = stored_bytes(t, instr.box)
         constant = nbytes if t.kind == KIND_CONSTANT else 0
         multicast = nbytes if len(dsts) > 1 else 0
@@ -545,14 +553,7 @@ class Executor:
         """A load of MXINT8-stored state: the blocks cross DDR, VTCM gets the values."""
         machine, copies, deferred = self.machine, self.copies, self.deferred
         store = machine.mx_store(t)
-        dsts = [
-            (
-                target,
-                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
-                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
-            )
-            for target in self._targets(core, instr.cores)
-        ]
+        dsts = self._destinations(self._targets(core, instr.cores), instr, t.dtype)
         nbytes = stored_bytes(t, instr.box)
         multicast = nbytes if len(dsts) > 1 else 0
         whole = instr.box == instr.buf_box
@@ -590,14 +591,7 @@ class Executor:
         _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
         src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
         targets = self._targets(core, instr.cores)
-        dsts = [
-            (
-                target,
-                machine.part(target, instr.vtcm, instr.buf_box, instr.box, t.dtype, write=True),
-                self._will_write(target, instr.vtcm, instr.buf_box, t.dtype),
-            )
-            for target in targets
-        ]
+        dsts = self._destinations(targets, instr, t.dtype)
         src_start = instr.src_vtcm
         src_end = src_start + _nbytes(instr.src_box, t.dtype)
         covers = instr.box == instr.buf_box
