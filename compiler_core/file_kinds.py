@@ -38,6 +38,23 @@ def sniff(head: bytes, name: str = "") -> str | None:
     return None
 
 
+ARCHIVE_HEAD_BYTES = 262
+"""What `archive_kind` needs to see: a tar's `ustar` magic sits at offset 257."""
+
+
+def archive_kind(head: bytes) -> str | None:
+    """ "zip", "tar.gz" or "tar" for a model archive starting with `head`, else None: the one
+    rule by which an upload is an archive (the farm's upload path and the submit-time fit
+    check read stored uploads alike)."""
+    if head.startswith(_ZIP_MAGICS):
+        return "zip"
+    if head.startswith(b"\x1f\x8b"):
+        return "tar.gz"
+    if len(head) >= ARCHIVE_HEAD_BYTES and head[257:ARCHIVE_HEAD_BYTES] == b"ustar":
+        return "tar"
+    return None
+
+
 def sniff_file(path: str | os.PathLike[str]) -> str | None:
     with open(path, "rb") as handle:
         return sniff(handle.read(HEAD_BYTES), Path(path).name)

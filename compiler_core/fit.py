@@ -37,6 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 from compiler_core.errors import CompileError
+from compiler_core.file_kinds import ARCHIVE_HEAD_BYTES, archive_kind
 from compiler_core.model_folder import LOCAL, ModelFolder
 
 CODE = "model_does_not_fit"
@@ -321,12 +322,13 @@ def header_from_upload(
     None when the header cannot be had within them."""
     import onnx
 
-    head = stream.read(4)
+    head = stream.read(ARCHIVE_HEAD_BYTES)
     stream.seek(0)
+    kind = archive_kind(head)
     wanted = dict(member_files or {})
     files: dict[str, bytes] = {}
     try:
-        if head.startswith(b"PK"):
+        if kind == "zip":
             with zipfile.ZipFile(stream) as archive:
                 infos = {info.filename: info for info in archive.infolist()}
                 onnx_name = _single_onnx(list(infos))
@@ -339,7 +341,7 @@ def header_from_upload(
                     if member in infos and infos[member].file_size <= MAX_OPTION_FILE_BYTES:
                         files[key] = archive.read(member)
                 return header, files
-        if head[:2] == b"\x1f\x8b" or _is_tar(stream):
+        if kind is not None:  # a tar: no index
             return None
         data = stream.read(MAX_SUBMIT_HEADER_BYTES + 1)
         if len(data) > MAX_SUBMIT_HEADER_BYTES:
@@ -347,13 +349,6 @@ def header_from_upload(
         return onnx.load_model_from_string(data), files
     except (zipfile.BadZipFile, RuntimeError, ValueError, EOFError, OSError, zlib.error):
         return None  # the upload check accepted it; the compile will name what is wrong
-
-
-def _is_tar(stream: IO[bytes]) -> bool:
-    stream.seek(257)
-    magic = stream.read(5)
-    stream.seek(0)
-    return magic == b"ustar"
 
 
 def _single_onnx(names: list[str]) -> str:

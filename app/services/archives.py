@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from compiler_core.file_kinds import archive_kind
 from qpcfarm.app.services.errors import ServiceError
 from qpcfarm.app.settings import Settings, get_settings
 
@@ -62,13 +63,7 @@ def bad_archive(message: str) -> ServiceError:
 
 def sniff_kind(head: bytes) -> str:
     """ "zip", "tar", "tar.gz" or "onnx" (anything else is handed to the ONNX importer)."""
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        return "zip"
-    if head.startswith(b"\x1f\x8b"):
-        return "tar.gz"
-    if len(head) >= 262 and head[257:262] == b"ustar":
-        return "tar"
-    return "onnx"
+    return archive_kind(head) or "onnx"
 
 
 def is_archive_name(filename: str | None) -> bool:
