@@ -45,6 +45,7 @@ LOCAL_FILE_FLAGS = (
     ("node_precision_info", "-node-precision-info"),
     ("load_profile", "-load-profile"),
     ("input_list_file", "-input-list-file"),
+    ("mdp_load_partition_config", "-mdp-load-partition-config"),
 )
 """Options naming a local file: submit uploads it in the model's archive, beside the model,
 as `<flag name><suffix>` (the farm reads it there: app/services/model_files.py)."""

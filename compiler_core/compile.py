@@ -275,14 +275,52 @@ def _compile(
     policy: CodegenPolicy,
     folder: ModelFolder,
 ) -> CompileResult:
-    device = opts.device
+    if opts.mdp_load_partition_config:
+        from compiler_core.mdp.build import compile_partitioned
+
+        return compile_partitioned(source, opts, progress, policy, folder)
     stages = _Stages(progress)
-    specs: list[Specialization | None] = (
+    builds = [_lower(source, opts, spec, stages, policy, folder) for spec in _specs(opts, folder)]
+    retained, segments = _program_segments(builds, opts, stages)
+    first_program = builds[0].done()[1]
+
+    out_dir, tmpdir = _output_dir(opts)
+    with stages.stage("write-qpc"):
+        write_qpc(out_dir / "programqpc.bin", segments)
+    warnings, timeline = _warnings(builds, opts, retained)
+
+    def report() -> dict[str, Any]:
+        return _report(builds, opts, timeline)
+
+    return CompileResult(
+        qpc_path=out_dir / "programqpc.bin",
+        _report=report,
+        warnings=warnings,
+        pass_times=stages.pass_times(),
+        options=opts,
+        program=first_program,
+        programs={_spec_name(b.spec): b.done()[1] for b in builds},
+        _tmpdir=tmpdir,
+    )
+
+
+def _specs(opts: CompileOptions, folder: ModelFolder) -> list[Specialization | None]:
+    return (
         list(load_specializations(opts.network_specialization_config, folder))
         if opts.network_specialization_config
         else [None]
     )
-    builds = [_lower(source, opts, spec, stages, policy, folder) for spec in specs]
+
+
+def _program_segments(
+    builds: list[_Build],
+    opts: CompileOptions,
+    stages: _Stages,
+    meta: Mapping[str, Any] | None = None,
+) -> tuple[list[str], list[Segment]]:
+    """Plan memory and emit every specialization's program: the retained-state inputs and
+    the QPC's segments of this network (one device's; `meta` goes into each program)."""
+    device = opts.device
     retained = _retained_state(builds, opts)
     shared, constant_items = _shared_constants(builds)
     for build, region in zip(builds, shared, strict=True):
@@ -303,25 +341,29 @@ def _compile(
                 build.planned.schedule,
                 build.planned.allocation.resident,
             )
+            build.program.meta.update(meta or {})
             build.program_bytes = encode_program(build.program)
-    first_plan, first_program = builds[0].done()
+    first_plan, _ = builds[0].done()
     if constant_items is None:
         constant_items = [
             (builds[0].lowered.tensors[t], first_plan.offsets[t]) for t in first_plan.constant_order
         ]
+    network = _network_desc(builds, opts, retained)
+    constants, entries = _constants(constant_items, first_plan.constants_size)
+    segments = [Segment("networkdesc.bin", network.to_bytes())]
+    for index, build in enumerate(builds):
+        segments.append(Segment(program_segment(index), build.program_bytes))
+        segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
+    segments.append(Segment("constants.bin", constants, offset_field=None))
+    segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
+    return retained, segments
 
-    out_dir, tmpdir = _output_dir(opts)
-    with stages.stage("write-qpc"):
-        network = _network_desc(builds, opts, retained)
-        constants, entries = _constants(constant_items, first_plan.constants_size)
-        segments = [Segment("networkdesc.bin", network.to_bytes())]
-        for index, build in enumerate(builds):
-            segments.append(Segment(program_segment(index), build.program_bytes))
-            segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
-        segments.append(Segment("constants.bin", constants, offset_field=None))
-        segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
-        write_qpc(out_dir / "programqpc.bin", segments)
 
+def _warnings(
+    builds: list[_Build], opts: CompileOptions, retained: list[str]
+) -> tuple[list[dict[str, Any]], Callable[[int], Timeline]]:
+    """The compile's warnings, and the cost model's timeline of each build (on first use)."""
+    device = opts.device
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
     for build in builds:
         warnings += [w for w in build.notes if w not in warnings]
@@ -370,39 +412,34 @@ def _compile(
                 seen.add(key)
                 warnings.append(warning)
 
-    def report() -> dict[str, Any]:
-        """The first specialization's metrics; with several, each one's under
-        `specializations` (computed once each)."""
-        each = {
-            _spec_name(b.spec): perf_metrics(
-                b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
-            )
-            for i, b in enumerate(builds)
-        }
-        first = dict(next(iter(each.values())))
-        if len(builds) > 1:
-            first["specializations"] = each
-        llm = llm_report(
-            [
-                (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
-                for b, name in zip(builds, each, strict=True)
-            ],
-            device,
-        )
-        if llm is not None:
-            first["llm"] = llm
-        return first
+    return warnings, timeline
 
-    return CompileResult(
-        qpc_path=out_dir / "programqpc.bin",
-        _report=report,
-        warnings=warnings,
-        pass_times=stages.pass_times(),
-        options=opts,
-        program=first_program,
-        programs={_spec_name(b.spec): b.done()[1] for b in builds},
-        _tmpdir=tmpdir,
+
+def _report(
+    builds: list[_Build], opts: CompileOptions, timeline: Callable[[int], Timeline]
+) -> dict[str, Any]:
+    """The first specialization's metrics; with several, each one's under `specializations`
+    (computed once each)."""
+    device = opts.device
+    each = {
+        _spec_name(b.spec): perf_metrics(
+            b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
+        )
+        for i, b in enumerate(builds)
+    }
+    first = dict(next(iter(each.values())))
+    if len(builds) > 1:
+        first["specializations"] = each
+    llm = llm_report(
+        [
+            (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
+            for b, name in zip(builds, each, strict=True)
+        ],
+        device,
     )
+    if llm is not None:
+        first["llm"] = llm
+    return first
 
 
 def _lower(
@@ -412,15 +449,12 @@ def _lower(
     stages: _Stages,
     policy: CodegenPolicy,
     folder: ModelFolder,
+    imported: ImportedModel | None = None,
 ) -> _Build:
-    """Import (with the specialization's symbols bound), run the graph passes and lower."""
-    symbols = dict(opts.onnx_define_symbol)
-    if spec is not None:
-        symbols.update(spec.symbols)
-    with stages.stage("import"):
-        imported = _import(source, opts, symbols, folder)
-    if spec is not None:
-        _check_symbols_exist(imported, spec)
+    """Import (with the specialization's symbols bound), run the graph passes and lower.
+    `imported`: the model already imported (one device's share of it, for a partition)."""
+    if imported is None:
+        imported = _import_spec(source, opts, spec, stages, folder)
     ir_model = imported.model
     passes = graph_pipeline(opts, folder)
     timing = PassTiming()
@@ -455,6 +489,24 @@ def _lower(
         planned=planned,
         notes=notes,
     )
+
+
+def _import_spec(
+    source: ModelSource,
+    opts: CompileOptions,
+    spec: Specialization | None,
+    stages: _Stages,
+    folder: ModelFolder,
+) -> ImportedModel:
+    """The model imported with the specialization's symbols bound."""
+    symbols = dict(opts.onnx_define_symbol)
+    if spec is not None:
+        symbols.update(spec.symbols)
+    with stages.stage("import"):
+        imported = _import(source, opts, symbols, folder)
+    if spec is not None:
+        _check_symbols_exist(imported, spec)
+    return imported
 
 
 def _latency(lowered: LoweredGraph, planned: Planned, opts: CompileOptions) -> float:

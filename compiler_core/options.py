@@ -155,6 +155,22 @@ OPTIONS: tuple[OptionSpec, ...] = (
         group=TARGET,
     ),
     _spec(
+        "mdp-load-partition-config",
+        "path",
+        "JSON partition config: the devices (SoCs) one partition spans and their cores, and "
+        "which devices are connected peer to peer; the network is sliced across them.",
+        group=TARGET,
+        default_text="none (one SoC)",
+    ),
+    _spec(
+        "mdp-dump-partition-config",
+        "path",
+        "Write the partition the compile used (JSON, the -mdp-load-partition-config format).",
+        affects_qpc=False,
+        group=TARGET,
+        default_text="none",
+    ),
+    _spec(
         "ols",
         "int",
         "Overlap split factor: a power of two, at most -aic-num-cores.",
@@ -823,6 +839,8 @@ class CompileOptions:
     aic_enable_depth_first: bool = False
     aic_depth_first_mem: int | None = None
     retained_state: bool = False
+    mdp_load_partition_config: str | None = None
+    mdp_dump_partition_config: str | None = None
     batchsize: int | None = None
     onnx_define_symbol: Mapping[str, int] = field(default_factory=dict)
     network_specialization_config: str | None = None

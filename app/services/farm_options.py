@@ -26,6 +26,8 @@ SERVER_SIDE_OPTIONS = {
     "model": "the model is the upload named by `model_id`",
     "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
     "operators_supported": "see GET /v1/operators",
+    "mdp_dump_partition_config": "the partition a compile used is in its QPC's mdp_meta_info "
+    "(qpc inspect names its devices)",
 }
 """Options that name paths on the machine running the compile: refused over the network."""
 INT64 = (-(1 << 63), (1 << 63) - 1)

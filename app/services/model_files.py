@@ -23,6 +23,7 @@ MODEL_FILE_OPTIONS = (
     "node_precision_info",
     "load_profile",
     "input_list_file",
+    "mdp_load_partition_config",
 )
 """Options whose value is a file inside the model's upload (a quantization profile and the
 calibration inputs too: the cache key then covers their bytes)."""

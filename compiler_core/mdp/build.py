@@ -1,0 +1,158 @@
+"""Compile a network for a partition: every device's program in one QPC.
+
+Each device's share of the model (compiler_core/mdp/shard.py) goes through the whole
+single-device compile (passes, lowering, memory, emit) with that device's cores. The QPC holds:
+
+- `networkdesc.bin`: the network as the host sees it (device 0's I/O: the host sends every
+  device the same inputs and reads the outputs, made whole on every device, from device 0);
+- `mdp_meta_info`: the partition (the config file's JSON), each device's id, cores and
+  segment prefix, and the link the devices exchange data over;
+- `device<N>/...`: device N's own networkdesc, programs, stats layouts and constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from compiler_core.errors import CompileError
+from compiler_core.importer import ModelSource
+from compiler_core.lowering.placement import CodegenPolicy
+from compiler_core.mdp.config import FLAG, PartitionConfig, parse_partition_config
+from compiler_core.mdp.shard import shard_model
+from compiler_core.model_folder import ModelFolder
+from compiler_core.options import CompileOptions
+from compiler_core.qpc.container import MDP_META, Segment, write_qpc
+
+MDP_META_VERSION = 1
+
+
+def device_prefix(index: int) -> str:
+    return f"device{index}/"
+
+
+def load_partition(opts: CompileOptions, folder: ModelFolder) -> PartitionConfig:
+    assert opts.mdp_load_partition_config is not None
+    text = folder.read_text(opts.mdp_load_partition_config, FLAG)
+    return parse_partition_config(text, opts.device)
+
+
+def link_meta(config: PartitionConfig, opts: CompileOptions) -> dict[str, Any]:
+    link = config.slowest_link(opts.device)
+    if link is None:
+        return {}
+    return {"kind": link.kind, "bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s}
+
+
+def meta_info(config: PartitionConfig, opts: CompileOptions) -> dict[str, Any]:
+    return {
+        "version": MDP_META_VERSION,
+        "partition": config.to_json(),
+        "devices": [
+            {
+                "index": index,
+                "deviceId": d.device_id,
+                "numCores": d.num_cores,
+                "prefix": device_prefix(index),
+            }
+            for index, d in enumerate(config.partitions[0].devices)
+        ],
+        "link": link_meta(config, opts),
+    }
+
+
+def compile_partitioned(
+    source: ModelSource,
+    opts: CompileOptions,
+    progress: Any,
+    policy: CodegenPolicy,
+    folder: ModelFolder,
+) -> Any:
+    """`compile_model` for `-mdp-load-partition-config`: one program per device."""
+    from compiler_core import compile as single
+
+    config = load_partition(opts, folder)
+    devices = config.partitions[0].devices
+    n = len(devices)
+    stages = single._Stages(progress)
+    specs = single._specs(opts, folder)
+    imports = [single._import_spec(source, opts, spec, stages, folder) for spec in specs]
+    link = link_meta(config, opts)
+    segments: list[Segment] = []
+    first: Any = None
+    first_opts = opts
+    for rank, device in enumerate(devices):
+        device_opts = opts.with_(
+            aic_num_cores=device.num_cores,
+            mdp_load_partition_config=None,
+            mdp_dump_partition_config=None,
+        )
+        builds = []
+        for spec, imported in zip(specs, imports, strict=True):
+            share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
+            builds.append(
+                single._lower(source, device_opts, spec, stages, policy, folder, imported=share)
+            )
+        meta = {"mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}}
+        retained, parts = single._program_segments(builds, device_opts, stages, meta)
+        prefix = device_prefix(rank)
+        segments += [dataclasses.replace(seg, name=prefix + seg.name) for seg in parts]
+        if first is None:
+            first = (builds, retained, device_opts)
+    assert first is not None
+    builds, retained, first_opts = first
+    network = single._network_desc(builds, opts, retained)
+    top = [
+        Segment("networkdesc.bin", network.to_bytes()),
+        Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
+    ]
+    out_dir, tmpdir = single._output_dir(opts)
+    with stages.stage("write-qpc"):
+        write_qpc(out_dir / "programqpc.bin", top + segments)
+    if opts.mdp_dump_partition_config:
+        _dump(opts.mdp_dump_partition_config, config)
+    warnings, timeline = single._warnings(builds, first_opts, retained)
+
+    def report() -> dict[str, Any]:
+        metrics = single._report(builds, first_opts, timeline)
+        metrics["mdp"] = mdp_report(config, opts, timeline(0))
+        return metrics
+
+    return single.CompileResult(
+        qpc_path=out_dir / "programqpc.bin",
+        _report=report,
+        warnings=warnings,
+        pass_times=stages.pass_times(),
+        options=opts,
+        program=builds[0].done()[1],
+        programs={single._spec_name(b.spec): b.done()[1] for b in builds},
+        _tmpdir=tmpdir,
+    )
+
+
+def mdp_report(config: PartitionConfig, opts: CompileOptions, timeline: Any) -> dict[str, Any]:
+    """The partition in the metrics: devices, cores, the link and what the exchanges cost."""
+    devices = config.partitions[0].devices
+    return {
+        "devices": [{"deviceId": d.device_id, "numCores": d.num_cores} for d in devices],
+        "link": link_meta(config, opts),
+        "link_bytes_per_device": int(getattr(timeline, "link_bytes", 0)),
+        "link_wait_us": round(
+            getattr(timeline, "link_wait_cycles", 0) / timeline.clock_hz * 1e6, 3
+        ),
+    }
+
+
+def _dump(path: str, config: PartitionConfig) -> None:
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(config.dumps())
+    except OSError as exc:
+        raise CompileError(
+            "output_dir",
+            f"-mdp-dump-partition-config: cannot write {path}: {exc.strerror}",
+            flag="-mdp-dump-partition-config",
+        ) from None
