@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from compiler_core.costmodel import Timeline, build_timeline
+from compiler_core.cost_timeline import Timeline, build_timeline
 from compiler_core.errors import CompileError
 from compiler_core.fit import check_fit, require_fit, worth_checking
 from compiler_core.importer import (

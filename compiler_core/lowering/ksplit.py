@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, HMX_DEPTH, KERNEL_LAUNCH_CYCLES
+from compiler_core.cost_rates import DMA_DESCRIPTOR_CYCLES, HMX_DEPTH, KERNEL_LAUNCH_CYCLES
 from compiler_core.lowering.program import KIND_ACTIVATION, EpilogueDesc, KernelDesc
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, split_axes
 from compiler_core.ops import REGISTRY

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import Box, NodeInfo
+from compiler_core.ops.registry import Box, NodeInfo, box_elements
 
 PROGRAM_MAGIC = b"QPRG"
 PROGRAM_VERSION = 2
@@ -82,13 +82,6 @@ class KernelDesc:
 
 Mask = int
 """A set of cores as a bit mask: bit c set for core c."""
-
-
-def box_elements(box: Box) -> int:
-    n = 1
-    for start, stop in box:
-        n *= stop - start
-    return n
 
 
 def box_nbytes(box: Box, dtype: str) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compiler_core.costmodel import THREADS
+from compiler_core.cost_rates import THREADS
 from compiler_core.errors import CompileError
 from compiler_core.profiling.pmu import EXTENDED_DEFAULT, configured_events, event_name
 
