@@ -33,13 +33,8 @@ from compiler_core.importer import (
 from compiler_core.llm_report import llm_report
 from compiler_core.lowering.depth_first import plan_depth_first
 from compiler_core.lowering.emit import emit_program
-from compiler_core.lowering.lower import (
-    LoweredGraph,
-    LTensor,
-    choose_splits,
-    config_from,
-    lower_graph,
-)
+from compiler_core.lowering.lower import choose_splits, config_from, lower_graph
+from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.memory import (
     MemoryPlan,
     SharedConstants,

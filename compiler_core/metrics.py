@@ -17,7 +17,7 @@ import numpy as np
 from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S, THREADS
 from compiler_core.cost_timeline import Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
-from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.lowered import LoweredGraph
 from compiler_core.lowering.memory import ALIGN, MemoryPlan
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,

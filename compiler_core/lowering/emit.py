@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler_core.lowering.lower import LoweredGraph, LTensor
+from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
 from compiler_core.lowering.program import (
     KIND_CONSTANT,
