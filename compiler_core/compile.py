@@ -69,7 +69,7 @@ from compiler_core.report import (
     PASS_SEPARATOR,
 )
 from compiler_core.specializations import FLAG as SPEC_FLAG
-from compiler_core.specializations import Specialization, load_specializations
+from compiler_core.specializations import VENDOR_KEYS, Specialization, load_specializations
 from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
@@ -558,14 +558,16 @@ def _fastest_of(
 
 
 def _check_symbols_exist(imported: ImportedModel, spec: Specialization) -> None:
-    """A specialization naming a symbol the model's inputs do not use is a typo, not a no-op."""
-    unused = sorted(set(spec.symbols) - imported.input_symbols)
+    """A specialization naming a symbol the model's inputs do not use is a typo, not a no-op
+    (the vendor's LLM keys excepted: they describe the run, see `specializations`)."""
+    unused = sorted(set(spec.symbols) - imported.input_symbols - VENDOR_KEYS)
     if unused:
         raise CompileError(
             "invalid_option",
             f"{SPEC_FLAG}: specialization {spec.name!r} binds {', '.join(unused)}, which no "
             f"input dimension of the model uses (symbols: "
-            f"{', '.join(sorted(imported.input_symbols)) or 'none'})",
+            f"{', '.join(sorted(imported.input_symbols)) or 'none'}; LLM keys accepted as "
+            f"well: {', '.join(sorted(VENDOR_KEYS))})",
             flag=SPEC_FLAG,
         )
 

@@ -355,11 +355,12 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
 def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> dict[int, int]:
     """Make each `<input>_RetainedState` output and its input one device buffer.
 
-    A TensorScatter that writes the cache input into its own retained output, when nothing
-    else reads the cache, is done in place: the output aliases the input and the kernel
-    becomes a scatter DMA of the new rows only. Any other retained output is copied into its
-    input on the device by a copy kernel after everything that reads the input. Pairs that
-    do not match (no such input, another type or shape) are left for the compile to refuse.
+    A scatter (`ops/in_place_scatter.py`) that writes the cache input into its own retained
+    output, when nothing else reads the cache, is done in place: the output aliases the input
+    and the kernel becomes a scatter DMA of the new rows only. Any other retained output is
+    copied into its input on the device by a copy kernel after everything that reads the
+    input. Pairs that do not match (no such input, another type or shape) are left for the
+    compile to refuse.
     """
     from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
 
@@ -383,13 +384,14 @@ def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> d
         mx = config.mxint8_all or bool(names & config.mxint8)
         mx_named |= names & config.mxint8
         k = producer.get(out)
-        if k is not None and _scatters_in_place(builder, k, source):
+        if k is not None and _scatters_in_place(builder, k, source, mx):
             _make_in_place(builder, k, source, out, mx)
         elif mx:
             raise CompileError(
                 "unsupported_option",
                 f"{tensors[source].name}: MXINT8 storage needs the retained output "
-                f"{t.name!r} written in place by a TensorScatter of its input",
+                f"{t.name!r} written in place by a TensorScatter (or a ScatterND writing "
+                "whole rows) of its input",
                 flag="-custom-IO-list-file" if not config.mxint8_all else "-mxint8-kv-cache",
             )
         else:
@@ -412,11 +414,14 @@ def _root(tensors: list[LTensor], tid: int) -> int:
     return tid
 
 
-def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
-    """Kernel k is a plain TensorScatter into `source`, and no other kernel reads `source`."""
+def _scatters_in_place(builder: _Builder, k: int, source: int, mxint8: bool) -> bool:
+    """Kernel k is a plain scatter (TensorScatter, ScatterND or ScatterElements without a
+    reduction) into `source`, and no other kernel reads `source`."""
+    from compiler_core.ops.in_place_scatter import can_scatter_in_place
+
     desc = builder.kernels[k].desc
     tensors = builder.tensors
-    if (desc.info.op_type, desc.info.domain) != ("TensorScatter", "") or desc.epilogue:
+    if desc.info.domain != "" or desc.epilogue or not can_scatter_in_place(desc.info, mxint8):
         return False
     if len(desc.outputs) != 1 or len(desc.inputs) < 3 or desc.inputs[2] < 0:
         return False
@@ -433,6 +438,7 @@ def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
 
 
 def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: bool) -> None:
+    from compiler_core.ops.in_place_scatter import whole_input_boxes
     from compiler_core.ops.kv_cache import in_place_input_boxes
 
     lk = builder.kernels[k]
@@ -450,8 +456,10 @@ def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: boo
             )
     lk.desc = dataclasses.replace(lk.desc, kernel=SCATTER_IN_PLACE)
     assert lk.request is not None
-    opdef = dataclasses.replace(lk.request.opdef, input_boxes=in_place_input_boxes)
-    if mxint8:  # a tile writes whole MX blocks: never cut the block (last) axis
+    tensor_scatter = lk.desc.info.op_type == "TensorScatter"
+    boxes = in_place_input_boxes if tensor_scatter else whole_input_boxes
+    opdef = dataclasses.replace(lk.request.opdef, input_boxes=boxes)
+    if mxint8 and tensor_scatter:  # a tile writes whole MX blocks: never cut the block (last) axis
         whole_rows = _without_last_axis(opdef.split_axes)
         opdef = dataclasses.replace(opdef, split_axes=whole_rows)
     lk.request = dataclasses.replace(lk.request, opdef=opdef)
