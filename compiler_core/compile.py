@@ -209,14 +209,14 @@ def compile_model(
         from compiler_core.quant.calibrate import dump_profile
 
         # the profile this compile quantizes with
-        reference = dump_profile(source, opts, model_folder)
+        reference = dump_profile(compile_model, source, opts, model_folder)
     try:
         with _gc_paused():
             result = _compile(source, opts, progress, policy or CodegenPolicy(), model_folder)
         if opts.quantize and opts.input_list_file:
             from compiler_core.quant.calibrate import add_accuracy
 
-            add_accuracy(source, opts, result, reference, model_folder)
+            add_accuracy(compile_model, source, opts, result, reference, model_folder)
             reference = None
     finally:
         if reference is not None:
