@@ -485,3 +485,50 @@ def test_a_misspelled_key_is_refused_naming_the_accepted_ones(
     specs = [{"batch_size": 1, "seq_len": 1, "ctxlen": CTX}]
     with pytest.raises(CompileError, match=r"binds ctxlen.*LLM keys accepted as well: batch_size"):
         compile_model(model.SerializeToString(), [_spec_file(tmp_path, specs), "-retained-state"])
+
+
+# ---------------------------------------------------------------- the LLM report
+
+
+def _latency_s(result: CompileResult, name: str) -> float:
+    return float(result.metrics["specializations"][name]["estimated_latency_us"]) / 1e6
+
+
+def test_the_report_gives_tokens_per_s_for_every_decode_batch_of_the_slots(
+    cb_compiled: CompileResult,
+) -> None:
+    llm = cb_compiled.metrics["llm"]
+    assert [(d["batch"], d["slots"]) for d in llm["decode"]] == [(1, SLOTS), (2, SLOTS), (4, SLOTS)]
+    for d in llm["decode"]:
+        latency = _latency_s(cb_compiled, _cb_name(d["batch"], 1))
+        assert d["tokens_per_s"] == pytest.approx(d["batch"] / latency, rel=1e-3)
+        assert d["time_per_output_token_ms"] == pytest.approx(latency * 1e3, abs=1e-3)
+    assert llm["full_batch"] == SLOTS
+    assert llm["tokens_per_s_full_batch"] == llm["decode"][-1]["tokens_per_s"]
+    assert llm["sequences_compiled"] == SLOTS
+    assert llm["prefill_length"] == CB_PREFILL
+
+
+def test_the_report_gives_the_speculative_step_and_its_break_even(
+    compiled: CompileResult,
+) -> None:
+    llm = compiled.metrics["llm"]
+    [spec] = llm["speculative"]
+    step = _latency_s(compiled, f"batch_size=1,ctx_len={CTX},num_speculative_tokens={SPEC_K}")
+    token = _latency_s(compiled, f"batch_size=1,seq_len=1,ctx_len={CTX}")
+    assert spec["tokens_per_step"] == SPEC_K + 1
+    assert spec["tokens_per_s_all_accepted"] == pytest.approx((SPEC_K + 1) / step, rel=1e-3)
+    want = max(0.0, step / token - 1)  # 0: a step costs no more than one token
+    assert spec["accepted_drafts_to_break_even"] == pytest.approx(want, abs=2e-3)
+    # the speculative step is not taken for a prefill
+    assert llm["prefill_length"] == PREFILL
+    assert [d["batch"] for d in llm["decode"]] == [1]
+
+
+def test_the_report_gives_chunked_prefill_ttft_up_to_the_context(compiled: CompileResult) -> None:
+    llm = compiled.metrics["llm"]
+    prefill = _latency_s(compiled, f"batch_size=1,seq_len={PREFILL},ctx_len={CTX}")
+    chunks = llm["chunked_prefill"]
+    assert [(c["prompt_length"], c["runs"]) for c in chunks] == [(16, 2), (32, 4), (64, 8)]
+    for c in chunks:
+        assert c["time_to_first_token_ms"] == pytest.approx(c["runs"] * prefill * 1e3, abs=1e-3)
