@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compiler_core.cost_timeline import Timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource
 from compiler_core.lowering.placement import CodegenPolicy
@@ -77,12 +78,11 @@ def compile_partitioned(
     devices = config.partitions[0].devices
     n = len(devices)
     stages = single._Stages(progress)
-    specs = single._specs(opts, folder)
+    specs = single._specializations(opts, folder)
     imports = [single._import_spec(source, opts, spec, stages, folder) for spec in specs]
     link = link_meta(config, opts)
     segments: list[Segment] = []
-    first: Any = None
-    first_opts = opts
+    first: tuple[list[Any], list[str], CompileOptions] | None = None
     for rank, device in enumerate(devices):
         device_opts = opts.with_(
             aic_num_cores=device.num_cores,
@@ -96,11 +96,17 @@ def compile_partitioned(
                 single._lower(source, device_opts, spec, stages, policy, folder, imported=share)
             )
         meta = {"mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}}
-        retained, parts = single._program_segments(builds, device_opts, stages, meta)
+        retained = single._retained_state(builds, device_opts)
+        shared, constant_items = single._shared_constants(builds)
+        for build, region in zip(builds, shared, strict=True):
+            single._plan_and_emit(build, region, device_opts, stages, meta)
         prefix = device_prefix(rank)
+        parts = single._segments(builds, device_opts, retained, constant_items)
         segments += [dataclasses.replace(seg, name=prefix + seg.name) for seg in parts]
         if first is None:
             first = (builds, retained, device_opts)
+        else:  # only device 0's builds are reported on: let the others' go
+            del builds
     assert first is not None
     builds, retained, first_opts = first
     network = single._network_desc(builds, opts, retained)
@@ -113,17 +119,17 @@ def compile_partitioned(
         write_qpc(out_dir / "programqpc.bin", top + segments)
     if opts.mdp_dump_partition_config:
         _dump(opts.mdp_dump_partition_config, config)
-    warnings, timeline = single._warnings(builds, first_opts, retained)
+    timelines = single._Timelines(builds, first_opts.device)
 
     def report() -> dict[str, Any]:
-        metrics = single._report(builds, first_opts, timeline)
-        metrics["mdp"] = mdp_report(config, opts, timeline(0))
+        metrics = single._metrics(builds, first_opts, timelines)
+        metrics["mdp"] = mdp_report(config, opts, timelines[0])
         return metrics
 
     return single.CompileResult(
         qpc_path=out_dir / "programqpc.bin",
         _report=report,
-        warnings=warnings,
+        warnings=single._warnings(builds, first_opts, retained, timelines),
         pass_times=stages.pass_times(),
         options=opts,
         program=builds[0].done()[1],
@@ -132,16 +138,14 @@ def compile_partitioned(
     )
 
 
-def mdp_report(config: PartitionConfig, opts: CompileOptions, timeline: Any) -> dict[str, Any]:
+def mdp_report(config: PartitionConfig, opts: CompileOptions, timeline: Timeline) -> dict[str, Any]:
     """The partition in the metrics: devices, cores, the link and what the exchanges cost."""
     devices = config.partitions[0].devices
     return {
         "devices": [{"deviceId": d.device_id, "numCores": d.num_cores} for d in devices],
         "link": link_meta(config, opts),
-        "link_bytes_per_device": int(getattr(timeline, "link_bytes", 0)),
-        "link_wait_us": round(
-            getattr(timeline, "link_wait_cycles", 0) / timeline.clock_hz * 1e6, 3
-        ),
+        "link_bytes_per_device": timeline.link_bytes,
+        "link_wait_us": round(timeline.link_cycles / timeline.clock_hz * 1e6, 3),
     }
 
 
