@@ -34,6 +34,7 @@ from compiler_core.lowering.program import (
     KIND_INPUT,
     KIND_ONCHIP,
     KIND_OUTPUT,
+    LINK_KERNEL,
     SCATTER_IN_PLACE,
     DmaGather,
     DmaLoad,
@@ -57,7 +58,6 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
-from compiler_core.ops.collective import LINK_KERNEL
 from compiler_core.ops.in_place_scatter import dma_axis, operands
 from compiler_core.ops.registry import Box, full_box
 

@@ -17,8 +17,8 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     KIND_INPUT,
     KIND_OUTPUT,
+    LINK_KERNEL,
 )
-from compiler_core.ops.collective import LINK_KERNEL
 
 ALIGN = 64
 

@@ -20,10 +20,15 @@ from dataclasses import dataclass
 from compiler_core.errors import CompileError
 from compiler_core.lowering.emit import Placement, Schedule, build_schedule, consumers_of
 from compiler_core.lowering.lowered import LoweredGraph
-from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    KIND_CONSTANT,
+    KIND_OUTPUT,
+    LINK_KERNEL,
+    box_nbytes,
+)
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
-from compiler_core.ops.collective import LINK_KERNEL
 from compiler_core.ops.registry import Box
 
 WEIGHTS_AHEAD = 1

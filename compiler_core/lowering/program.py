@@ -29,6 +29,9 @@ KIND_OUTPUT = "output"
 KIND_ACTIVATION = "activation"
 KIND_ONCHIP = "onchip"
 """An activation that lives only in the VTCM of the cores that produce it: it has no DDR."""
+LINK_KERNEL = "link_all_gather"
+"""The kernel name of an AllGather between the devices of a partition: link transfers, not a
+kernel (compiler_core/ops/collective.py)."""
 SCATTER_IN_PLACE = "tensor_scatter_in_place"
 """The kernel name of a scatter (TensorScatter, ScatterND, ScatterElements) into retained
 state done in place by `DmaScatter`."""

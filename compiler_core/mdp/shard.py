@@ -32,7 +32,7 @@ import onnx_ir as ir
 
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY
-from compiler_core.ops.collective import DOMAIN
+from compiler_core.ops.registry import QPCFARM_DOMAIN as DOMAIN
 
 RETAINED_SUFFIX = "_RetainedState"
 

@@ -13,10 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import ALL, NodeInfo, TileCtx, register
-
-DOMAIN = "com.qpcfarm"
-LINK_KERNEL = "link_all_gather"
+from compiler_core.lowering.program import LINK_KERNEL
+from compiler_core.ops.registry import ALL, QPCFARM_DOMAIN, NodeInfo, TileCtx, register
 
 
 def gather_axis(node: NodeInfo) -> int:
@@ -36,7 +34,7 @@ def _compute(node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> 
 register(
     "AllGather",
     _compute,
-    domain=DOMAIN,
+    domain=QPCFARM_DOMAIN,
     dtypes=ALL,
     kernel=LINK_KERNEL,
     unit="link",
