@@ -69,7 +69,12 @@ from compiler_core.report import (
     PASS_SEPARATOR,
 )
 from compiler_core.specializations import FLAG as SPEC_FLAG
-from compiler_core.specializations import VENDOR_KEYS, Specialization, load_specializations
+from compiler_core.specializations import (
+    VENDOR_KEYS,
+    Specialization,
+    load_specializations,
+    with_full_batch_size,
+)
 from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
@@ -272,11 +277,12 @@ def _compile(
 ) -> CompileResult:
     device = opts.device
     stages = _Stages(progress)
-    specs: list[Specialization | None] = (
-        list(load_specializations(opts.network_specialization_config, folder))
-        if opts.network_specialization_config
-        else [None]
-    )
+    specs: list[Specialization | None] = [None]
+    if opts.network_specialization_config:
+        loaded = load_specializations(opts.network_specialization_config, folder)
+        if opts.full_batch_size is not None:
+            loaded = with_full_batch_size(loaded, opts.full_batch_size)
+        specs = list(loaded)
     builds = [_lower(source, opts, spec, stages, policy, folder) for spec in specs]
     retained = _retained_state(builds, opts)
     shared, constant_items = _shared_constants(builds)
@@ -410,6 +416,8 @@ def _lower(
 ) -> _Build:
     """Import (with the specialization's symbols bound), run the graph passes and lower."""
     symbols = dict(opts.onnx_define_symbol)
+    if opts.full_batch_size is not None:
+        symbols.setdefault("full_batch_size", opts.full_batch_size)
     if spec is not None:
         symbols.update(spec.symbols)
     with stages.stage("import"):

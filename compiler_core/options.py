@@ -267,6 +267,16 @@ OPTIONS: tuple[OptionSpec, ...] = (
         default_text="none",
     ),
     _spec(
+        "full-batch-size",
+        "int",
+        "Continuous batching: the KV cache's slots. Sets full_batch_size in every "
+        "specialization, and batch_size in each decode (seq_len 1) that leaves it unset.",
+        minimum=1,
+        maximum=MAX_DIMENSION,
+        group=PRECISION,
+        default_text="the specializations'",
+    ),
+    _spec(
         "convert-to-fp16",
         "bool",
         "Compute in fp16 (constants out of range are clipped).",
@@ -826,6 +836,7 @@ class CompileOptions:
     batchsize: int | None = None
     onnx_define_symbol: Mapping[str, int] = field(default_factory=dict)
     network_specialization_config: str | None = None
+    full_batch_size: int | None = None
     convert_to_fp16: bool = False
     mxfp6_matmul: bool = False
     mxint8_kv_cache: bool = False
