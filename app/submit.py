@@ -39,16 +39,6 @@ DEFAULT_TIMEOUT_S = 3600.0
 API_KEY_FILE = "api-key"
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5
-LOCAL_FILE_FLAGS = (
-    ("network_specialization_config", "-network-specialization-config"),
-    ("custom_io_list_file", "-custom-IO-list-file"),
-    ("node_precision_info", "-node-precision-info"),
-    ("load_profile", "-load-profile"),
-    ("input_list_file", "-input-list-file"),
-    ("mdp_load_partition_config", "-mdp-load-partition-config"),
-)
-"""Options naming a local file: submit uploads it in the model's archive, beside the model,
-as `<flag name><suffix>` (the farm reads it there: app/services/model_files.py)."""
 
 USAGE = f"""\
 usage: {PROG} submit -m=<model.onnx> -aic-binary-dir=<dir> [compile flags] [--server URL]
@@ -154,28 +144,36 @@ def check_options(options: CompileOptions) -> tuple[Path, Path]:
 
 
 def option_files(options: CompileOptions) -> dict[str, tuple[str, Path]]:
-    """The local files that file-valued options name: option -> (name in the upload, path)."""
+    """The local files that file-valued options name (the compiler's `MODEL_FILE_OPTIONS`):
+    option -> (name in the upload, path). Submit uploads each in the model's archive, beside
+    the model, as `<flag name><suffix>` (the farm reads it there: app/services/model_files.py)."""
     from compiler_core.errors import CompileError
+    from compiler_core.options import MODEL_FILE_OPTIONS
 
     files = {}
-    for attr, flag in LOCAL_FILE_FLAGS:
-        value = getattr(options, attr)
+    for spec in MODEL_FILE_OPTIONS:
+        value = getattr(options, spec.attr)
         if value is None:
             continue
         path = Path(value)
         if not path.is_file():
-            raise CompileError("invalid_option", f"{flag}={value}: no such file", flag=flag)
-        files[attr] = (flag.lstrip("-") + path.suffix, path)
+            raise CompileError(
+                "invalid_option", f"{spec.flag}={value}: no such file", flag=spec.flag
+            )
+        files[spec.attr] = (spec.name + path.suffix, path)
     return files
 
 
 def remote_flags(
     options: CompileOptions, files: dict[str, tuple[str, Path]] | None = None
 ) -> list[str]:
-    """The canonical flags the server gets: no local paths; file options name their file's
-    place in the upload."""
+    """The canonical flags the server gets: no local-only option (the model and the output
+    directory stay here); file options name their file's place in the upload."""
+    from compiler_core.options import LOCAL_ONLY_OPTIONS
+
+    local = {spec.attr: None for spec in LOCAL_ONLY_OPTIONS}
     uploaded = {attr: name for attr, (name, _) in (files or {}).items()}
-    return options.with_(model=None, aic_binary_dir=None, **uploaded).to_flags()
+    return options.with_(**local, **uploaded).to_flags()
 
 
 # ---------------------------------------------------------------------------- the model

@@ -17,19 +17,20 @@ import math
 from typing import Any
 
 from compiler_core import CompileError, CompileOptions
-from compiler_core.options import spec_for
+from compiler_core.options import LOCAL_ONLY_OPTIONS
 from qpcfarm.app.services.model_files import check_model_file_paths
 
 log = logging.getLogger(__name__)
 
-SERVER_SIDE_OPTIONS = {
+FARM_INSTEAD = {
     "model": "the model is the upload named by `model_id`",
     "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
     "operators_supported": "see GET /v1/operators",
     "mdp_dump_partition_config": "the partition a compile used is in its QPC's mdp_meta_info "
     "(qpc inspect names its devices)",
 }
-"""Options that name paths on the machine running the compile: refused over the network."""
+"""What the farm offers in place of a local-only option (which options are local-only is the
+compiler's `LOCAL_ONLY_OPTIONS`; this only words the refusal)."""
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -50,11 +51,11 @@ def farm_options(
         raise CompileError(
             "invalid_option", f"the options cannot be parsed: {_first_line(exc)}"
         ) from None
-    for attr, why in SERVER_SIDE_OPTIONS.items():
-        if getattr(options, attr):
-            flag = spec_for(attr).flag
+    for spec in LOCAL_ONLY_OPTIONS:
+        if getattr(options, spec.attr):
+            why = FARM_INSTEAD.get(spec.attr, "it acts on the machine running the compile")
             raise CompileError(
-                "invalid_option", f"{flag} is not accepted by the farm: {why}", flag=flag
+                "invalid_option", f"{spec.flag} is not accepted by the farm: {why}", flag=spec.flag
             )
     check_model_file_paths(options)
     for name, value in options.to_json().items():
