@@ -296,6 +296,10 @@ def _compile(
     out_dir, tmpdir = _output_dir(opts)
     with stages.stage("write-qpc"):
         _write_qpc(out_dir / "programqpc.bin", builds, opts, retained, constant_items)
+    if opts.mdp_dump_partition_config:  # the partition of a single-device compile: one SoC
+        from compiler_core.mdp.build import dump_from_qpc
+
+        dump_from_qpc(out_dir / "programqpc.bin", opts.mdp_dump_partition_config)
     timelines = _Timelines(builds, opts.device)
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",

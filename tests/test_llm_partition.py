@@ -22,6 +22,7 @@ from compiler_core.compile import CompileResult, compile_model
 from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import LinkSend, LinkWait
+from compiler_core.mdp.build import dump_from_qpc
 from compiler_core.mdp.config import parse_partition_config
 from compiler_core.options import CompileOptions
 from compiler_core.qpc.container import load_qpc
@@ -201,6 +202,25 @@ def test_dump_writes_the_partition_the_compile_used_and_it_loads_back(
     assert written == TWO_DEVICES
     again = parse_partition_config(dump.read_text(), ULTRA)
     assert again == parse_partition_config(json.dumps(TWO_DEVICES), ULTRA)
+    from_qpc = tmp_path / "from_qpc.json"
+    dump_from_qpc(tmp_path / "out" / "programqpc.bin", str(from_qpc))  # what submit writes
+    assert json.loads(from_qpc.read_text()) == TWO_DEVICES
+
+
+def test_a_single_device_compile_dumps_one_soc(model: onnx.ModelProto, tmp_path: Path) -> None:
+    dump = tmp_path / "one.json"
+    compile_model(
+        model.SerializeToString(),
+        [
+            "-aic-num-cores=2",
+            "-onnx-define-symbol=batch_size,1",
+            "-onnx-define-symbol=seq_len,1",
+            f"-mdp-dump-partition-config={dump}",
+        ],
+    )
+    assert json.loads(dump.read_text()) == {
+        "partitions": [{"name": "Partition0", "devices": [{"deviceId": 0, "numCores": 2}]}]
+    }
 
 
 def test_the_qpc_holds_every_devices_program_and_names_the_partition(

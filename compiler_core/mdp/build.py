@@ -21,7 +21,13 @@ from compiler_core.cost_timeline import Timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource
 from compiler_core.lowering.placement import CodegenPolicy
-from compiler_core.mdp.config import FLAG, PartitionConfig, parse_partition_config
+from compiler_core.mdp.config import (
+    FLAG,
+    Partition,
+    PartitionConfig,
+    PartitionDevice,
+    parse_partition_config,
+)
 from compiler_core.mdp.shard import shard_model
 from compiler_core.model_folder import ModelFolder
 from compiler_core.options import CompileOptions
@@ -160,3 +166,30 @@ def _dump(path: str, config: PartitionConfig) -> None:
             f"-mdp-dump-partition-config: cannot write {path}: {exc.strerror}",
             flag="-mdp-dump-partition-config",
         ) from None
+
+
+def dump_from_qpc(qpc: Path, path: str) -> None:
+    """`-mdp-dump-partition-config` for a QPC compiled elsewhere (`qpcfarm submit`): the
+    partition its `mdp_meta_info` names (one device for a single-device QPC)."""
+    from compiler_core.mdp.config import single_device
+    from compiler_core.qpc.container import load_qpc
+
+    with load_qpc(qpc) as container:
+        meta = container.mdp
+        network = container.network
+        cores = network.num_cores if network is not None else 1
+    if meta is None:
+        _dump(path, single_device(cores))
+        return
+    doc = meta["partition"]
+    config = PartitionConfig(
+        tuple(
+            Partition(
+                str(p["name"]),
+                tuple(PartitionDevice(d["deviceId"], d["numCores"]) for d in p["devices"]),
+            )
+            for p in doc["partitions"]
+        ),
+        tuple((c["type"], frozenset(c["devices"])) for c in doc.get("connections", [])),
+    )
+    _dump(path, config)
