@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -245,7 +245,7 @@ class _Builder:
         graph: LoweredGraph,
         placement: Placement,
         buffers_only: bool,
-        memo: dict[tuple[int, int], list[list[int]]],
+        memo: BuildMemo,
     ) -> None:
         self.graph = graph
         self.buffers_only = buffers_only
@@ -620,6 +620,60 @@ class _Builder:
                 self.run_start[other] = position + len(early)
         self.weight_tail = (at + len(early), host)
 
+    def buffers_signature(self, k: int) -> Hashable:
+        """Everything a buffers-only build of kernel k reads besides the graph: which of its
+        tensors are on chip or resident, whether it gathers, the placement's switches and
+        where the previous streamed weights were hoisted to."""
+        graph, chip = self.graph, self.placement.chip
+        desc = graph.kernels[k].desc
+        layer = graph.layer(k)
+        return (
+            tuple(t >= 0 and t in chip for t in desc.outputs),
+            tuple(
+                (t >= 0 and graph.root(t) in chip, (layer, i) in self.resident_refs)
+                for i, t in enumerate(desc.inputs)
+            ),
+            self.gathers(k),
+            self.placement.prefetch,
+            self.placement.double_buffer,
+            self.ahead,
+            self.weight_tail,
+        )
+
+    def kernel_buffers(self, k: int) -> None:
+        """`kernel(k)` in a buffers-only build, replayed from an earlier build that reached
+        kernel k in the same state: the same buffers, on-chip outputs and weight tail."""
+        key = (k, self.buffers_signature(k))
+        done = self.memo.kernels.get(key)
+        start = len(self.buffers)
+        if done is None:
+            self.kernel(k)
+            ids = {buf.id: n for n, buf in enumerate(self.buffers[start:])}
+            chip = self.placement.chip
+            self.memo.kernels[key] = _KernelBuffers(
+                buffers=tuple(
+                    (b.size, b.first, b.last, b.resident, b.what, b.root)
+                    for b in self.buffers[start:]
+                ),
+                outputs=tuple(
+                    (
+                        t,
+                        self.chip_bytes[t],
+                        tuple((s.core, s.box, ids[s.ref[0]], s.ref[1]) for s in self.slots[t]),
+                    )
+                    for t in self.graph.kernels[k].desc.outputs
+                    if t >= 0 and t in chip and t in self.slots
+                ),
+                weight_tail=self.weight_tail,
+            )
+            return
+        for size, first, last, resident, what, root in done.buffers:
+            self.buffer(size, first, last, what, resident, root)
+        for t, nbytes, slots in done.outputs:
+            self.chip_bytes[t] = nbytes
+            self.slots[t] = [_Slot(c, box, (start + n, at)) for c, box, n, at in slots]
+        self.weight_tail = done.weight_tail
+
     def track_weight_tail(
         self, k: int, streamed: list[int], by_core: dict[int, list[TileSpec]]
     ) -> None:
@@ -741,9 +795,9 @@ class _Builder:
             for j, t in enumerate(ts)
             if (box := t.in_boxes[i]) is not None
         ]
-        hits = self.memo.get((k, i))
+        hits = self.memo.hits.get((k, i))
         if hits is None:  # the same in every build: tiles and producers' slots are fixed
-            hits = self.memo[(k, i)] = _meeting(slots, [box for _, _, box in wanted_at])
+            hits = self.memo.hits[(k, i)] = _meeting(slots, [box for _, _, box in wanted_at])
         for (c, j, box), found in zip(wanted_at, hits, strict=True):
             hit = [slots[n] for n in found]
             mine = [s for s in hit if s.core == c]
@@ -811,19 +865,49 @@ def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
     return [np.flatnonzero(row).tolist() for row in meets]
 
 
+@dataclass(frozen=True)
+class _KernelBuffers:
+    """What a buffers-only build of one kernel did, to be replayed by later builds that
+    reach the kernel in the same state (`_Builder.buffers_signature`)."""
+
+    buffers: tuple[tuple[int, int, int, bool, str, int], ...]
+    """(size, first, last, resident, what, root) of each buffer it created, in order."""
+    outputs: tuple[tuple[int, int, tuple[tuple[int, Box, int, int], ...]], ...]
+    """Its on-chip outputs: (tensor, VTCM bytes, slots as (core, box, buffer created, byte
+    offset))."""
+    weight_tail: tuple[int, int] | None
+
+
+@dataclass
+class BuildMemo:
+    """What one build of a graph's schedule found that the next build of it can reuse:
+    placement builds the schedule again after every spill decision, and most kernels come
+    out the same each time."""
+
+    hits: dict[tuple[int, int], list[list[int]]] = field(default_factory=dict)
+    """(kernel, input slot) -> for each tile reading an on-chip activation, the producer's
+    slots it meets."""
+    kernels: dict[tuple[int, Hashable], _KernelBuffers] = field(default_factory=dict)
+    """(kernel, buffers signature) -> what its buffers-only build did."""
+
+
 def build_schedule(
     graph: LoweredGraph,
     placement: Placement,
     buffers_only: bool = False,
-    memo: dict[tuple[int, int], list[list[int]]] | None = None,
+    memo: BuildMemo | None = None,
 ) -> Schedule:
     """The schedule of `placement`; `buffers_only`: only its VTCM buffers (what placement
     needs to see whether a placement fits), without ops. `memo` carries what one build
-    found of the graph's tiles (which slots each tile reads) to the next build of it."""
-    builder = _Builder(graph, placement, buffers_only, {} if memo is None else memo)
+    found of the graph's tiles (which slots each tile reads, each kernel's buffers) to the
+    next build of it."""
+    builder = _Builder(graph, placement, buffers_only, BuildMemo() if memo is None else memo)
     builder.residents()
     for k in range(len(graph.kernels)):
-        builder.kernel(k)
+        if buffers_only:
+            builder.kernel_buffers(k)
+        else:
+            builder.kernel(k)
     return Schedule(
         ops=builder.ops,
         setup=builder.setup,
