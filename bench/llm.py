@@ -262,14 +262,17 @@ def run_cb(work: Path, cores: int, mxint8: bool) -> list[Row]:
         return [Row(case=case, error=f"compile failed ({exc.returncode})")]
     finally:
         shutil.rmtree(work / f"qpc-{case}", ignore_errors=True)
-    llm = json.loads(metrics_path.read_text())["llm"]
+    metrics = json.loads(metrics_path.read_text())
+    llm = metrics["llm"]
     for decode in llm["decode"]:
+        each = metrics["specializations"][decode["specialization"]]
         rows.append(
             Row(
                 case=f"{case} batch {decode['batch']}/{decode.get('slots')}",
                 decode_tokens_per_s=decode["tokens_per_s"],
                 ttft_ms=llm.get("time_to_first_token_ms"),
                 decode_ms=decode["time_per_output_token_ms"],
+                floor_ddr_ms=round(each["floor_ddr_us"] / 1e3, 3),
                 compile_s=seconds,
                 peak_rss_mib=rss,
             )

@@ -271,3 +271,16 @@ def test_qpcfarm_configure_ranks_an_llm_by_tokens_under_a_tpot_bound(tmp_path: P
     )  # fmt: skip
     assert refused.returncode == 1
     assert "max_tpot_ms bound an LLM objective" in refused.stderr
+
+
+def test_a_farm_sweep_keeps_what_the_llm_scoring_reads(swept: tuple) -> None:
+    """A farm sweep stores a few numbers of each compile's report (`scoring_metrics`): the
+    LLM figures scored from them are those of the whole report."""
+    from compiler_core.configurator.search import score_point
+    from qpcfarm.app.services.sweeps import scoring_metrics
+
+    space, items, done = swept
+    for r in items:
+        kept = scoring_metrics(done[r.point.group])
+        assert score_point(r.point, kept) == r.score
+        assert len(json.dumps(kept)) < len(json.dumps(done[r.point.group])) / 4

@@ -53,9 +53,10 @@ Enqueue = Callable[[uuid.UUID], None]
 
 
 def scoring_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a compile report's metrics that scoring needs (kept on the sweep's row)."""
+    """The part of a compile report's metrics that scoring needs (kept on the sweep's row):
+    an LLM QPC's `llm` section and, of its specializations, those the section names."""
     total = (metrics.get("memory_traffic") or {}).get("total") or {}
-    return {
+    kept = {
         **{k: metrics.get(k) for k in SCORING_FIELDS},
         "memory_traffic": {
             "total": {
@@ -64,6 +65,14 @@ def scoring_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
             }
         },
     }
+    llm = metrics.get("llm")
+    if isinstance(llm, Mapping):
+        each = metrics.get("specializations") or {}
+        named = {d.get("specialization") for d in llm.get("decode") or []}
+        named.add(llm.get("prefill_specialization"))
+        kept["llm"] = dict(llm)
+        kept["specializations"] = {n: scoring_metrics(each[n]) for n in named if n in each}
+    return kept
 
 
 @dataclass
