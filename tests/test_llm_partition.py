@@ -26,6 +26,8 @@ from compiler_core.mdp.build import dump_from_qpc
 from compiler_core.mdp.config import parse_partition_config
 from compiler_core.options import CompileOptions
 from compiler_core.qpc.container import load_qpc
+from compiler_core.qpc.inspect import inspect_qpc, render_inspect
+from compiler_core.qpc.validate import render_validation, validate_qpc
 from compiler_core.runtime import QpcSession
 from compiler_core.runtime.executor import RuntimeFault
 from tests.decoder_model import (
@@ -234,6 +236,52 @@ def test_the_qpc_holds_every_devices_program_and_names_the_partition(
         for index in range(2):
             device = qpc.device(index)
             assert device.program("program.bin").meta["mdp"]["rank"] == index
+
+
+def test_inspect_and_validate_name_the_devices_and_cores(compiled: CompileResult) -> None:
+    summary = inspect_qpc(compiled.qpc_path)
+    devices = summary["mdp"]["devices"]
+    assert [(d["device_id"], d["num_cores"]) for d in devices] == [(0, 2), (1, 2)]
+    text = render_inspect(summary)
+    assert "Partition: 2 devices, p2p link" in text
+    assert "device 1: SoC 1, 2 cores" in text
+    report = validate_qpc(compiled.qpc_path, "aic100-ultra")
+    assert report.ok, render_validation(report)
+    checks = {c.name: c for c in report.checks}
+    assert checks["partition"].message == "2 devices: SoC 0 (2 cores), SoC 1 (2 cores)"
+    assert checks["device1-program-decodes"].ok
+    assert checks["device-socs"].message.startswith("needs 2 SoCs (device ids 0, 1)")
+
+
+def test_validate_against_a_card_with_fewer_socs_says_so(compiled: CompileResult) -> None:
+    report = validate_qpc(compiled.qpc_path, "aic100-standard")
+    assert not report.ok
+    failed = [c for c in report.checks if not c.ok]
+    assert [c.name for c in failed] == ["device-socs"]
+    assert failed[0].message == ("needs 2 SoCs (device ids 0, 1), an AIC100 Standard card has 1")
+
+
+def test_validate_catches_a_device_program_of_another_rank(
+    compiled: CompileResult, tmp_path: Path
+) -> None:
+    """Device 1's segments swapped for device 0's: the partition check names it."""
+    from compiler_core.qpc.container import Segment, write_qpc
+
+    with load_qpc(compiled.qpc_path) as qpc:
+        segments = [
+            Segment(
+                name,
+                bytes(qpc.segments[name.replace("device1/", "device0/")]),
+                qpc.segment_offsets[name],
+            )
+            for name in qpc.segments
+            if not name.endswith(".crc")
+        ]
+    write_qpc(tmp_path / "swapped.bin", segments)
+    report = validate_qpc(tmp_path / "swapped.bin")
+    partition = next(c for c in report.checks if c.name == "partition")
+    assert not partition.ok
+    assert partition.message == "device 1's program is not device 1 of 2 (it says 0 of 2)"
 
 
 @pytest.mark.parametrize(
