@@ -434,6 +434,7 @@ def _warnings(
             if isinstance(w, str)
             else {"kind": KIND_PRECISION, **w}
             for w in build.pass_warnings
+            if opts.aic_perf_warnings or isinstance(w, str) or w.get("kind") != KIND_PERF
         ]
         if opts.aic_perf_warnings:
             analysis = perf_warnings(program, build.lowered, opts, opts.device, timelines[index])

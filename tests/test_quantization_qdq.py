@@ -260,3 +260,17 @@ def test_a_gemm_that_transposes_a_stays_float_and_says_why() -> None:
     assert "Gemm" in [n.op_type for n in model.graph]
     (refusal,) = fold.refusals
     assert refusal.reasons == ("alone: Gemm transposes A (transA=1)",)
+
+
+def test_aic_perf_warnings_name_the_nodes_left_float_and_why() -> None:
+    model = _qdq_matmul("softmax")
+    quiet = compile_model(model, [])
+    loud = compile_model(model, ["-aic-perf-warnings"])
+    try:
+        assert "qdq_not_folded" not in [w["code"] for w in quiet.warnings]
+        (warning,) = [w for w in loud.warnings if w["code"] == "qdq_not_folded"]
+        assert warning["kind"] == "perf" and warning["nodes"] == ["product"]
+        assert "product (MatMul): the output is read by Softmax sm" in warning["message"]
+    finally:
+        quiet.cleanup()
+        loud.cleanup()

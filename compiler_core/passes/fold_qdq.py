@@ -68,6 +68,8 @@ MOVE_OPS = frozenset(
 """Ops whose output codes are input codes (moved, not computed): they run on the integers."""
 
 NOT_LUT = frozenset({"Cast", "CastLike", "IsNaN", "IsInf", "Not", "Sign", "Dropout"})
+REFUSALS_SHOWN = 4
+"""Refused nodes whose reasons the warning spells out (all are named in its `nodes`)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,25 @@ class FoldQDQPass(GraphPass):
         """Kernel op type -> names of the nodes folded into it (for reports)."""
         self.refusals: list[FoldRefusal] = []
         """Nodes beside Q/DQ nodes that stay float, with why."""
+
+    @property
+    def warnings(self) -> list[dict[str, object]]:
+        """The refusals as one perf warning (shown with -aic-perf-warnings): in a quantized
+        model, a node left float is a float kernel between integer ones."""
+        if not self.refusals:
+            return []
+        shown = [f"{r.node} ({r.op_type}): {' / '.join(r.reasons)}" for r in self.refusals]
+        more = len(shown) - REFUSALS_SHOWN
+        listed = "; ".join(shown[:REFUSALS_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+        return [
+            {
+                "code": "qdq_not_folded",
+                "kind": "perf",
+                "message": f"{len(shown)} node(s) between QuantizeLinear/DequantizeLinear "
+                f"pairs stay float: {listed}",
+                "nodes": [r.node for r in self.refusals],
+            }
+        ]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         folder = _Folder(model.graph, model_opset(model))
