@@ -18,8 +18,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from compiler_core.version import COMPILER_VERSION
-from qpcfarm.app.api import (
+from app.api import (
     compile_jobs,
     keys,
     meta,
@@ -29,18 +28,19 @@ from qpcfarm.app.api import (
     sweeps,
     validations,
 )
-from qpcfarm.app.api.errors import install_error_handlers
-from qpcfarm.app.api.openapi import complete
-from qpcfarm.app.api.request_guard import RequestGuard
-from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
-from qpcfarm.app.security_headers import SecurityHeaders
-from qpcfarm.app.settings import Settings, get_settings
-from qpcfarm.app.web import docs as web_docs
-from qpcfarm.app.web import router as web_router
-from qpcfarm.app.web.errors import install_page_errors
+from app.api.errors import install_error_handlers
+from app.api.openapi import complete
+from app.api.request_guard import RequestGuard
+from app.api.schemas import OPTIONS_SCHEMA_NAME
+from app.domain.settings import Settings, get_settings
+from app.security_headers import SecurityHeaders
+from app.web import docs as web_docs
+from app.web import router as web_router
+from app.web.errors import install_page_errors
+from compiler_core.version import COMPILER_VERSION
 
 if TYPE_CHECKING:
-    from qpcfarm.app.queue import JobQueue
+    from app.domain.queue import JobQueue
 
 DESCRIPTION = """\
 An ONNX -> QPC compile farm. Upload a model, submit a compile job with `qaic-compile` options
@@ -99,16 +99,16 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
 
 
 def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
-    from qpcfarm.app.blobs import blob_store_from_settings
-    from qpcfarm.app.db.session import (
+    from app.domain.blobs import blob_store_from_settings
+    from app.domain.db.session import (
         make_engine,
         make_session_factory,
         private_folder,
         upgrade_database,
         wait_for_database,
     )
-    from qpcfarm.app.services import describer
-    from qpcfarm.app.services.limits import check_limits
+    from app.domain.services import describer
+    from app.domain.services.limits import check_limits
 
     if settings.blob_store == "filesystem" or settings.is_sqlite:
         private_folder(Path(settings.data_dir))  # the embedded mode's home: 0700 when made
@@ -124,7 +124,7 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
     blob_engine = engine if settings.is_sqlite else make_engine(settings.database_url, **BLOB_POOL)
     store = blob_store_from_settings(settings, make_session_factory(blob_engine))
     if queue is None:
-        from qpcfarm.worker.queues import queue_from_settings
+        from worker.queues import queue_from_settings
 
         queue = queue_from_settings(settings, session_factory, store)
     app.state.settings = settings
@@ -136,7 +136,7 @@ def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
 
 
 def _stop(app: FastAPI, owns_queue: bool) -> None:
-    from qpcfarm.app.services import describer
+    from app.domain.services import describer
 
     try:
         if owns_queue:

@@ -27,11 +27,10 @@ import onnx
 import pytest
 from sqlalchemy import func, select
 
+from app.api.uploads import UploadInterrupted
+from app.domain.db.models import BlobChunk, CompileJob
 from compiler_core.devices import device_names
 from compiler_core.options import options_json_schema
-from qpcfarm.app.api.uploads import UploadInterrupted
-from qpcfarm.app.db.models import BlobChunk, CompileJob
-from qpcfarm.worker import compile_jobs
 from tests.api_helpers import (
     LiveServer,
     Servers,
@@ -43,6 +42,7 @@ from tests.api_helpers import (
     zip_of_folder,
 )
 from tests.conftest import external_data_model_dir, tiny_model, tiny_model_bytes
+from worker import compile_jobs
 
 LIMIT = 1 << 20
 ZERO_ID = "00000000-0000-0000-0000-000000000000"

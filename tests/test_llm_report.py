@@ -106,8 +106,8 @@ def test_the_job_page_shows_the_llm_figures(tmp_path: Path) -> None:
 
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.settings import Settings
+    from app.domain.settings import Settings
+    from app.main import create_app
     from tests.api_helpers import zip_bytes
     from tests.test_web_pages import Site, new_key, signed_in, submit, wait_done
 

@@ -27,17 +27,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from sqlalchemy.orm import Session
 
+from app.domain.db.base import utcnow
+from app.domain.db.models import JobStatus, ProfileJob, Team
+from app.domain.services import jobs, models, profiles
+from app.domain.services.errors import ServiceError
 from compiler_core import CompileOptions
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Team
-from qpcfarm.app.services import jobs, models, profiles
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.worker import profile_jobs
-from qpcfarm.worker.inprocess import InProcessQueue
-from qpcfarm.worker.runner import process_job
-from qpcfarm.worker.sweep import sweep_once
 from tests.api_helpers import LiveServer, Servers
 from tests.conftest import Farm, tiny_model_bytes
+from worker import profile_jobs
+from worker.inprocess import InProcessQueue
+from worker.runner import process_job
+from worker.sweep import sweep_once
 
 LEVEL_70 = {"aic-num-cores": 2, "stats-level": 70}
 NODES = ("fc1", "act1", "fc2", "probs")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from celery import Celery
 
-    from qpcfarm.app.settings import Settings
+    from app.domain.settings import Settings
 
 TASK_NAMES = {"compile": "qpcfarm.compile", "profile": "qpcfarm.profile"}
 """One task per kind of job; a message carries the job's id."""

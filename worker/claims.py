@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import ACTIVE_STATUSES, CompileJob, JobStatus, ProfileJob
-from qpcfarm.app.db.ops import rowcount
+from app.domain.db.base import utcnow
+from app.domain.db.models import ACTIVE_STATUSES, CompileJob, JobStatus, ProfileJob
+from app.domain.db.ops import rowcount
 
 DEFAULT_STALE_AFTER_S = 60.0
 DEFAULT_REQUEUE_AFTER_S = 300.0

@@ -25,22 +25,22 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.domain.db.base import utcnow
+from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
+from app.domain.db.ops import insert_or_ignore
+from app.domain.services.errors import ServiceError, internal_error_message
+from app.domain.services.model_files import check_model_files
+from app.domain.services.models import KIND_ARCHIVE, materialize_model
+from app.domain.services.qpcs import PROFILE_METRIC
 from compiler_core import CompileError, CompileOptions
 from compiler_core.model_folder import ModelFolder
 from compiler_core.version import COMPILER_VERSION
-from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
-from qpcfarm.app.db.ops import insert_or_ignore
-from qpcfarm.app.services.errors import ServiceError, internal_error_message
-from qpcfarm.app.services.model_files import check_model_files
-from qpcfarm.app.services.models import KIND_ARCHIVE, materialize_model
-from qpcfarm.app.services.qpcs import PROFILE_METRIC
-from qpcfarm.worker import claims
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
-from qpcfarm.worker.compile_process import CompileProcess
-from qpcfarm.worker.heartbeat import JobHeartbeat
-from qpcfarm.worker.workdirs import job_folder
+from worker import claims
+from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
+from worker.compile_process import CompileProcess
+from worker.heartbeat import JobHeartbeat
+from worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, JobTable, touch
+from app.domain.db.base import utcnow
+from worker.claims import DEFAULT_HEARTBEAT_S, JobTable, touch
 
 log = logging.getLogger(__name__)
 

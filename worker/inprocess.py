@@ -23,22 +23,22 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.db.session import session_scope
-from qpcfarm.app.queue import JobKind
-from qpcfarm.app.services.limits import Limits
-from qpcfarm.worker.claims import (
+from app.domain.blobs import BlobStore
+from app.domain.db.session import session_scope
+from app.domain.queue import JobKind
+from app.domain.services.limits import Limits
+from worker.claims import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_REQUEUE_AFTER_S,
     DEFAULT_STALE_AFTER_S,
     queued_ids,
     stale_ids,
 )
-from qpcfarm.worker.compile_process import CompileProcess
-from qpcfarm.worker.job_process import JobProcess, JobProcessConfig
-from qpcfarm.worker.runner import default_worker_name, process_job
-from qpcfarm.worker.sweep import JOB_TABLES, Sweeper
-from qpcfarm.worker.workdirs import remove_abandoned
+from worker.compile_process import CompileProcess
+from worker.job_process import JobProcess, JobProcessConfig
+from worker.runner import default_worker_name, process_job
+from worker.sweep import JOB_TABLES, Sweeper
+from worker.workdirs import remove_abandoned
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _STOP = object()
 
 
 class InProcessQueue:
-    """A `JobQueue` (see app.queue) run by `concurrency` daemon threads of this process;
+    """A `JobQueue` (see app.domain.queue) run by `concurrency` daemon threads of this process;
     its items are (kind, job id)."""
 
     def __init__(

@@ -23,16 +23,16 @@ import numpy as np
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
+from app.domain.blobs.integrity import verified_bytes, verified_path
+from app.domain.db.base import utcnow
+from app.domain.db.models import JobStatus, ProfileJob, Qpc
+from app.domain.services.errors import internal_error_message
 from compiler_core import CompileError
-from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobStore
-from qpcfarm.app.blobs.integrity import verified_bytes, verified_path
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc
-from qpcfarm.app.services.errors import internal_error_message
-from qpcfarm.worker import claims
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
-from qpcfarm.worker.heartbeat import JobHeartbeat
-from qpcfarm.worker.workdirs import job_folder
+from worker import claims
+from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
+from worker.heartbeat import JobHeartbeat
+from worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from qpcfarm.app.queue import JobKind, JobQueue
+from app.domain.queue import JobKind, JobQueue
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session, sessionmaker
 
-    from qpcfarm.app.blobs import BlobStore
-    from qpcfarm.app.settings import Settings
+    from app.domain.blobs import BlobStore
+    from app.domain.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class CeleryQueue:
     `settings.broker_url`."""
 
     def __init__(self, settings: Settings) -> None:
-        from qpcfarm.worker.celery_app import make_celery_app
+        from worker.celery_app import make_celery_app
 
         self._app = make_celery_app(settings)
         # The broker's transport (kombu's redis transport, the redis client) is imported on
@@ -40,7 +40,7 @@ class CeleryQueue:
         return self._app
 
     def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
-        from qpcfarm.worker.celery_app import TASK_NAMES
+        from worker.celery_app import TASK_NAMES
 
         try:
             self._app.send_task(TASK_NAMES[kind], args=[str(job_id)])
@@ -51,7 +51,7 @@ class CeleryQueue:
 
     def broker_lost_messages(self) -> bool:
         """Whether the Redis broker restarted or lost its keys since any sweeper last looked
-        (`app.queue.BrokerWatch`). The broker's epoch is its `run_id` (new at every start),
+        (`app.domain.queue.BrokerWatch`). The broker's epoch is its `run_id` (new at every start),
         kept under `BROKER_EPOCH_KEY`: a restart changes the run_id, a flush removes the key.
         GETSET makes exactly one sweeper of the farm see each change. Other brokers: False
         (the requeue threshold covers them)."""
@@ -86,10 +86,10 @@ def queue_from_settings(
     again). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
         return CeleryQueue(settings)
-    from qpcfarm.app.services.limits import compile_limits
-    from qpcfarm.worker.inprocess import InProcessQueue
-    from qpcfarm.worker.job_process import config_for
-    from qpcfarm.worker.sweep import sweep_interval
+    from app.domain.services.limits import compile_limits
+    from worker.inprocess import InProcessQueue
+    from worker.job_process import config_for
+    from worker.sweep import sweep_interval
 
     return InProcessQueue(
         session_factory,

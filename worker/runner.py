@@ -20,12 +20,12 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.db.models import JobStatus, ProfileJob
-from qpcfarm.app.queue import JobKind
-from qpcfarm.worker import compile_jobs, profile_jobs
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
-from qpcfarm.worker.compile_process import CompileProcess
+from app.domain.blobs import BlobStore
+from app.domain.db.models import JobStatus, ProfileJob
+from app.domain.queue import JobKind
+from worker import compile_jobs, profile_jobs
+from worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
+from worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ heartbeat). Any number of sweepers may run (every API process, optionally every 
 duplicate message is harmless because `claim` is conditional.
 
 A broker that comes back without its messages (a Redis restart without persistence, a flush)
-is noticed by the next sweep (`app.queue.BrokerWatch`), which then enqueues every queued job
+is noticed by the next sweep (`app.domain.queue.BrokerWatch`), which then enqueues every queued job
 at once instead of waiting `requeue_after_s` for each (workers would idle meanwhile). Each
 sweep also removes the work folders of killed jobs (`worker.workdirs`).
 """
@@ -24,22 +24,22 @@ from typing import TYPE_CHECKING
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import CompileJob, ProfileJob
-from qpcfarm.app.db.session import session_scope
-from qpcfarm.app.queue import BrokerWatch, JobKind
-from qpcfarm.worker.claims import (
+from app.domain.db.base import utcnow
+from app.domain.db.models import CompileJob, ProfileJob
+from app.domain.db.session import session_scope
+from app.domain.queue import BrokerWatch, JobKind
+from worker.claims import (
     DEFAULT_REQUEUE_AFTER_S,
     DEFAULT_STALE_AFTER_S,
     JobTable,
     queued_ids,
     stale_ids,
 )
-from qpcfarm.worker.workdirs import remove_abandoned
+from worker.workdirs import remove_abandoned
 
 if TYPE_CHECKING:
-    from qpcfarm.app.queue import JobQueue
-    from qpcfarm.app.settings import Settings
+    from app.domain.queue import JobQueue
+    from app.domain.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def advance_sweeps(session_factory: sessionmaker[Session], queue: JobQueue) -> i
     """Move every running configurator sweep on (`services.sweeps.advance`): an optimize
     sweep nobody is reading still reaches its next round, and a sweep whose API process
     restarted carries on. Returns the number of compile jobs enqueued."""
-    from qpcfarm.app.services import sweeps
+    from app.domain.services import sweeps
 
     with session_scope(session_factory) as session:
         ids = sweeps.active_sweep_ids(session)

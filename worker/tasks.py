@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from qpcfarm.app.queue import JobKind
-from qpcfarm.worker.celery_app import TASK_NAMES
+from app.domain.queue import JobKind
+from worker.celery_app import TASK_NAMES
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session
 
-    from qpcfarm.app.blobs import BlobStore
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.worker.compile_process import CompileProcess
+    from app.domain.blobs import BlobStore
+    from app.domain.settings import Settings
+    from worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,10 @@ class ProcessResources:
             return self._current
 
     def _build(self, pid: int) -> _Resources:
-        from qpcfarm.app.blobs import blob_store_from_settings
-        from qpcfarm.app.db.session import make_engine, make_session_factory
-        from qpcfarm.app.services.limits import compile_limits
-        from qpcfarm.worker.compile_process import CompileProcess
+        from app.domain.blobs import blob_store_from_settings
+        from app.domain.db.session import make_engine, make_session_factory
+        from app.domain.services.limits import compile_limits
+        from worker.compile_process import CompileProcess
 
         factory = make_session_factory(make_engine(self._settings.database_url))
         return _Resources(
@@ -85,8 +85,8 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
     tasks of their own) looks the kind up."""
     from celery import signals
 
-    from qpcfarm.worker.runner import default_worker_name, process_job
-    from qpcfarm.worker.workdirs import remove_abandoned
+    from worker.runner import default_worker_name, process_job
+    from worker.workdirs import remove_abandoned
 
     resources = ProcessResources(settings)
 

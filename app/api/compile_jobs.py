@@ -16,14 +16,14 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
+from app.api.models import Limit, Offset
+from app.api.schemas import JobCreate, JobList, JobOut
+from app.domain.db.models import CompileJob, CompileReport, JobStatus
+from app.domain.services import jobs
+from app.domain.services.farm_options import farm_options
+from app.domain.services.jobs import JobRow
 from compiler_core import CompileOptions
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
-from qpcfarm.app.api.models import Limit, Offset
-from qpcfarm.app.api.schemas import JobCreate, JobList, JobOut
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus
-from qpcfarm.app.services import jobs
-from qpcfarm.app.services.farm_options import farm_options
-from qpcfarm.app.services.jobs import JobRow
 
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 

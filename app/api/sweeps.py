@@ -14,14 +14,14 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
+from app.api.models import Limit, Offset
+from app.domain.db.models import Sweep
+from app.domain.services import models, sweeps
+from app.domain.services.errors import from_compile_error
 from compiler_core.configurator.scoring import parse_objective
 from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
 from compiler_core.errors import CompileError
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
-from qpcfarm.app.api.models import Limit, Offset
-from qpcfarm.app.db.models import Sweep
-from qpcfarm.app.services import models, sweeps
-from qpcfarm.app.services.errors import from_compile_error
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 

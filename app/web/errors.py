@@ -12,8 +12,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qpcfarm.app.api import errors as api_errors
-from qpcfarm.app.web.routes import problem, render
+from app.api import errors as api_errors
+from app.web.routes import problem, render
 
 API_PREFIXES = ("/v1/", "/openapi.json", "/docs/assets/")
 

@@ -21,15 +21,12 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from compiler_core import CompileError, CompileOptions
-from compiler_core.devices import list_devices
-from compiler_core.profiling.opstats import OPSTATS_LEVEL
-from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.blobs.orphans import discarded_on_refusal
-from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
-from qpcfarm.app.db.session import unit_of_work
-from qpcfarm.app.services import (
+from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
+from app.domain.blobs import BlobStore
+from app.domain.blobs.orphans import discarded_on_refusal
+from app.domain.db.models import CompileJob, JobStatus, ProfileJob, Team
+from app.domain.db.session import unit_of_work
+from app.domain.services import (
     job_origins,
     jobs,
     models,
@@ -39,9 +36,12 @@ from qpcfarm.app.services import (
     validations,
     web_sessions,
 )
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.services.farm_options import farm_options
-from qpcfarm.app.web import auth, profile_views, views
+from app.domain.services.errors import ServiceError
+from app.domain.services.farm_options import farm_options
+from app.web import auth, profile_views, views
+from compiler_core import CompileError, CompileOptions
+from compiler_core.devices import list_devices
+from compiler_core.profiling.opstats import OPSTATS_LEVEL
 
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"

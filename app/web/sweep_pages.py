@@ -11,13 +11,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep
-from qpcfarm.app.db.models import JobStatus, Sweep, Team
-from qpcfarm.app.services import sweeps
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.web import auth
-from qpcfarm.app.web.routes import POLL_DONE_HEADER, not_found_page, render
-from qpcfarm.app.web.sweep_chart import build_chart
+from app.api.deps import QueueDep, SessionDep, SettingsDep
+from app.domain.db.models import JobStatus, Sweep, Team
+from app.domain.services import sweeps
+from app.domain.services.errors import ServiceError
+from app.web import auth
+from app.web.routes import POLL_DONE_HEADER, not_found_page, render
+from app.web.sweep_chart import build_chart
 
 router = APIRouter(include_in_schema=False)
 
