@@ -17,8 +17,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
 from app.domain.blobs import BlobNotFound, BlobRef, BlobStore, BlobTooLarge, local_path
-from app.domain.blobs.base import CHUNK_SIZE, blob_store_from_settings
+from app.domain.blobs.base import CHUNK_SIZE
 from app.domain.blobs.database import DatabaseBlobStore
+from app.domain.blobs.factory import blob_store_from_settings
 from app.domain.blobs.filesystem import FilesystemBlobStore
 from app.domain.db.models import Blob, BlobChunk
 from app.domain.settings import Settings

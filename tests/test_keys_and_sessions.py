@@ -92,12 +92,12 @@ def test_every_answer_carries_the_security_headers(server: LiveServer) -> None:
 def site(tmp_path: Path) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
-    from app.main import create_app
+    from app.console.serve import create_farm_app
 
     settings = Settings(
         data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'q.db'}", require_auth=True
     )
-    app = create_app(settings)
+    app = create_farm_app(settings)
     with TestClient(app, base_url="https://farm.example", follow_redirects=False) as client:
         yield client
 

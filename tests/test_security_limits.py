@@ -329,17 +329,17 @@ def test_a_killed_jobs_folder_is_removed_and_folders_of_running_jobs_are_kept(
 
 def test_the_sweep_removes_the_folder_of_a_killed_job(farm: Farm, tmp_path: Path) -> None:
     from tests.test_worker import RecordingQueue
-    from worker.sweep import Sweeper
+    from worker.reaper import Reaper
 
     root = tmp_path / "work"
     holder, folder = hold_folder(root)
     holder.kill()
     holder.wait()
-    sweeper = Sweeper(farm.db.sessions, RecordingQueue(), 0.05, work_root=root).start()
+    reaper = Reaper(farm.db.sessions, RecordingQueue(), 0.05, work_root=root).start()
     try:
         wait_for(lambda: not folder.exists(), "the sweep to remove the folder")
     finally:
-        sweeper.stop()
+        reaper.stop()
 
 
 def test_a_job_process_killed_mid_compile_leaves_a_folder_the_next_worker_start_removes(
@@ -545,7 +545,7 @@ def test_a_broker_that_lost_its_messages_gets_every_queued_job_again_at_once(
     from app.domain.settings import Settings
     from worker import compile_jobs
     from worker.queues import CeleryQueue
-    from worker.sweep import requeue_if_broker_lost
+    from worker.reaper import requeue_if_broker_lost
 
     waiting = [queued_job(farm, session, team, tiny_model(0.1 * i).SerializeToString()).id
                for i in (1, 2)]  # fmt: skip

@@ -44,8 +44,8 @@ def new_key(app: Any, team_name: str) -> str:
 def site(tmp_path: Path) -> Iterator[Site]:
     from fastapi.testclient import TestClient
 
+    from app.console.serve import create_farm_app
     from app.domain.settings import Settings
-    from app.main import create_app
 
     settings = Settings(
         data_dir=tmp_path,
@@ -54,7 +54,7 @@ def site(tmp_path: Path) -> Iterator[Site]:
         blob_store="filesystem",
         require_auth=True,
     )
-    app = create_app(settings)
+    app = create_farm_app(settings)
     with TestClient(app, base_url="http://localhost", follow_redirects=False) as client:
         yield Site(client, app, new_key(app, "alpha"), new_key(app, "beta"))
 

@@ -31,8 +31,8 @@ from compiler_core import CompileOptions
 from tests.conftest import Farm, make_team, tiny_model, tiny_model_bytes
 from worker import compile_jobs
 from worker.inprocess import InProcessQueue
+from worker.reaper import reap_once
 from worker.runner import process_job
-from worker.sweep import sweep_once
 
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
 LIMIT = 64 << 20
@@ -256,9 +256,9 @@ def test_the_sweep_reenqueues_a_dead_workers_job_and_the_reclaim_counts_an_attem
     assert compile_jobs.claim(session, live.id, "live-worker") is not None
     queue = RecordingQueue()
 
-    assert sweep_once(farm.db.sessions, queue, now, stale_after_s=60) == [job.id]
+    assert reap_once(farm.db.sessions, queue, now, stale_after_s=60) == [job.id]
     assert queue.ids == [job.id]  # the live worker's job is left alone
-    assert sweep_once(farm.db.sessions, queue, now, stale_after_s=60) == []  # stamped
+    assert reap_once(farm.db.sessions, queue, now, stale_after_s=60) == []  # stamped
 
     assert run(farm, job.id, "rescuer", stale_after_s=60) == JobStatus.succeeded
     done = reload(farm, job.id)
@@ -274,8 +274,8 @@ def test_the_sweep_reenqueues_a_job_whose_message_was_lost(
     soon = utcnow() + dt.timedelta(seconds=10)
     later = utcnow() + dt.timedelta(seconds=400)
 
-    assert sweep_once(farm.db.sessions, queue, soon, requeue_after_s=300) == []
-    assert sweep_once(farm.db.sessions, queue, later, requeue_after_s=300) == [job.id]
+    assert reap_once(farm.db.sessions, queue, soon, requeue_after_s=300) == []
+    assert reap_once(farm.db.sessions, queue, later, requeue_after_s=300) == [job.id]
 
 
 def test_concurrent_sweeps_hand_out_a_dead_job_and_only_one_worker_runs_it(
@@ -285,7 +285,7 @@ def test_concurrent_sweeps_hand_out_a_dead_job_and_only_one_worker_runs_it(
     assert compile_jobs.claim(session, job.id, "dead", now=utcnow() - dt.timedelta(minutes=5))
     queues = [RecordingQueue(), RecordingQueue()]
     for queue in queues:
-        sweep_once(farm.db.sessions, queue, stale_after_s=60)
+        reap_once(farm.db.sessions, queue, stale_after_s=60)
     handed_out = [job_id for queue in queues for job_id in queue.ids]
     assert set(handed_out) == {job.id}
 
@@ -345,7 +345,7 @@ def test_the_in_process_queue_picks_up_queued_and_dead_jobs_when_it_starts(
 def test_the_in_process_queue_sweeps_for_itself_while_it_runs(
     farm: Farm, session: Session, team: Team, in_process: Callable[..., InProcessQueue]
 ) -> None:
-    in_process(stale_after_s=60, sweep_interval_s=0.05)
+    in_process(stale_after_s=60, reap_interval_s=0.05)
     # After the start: a job whose worker died and whose id no thread was ever given.
     orphan = queued_job(farm, session, team).id
     assert compile_jobs.claim(

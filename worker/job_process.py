@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 NICENESS = 10
 """How much lower than the API the child runs: requests get the CPU first, jobs the rest."""
 
-CRASH_CODES: dict[JobKind, str] = {"compile": "compiler_crashed", "profile": "worker_crashed"}
 
 
 @dataclass(frozen=True)
@@ -102,25 +101,16 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
         pass
     from pathlib import Path
 
-    from app.domain.blobs.quarantine import recorder
-    from app.domain.db.session import make_engine, make_session_factory
+    from app.domain.farm import open_farm
+    from app.domain.settings import Settings
+    from worker.compile_process import CompileProcess
     from worker.runner import process_job
 
-    sessions = make_session_factory(make_engine(config.database_url))
-    store: BlobStore
-    if config.store_kind == "filesystem":
-        from app.domain.blobs.filesystem import FilesystemBlobStore
-
-        assert config.store_root is not None
-        store = FilesystemBlobStore(config.store_root, on_quarantine=recorder(sessions))
-    else:
-        from app.domain.blobs.database import DatabaseBlobStore
-        from app.main import BLOB_POOL
-
-        blob_engine = make_engine(config.database_url, **BLOB_POOL)
-        blob_sessions = make_session_factory(blob_engine)
-        store = DatabaseBlobStore(blob_sessions, on_quarantine=recorder(blob_sessions))
-    from worker.compile_process import CompileProcess
+    farm = open_farm(
+        Settings(database_url=config.database_url, blob_store=config.store_kind),
+        blob_root=None if config.store_root is None else Path(config.store_root),
+    )
+    sessions, store = farm.sessions, farm.store
 
     compiler = CompileProcess(config.compile_limits).start()
     work_root = None if config.work_root is None else Path(config.work_root)
@@ -143,8 +133,8 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
                 work_root=work_root,
             )
             conn.send(("done", None if status is None else status.value))
-        except Exception as exc:  # noqa: BLE001 - a database outage: the sweep retries the job
-            log.exception("%s %s: worker error; the sweep will retry it", kind, job_id)
+        except Exception as exc:  # noqa: BLE001 - a database outage: the reaper retries the job
+            log.exception("%s %s: worker error; the reaper will retry it", kind, job_id)
             conn.send(("error", type(exc).__name__))
 
 
@@ -214,12 +204,12 @@ class JobProcess:
         from app.domain.db.base import utcnow
         from app.domain.db.models import JobStatus
         from app.domain.db.session import unit_of_work
-        from worker.sweep import JOB_TABLES
+        from app.domain.job_kinds import JOB_KINDS
 
-        table = JOB_TABLES[kind]
-        doing = "compiling" if kind == "compile" else "running"
+        spec = JOB_KINDS[kind]
+        table: Any = spec.table
         message = (
-            f"the worker process died (exit code {exit_code}) while {doing} the job; "
+            f"the worker process died (exit code {exit_code}) while {spec.doing} the job; "
             "the model may need more memory than the farm has"
         )
         log.error("%s %s: %s", kind, job_id, message)
@@ -233,7 +223,7 @@ class JobProcess:
                 )
                 .values(
                     status=JobStatus.failed,
-                    error_code=CRASH_CODES[kind],
+                    error_code=spec.crash_code,
                     error_message=message,
                     error_detail={"exit_code": exit_code},
                     finished_at=utcnow(),

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from app.api.errors import unauthorized
 from app.domain.blobs import BlobStore
 from app.domain.db.models import CompileJob, Model, Qpc, Team
-from app.domain.queue import JobKind
+from app.domain.queue import Enqueuer
 from app.domain.services import jobs, models, qpcs, teams, web_sessions
 from app.domain.settings import Settings
 
@@ -84,12 +84,6 @@ def team_cache_of(app: Any) -> TeamCache:
     if cache is None:
         cache = app.state.team_cache = TeamCache()
     return cache
-
-
-class Enqueuer(Protocol):
-    """What the API needs of `app.domain.queue.JobQueue`: hand a committed job id to the workers."""
-
-    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None: ...
 
 
 async def get_queue(request: Request) -> Enqueuer:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
 from app.api.models import Limit, Offset
 from app.domain.db.models import Sweep
+from app.domain.queue import commit_then_enqueue
 from app.domain.services import models, sweeps
 from app.domain.services.errors import from_compile_error
 from compiler_core.configurator.scoring import parse_objective
@@ -180,9 +181,7 @@ def create_sweep(
         latency_bound_us=bound, cache_scope=settings.cache_scope,
         team_compile_limit=settings.max_team_sweep_compiles,
     )  # fmt: skip
-    session.commit()
-    for job_id in queued:
-        queue.enqueue(job_id)
+    commit_then_enqueue(session, queue, queued)
     response.headers["Location"] = f"/v1/sweeps/{sweep.id}"
     return sweeps.view(session, sweep)
 
@@ -208,10 +207,7 @@ def list_sweeps(
 
 def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
     """Move the sweep on (a finished compile may let the next round start), then show it."""
-    queued = sweeps.advance(session, sweep.id)
-    session.commit()
-    for job_id in queued:
-        queue.enqueue(job_id)
+    commit_then_enqueue(session, queue, sweeps.advance(session, sweep.id))
     session.refresh(sweep)
     return sweeps.view(session, sweep)
 

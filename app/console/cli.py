@@ -78,6 +78,7 @@ def serve_command(argv: list[str]) -> int:
 
     import uvicorn
 
+    from app.console.serve import APP_FACTORY, start_farm_reaper
     from app.domain.db.session import upgrade_database, wait_for_database
     from app.domain.settings import get_settings
 
@@ -92,13 +93,13 @@ def serve_command(argv: list[str]) -> int:
     if settings.is_sqlite and settings.embedded_worker:
         _announce_local_key(settings)
     if settings.broker_url:
-        _start_farm_sweeper(settings)
+        start_farm_reaper(settings)
     # Compiles run in threads of this process in the embedded mode: a CPU-bound thread keeps
     # the GIL for a whole switch interval (5 ms by default) each time a request's thread
     # gives it up for I/O, and a request gives it up a dozen times. 1 ms bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.run(
-        "app.main:create_app",
+        APP_FACTORY,
         factory=True,
         host=args.host,
         port=args.port,
@@ -163,18 +164,6 @@ def production_problems(settings: Settings, host: str, *, tls: bool) -> list[str
             "give --ssl-certfile/--ssl-keyfile"
         )
     return problems
-
-
-def _start_farm_sweeper(settings: Settings) -> None:
-    """Farm mode: re-enqueue the jobs of dead workers and lost messages from this API process
-    too (workers sweep as well; more sweepers are harmless). In the embedded mode the
-    in-process queue sweeps for itself."""
-    from app.domain.db.session import make_engine, make_session_factory
-    from worker.queues import CeleryQueue
-    from worker.sweep import start_sweeper
-
-    sessions = make_session_factory(make_engine(settings.database_url))
-    start_sweeper(sessions, CeleryQueue(settings), settings)
 
 
 def _announce_local_key(settings: Settings) -> None:
@@ -245,9 +234,11 @@ def worker_command(argv: list[str]) -> int:
     )
     parser.add_argument("--loglevel", default="INFO", help="default INFO")
     parser.add_argument(
-        "--no-sweep",
+        "--no-reap",
+        "--no-sweep",  # its name before the reaper was named apart from the configurator's sweeps
+        dest="no_reap",
         action="store_true",
-        help="do not re-enqueue the jobs of dead workers from this process",
+        help="do not hand out again the jobs of dead workers from this process (no reaper)",
     )
     parser.add_argument(
         "--ping",
@@ -273,13 +264,13 @@ def worker_command(argv: list[str]) -> int:
     wait_for_database(settings.database_url, timeout=60.0)
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
-    if not args.no_sweep:
+    if not args.no_reap:
         from worker.queues import CeleryQueue
-        from worker.sweep import start_sweeper
+        from worker.reaper import start_reaper
 
         # In the main process, before the pool forks: children build their own engines.
         sessions = make_session_factory(make_engine(settings.database_url))
-        start_sweeper(sessions, CeleryQueue(settings), settings)
+        start_reaper(sessions, CeleryQueue(settings), settings)
     try:
         celery.worker_main(
             [

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.domain import timing
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -34,13 +36,13 @@ class Settings(BaseSettings):
     """None picks filesystem for SQLite (one machine) and database otherwise (no shared disk)."""
     max_upload_bytes: int = 8 * GiB
     worker_concurrency: int = 1
-    job_time_limit_s: int = 3600
+    job_time_limit_s: int = timing.JOB_TIME_LIMIT_S
     """Hard limit of one compile; the broker's visibility timeout must be longer."""
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = timing.HEARTBEAT_S
     """How often a running job touches its heartbeat."""
-    stale_after_s: float = 60.0
+    stale_after_s: float = timing.STALE_AFTER_S
     """A running job whose heartbeat is older than this is presumed dead and re-claimed."""
-    requeue_after_s: float = 300.0
+    requeue_after_s: float = timing.REQUEUE_AFTER_S
     """A job still queued this long after its last enqueue is enqueued again (lost message)."""
     require_auth: bool = True
     environment: Literal["development", "production"] = "development"

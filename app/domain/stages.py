@@ -1,10 +1,17 @@
 """What a job's stage means to a person: the row keeps the machine's name (`graph-passes`),
-pages and the CLI show these words. No heavy imports: `qpcfarm submit` uses it too."""
+pages and the CLI show these words. The service's own stage names are declared here once. No
+heavy imports: `qpcfarm submit` uses it too."""
 
 from __future__ import annotations
 
+CLAIMED = "claimed"
+"""The stage of a compile its worker has just claimed (before the compiler reports)."""
+DONE = "done"
+CANCELLED = "cancelled"
+"""The stages a compile ends in (a failure keeps the stage it failed in)."""
+
 STAGE_WORDS = {
-    "claimed": "starting",
+    CLAIMED: "starting",
     "import": "importing the model",
     "graph-passes": "optimising the graph",
     "lower": "lowering to kernels",
@@ -12,9 +19,11 @@ STAGE_WORDS = {
     "plan-memory": "planning memory",
     "emit-program": "generating the program",
     "write-qpc": "writing the QPC",
-    "done": "done",
-    "cancelled": "cancelled",
+    DONE: "done",
+    CANCELLED: "cancelled",
 }
+"""The words of every stage: the service's own above, and the compiler's
+(`compiler_core.compile`'s progress stages; tests/test_job_kinds.py checks they all have words)."""
 
 
 def stage_words(stage: str | None) -> str:
@@ -34,8 +43,8 @@ def describe_stage(status: str, stage: str | None, *, cache_hit: bool = False) -
     if status == "succeeded":
         return "done: an identical compile's QPC" if cache_hit else "done"
     if status == "failed":
-        return f"failed while {words}" if words and stage not in ("done",) else "failed"
+        return f"failed while {words}" if words and stage != DONE else "failed"
     if status == "cancelled":
-        stopped = words and stage not in ("cancelled", "done")
+        stopped = words and stage not in (CANCELLED, DONE)
         return f"cancelled while {words}" if stopped else "cancelled"
     return words

@@ -6,9 +6,9 @@ from app.domain.blobs.base import (
     BlobRef,
     BlobStore,
     BlobTooLarge,
-    blob_store_from_settings,
     local_path,
 )
+from app.domain.blobs.factory import blob_store_from_settings
 
 __all__ = [
     "BlobCorrupt",

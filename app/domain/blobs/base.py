@@ -1,4 +1,5 @@
-"""The blob store interface, shared helpers, and the factory that picks a store from settings.
+"""The blob store interface and its shared helpers (the backends are `filesystem` and
+`database`; `factory` picks one from settings).
 
 Blobs are named by the sha256 of their bytes, so writing the same content twice stores it
 once and a reader can trust a name for its content. Every operation streams in bounded chunks:
@@ -19,9 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session, sessionmaker
-
-    from app.domain.settings import Settings
+    pass
 
 CHUNK_SIZE = 1 << 20
 """Streaming granularity, and the row size of the database store."""
@@ -238,22 +237,6 @@ def local_path(store: BlobStore, sha256: str, tmp_dir: Path, name: str = "blob")
         yield dest
     finally:
         dest.unlink(missing_ok=True)
-
-
-def blob_store_from_settings(
-    settings: Settings, session_factory: sessionmaker[Session] | Callable[[], Session]
-) -> BlobStore:
-    """The configured store: a directory under `data_dir`, or the database's blob tables."""
-    from app.domain.blobs.quarantine import recorder
-
-    record = recorder(session_factory)
-    if settings.blob_store == "filesystem":
-        from app.domain.blobs.filesystem import FilesystemBlobStore
-
-        return FilesystemBlobStore(Path(settings.data_dir) / "blobs", on_quarantine=record)
-    from app.domain.blobs.database import DatabaseBlobStore
-
-    return DatabaseBlobStore(session_factory, on_quarantine=record)
 
 
 def fsync_dir(path: Path) -> None:

@@ -125,7 +125,7 @@ def configure(limits: Limits) -> None:
 
 
 def inspect_in_child(path: Path, filename: str | None, max_bytes: int, work: Path) -> Inspected:
-    """`models.inspect_upload(path, filename, max_bytes, work)`, run in a checker process
+    """`upload_check.inspect_upload(path, filename, max_bytes, work)`, run in a checker process
     under the limits; its ServiceError is raised here as it would be in process."""
     outcome = run_limited(_inspect, str(path), filename, max_bytes, str(work))
     if outcome[0] == "ok":
@@ -192,7 +192,7 @@ def memory_limit_error(limits: Limits) -> ServiceError:
 
 def _inspect(path: str, filename: str | None, max_bytes: int, work: str) -> tuple[Any, ...]:
     """In the child: the inspection's result, or its refusal as plain values."""
-    from app.domain.services.models import inspect_upload
+    from app.domain.services.upload_check import inspect_upload
 
     try:
         return ("ok", inspect_upload(Path(path), filename, max_bytes, Path(work)))
@@ -206,7 +206,7 @@ def _inspect(path: str, filename: str | None, max_bytes: int, work: str) -> tupl
 
 def _warm() -> int:
     """In a new checker: import what a check needs."""
-    import app.domain.services.models  # noqa: F401
+    import app.domain.services.upload_check  # noqa: F401
 
     return os.getpid()
 

@@ -90,6 +90,12 @@ _INSERTS = {"sqlite": _job_inserts(sqlite), "postgresql": _job_inserts(postgresq
 """Statements built once: a submit binds values, SQLAlchemy's compiled cache does the rest."""
 
 
+def to_enqueue(job: CompileJob | Row[Any], created: bool) -> list[uuid.UUID]:
+    """What a submit hands to the workers: the job when this submit created it queued (a
+    cache hit is already done; a job it attached to had its message already)."""
+    return [job.id] if created and job.status == JobStatus.queued else []
+
+
 def submit_job(
     session: Session,
     team: Team,

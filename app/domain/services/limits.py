@@ -61,10 +61,16 @@ def _seconds(value: float | None) -> float | None:
     return value if value is not None and value > 0 else None
 
 
+def soft_time_limit(hard_s: int) -> int:
+    """A job's soft time limit (Celery's `task_soft_time_limit`): it ends the compile as a
+    failed job shortly before the hard limit kills its process (5% earlier, at least 5 s and
+    at most 60 s earlier). Here, beside the compile's own limit that stays under it."""
+    margin = min(60, max(5, hard_s // 20))
+    return max(1, hard_s - margin)
+
+
 def compile_limits(settings: Settings) -> Limits:
     """The limits of one compile (`compile_memory_limit_mib`, `compile_time_limit_s`)."""
-    from worker.celery_app import soft_time_limit
-
     time_s = settings.compile_time_limit_s
     if time_s is None:  # under Celery's soft limit, which would end the task without a code
         time_s = max(1.0, soft_time_limit(int(settings.job_time_limit_s)) - 5.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.domain.services.archives import inside_parts
-from app.domain.services.models import KIND_ARCHIVE
+from app.domain.services.upload_check import KIND_ARCHIVE
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
 

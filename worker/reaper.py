@@ -1,15 +1,16 @@
-"""The sweep: re-enqueue jobs whose message was lost or whose worker died.
+"""The reaper: hand out again the jobs whose message was lost or whose worker died. (Not the
+configurator's sweeps, `app.domain.services.sweeps`, which the reaper also moves on.)
 
 The broker only carries job ids; the database says which jobs still need a worker
 (`claims.stale_ids`: queued too long since their last enqueue, or running with a stale
-heartbeat). Any number of sweepers may run (every API process, optionally every Celery worker):
-`stale_jobs` stamps what it returns so the next sweep leaves it alone for a while, and a
+heartbeat). Any number of reapers may run (every API process, optionally every Celery worker):
+`stale_jobs` stamps what it returns so the next reap leaves it alone for a while, and a
 duplicate message is harmless because `claim` is conditional.
 
 A broker that comes back without its messages (a Redis restart without persistence, a flush)
-is noticed by the next sweep (`app.domain.queue.BrokerWatch`), which then enqueues every queued job
+is noticed by the next reap (`app.domain.queue.BrokerWatch`), which then enqueues every queued job
 at once instead of waiting `requeue_after_s` for each (workers would idle meanwhile). Each
-sweep also removes the work folders of killed jobs (`worker.workdirs`).
+round also removes the work folders of killed jobs (`worker.workdirs`).
 """
 
 from __future__ import annotations
@@ -19,22 +20,18 @@ import logging
 import threading
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.domain import timing
 from app.domain.db.base import utcnow
-from app.domain.db.models import CompileJob, ProfileJob
 from app.domain.db.session import session_scope
-from app.domain.queue import BrokerWatch, JobKind
-from worker.claims import (
-    DEFAULT_REQUEUE_AFTER_S,
-    DEFAULT_STALE_AFTER_S,
-    JobTable,
-    queued_ids,
-    stale_ids,
-)
+from app.domain.job_kinds import JOB_KINDS
+from app.domain.queue import BrokerWatch, JobKind, commit_then_enqueue
+from app.domain.timing import REQUEUE_AFTER_S, STALE_AFTER_S
+from worker.claims import queued_ids, stale_ids
 from worker.workdirs import remove_abandoned
 
 if TYPE_CHECKING:
@@ -43,34 +40,37 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-JOB_TABLES: dict[JobKind, JobTable] = {"compile": CompileJob, "profile": ProfileJob}
+
+def reap_interval(settings: Settings) -> float:
+    """How often to reap (`timing.reap_interval` of the settings' stale threshold)."""
+    return timing.reap_interval(settings.stale_after_s)
 
 
-def sweep_interval(settings: Settings) -> float:
-    """How often to sweep: a third of the stale threshold (a dead worker's job restarts within
-    ~1.3x `stale_after_s`), between 1 and 30 s."""
-    return max(1.0, min(30.0, settings.stale_after_s / 3))
-
-
-def sweep_once(
+def reap_once(
     session_factory: sessionmaker[Session],
     queue: JobQueue,
     now: dt.datetime | None = None,
     *,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
-    requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
+    requeue_after_s: float = REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
     """Enqueue the stale jobs of every kind again, committed first, then enqueued; returns
     their ids."""
     found: list[tuple[JobKind, uuid.UUID]] = []
     with session_scope(session_factory) as session:
-        for kind, table in JOB_TABLES.items():
+        for kind, spec in JOB_KINDS.items():
             ids = stale_ids(
-                session, table, now, stale_after_s=stale_after_s, requeue_after_s=requeue_after_s
+                session,
+                spec.table,
+                now,
+                stale_after_s=stale_after_s,
+                requeue_after_s=requeue_after_s,
             )
             found += [(kind, job_id) for job_id in ids]
     for kind, job_id in found:
-        log.warning("sweep: %s %s looks lost or its worker died; enqueueing it again", kind, job_id)
+        log.warning(
+            "reaper: %s %s looks lost or its worker died; enqueueing it again", kind, job_id
+        )
         queue.enqueue(job_id, kind)
     return [job_id for _, job_id in found]
 
@@ -85,7 +85,8 @@ def requeue_if_broker_lost(
     found: list[tuple[JobKind, uuid.UUID]] = []
     now = utcnow()
     with session_scope(session_factory) as session:
-        for kind, table in JOB_TABLES.items():
+        for kind, spec in JOB_KINDS.items():
+            table: Any = spec.table
             ids = queued_ids(session, table)
             if ids:
                 session.execute(
@@ -113,16 +114,15 @@ def advance_sweeps(session_factory: sessionmaker[Session], queue: JobQueue) -> i
         ids = sweeps.active_sweep_ids(session)
     enqueued = 0
     for sweep_id in ids:
-        with session_scope(session_factory) as session:
+        with session_factory() as session:
             queued = sweeps.advance(session, sweep_id)
-        for job_id in queued:
-            queue.enqueue(job_id)
+            commit_then_enqueue(session, queue, queued)
         enqueued += len(queued)
     return enqueued
 
 
-class Sweeper:
-    """A daemon thread calling `sweep_once` every `interval_s` until `stop()`."""
+class Reaper:
+    """A daemon thread calling `reap_once` every `interval_s` until `stop()`."""
 
     def __init__(
         self,
@@ -130,8 +130,8 @@ class Sweeper:
         queue: JobQueue,
         interval_s: float,
         *,
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
-        requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
+        stale_after_s: float = STALE_AFTER_S,
+        requeue_after_s: float = REQUEUE_AFTER_S,
         work_root: Path | None = None,
     ) -> None:
         self._sessions = session_factory
@@ -141,10 +141,10 @@ class Sweeper:
         self._stale_after_s = stale_after_s
         self._requeue_after_s = requeue_after_s
         self._stop = threading.Event()
-        self.sweeps = 0
-        self._thread = threading.Thread(target=self._run, name="qpcfarm-sweeper", daemon=True)
+        self.rounds = 0
+        self._thread = threading.Thread(target=self._run, name="qpcfarm-reaper", daemon=True)
 
-    def start(self) -> Sweeper:
+    def start(self) -> Reaper:
         self._thread.start()
         return self
 
@@ -164,7 +164,7 @@ class Sweeper:
             except OSError:
                 log.warning("could not remove abandoned work folders", exc_info=True)
             try:
-                sweep_once(
+                reap_once(
                     self._sessions,
                     self._queue,
                     stale_after_s=self._stale_after_s,
@@ -172,21 +172,21 @@ class Sweeper:
                 )
                 advance_sweeps(self._sessions, self._queue)
             except Exception:  # the database or broker is away: try at the next interval
-                log.warning("sweep failed; retrying in %.0f s", self._interval, exc_info=True)
-            self.sweeps += 1
+                log.warning("reaping failed; retrying in %.0f s", self._interval, exc_info=True)
+            self.rounds += 1
 
 
-def start_sweeper(
+def start_reaper(
     session_factory: sessionmaker[Session],
     queue: JobQueue,
     settings: Settings,
     interval_s: float | None = None,
-) -> Sweeper:
-    """Start sweeping with the thresholds of `settings` (interval: `sweep_interval`)."""
-    return Sweeper(
+) -> Reaper:
+    """Start reaping with the thresholds of `settings` (interval: `reap_interval`)."""
+    return Reaper(
         session_factory,
         queue,
-        interval_s if interval_s is not None else sweep_interval(settings),
+        interval_s if interval_s is not None else reap_interval(settings),
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
         work_root=settings.work_dir,
