@@ -7,6 +7,7 @@ farm's worker forwards to the job row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import hashlib
 import os
@@ -21,7 +22,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from compiler_core.costmodel import Timeline, build_timeline
+from compiler_core.cost_timeline import Timeline, build_timeline
+from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.fit import check_fit, require_fit, worth_checking
 from compiler_core.importer import (
@@ -33,13 +35,8 @@ from compiler_core.importer import (
 from compiler_core.llm_report import llm_report
 from compiler_core.lowering.depth_first import plan_depth_first
 from compiler_core.lowering.emit import emit_program
-from compiler_core.lowering.lower import (
-    LoweredGraph,
-    LTensor,
-    choose_splits,
-    config_from,
-    lower_graph,
-)
+from compiler_core.lowering.lower import choose_splits, config_from, lower_graph
+from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.memory import (
     MemoryPlan,
     SharedConstants,
@@ -74,7 +71,7 @@ from compiler_core.report import (
     PASS_SEPARATOR,
 )
 from compiler_core.specializations import FLAG as SPEC_FLAG
-from compiler_core.specializations import Specialization, load_specializations
+from compiler_core.specializations import VENDOR_KEYS, Specialization, load_specializations
 from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
@@ -214,14 +211,14 @@ def compile_model(
         from compiler_core.quant.calibrate import dump_profile
 
         # the profile this compile quantizes with
-        reference = dump_profile(source, opts, model_folder)
+        reference = dump_profile(compile_model, source, opts, model_folder)
     try:
         with _gc_paused():
             result = _compile(source, opts, progress, policy or CodegenPolicy(), model_folder)
         if opts.quantize and opts.input_list_file:
             from compiler_core.quant.calibrate import add_accuracy
 
-            add_accuracy(source, opts, result, reference, model_folder)
+            add_accuracy(compile_model, source, opts, result, reference, model_folder)
             reference = None
     finally:
         if reference is not None:
@@ -275,53 +272,110 @@ def _compile(
     policy: CodegenPolicy,
     folder: ModelFolder,
 ) -> CompileResult:
-    device = opts.device
+    """import -> graph passes -> lower (once per specialization) -> plan memory -> emit ->
+    write the QPC; warnings now, the metrics when first asked for."""
     stages = _Stages(progress)
-    specs: list[Specialization | None] = (
-        list(load_specializations(opts.network_specialization_config, folder))
-        if opts.network_specialization_config
-        else [None]
-    )
-    builds = [_lower(source, opts, spec, stages, policy, folder) for spec in specs]
+    builds = [
+        _lower(source, opts, spec, stages, policy, folder)
+        for spec in _specializations(opts, folder)
+    ]
     retained = _retained_state(builds, opts)
     shared, constant_items = _shared_constants(builds)
     for build, region in zip(builds, shared, strict=True):
-        with stages.stage("plan-memory"):
-            build.plan = plan_memory(
-                build.lowered,
-                dealloc_delay=opts.allocator_dealloc_delay,
-                ddr_capacity=device.ddr_bytes_per_soc,
-                extra_bytes=build.stats_layout.size,
-                shared_constants=region,
-                on_chip=build.planned.schedule.placement.chip,
-            )
-        build.stats_layout = build.stats_layout.at(build.plan.ddr_size - build.stats_layout.size)
-        with stages.stage("emit-program"):
-            build.program = emit_program(
-                build.lowered,
-                build.plan,
-                build.planned.schedule,
-                build.planned.allocation.resident,
-            )
-            build.program_bytes = encode_program(build.program)
-    first_plan, first_program = builds[0].done()
+        _plan_and_emit(build, region, opts, stages)
+    out_dir, tmpdir = _output_dir(opts)
+    with stages.stage("write-qpc"):
+        _write_qpc(out_dir / "programqpc.bin", builds, opts, retained, constant_items)
+    timelines = _Timelines(builds, opts.device)
+    return CompileResult(
+        qpc_path=out_dir / "programqpc.bin",
+        _report=functools.partial(_metrics, builds, opts, timelines),
+        warnings=_warnings(builds, opts, retained, timelines),
+        pass_times=stages.pass_times(),
+        options=opts,
+        program=builds[0].done()[1],
+        programs={_spec_name(b.spec): b.done()[1] for b in builds},
+        _tmpdir=tmpdir,
+    )
+
+
+def _specializations(opts: CompileOptions, folder: ModelFolder) -> list[Specialization | None]:
+    """The specializations to build, or [None]: the network as it is."""
+    if not opts.network_specialization_config:
+        return [None]
+    return list(load_specializations(opts.network_specialization_config, folder))
+
+
+def _plan_and_emit(
+    build: _Build, region: SharedConstants | None, opts: CompileOptions, stages: _Stages
+) -> None:
+    """Place the build's tensors in memory (the stats buffer at the end of DDR), then emit
+    and encode its program."""
+    with stages.stage("plan-memory"):
+        build.plan = plan_memory(
+            build.lowered,
+            dealloc_delay=opts.allocator_dealloc_delay,
+            ddr_capacity=opts.device.ddr_bytes_per_soc,
+            extra_bytes=build.stats_layout.size,
+            shared_constants=region,
+            on_chip=build.planned.schedule.placement.chip,
+        )
+    build.stats_layout = build.stats_layout.at(build.plan.ddr_size - build.stats_layout.size)
+    with stages.stage("emit-program"):
+        build.program = emit_program(
+            build.lowered,
+            build.plan,
+            build.planned.schedule,
+            build.planned.allocation.resident,
+        )
+        build.program_bytes = encode_program(build.program)
+
+
+def _write_qpc(
+    path: Path,
+    builds: list[_Build],
+    opts: CompileOptions,
+    retained: list[str],
+    constant_items: list[tuple[LTensor, int]] | None,
+) -> None:
+    """The network descriptor, each build's program and stats layout, and the constants
+    (shared by every build when there are several; else the first build's own)."""
+    first_plan = builds[0].done()[0]
     if constant_items is None:
         constant_items = [
             (builds[0].lowered.tensors[t], first_plan.offsets[t]) for t in first_plan.constant_order
         ]
+    network = _network_desc(builds, opts, retained)
+    constants, entries = _constants(constant_items, first_plan.constants_size)
+    segments = [Segment("networkdesc.bin", network.to_bytes())]
+    for index, build in enumerate(builds):
+        segments.append(Segment(program_segment(index), build.program_bytes))
+        segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
+    segments.append(Segment("constants.bin", constants, offset_field=None))
+    segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
+    write_qpc(path, segments)
 
-    out_dir, tmpdir = _output_dir(opts)
-    with stages.stage("write-qpc"):
-        network = _network_desc(builds, opts, retained)
-        constants, entries = _constants(constant_items, first_plan.constants_size)
-        segments = [Segment("networkdesc.bin", network.to_bytes())]
-        for index, build in enumerate(builds):
-            segments.append(Segment(program_segment(index), build.program_bytes))
-            segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
-        segments.append(Segment("constants.bin", constants, offset_field=None))
-        segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
-        write_qpc(out_dir / "programqpc.bin", segments)
 
+class _Timelines:
+    """Each build's cost-model timeline, scheduled on first use: only -aic-perf-warnings
+    and the metrics need one."""
+
+    def __init__(self, builds: list[_Build], device: DeviceProfile) -> None:
+        self._builds = builds
+        self._device = device
+        self._done: dict[int, Timeline] = {}
+
+    def __getitem__(self, index: int) -> Timeline:
+        if index not in self._done:
+            self._done[index] = build_timeline(self._builds[index].done()[1], self._device)
+        return self._done[index]
+
+
+def _warnings(
+    builds: list[_Build], opts: CompileOptions, retained: list[str], timelines: _Timelines
+) -> list[dict[str, Any]]:
+    """Option warnings first, then each build's import, precision and perf warnings, each
+    (code, message) once."""
     warnings = [_warning("deprecated_option", w) for w in opts.warnings]
     for build in builds:
         warnings += [w for w in build.notes if w not in warnings]
@@ -339,16 +393,10 @@ def _compile(
                 "-retained-state found no output named <input>_RetainedState to keep on device",
             )
         )
-    timelines: dict[int, Timeline] = {}
-
-    def timeline(index: int) -> Timeline:
-        if index not in timelines:
-            timelines[index] = build_timeline(builds[index].done()[1], device)
-        return timelines[index]
-
+    always = {w["code"] for w in pmu_warnings(opts)}  # given with or without the flag
     seen: set[tuple[str, str]] = set()
     for index, build in enumerate(builds):
-        plan, program = build.done()
+        program = build.done()[1]
         found = [_warning("import", w, KIND_IMPORT) for w in build.imported.warnings]
         found += [
             _warning("fp16_clipped", w, KIND_PRECISION)
@@ -357,10 +405,9 @@ def _compile(
             for w in build.pass_warnings
         ]
         if opts.aic_perf_warnings:
-            analysis = perf_warnings(program, build.lowered, opts, device, timeline(index))
+            analysis = perf_warnings(program, build.lowered, opts, opts.device, timelines[index])
         else:
-            analysis = perf_warnings(program, build.lowered, opts, device)
-        always = {w["code"] for w in pmu_warnings(opts)}  # given with or without the flag
+            analysis = perf_warnings(program, build.lowered, opts, opts.device)
         found += [
             {**w, "kind": KIND_OPTION if w["code"] in always else KIND_PERF} for w in analysis
         ]
@@ -369,40 +416,31 @@ def _compile(
             if key not in seen:
                 seen.add(key)
                 warnings.append(warning)
+    return warnings
 
-    def report() -> dict[str, Any]:
-        """The first specialization's metrics; with several, each one's under
-        `specializations` (computed once each)."""
-        each = {
-            _spec_name(b.spec): perf_metrics(
-                b.done()[1], b.lowered, b.done()[0], opts, device, timeline(i)
-            )
-            for i, b in enumerate(builds)
-        }
-        first = dict(next(iter(each.values())))
-        if len(builds) > 1:
-            first["specializations"] = each
-        llm = llm_report(
-            [
-                (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
-                for b, name in zip(builds, each, strict=True)
-            ],
-            device,
+
+def _metrics(builds: list[_Build], opts: CompileOptions, timelines: _Timelines) -> dict[str, Any]:
+    """The first specialization's metrics; with several, each one's under `specializations`
+    (computed once each)."""
+    each = {
+        _spec_name(b.spec): perf_metrics(
+            b.done()[1], b.lowered, b.done()[0], opts, opts.device, timelines[i]
         )
-        if llm is not None:
-            first["llm"] = llm
-        return first
-
-    return CompileResult(
-        qpc_path=out_dir / "programqpc.bin",
-        _report=report,
-        warnings=warnings,
-        pass_times=stages.pass_times(),
-        options=opts,
-        program=first_program,
-        programs={_spec_name(b.spec): b.done()[1] for b in builds},
-        _tmpdir=tmpdir,
+        for i, b in enumerate(builds)
+    }
+    first = dict(next(iter(each.values())))
+    if len(builds) > 1:
+        first["specializations"] = each
+    llm = llm_report(
+        [
+            (_spec_name(b.spec), b.spec.symbols if b.spec else {}, b.done()[1], each[name])
+            for b, name in zip(builds, each, strict=True)
+        ],
+        opts.device,
     )
+    if llm is not None:
+        first["llm"] = llm
+    return first
 
 
 def _lower(
@@ -563,14 +601,16 @@ def _fastest_of(
 
 
 def _check_symbols_exist(imported: ImportedModel, spec: Specialization) -> None:
-    """A specialization naming a symbol the model's inputs do not use is a typo, not a no-op."""
-    unused = sorted(set(spec.symbols) - imported.input_symbols)
+    """A specialization naming a symbol the model's inputs do not use is a typo, not a no-op
+    (the vendor's LLM keys excepted: they describe the run, see `specializations`)."""
+    unused = sorted(set(spec.symbols) - imported.input_symbols - VENDOR_KEYS)
     if unused:
         raise CompileError(
             "invalid_option",
             f"{SPEC_FLAG}: specialization {spec.name!r} binds {', '.join(unused)}, which no "
             f"input dimension of the model uses (symbols: "
-            f"{', '.join(sorted(imported.input_symbols)) or 'none'})",
+            f"{', '.join(sorted(imported.input_symbols)) or 'none'}; LLM keys accepted as "
+            f"well: {', '.join(sorted(VENDOR_KEYS))})",
             flag=SPEC_FLAG,
         )
 

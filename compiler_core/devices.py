@@ -115,7 +115,7 @@ class DeviceProfile:
         return self.hmx_fp16_macs_per_cycle * 2 * self.clock_hz
 
     def hmx_macs_per_cycle(self, dtype: str) -> int:
-        """HMX rate for a kernel computing in `dtype` (fp32 has no HMX path: see costmodel)."""
+        """HMX rate for a kernel computing in `dtype` (fp32 has no HMX path: see cost_rates)."""
         return (
             self.hmx_int8_macs_per_cycle
             if dtype in ("int8", "uint8")

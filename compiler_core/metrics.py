@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from compiler_core.costmodel import HOST_LINK_BYTES_PER_S, THREADS, Timeline, build_timeline
+from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S, THREADS
+from compiler_core.cost_timeline import Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
-from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.lowered import LoweredGraph
 from compiler_core.lowering.memory import ALIGN, MemoryPlan
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
@@ -294,7 +295,7 @@ class Floors:
 
 
 def physical_floors(program: Program, device: DeviceProfile) -> Floors:
-    from compiler_core.costmodel import compute_dtype, hmx_rate
+    from compiler_core.cost_rates import compute_dtype, hmx_rate
 
     cores = program.num_cores
     compute = 0.0

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler_core.lowering.lower import LoweredGraph, LTensor
+from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.program import KIND_CONSTANT
 
 if TYPE_CHECKING:

@@ -9,6 +9,16 @@ JSON forms the vendor tool reads:
 
 Each specialization binds symbolic dimensions like `-onnx-define-symbol` does (and on top of
 it); the first form's specializations are named after their bindings.
+
+The keys QEfficient writes for an LLM (`VENDOR_KEYS`) are accepted as they are, whether or
+not the model's inputs use them as dimensions (a model exported with a static context still
+gets `ctx_len`; `full_batch_exec_size` and `num_logits_to_keep` describe the run), and they
+must agree with each other: `batch_size` <= `full_batch_size` (continuous batching: a decode
+of a subset of the cache slots), `full_batch_exec_size` <= `full_batch_size`, `seq_len` <=
+`ctx_len`, `num_logits_to_keep` <= `seq_len`. `num_speculative_tokens` = k (our key, after
+QEfficient's compile argument of that name) makes a speculative decode specialization of
+k + 1 tokens: it sets `seq_len` to k + 1 (or checks it). Any other key must be a symbol of
+the model's inputs (the compile says so otherwise: a typo is not a no-op).
 """
 
 from __future__ import annotations
@@ -24,6 +34,29 @@ from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.options import MAX_DIMENSION
 
 FLAG = "-network-specialization-config"
+
+VENDOR_KEYS = frozenset(
+    {
+        "batch_size",
+        "seq_len",
+        "ctx_len",
+        "full_batch_size",
+        "full_batch_exec_size",
+        "num_logits_to_keep",
+        "num_speculative_tokens",
+    }
+)
+"""Keys of an LLM's specializations (QEfficient's, plus `num_speculative_tokens`) accepted
+whether or not a dimension of the model uses them."""
+
+SPECULATIVE = "num_speculative_tokens"
+
+_AT_MOST = (
+    ("batch_size", "full_batch_size", "a decode batch takes at most every cache slot"),
+    ("full_batch_exec_size", "full_batch_size", "the executed batch takes at most every slot"),
+    ("seq_len", "ctx_len", "a run writes at most the context's rows"),
+    ("num_logits_to_keep", "seq_len", "a run keeps at most one logit row per token"),
+)
 
 
 @dataclass(frozen=True)
@@ -81,9 +114,28 @@ def _entry(item: Any, index: int) -> Specialization:
         if not isinstance(raw, dict) or not raw:
             raise _invalid(f"{where}: symbols must be a non-empty object")
         symbols = {key: _value(key, value, where) for key, value in raw.items()}
-        return Specialization(name, symbols)
+        return Specialization(name, _vendor_keys(symbols, f"{where} ({name})"))
     symbols = {key: _value(key, value, where) for key, value in item.items()}
-    return Specialization(",".join(f"{k}={v}" for k, v in symbols.items()), symbols)
+    name = ",".join(f"{k}={v}" for k, v in symbols.items())
+    return Specialization(name, _vendor_keys(symbols, where))
+
+
+def _vendor_keys(symbols: dict[str, int], where: str) -> dict[str, int]:
+    """The LLM keys checked against each other; `num_speculative_tokens` = k sets seq_len."""
+    if SPECULATIVE in symbols:
+        tokens = symbols[SPECULATIVE] + 1
+        if symbols.setdefault("seq_len", tokens) != tokens:
+            raise _invalid(
+                f"{where}: {SPECULATIVE}={tokens - 1} is a decode of {tokens} tokens "
+                f"(the last accepted one and {tokens - 1} drafts), but seq_len is "
+                f"{symbols['seq_len']}"
+            )
+    for small, large, why in _AT_MOST:
+        if small in symbols and large in symbols and symbols[small] > symbols[large]:
+            raise _invalid(
+                f"{where}: {small}={symbols[small]} exceeds {large}={symbols[large]} ({why})"
+            )
+    return symbols
 
 
 def _value(key: Any, value: Any, where: str) -> int:

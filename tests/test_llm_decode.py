@@ -19,7 +19,7 @@ import onnx
 import pytest
 
 from compiler_core.compile import CompileResult, compile_model
-from compiler_core.costmodel import HOST_LINK_BYTES_PER_S
+from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
 from compiler_core.lowering.program import DmaScatter, DmaStore, Program, scattered_bytes
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor, QpcSession

@@ -1,6 +1,6 @@
 """MXFP6 weights are priced with their decompression: a streamed MXFP6 weight crosses DDR at its
 stored size and is decoded to fp16 on the HVX (16 weights a cycle per core, see
-costmodel.MXFP6_DECODE_VECTOR_OPS) before the tile's HMX work; resident weights stay decoded."""
+cost_rates.MXFP6_DECODE_VECTOR_OPS) before the tile's HMX work; resident weights stay decoded."""
 
 from __future__ import annotations
 
@@ -12,11 +12,8 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from compiler_core.compile import compile_model
-from compiler_core.costmodel import (
-    MXFP6_DECODE_VECTOR_OPS,
-    build_timeline,
-    tile_compute,
-)
+from compiler_core.cost_rates import MXFP6_DECODE_VECTOR_OPS
+from compiler_core.cost_timeline import build_timeline, tile_compute
 from compiler_core.lowering.program import KIND_CONSTANT, RunKernel
 
 K, N = 4096, 2048  # 16 MiB of fp16 weights: more than one core's VTCM, so they stream

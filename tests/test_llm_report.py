@@ -29,6 +29,7 @@ def _spec(tmp: Path) -> Path:
                 "specializations": [
                     {"batch_size": "1", "seq_len": "8"},
                     {"batch_size": "1", "seq_len": "1"},
+                    {"batch_size": "1", "num_speculative_tokens": "3"},
                 ]
             }
         )
@@ -96,7 +97,14 @@ def test_qpcfarm_compile_prints_the_llm_figures(
     ]
     assert main(["compile", *flags]) == 0
     out = capsys.readouterr().out
-    for label in ("llm:", "time_to_first_token_ms", "tokens_per_s", "kv_bytes_per_sequence"):
+    for label in (
+        "llm:",
+        "time_to_first_token_ms",
+        "tokens_per_s",
+        "kv_bytes_per_sequence",
+        "chunked_prefill",
+        "tokens_per_s_all_accepted",
+    ):
         assert label in out
     assert "sequences_fit" in out
 
@@ -123,6 +131,7 @@ def test_the_job_page_shows_the_llm_figures(tmp_path: Path) -> None:
         "specializations": [
             {"batch_size": "1", "seq_len": "8"},
             {"batch_size": "1", "seq_len": "1"},
+            {"batch_size": "1", "num_speculative_tokens": "3"},
         ]
     }
     archive = zip_bytes(
@@ -144,4 +153,6 @@ def test_the_job_page_shows_the_llm_figures(tmp_path: Path) -> None:
     ttft = re.search(r'id="llm-ttft">([\d.]+) ms \(8-token prompt\)', page)
     assert ttft is not None and float(ttft.group(1)) > 0
     assert re.search(r'class="llm-decode">[\d.]+ tokens/s', page)
+    assert re.search(r"4 tokens per step</dt><dd class=\"llm-speculative\">[\d.]+ tokens/s", page)
+    assert re.search(r'16-token prompt</dt><dd class="llm-chunked">[\d.]+ ms \(2 prefill', page)
     assert 'id="llm-fit"' in page

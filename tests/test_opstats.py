@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core.cli import main
-from compiler_core.costmodel import THREADS
+from compiler_core.cost_rates import THREADS
 from compiler_core.profiling.opstats import load_layout
 from compiler_core.profiling.stats_layout import CORE_THREAD_FIELDS, decode_stats
 

@@ -14,13 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core.compile import CompileResult, compile_model
-from compiler_core.costmodel import (
-    HOST_LINK_BYTES_PER_S,
-    THREADS,
-    Calendar,
-    KernelRun,
-    build_timeline,
-)
+from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S, THREADS
+from compiler_core.cost_timeline import Calendar, KernelRun, build_timeline
 from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import DmaLoad, DmaStore, RunKernel, SemPost, SemWait

@@ -15,7 +15,7 @@ from onnx import TensorProto
 from onnx import numpy_helper as nh
 
 from compiler_core.compile import compile_model
-from compiler_core.costmodel import tile_cost
+from compiler_core.cost_rates import tile_cost
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.int8 import DOMAIN, fixed_point, requant_table, round_shift
 from compiler_core.runtime import run_qpc

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.lowering.lower import LKernel, LoweredGraph, LTensor
+from compiler_core.lowering.lowered import LKernel, LoweredGraph, LTensor
 from compiler_core.lowering.placement import Planned
 from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT
 from compiler_core.lowering.tiling import output_boxes, tiles_of

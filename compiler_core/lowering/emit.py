@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler_core.lowering.lower import LoweredGraph, LTensor
+from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
 from compiler_core.lowering.program import (
     KIND_CONSTANT,
@@ -55,6 +55,7 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
+from compiler_core.ops.in_place_scatter import dma_axis, operands
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
@@ -1011,16 +1012,16 @@ def _instr(
     if op.kind == SCATTER:
         assert graph is not None
         desc = graph.kernels[op.kernel].desc
-        update, indices = ins[1], ins[2]
+        u, i = operands(desc.info.op_type)
+        update, indices = ins[u], ins[i]
         assert update is not None and indices is not None
-        rank = len(graph.tensors[op.tensor].shape)
         return DmaScatter(
             tensor=id_map[op.tensor],
-            axis=int(desc.info.attr("axis", -2)) % rank,
+            axis=dma_axis(desc.info),
             box=op.box,
-            source=id_map[desc.inputs[1]],
+            source=id_map[desc.inputs[u]],
             update=update,
-            index=id_map[desc.inputs[2]],
+            index=id_map[desc.inputs[i]],
             indices=indices,
             kernel=op.kernel,
         )

@@ -25,18 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler_core.costmodel import DMA_DESCRIPTOR_CYCLES, HMX_DEPTH, KERNEL_LAUNCH_CYCLES
+from compiler_core.cost_rates import DMA_DESCRIPTOR_CYCLES, HMX_DEPTH, KERNEL_LAUNCH_CYCLES
+from compiler_core.lowering.lowered import LKernel, LoweredGraph, LTensor
 from compiler_core.lowering.program import KIND_ACTIVATION, EpilogueDesc, KernelDesc
 from compiler_core.lowering.tiling import TileSpec, TilingRequest, split_axes
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import FLOATS, QPCFARM_DOMAIN, NodeInfo
-
-if TYPE_CHECKING:
-    from compiler_core.lowering.lower import LoweredGraph
 
 MIN_SLICE = 2 * HMX_DEPTH["fp16"]
 """The least K a slice must have: less and the partial products are mostly padding."""
@@ -231,8 +228,6 @@ def apply(graph: LoweredGraph, chosen: dict[int, KChoice]) -> None:
     """Replace every K-split kernel by its partial product and its reduction, in place."""
     if not chosen:
         return
-    from compiler_core.lowering.lower import LKernel, LTensor
-
     kernels: list[LKernel] = []
     for index, lk in enumerate(graph.kernels):
         choice = chosen.get(index)

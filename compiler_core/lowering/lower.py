@@ -8,10 +8,8 @@ constants or graph inputs get an explicit copy kernel so every output has its ow
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -20,6 +18,7 @@ from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.fusion import base_input_count, epilogue, fused_node_names
 from compiler_core.lowering import ksplit
+from compiler_core.lowering.lowered import LKernel, LoweredGraph, LTensor, Mxint8Tensor
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
@@ -30,7 +29,7 @@ from compiler_core.lowering.program import (
     KernelDesc,
 )
 from compiler_core.lowering.splits import KernelSplit, SplitChooser
-from compiler_core.lowering.tiling import TileSpec, TilingRequest, plan_tiles
+from compiler_core.lowering.tiling import TilingRequest, plan_tiles
 from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.nodeinfo import (
     DECLARED_SHAPE,
@@ -43,85 +42,6 @@ from compiler_core.nodeinfo import (
 )
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import NodeInfo, no_split, whole_inputs
-
-
-@dataclass
-class LTensor:
-    id: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    kind: str
-    alias_of: int | None = None
-    data: ir.TensorProtocol | None = None
-    alias_offset: int = 0
-    """Bytes into `alias_of` where this tensor starts: non-zero only for one image group's
-    view of a graph input or output (see `depth_first`); a reinterpretation starts at 0."""
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-class Mxint8Tensor(LTensor):
-    """Retained state stored as MXINT8 blocks along its last axis (compiler_core/mxint8.py):
-    its DDR size is the stored size; loads and stores move stored bytes."""
-
-    @property
-    def nbytes(self) -> int:
-        from compiler_core.mxint8 import mxint8_nbytes
-
-        return mxint8_nbytes(self.shape)
-
-
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    return int(np.dtype(dtype).itemsize)
-
-
-@dataclass
-class LKernel:
-    desc: KernelDesc
-    tiles: list[TileSpec]
-    request: TilingRequest | None = None
-    layer: int = -1
-    """The kernel this one is an image group's clone of (see `depth_first`): clones of a
-    layer share its resident weights. -1: the kernel is its own layer."""
-
-
-@dataclass
-class LoweredGraph:
-    tensors: list[LTensor]
-    kernels: list[LKernel]
-    inputs: list[int]
-    outputs: list[int]
-    num_cores: int
-    network_name: str
-    warnings: list[dict[str, object]] = field(default_factory=list)
-    retained: dict[int, int] = field(default_factory=dict)
-    """-retained-state: each retained input -> the `<input>_RetainedState` output that feeds
-    it. They are one device buffer: the output aliases the input when a scatter writes it in
-    place, else a device copy kernel at the end writes the output into the input."""
-
-    def root(self, tensor_id: int) -> int:
-        t = self.tensors[tensor_id]
-        while t.alias_of is not None:
-            t = self.tensors[t.alias_of]
-        return t.id
-
-    def offset_in_root(self, tensor_id: int) -> int:
-        """Where a tensor's bytes start inside its root's (non-zero for group views)."""
-        t = self.tensors[tensor_id]
-        offset = 0
-        while t.alias_of is not None:
-            offset += t.alias_offset
-            t = self.tensors[t.alias_of]
-        return offset
-
-    def layer(self, kernel: int) -> int:
-        """The layer whose resident weights kernel `kernel` reads (itself unless a clone)."""
-        layer = self.kernels[kernel].layer
-        return kernel if layer < 0 else layer
 
 
 @dataclass(frozen=True)
@@ -435,11 +355,12 @@ def lower_graph(graph: ir.Graph, opset: int, config: LoweringConfig) -> LoweredG
 def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> dict[int, int]:
     """Make each `<input>_RetainedState` output and its input one device buffer.
 
-    A TensorScatter that writes the cache input into its own retained output, when nothing
-    else reads the cache, is done in place: the output aliases the input and the kernel
-    becomes a scatter DMA of the new rows only. Any other retained output is copied into its
-    input on the device by a copy kernel after everything that reads the input. Pairs that
-    do not match (no such input, another type or shape) are left for the compile to refuse.
+    A scatter (`ops/in_place_scatter.py`) that writes the cache input into its own retained
+    output, when nothing else reads the cache, is done in place: the output aliases the input
+    and the kernel becomes a scatter DMA of the new rows only. Any other retained output is
+    copied into its input on the device by a copy kernel after everything that reads the
+    input. Pairs that do not match (no such input, another type or shape) are left for the
+    compile to refuse.
     """
     from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
 
@@ -463,13 +384,14 @@ def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> d
         mx = config.mxint8_all or bool(names & config.mxint8)
         mx_named |= names & config.mxint8
         k = producer.get(out)
-        if k is not None and _scatters_in_place(builder, k, source):
+        if k is not None and _scatters_in_place(builder, k, source, mx):
             _make_in_place(builder, k, source, out, mx)
         elif mx:
             raise CompileError(
                 "unsupported_option",
                 f"{tensors[source].name}: MXINT8 storage needs the retained output "
-                f"{t.name!r} written in place by a TensorScatter of its input",
+                f"{t.name!r} written in place by a TensorScatter (or a ScatterND writing "
+                "whole rows) of its input",
                 flag="-custom-IO-list-file" if not config.mxint8_all else "-mxint8-kv-cache",
             )
         else:
@@ -492,11 +414,14 @@ def _root(tensors: list[LTensor], tid: int) -> int:
     return tid
 
 
-def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
-    """Kernel k is a plain TensorScatter into `source`, and no other kernel reads `source`."""
+def _scatters_in_place(builder: _Builder, k: int, source: int, mxint8: bool) -> bool:
+    """Kernel k is a plain scatter (TensorScatter, ScatterND or ScatterElements without a
+    reduction) into `source`, and no other kernel reads `source`."""
+    from compiler_core.ops.in_place_scatter import can_scatter_in_place
+
     desc = builder.kernels[k].desc
     tensors = builder.tensors
-    if (desc.info.op_type, desc.info.domain) != ("TensorScatter", "") or desc.epilogue:
+    if desc.info.domain != "" or desc.epilogue or not can_scatter_in_place(desc.info, mxint8):
         return False
     if len(desc.outputs) != 1 or len(desc.inputs) < 3 or desc.inputs[2] < 0:
         return False
@@ -513,6 +438,7 @@ def _scatters_in_place(builder: _Builder, k: int, source: int) -> bool:
 
 
 def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: bool) -> None:
+    from compiler_core.ops.in_place_scatter import whole_input_boxes
     from compiler_core.ops.kv_cache import in_place_input_boxes
 
     lk = builder.kernels[k]
@@ -530,8 +456,10 @@ def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: boo
             )
     lk.desc = dataclasses.replace(lk.desc, kernel=SCATTER_IN_PLACE)
     assert lk.request is not None
-    opdef = dataclasses.replace(lk.request.opdef, input_boxes=in_place_input_boxes)
-    if mxint8:  # a tile writes whole MX blocks: never cut the block (last) axis
+    tensor_scatter = lk.desc.info.op_type == "TensorScatter"
+    boxes = in_place_input_boxes if tensor_scatter else whole_input_boxes
+    opdef = dataclasses.replace(lk.request.opdef, input_boxes=boxes)
+    if mxint8 and tensor_scatter:  # a tile writes whole MX blocks: never cut the block (last) axis
         whole_rows = _without_last_axis(opdef.split_axes)
         opdef = dataclasses.replace(opdef, split_axes=whole_rows)
     lk.request = dataclasses.replace(lk.request, opdef=opdef)

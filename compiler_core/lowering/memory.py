@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from compiler_core.errors import CompileError
-from compiler_core.lowering.lower import LoweredGraph
+from compiler_core.lowering.lowered import LoweredGraph
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.ops.registry import Box, NodeInfo
+from compiler_core.ops.registry import Box, NodeInfo, box_elements
 
 PROGRAM_MAGIC = b"QPRG"
 PROGRAM_VERSION = 2
@@ -30,7 +30,8 @@ KIND_ACTIVATION = "activation"
 KIND_ONCHIP = "onchip"
 """An activation that lives only in the VTCM of the cores that produce it: it has no DDR."""
 SCATTER_IN_PLACE = "tensor_scatter_in_place"
-"""The kernel name of a TensorScatter into retained state done in place by `DmaScatter`."""
+"""The kernel name of a scatter (TensorScatter, ScatterND, ScatterElements) into retained
+state done in place by `DmaScatter`."""
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,6 @@ class KernelDesc:
 
 Mask = int
 """A set of cores as a bit mask: bit c set for core c."""
-
-
-def box_elements(box: Box) -> int:
-    n = 1
-    for start, stop in box:
-        n *= stop - start
-    return n
 
 
 def box_nbytes(box: Box, dtype: str) -> int:
@@ -200,7 +194,10 @@ class DmaScatter:
     entry b of `box` at the positions its write index (element b of the `indices` operand, a
     box of tensor `index`) names, over `box` on the other axes. `box` is the tile of `tensor`
     those rows lie in (the whole `axis`); only the update's bytes cross DDR. The kernel's node
-    says how positions follow from an index (linear or circular)."""
+    says how positions follow from an index (TensorScatter: linear or circular). For a
+    ScatterND (`axis` = the index depth K) and a ScatterElements (`axis` its axis) `box` is the
+    whole tensor and the `indices` operand holds the coordinates themselves
+    (`ops/in_place_scatter.py`)."""
 
     tensor: int
     axis: int

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compiler_core.costmodel import tile_cost
+from compiler_core.cost_rates import tile_cost
 from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.lowering import ksplit

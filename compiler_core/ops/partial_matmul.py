@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from compiler_core.costmodel import HMX_DEPTH
+from compiler_core.cost_rates import HMX_DEPTH
 from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.int8 import DOMAIN
 from compiler_core.ops.matmul import narrow

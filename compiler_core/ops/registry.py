@@ -26,6 +26,14 @@ from compiler_core.errors import CompileError
 Box = tuple[tuple[int, int], ...]
 """A rectangular region of a tensor: one half-open [start, stop) range per axis."""
 
+
+def box_elements(box: Box) -> int:
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
+
+
 Shape = tuple[int, ...]
 
 FLOATS = frozenset({"float16", "float32", "float64"})
@@ -126,7 +134,7 @@ class HmxShape:
     """What one tile asks of the HMX array: `repeats` matrix products of `positions` output
     positions by `depth` reduction elements by `channels` output channels (a Conv tap per
     repeat, or a batch of independent MatMuls). The array works in fixed blocks, so a tile
-    whose dimensions are not multiples of them wastes part of it (see costmodel)."""
+    whose dimensions are not multiples of them wastes part of it (see cost_rates)."""
 
     positions: int
     depth: int

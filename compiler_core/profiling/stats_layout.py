@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from compiler_core.costmodel import THREADS
+from compiler_core.cost_rates import THREADS
 from compiler_core.errors import CompileError
 from compiler_core.profiling.pmu import EXTENDED_DEFAULT, configured_events, event_name
 
 if TYPE_CHECKING:
-    from compiler_core.lowering.lower import LoweredGraph
+    from compiler_core.lowering.lowered import LoweredGraph
     from compiler_core.options import CompileOptions
 
 STATSDESC_FORMAT = "qpcfarm-statsdesc"

@@ -15,14 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from compiler_core.costmodel import (
-    HVX_THREADS,
-    THREADS,
-    KernelRun,
-    Timeline,
-    Wait,
-    build_timeline,
-)
+from compiler_core.cost_rates import HVX_THREADS, THREADS
+from compiler_core.cost_timeline import KernelRun, Timeline, Wait, build_timeline
 from compiler_core.devices import DeviceProfile, default_device_for, get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import RunKernel

@@ -1,16 +1,26 @@
 """`-dump-profile`: compile the float model, run it on the calibration inputs, write the
-profile (compiler_core/quant/profile.py)."""
+profile (compiler_core/quant/profile.py).
+
+The compile driver passes its own `compile_model` in (`Compile`): calibration compiles the
+float model with it, and this module stays below the driver that calls it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from compiler_core.model_folder import LOCAL, ModelFolder
 from compiler_core.options import QUANT_TUNING, CompileOptions
+from compiler_core.passes.pipeline import without_epilogue_fusion
 from compiler_core.quant.accuracy import poor, report, split
+from compiler_core.quant.collect import collect
 from compiler_core.quant.inputs import Feeds, InputSpec, load_inputs
-from compiler_core.quant.profile import collect, write_profile
+from compiler_core.quant.profile import write_profile
+
+Compile = Callable[..., Any]
+"""`compiler_core.compile.compile_model`: (source, options, *, model_folder) -> CompileResult."""
 
 FLOAT_ONLY = (
     *QUANT_TUNING,
@@ -40,12 +50,14 @@ def float_options(opts: CompileOptions) -> CompileOptions:
 
 
 def compile_float(
-    source: Any, opts: CompileOptions, folder: ModelFolder, *, observable: bool
+    compile_model: Compile,
+    source: Any,
+    opts: CompileOptions,
+    folder: ModelFolder,
+    *,
+    observable: bool,
 ) -> Any:
     """The float model compiled with our kernels (`observable`: every node its own kernel)."""
-    from compiler_core.compile import compile_model
-    from compiler_core.passes.pipeline import without_epilogue_fusion
-
     if observable:
         with without_epilogue_fusion():
             return compile_model(source, float_options(opts), model_folder=folder)
@@ -77,11 +89,13 @@ class Reference:
     held_back: list[Feeds]
 
 
-def dump_profile(source: Any, opts: CompileOptions, folder: ModelFolder = LOCAL) -> Reference:
+def dump_profile(
+    compile_model: Compile, source: Any, opts: CompileOptions, folder: ModelFolder = LOCAL
+) -> Reference:
     """Profile the float model on the calibration part of `-input-list-file` (the last
     quarter is held back for the accuracy report) and write `-dump-profile`."""
     assert opts.dump_profile is not None
-    result = compile_float(source, opts, folder, observable=True)
+    result = compile_float(compile_model, source, opts, folder, observable=True)
     try:
         samples = calibration_samples(opts, result.program, folder)
         calibration, held_back = split(samples)
@@ -94,6 +108,7 @@ def dump_profile(source: Any, opts: CompileOptions, folder: ModelFolder = LOCAL)
 
 
 def add_accuracy(
+    compile_model: Compile,
     source: Any,
     opts: CompileOptions,
     result: Any,
@@ -103,7 +118,7 @@ def add_accuracy(
     """The accuracy report of a quantized compile (`result.accuracy`), and a warning when
     an output falls short, naming the nodes that lose most."""
     if ref is None:
-        floats = compile_float(source, opts, folder, observable=False)
+        floats = compile_float(compile_model, source, opts, folder, observable=False)
         ref = Reference(floats, [], calibration_samples(opts, floats.program, folder))
     try:
         accuracy = report(

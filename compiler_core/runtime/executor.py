@@ -682,6 +682,11 @@ class Executor:
         tensors = self.program.tensors
         t = tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"scatter into {t.name}")
+        info = (
+            self.kernels[instr.kernel].desc.info if 0 <= instr.kernel < len(self.kernels) else None
+        )
+        if info is not None and info.op_type in ("ScatterND", "ScatterElements"):
+            return self._scatter_coordinates(core, instr, info)
         axis, size = instr.axis, t.shape[instr.axis] if 0 <= instr.axis < len(t.shape) else 0
         if instr.axis == 0 or size == 0 or instr.box[axis] != (0, size):
             raise RuntimeFault(
@@ -694,9 +699,6 @@ class Executor:
             )
         if instr.indices.box != (instr.box[0],):
             raise RuntimeFault(f"core {core}: scatter indices {instr.indices.box} for {instr.box}")
-        info = (
-            self.kernels[instr.kernel].desc.info if 0 <= instr.kernel < len(self.kernels) else None
-        )
         if info is None or info.op_type != "TensorScatter":
             raise RuntimeFault(f"core {core}: scatter names kernel {instr.kernel}")
         update = self._operand(core, instr.source, instr.update)
@@ -740,6 +742,74 @@ class Executor:
                 for j, pos in enumerate(at):  # quantize the rows written, whole MX rows
                     outer = _outer_index(len(t.shape) - 1, axis, int(pos), coords)
                     blocks.write_rows(outer, rows[b, j])
+            traffic.ddr_write += nbytes
+
+        return step
+
+    def _scatter_coordinates(self, core: int, instr: DmaScatter, info: NodeInfo) -> Step:
+        """A ScatterND's slices or a ScatterElements' elements written into DDR at the
+        coordinates the indices operand holds (read whole: any index may name any row)."""
+        from compiler_core.ops.in_place_scatter import element_positions, nd_positions
+
+        tensors = self.program.tensors
+        t = tensors[instr.tensor]
+        shape = t.shape
+        update_t, index_t = tensors[instr.source], tensors[instr.index]
+        nd = info.op_type == "ScatterND"
+        if instr.box != tuple((0, d) for d in shape):
+            raise RuntimeFault(f"core {core}: a {info.op_type} into {t.name} spans the tensor")
+        if instr.update.box != tuple((0, d) for d in update_t.shape) or instr.indices.box != tuple(
+            (0, d) for d in index_t.shape
+        ):
+            raise RuntimeFault(f"core {core}: a {info.op_type} reads its update and indices whole")
+        depth = int(index_t.shape[-1]) if nd and index_t.shape else -1
+        if nd and (instr.axis != depth or update_t.shape != (*index_t.shape[:-1], *shape[depth:])):
+            raise RuntimeFault(
+                f"core {core}: ScatterND updates {update_t.shape} / indices {index_t.shape} "
+                f"do not fit {t.name} {shape}"
+            )
+        if not nd and (not 0 <= instr.axis < len(shape) or update_t.shape != index_t.shape):
+            raise RuntimeFault(f"core {core}: ScatterElements axis {instr.axis} into {t.name}")
+        update = self._operand(core, instr.source, instr.update)
+        indices = self._operand(core, instr.index, instr.indices)
+        reads = [
+            (piece.vtcm, piece.vtcm + _nbytes(piece.box, tensors[tid].dtype))
+            for tid, operand in ((instr.source, instr.update), (instr.index, instr.indices))
+            for piece in operand.pieces
+        ]
+        blocks = self.machine.mx_store(t) if is_encoded_state(t) else None
+        if blocks is not None and not (nd and depth < len(shape)):
+            raise RuntimeFault(f"core {core}: a scatter into {t.name} must write whole MX rows")
+        target = None if blocks is not None else self.machine.tensor(t, write=True)
+        nbytes = scattered_bytes(self.program, instr)
+        deferred = self.deferred
+        axis = instr.axis
+
+        def step(traffic: Traffic) -> None:
+            for start, end in reads:
+                deferred.settle(core, start, end)
+            values = update() if callable(update) else update
+            written = indices() if callable(indices) else indices
+            assert values is not None and written is not None
+            if nd:
+                at = nd_positions(info, np.asarray(written), shape)
+                rows = np.asarray(values).reshape((at.shape[0], *shape[depth:]))
+                if target is not None:
+                    target[tuple(at.T)] = rows
+                else:  # whole MX rows: the slices' rows over the axes before the last
+                    assert blocks is not None
+                    lead = (at.shape[0], *shape[depth:-1])
+                    grids = np.indices(shape[depth:-1], sparse=True)
+                    outer = np.broadcast_arrays(
+                        *(at[:, a].reshape((-1,) + (1,) * len(grids)) for a in range(depth)),
+                        *(g[None] for g in grids),
+                    )
+                    blocks.write_rows(tuple(o.reshape(lead) for o in outer), rows)
+            else:
+                assert target is not None
+                where: list[np.ndarray] = list(np.indices(np.shape(written), sparse=True))
+                where[axis] = element_positions(info, np.asarray(written), shape[axis], axis)
+                target[tuple(where)] = values
             traffic.ddr_write += nbytes
 
         return step

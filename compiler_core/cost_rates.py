@@ -1,0 +1,159 @@
+"""The cost model's rates: what one tile of a kernel costs on a modelled device's units.
+
+The physical parameters (HMX block, HVX vector width, DMA and launch overheads, the host link,
+MXFP6 decode work) and the cycles of one kernel tile from its shape alone: HMX time is the
+tile's MACs padded to the array's blocks (32 output channels x 32 reduction elements, 64 for
+int8, x 4 output positions), at the precision's rate; a fused epilogue runs on HVX alongside
+(the tile takes the longer of the two). fp32 has no HMX path: 1/16 of fp16.
+
+These are what the lowering's split and tiling searches price candidates with; the timeline
+(`cost_timeline.py`) schedules a whole emitted program with the same rates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from compiler_core.devices import DeviceProfile
+from compiler_core.ops.registry import Box, HmxShape, NodeInfo, OpDef, box_elements
+
+HVX_BYTES_PER_THREAD_CYCLE = 128
+"""One 1024-bit HVX vector per thread and cycle."""
+FP32_HMX_SLOWDOWN = 16
+"""HMX has no fp32 path: fp32 MACs run on HVX, modelled as 1/16 of the fp16 HMX rate."""
+HMX_CHANNELS = 32
+HMX_DEPTH = {"fp16": 32, "int8": 64}
+HMX_POSITIONS = 4
+"""The HMX array's block: output channels x reduction depth x output positions per step
+(4096 fp16 MACs = 32 x 32 x 4); a tile pays for whole blocks."""
+DMA_DESCRIPTOR_CYCLES = 24
+"""Fixed cost of issuing one DMA transfer (descriptor setup), modelled."""
+KERNEL_LAUNCH_CYCLES = 16
+"""Fixed cost of starting one kernel tile, modelled."""
+ACTIVATION_BASE_CYCLES = 4096
+ACTIVATION_CYCLES_PER_INSTR = 2
+"""Pre-inference activation (setup) of a core: a fixed part plus its stream length, modelled;
+the resident-constant loads come on top."""
+HOST_LINK_BYTES_PER_S = 16e9
+"""Host-to-device input transfer (PCIe Gen4 x8, modelled): input doorbells ring as inputs land."""
+MXFP6_DECODE_VECTOR_OPS = 16
+"""HVX vector instructions to turn 64 MXFP6 weights into fp16 (one 1024-bit vector of output):
+unpacking 48 bytes of 6-bit codes into 16-bit lanes (byte shuffles, shifts and masks: 6), the
+E2M3 code -> fp16 lookup (4), the block scale's multiply and the conversion back to IEEE fp16
+(6). Our count of the work (no figure is published); one instruction per HVX thread and cycle,
+so a core decodes 4 x 64 / 16 = 16 weights a cycle. The decoded weight feeds HMX: a tile
+decodes its streamed MXFP6 weights before its HMX work starts (resident weights stay decoded
+in VTCM: no per-inference decode)."""
+MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE = 64 / MXFP6_DECODE_VECTOR_OPS
+
+HVX_THREADS = ("hvx0", "hvx1", "hvx2", "hvx3")
+THREADS = (*HVX_THREADS, "hmx", "dma")
+"""Thread lanes of every core, in the order stats buffers and traces use."""
+
+
+def _itemsize(dtype: str) -> int:
+    return 1 if dtype == "bool" else np.dtype(dtype).itemsize
+
+
+def _hvx_rate(device: DeviceProfile, dtype: str) -> int:
+    return max(1, device.hvx_threads * HVX_BYTES_PER_THREAD_CYCLE // _itemsize(dtype))
+
+
+def _ceil_to(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def padded_macs(shape: HmxShape, dtype: str) -> int:
+    """MACs the HMX array spends on a tile: every dimension rounded up to its block."""
+    depth = HMX_DEPTH["int8" if dtype in ("int8", "uint8") else "fp16"]
+    return (
+        _ceil_to(shape.positions, HMX_POSITIONS)
+        * _ceil_to(shape.depth, depth)
+        * _ceil_to(shape.channels, HMX_CHANNELS)
+        * shape.repeats
+    )
+
+
+def hmx_rate(device: DeviceProfile, dtype: str) -> float:
+    """HMX MACs per cycle at the precision a kernel computes in."""
+    if dtype in ("float32", "float64"):
+        return device.hmx_fp16_macs_per_cycle / FP32_HMX_SLOWDOWN
+    return device.hmx_macs_per_cycle(dtype)
+
+
+@dataclass(frozen=True)
+class TileCompute:
+    """Compute cycles of one tile: the main unit's and the HVX epilogue's (run alongside)."""
+
+    unit: str
+    main_cycles: int
+    epilogue_cycles: int
+    hmx_macs: int
+    hmx_padded_macs: int
+    hvx_work: int
+    decode_cycles: int = 0
+    """HVX cycles decoding the tile's streamed MXFP6 weights, before the main unit starts."""
+
+    @property
+    def cycles(self) -> int:
+        return self.decode_cycles + max(self.main_cycles, self.epilogue_cycles)
+
+
+def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
+    """The precision an HMX kernel computes in: its first input's (int8 QLinear ops read
+    int8 and write int8/int32), else its output's."""
+    first = info_in[0] if info_in else None
+    return first or (out[0] if out else "float32")
+
+
+def tile_cost(
+    info: NodeInfo,
+    unit: str,
+    macs: int,
+    epilogue: tuple[str, ...],
+    out_box: Box,
+    in_boxes: Sequence[Box | None],
+    opdef: OpDef | None,
+    device: DeviceProfile,
+) -> TileCompute:
+    """Compute cycles of one tile of a kernel (`macs`: the kernel's, epilogue steps
+    included; `epilogue`: each step's output dtype)."""
+    out_shape = info.out_shapes[0] if info.out_shapes else ()
+    out_total = max(1, math.prod(out_shape))
+    tile_elems = box_elements(out_box)
+    share = tile_elems / out_total
+    dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
+    base_macs = max(0, macs - out_total * len(epilogue))
+    epi_tile = tile_elems * len(epilogue)
+    epi_dtype = epilogue[-1] if epilogue else dtype
+    if unit == "hmx":
+        precision = compute_dtype(info.in_dtypes, info.out_dtypes)
+        if opdef is not None and opdef.hmx_shape is not None:
+            shape = opdef.hmx_shape(info, out_box)
+            useful, padded = shape.macs, padded_macs(shape, precision)
+        else:
+            useful = padded = int(round(base_macs * share))
+        return TileCompute(
+            unit="hmx",
+            main_cycles=math.ceil(padded / hmx_rate(device, precision)),
+            epilogue_cycles=math.ceil(epi_tile / _hvx_rate(device, epi_dtype)),
+            hmx_macs=useful,
+            hmx_padded_macs=padded,
+            hvx_work=epi_tile,
+        )
+    # HVX streams every operand it reads at least once (a reduction or a TopK does little
+    # per output element but must still read all of its input)
+    streamed = sum(box_elements(b) for b in in_boxes if b is not None)
+    work = max(base_macs * share + epi_tile, streamed)
+    return TileCompute(
+        unit="hvx",
+        main_cycles=math.ceil(work / _hvx_rate(device, dtype)),
+        epilogue_cycles=0,
+        hmx_macs=0,
+        hmx_padded_macs=0,
+        hvx_work=int(round(work)),
+    )
