@@ -191,11 +191,6 @@ def test_the_service_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
     assert not found, f"import cycles in the service:\n{_render(found)}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="compile.py <-> quant/calibrate.py and lowering/lower.py <-> ksplit.py: being "
-    "removed from compiler_core in the same issue (22, item 3)",
-)
 def test_the_compiler_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
     found = cycles(graph, ("compiler_core",))
     assert not found, f"import cycles in compiler_core:\n{_render(found)}"
