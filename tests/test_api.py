@@ -395,7 +395,7 @@ def test_a_submitted_job_is_committed_then_enqueued_and_answers_202(
     model = upload(api)
     seen_committed: list[bool] = []
 
-    def enqueue(job_id: uuid.UUID) -> None:  # what a worker in another process would read
+    def enqueue(job_id: uuid.UUID, kind: str = "compile") -> None:  # as a worker would read
         with server.state.session_factory() as session:
             seen_committed.append(session.get(CompileJob, job_id) is not None)
         server.queue.ids.append(job_id)

@@ -20,6 +20,7 @@ from app.domain.db.models import Sweep
 from app.domain.queue import commit_then_enqueue
 from app.domain.services import models, sweeps
 from app.domain.services.errors import from_compile_error
+from app.domain.services.farm_options import check_farm_rules
 from compiler_core.configurator.scoring import parse_objective
 from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
 from compiler_core.errors import CompileError
@@ -131,13 +132,19 @@ class SweepList(BaseModel):
 
 
 def parse_space(body: SweepCreate) -> SearchSpace:
-    """The request's space, checked (CompileError -> 422 with its code)."""
+    """The request's space, checked (CompileError -> 422 with its code), each compile group's
+    options held to the farm's rules like a compile's (no server-side paths: a sweep's base
+    flags or parameters may not carry `-operators-supported`, `-aic-binary-dir`...)."""
     try:
         if body.space_csv is not None:
-            return parse_csv(body.space_csv, body.base_flags)
-        return parse_mapping(body.space, body.base_flags)
+            space = parse_csv(body.space_csv, body.base_flags)
+        else:
+            space = parse_mapping(body.space, body.base_flags)
+        for group in space.groups:
+            check_farm_rules(group.options)
     except CompileError as exc:
         raise from_compile_error(exc) from None
+    return space
 
 
 def team_sweep(sweep_id: uuid.UUID, session: SessionDep, team: CurrentTeam) -> Sweep:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TextIO
 
+from app.domain.option_rules import MODEL_FILE_OPTIONS
 from app.domain.stages import stage_words
 
 if TYPE_CHECKING:
@@ -39,15 +40,6 @@ DEFAULT_TIMEOUT_S = 3600.0
 API_KEY_FILE = "api-key"
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5
-LOCAL_FILE_FLAGS = (
-    ("network_specialization_config", "-network-specialization-config"),
-    ("custom_io_list_file", "-custom-IO-list-file"),
-    ("node_precision_info", "-node-precision-info"),
-    ("load_profile", "-load-profile"),
-    ("input_list_file", "-input-list-file"),
-)
-"""Options naming a local file: submit uploads it in the model's archive, beside the model,
-as `<flag name><suffix>` (the farm reads it there: app/domain/services/model_files.py)."""
 
 USAGE = f"""\
 usage: {PROG} submit -m=<model.onnx> -aic-binary-dir=<dir> [compile flags] [--server URL]
@@ -153,14 +145,18 @@ def check_options(options: CompileOptions) -> tuple[Path, Path]:
 
 
 def option_files(options: CompileOptions) -> dict[str, tuple[str, Path]]:
-    """The local files that file-valued options name: option -> (name in the upload, path)."""
+    """The local files that file-valued options name (`MODEL_FILE_OPTIONS`): option ->
+    (name in the upload, path). Each is uploaded in the model's archive, beside the model, as
+    `<flag name><suffix>` (the farm reads it there: app/domain/services/model_files.py)."""
     from compiler_core.errors import CompileError
+    from compiler_core.options import spec_for
 
     files = {}
-    for attr, flag in LOCAL_FILE_FLAGS:
+    for attr in MODEL_FILE_OPTIONS:
         value = getattr(options, attr)
         if value is None:
             continue
+        flag = spec_for(attr).flag
         path = Path(value)
         if not path.is_file():
             raise CompileError("invalid_option", f"{flag}={value}: no such file", flag=flag)

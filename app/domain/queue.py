@@ -4,7 +4,7 @@ web face holds one through this protocol only, built by a `QueueFactory` that it
 root (`app.console.serve`) passes in.
 
 The API commits a job row, then enqueues its id. A failed enqueue is logged, not raised: the
-job is safely in the database and the sweep enqueues it again after `requeue_after_s`, or at
+job is safely in the database and the reaper enqueues it again after `requeue_after_s`, or at
 once when the broker comes back having lost its messages (`BrokerWatch`).
 """
 
@@ -47,7 +47,7 @@ class JobQueue(Enqueuer, Protocol):
 @runtime_checkable
 class BrokerWatch(Protocol):
     """A queue over a broker that can lose its messages (a restart without persistence, a
-    flush): the sweep asks it each time whether that happened since it last asked."""
+    flush): the reaper asks it each time whether that happened since it last asked."""
 
     def broker_lost_messages(self) -> bool:
         """True once per loss of the broker's data, to one caller across the farm (who then

@@ -197,7 +197,7 @@ class CompileJob(Base):
     qpc_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("qpcs.id"), index=True)
     created_at: Mapped[dt.datetime] = _created()
     enqueued_at: Mapped[dt.datetime | None] = mapped_column()
-    """When the job id was last handed to the broker by the stale-job sweep."""
+    """When the job id was last handed to the broker by the reaper."""
     started_at: Mapped[dt.datetime | None] = mapped_column()
     finished_at: Mapped[dt.datetime | None] = mapped_column()
     heartbeat_at: Mapped[dt.datetime | None] = mapped_column()

@@ -16,18 +16,13 @@ import logging
 import math
 from typing import Any
 
+from app.domain.option_rules import SERVER_SIDE_OPTIONS
 from app.domain.services.model_files import check_model_file_paths
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
 
 log = logging.getLogger(__name__)
 
-SERVER_SIDE_OPTIONS = {
-    "model": "the model is the upload named by `model_id`",
-    "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
-    "operators_supported": "see GET /v1/operators",
-}
-"""Options that name paths on the machine running the compile: refused over the network."""
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -48,6 +43,13 @@ def farm_options(
         raise CompileError(
             "invalid_option", f"the options cannot be parsed: {_first_line(exc)}"
         ) from None
+    check_farm_rules(options)
+    return options
+
+
+def check_farm_rules(options: CompileOptions) -> None:
+    """What the farm holds any options to, however they were made (a request, a sweep's
+    compile group): no server-side paths, file options inside the model, storable values."""
     for attr, why in SERVER_SIDE_OPTIONS.items():
         if getattr(options, attr):
             flag = spec_for(attr).flag
@@ -59,7 +61,6 @@ def farm_options(
         problem = _unstorable(value)
         if problem is not None:
             raise CompileError("invalid_option", f"-{name}: {problem}", flag=f"-{name}")
-    return options
 
 
 def _unstorable(value: Any) -> str | None:

@@ -12,20 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.domain.option_rules import MODEL_FILE_OPTIONS
 from app.domain.services.archives import inside_parts
 from app.domain.services.upload_check import KIND_ARCHIVE
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import spec_for
-
-MODEL_FILE_OPTIONS = (
-    "network_specialization_config",
-    "custom_io_list_file",
-    "node_precision_info",
-    "load_profile",
-    "input_list_file",
-)
-"""Options whose value is a file inside the model's upload (a quantization profile and the
-calibration inputs too: the cache key then covers their bytes)."""
 
 
 def check_model_file_paths(options: CompileOptions) -> None:

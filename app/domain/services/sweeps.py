@@ -2,7 +2,7 @@
 
 A sweep row holds the space; each compile group it needs becomes a compile job through
 `jobs.submit_job`, so the QPC cache, attaching to an identical job in flight, the queue, the
-claims and the stale-job sweep all work as for any compile. The sweep's own state is derived
+claims and the reaper all work as for any compile. The sweep's own state is derived
 from its jobs: `advance` (run on create, on every read, and by the periodic sweep of every API
 process and worker) records finished jobs' figures, asks `configurator.search` what to compile
 next (optimize rounds), submits it, and closes the sweep when nothing is left. It is
