@@ -1,11 +1,13 @@
 """Compile options: one declarative schema of every `qaic-compile` flag qpcfarm accepts.
 
-`OPTIONS` is the single source of truth. It drives flag parsing (`-flag=value`, bare booleans,
-`=true/false`, repeatable flags, comma lists), JSON parsing (keys are flag names without the
-dash, e.g. `"aic-num-cores"`, or their snake_case form), `-h` text, canonical JSON (the farm's
-cache key) and the JSON schema the HTTP API publishes. Cross-field rules live in one function,
-`_check_rules`. Every rejection is a `CompileError` whose message names the flag, the value and
-the rule, in one line.
+Each option is declared once, as a field of `CompileOptions` whose `option(...)` metadata is
+its flag's spec; `OPTIONS` collects those specs, and the rule sets (`LOCAL_ONLY_OPTIONS`,
+`MODEL_FILE_OPTIONS`) are read from flags on them. The specs drive flag parsing (`-flag=value`,
+bare booleans, `=true/false`, repeatable flags, comma lists), JSON parsing (keys are flag names
+without the dash, e.g. `"aic-num-cores"`, or their snake_case form), `-h` text, canonical JSON
+(the farm's cache key) and the JSON schema the HTTP API publishes. Cross-field rules live in
+one function, `_check_rules`. Every rejection is a `CompileError` whose message names the flag,
+the value and the rule, in one line.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import math
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from compiler_core.devices import (
@@ -72,6 +74,13 @@ class OptionSpec:
     default_text: str = ""
     """How `-h` describes a default of None (`heuristic`, `the model's`)."""
     metavar: str = ""
+    local_only: bool = False
+    """Names a place on the machine that compiles, or acts there (`-m`, `-aic-binary-dir`,
+    `-operators-supported`): the farm refuses it over the network and a sweep's base flags
+    cannot hold it (the configurator sets the model and the output itself)."""
+    model_file: bool = False
+    """Names a file read with the model: `qpcfarm submit` uploads it in the model's archive
+    and the farm reads it from there (never from its own disk)."""
 
     @property
     def attr(self) -> str:
@@ -85,10 +94,6 @@ class OptionSpec:
         return (self.name, *self.aliases)
 
 
-def _spec(name: str, kind: Kind, help: str, **kwargs: Any) -> OptionSpec:
-    return OptionSpec(name=name, kind=kind, help=help, **kwargs)
-
-
 IO = "Input and output"
 TARGET = "Target and partitioning"
 MEMORY = "Memory"
@@ -96,100 +101,138 @@ PRECISION = "Precision and model shape"
 PROFILING = "Profiling and diagnostics"
 QUANT = "Quantization"
 
-OPTIONS: tuple[OptionSpec, ...] = (
-    _spec(
-        "model",
+_OPTION = "qpcfarm.option"
+"""The `CompileOptions` field metadata key of an option's declaration."""
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """An option as its field declares it; `spec` adds the name the field gives it."""
+
+    settings: dict[str, Any]
+    name: str
+
+    def spec(self, attr: str) -> OptionSpec:
+        return OptionSpec(name=self.name or attr.replace("_", "-"), **self.settings)
+
+
+def option(
+    kind: Kind,
+    help: str,
+    *,
+    default: Any = None,
+    name: str = "",
+    schema_default: Any = ...,
+    **settings: Any,
+) -> Any:
+    """Declare a `CompileOptions` field and its flag at once: the field's default is
+    `default`; the rest (bounds, choices, group, `local_only`, `model_file`...) are the
+    `OptionSpec` that parsing, `-h`, the JSON schema and the farm's rules read. `name` is the
+    flag when it is not the field's name with dashes (`custom-IO-list-file`);
+    `schema_default` is what `-h` and the schema call the default when the field's is
+    implied by another option (`-aic-hw-version` follows `-aic-device`)."""
+    shown = default if schema_default is ... else schema_default
+    declared = _Declared(dict(kind=kind, help=help, default=shown, **settings), name)
+    metadata = {_OPTION: declared}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """A validated, immutable set of compile options (defaults filled in, spellings canonical).
+
+    Build it with `from_flags`, `from_json` or `CompileOptions()` for all defaults; derive
+    variants with `with_`, which validates again.
+    """
+
+    model: str | None = option(
         "path",
         "Input ONNX model (required to compile).",
         aliases=("m",),
         affects_qpc=False,
         group=IO,
         default_text="none",
-    ),
-    _spec(
-        "aic-binary-dir",
+        local_only=True,
+    )
+    aic_binary_dir: str | None = option(
         "path",
         "Output directory; the QPC is <dir>/programqpc.bin.",
         affects_qpc=False,
         group=IO,
         default_text="none",
-    ),
-    _spec(
-        "operators-supported",
+        local_only=True,
+    )
+    operators_supported: str | None = option(
         "enum",
         "Print the supported operators of a framework and exit.",
         choices=("onnx",),
         affects_qpc=False,
         group=IO,
         default_text="none",
-    ),
-    _spec(
-        "aic-hw",
+        local_only=True,
+    )
+    aic_hw: bool = option(
         "bool",
         "Compile for real hardware (always implied here).",
         default=False,
         group=TARGET,
-    ),
-    _spec(
-        "aic-hw-version",
+    )
+    aic_hw_version: str = option(
         "enum",
         "Hardware generation: 2.0 (older spelling of ai100), ai100 or ai200 (adds bf16).",
         choices=tuple(HW_VERSION_SPELLINGS),
         group=TARGET,
         default_text="the device's, else ai100",
-    ),
-    _spec(
-        "aic-device",
+        default="ai100",
+        schema_default=None,
+    )
+    aic_device: str | None = option(
         "device",
         "Device profile to compile for (qpcfarm addition): " + ", ".join(device_names()) + ".",
         group=TARGET,
         default_text="the full SoC of the hardware version",
-    ),
-    _spec(
-        "aic-num-cores",
+    )
+    aic_num_cores: int = option(
         "int",
         "NSP cores to compile for; at most the device's cores per SoC.",
         default=1,
         minimum=1,
         maximum=MAX_CORES,
         group=TARGET,
-    ),
-    _spec(
-        "ols",
+    )
+    ols: int = option(
         "int",
         "Overlap split factor: a power of two, at most -aic-num-cores.",
         default=1,
         minimum=1,
         maximum=MAX_CORES,
         group=TARGET,
-    ),
-    _spec(
-        "mos",
+    )
+    mos: int | None = option(
         "int",
         "Maximum output-channel split, at most -aic-num-cores.",
         minimum=1,
         maximum=MAX_CORES,
         group=TARGET,
         default_text="heuristic",
-    ),
-    _spec(
-        "multicast-weights",
+    )
+    multicast_weights: bool = option(
         "bool",
         "Multicast shared weights to all cores (always done here).",
         default=False,
         group=TARGET,
-    ),
-    _spec(
-        "compile-threads",
+    )
+    compile_threads: int | None = option(
         "int",
         "Threads the compiler may use; never changes the QPC.",
         minimum=1,
         affects_qpc=False,
         group=TARGET,
         default_text="all CPUs",
-    ),
-    _spec(
-        "vtcm-working-set-limit-ratio",
+    )
+    vtcm_working_set_limit_ratio: float = option(
         "float",
         "Fraction of VTCM a kernel's working set may use.",
         default=1.0,
@@ -197,58 +240,51 @@ OPTIONS: tuple[OptionSpec, ...] = (
         maximum=1.0,
         min_exclusive=True,
         group=MEMORY,
-    ),
-    _spec(
-        "size-split-granularity",
+    )
+    size_split_granularity: int = option(
         "int",
         "Tile size granularity for splitting, in KiB.",
         default=1024,
         minimum=512,
         maximum=2048,
         group=MEMORY,
-    ),
-    _spec(
-        "allocator-dealloc-delay",
+    )
+    allocator_dealloc_delay: int = option(
         "int",
         "Delay (in ops) before a DDR buffer is reused.",
         default=0,
         minimum=0,
         group=MEMORY,
-    ),
-    _spec(
-        "aic-enable-depth-first",
+    )
+    aic_enable_depth_first: bool = option(
         "bool",
         "Schedule depth first to keep activations on chip.",
         default=False,
         group=MEMORY,
-    ),
-    _spec(
-        "aic-depth-first-mem",
+    )
+    aic_depth_first_mem: int | None = option(
         "int",
         "On-chip memory budget for depth-first scheduling, MiB.",
         minimum=8,
         maximum=32,
         group=MEMORY,
         default_text="heuristic",
-    ),
-    _spec(
-        "retained-state",
+    )
+    retained_state: bool = option(
         "bool",
         "Outputs named *_RetainedState stay in DDR and feed inputs.",
         default=False,
         group=MEMORY,
-    ),
-    _spec(
-        "batchsize",
+    )
+    batchsize: int | None = option(
         "int",
         "Recompile the model for this batch size.",
         minimum=1,
         maximum=MAX_DIMENSION,
         group=PRECISION,
         default_text="the model's",
-    ),
-    _spec(
-        "onnx-define-symbol",
+    )
+    onnx_define_symbol: Mapping[str, int] = option(
         "symbol_map",
         "Bind a symbolic dimension: <name>,<value> (repeat once per symbol).",
         default={},
@@ -258,100 +294,93 @@ OPTIONS: tuple[OptionSpec, ...] = (
         group=PRECISION,
         metavar="<name>,<value>",
         default_text="none",
-    ),
-    _spec(
-        "network-specialization-config",
+    )
+    network_specialization_config: str | None = option(
         "path",
         "JSON file of shape specializations sharing weights in one QPC.",
         group=PRECISION,
         default_text="none",
-    ),
-    _spec(
-        "convert-to-fp16",
+        model_file=True,
+    )
+    convert_to_fp16: bool = option(
         "bool",
         "Compute in fp16 (constants out of range are clipped).",
         default=False,
         group=PRECISION,
-    ),
-    _spec(
-        "mxfp6-matmul",
+    )
+    mxfp6_matmul: bool = option(
         "bool",
         "Store MatMul/Gemm weights as MXFP6 (decoded to fp16 values on the device).",
         default=False,
         group=PRECISION,
-    ),
-    _spec(
-        "mxint8-kv-cache",
+    )
+    mxint8_kv_cache: bool = option(
         "bool",
         "Store every retained-state tensor (the KV cache) as MXINT8 blocks on the device, as "
         "if each were listed with Precision mxint8 in the custom-IO list.",
         default=False,
         group=PRECISION,
-    ),
-    _spec(
-        "custom-IO-list-file",
+    )
+    custom_io_list_file: str | None = option(
         "path",
         "YAML list of IOName/Precision pairs.",
+        name="custom-IO-list-file",
         group=PRECISION,
         default_text="none",
-    ),
-    _spec(
-        "node-precision-info",
+        model_file=True,
+    )
+    node_precision_info: str | None = option(
         "path",
         "YAML with FP32NodeInstanceNames / FP16NodeInstanceNames.",
         group=PRECISION,
         default_text="none",
-    ),
-    _spec(
-        "dump-profile",
+        model_file=True,
+    )
+    dump_profile: str | None = option(
         "path",
         "Run the float model on the calibration inputs (-input-list-file) and write the "
         "quantization profile (per-tensor ranges and histograms, JSON) to this file; the compile "
         "then uses it unless -no-quant.",
         group=QUANT,
         default_text="none",
-    ),
-    _spec(
-        "load-profile",
+    )
+    load_profile: str | None = option(
         "path",
         "Quantize the model to int8 (or int16) from this profile (written by -dump-profile).",
         group=QUANT,
         default_text="none",
-    ),
-    _spec(
-        "input-list-file",
+        model_file=True,
+    )
+    input_list_file: str | None = option(
         "path",
         "Calibration inputs: a text file, one inference per line (input files, .raw or .npy, "
         "in input order or as name:=path), or an .npz of arrays named by input with the samples "
         "stacked on a leading axis.",
         group=QUANT,
         default_text="none",
-    ),
-    _spec(
-        "no-quant",
+        model_file=True,
+    )
+    no_quant: bool = option(
         "bool",
         "Do not quantize: with -dump-profile, only write the profile and compile in float.",
         default=False,
         group=QUANT,
-    ),
-    _spec(
-        "quantization-precision",
+    )
+    quantization_precision: str = option(
         "enum",
         "Integer type of quantized weights and activations.",
         default="Int8",
         choices=QUANT_PRECISIONS,
         group=QUANT,
-    ),
-    _spec(
-        "quantization-precision-bias",
+    )
+    quantization_precision_bias: str = option(
         "enum",
         "Integer type of quantized biases (Int8 is rescaled into the int32 accumulator).",
         default="Int8",
         choices=BIAS_PRECISIONS,
         group=QUANT,
-    ),
-    _spec(
-        "quantization-schema-activations",
+    )
+    quantization_schema_activations: str = option(
         "enum",
         "How activations map to integers: symmetric (zero point 0), symmetric_with_uint8 "
         "(unsigned for tensors that are never negative), symmetric_with_power2_scale "
@@ -360,109 +389,96 @@ OPTIONS: tuple[OptionSpec, ...] = (
         choices=QUANT_SCHEMAS,
         group=QUANT,
         metavar="<schema>",
-    ),
-    _spec(
-        "quantization-schema-constants",
+    )
+    quantization_schema_constants: str = option(
         "enum",
         "How weights map to integers (same schemas as -quantization-schema-activations).",
         default="symmetric_with_uint8",
         choices=QUANT_SCHEMAS,
         group=QUANT,
         metavar="<schema>",
-    ),
-    _spec(
-        "quantization-calibration",
+    )
+    quantization_calibration: str = option(
         "enum",
         "How an activation's range is chosen from its histogram: None (MinMax), "
         "KLMinimization, KLMinimizationV2, Percentile, MSE or SQNR.",
         default="None",
         choices=CALIBRATIONS,
         group=QUANT,
-    ),
-    _spec(
-        "percentile-calibration-value",
+    )
+    percentile_calibration_value: float = option(
         "float",
         "Percentile of |values| kept by -quantization-calibration=Percentile.",
         default=100.0,
         minimum=90.0,
         maximum=100.0,
         group=QUANT,
-    ),
-    _spec(
-        "num-histogram-bins",
+    )
+    num_histogram_bins: int = option(
         "int",
         "Bins of each tensor's histogram in the profile.",
         default=512,
         minimum=16,
         maximum=65536,
         group=QUANT,
-    ),
-    _spec(
-        "enable-channelwise",
+    )
+    enable_channelwise: bool = option(
         "bool",
         "Quantize Conv weights per output channel (else per tensor).",
         default=False,
         group=QUANT,
-    ),
-    _spec(
-        "enable-rowwise",
+    )
+    enable_rowwise: bool = option(
         "bool",
         "Quantize MatMul/Gemm weights per output column (else per tensor).",
         default=False,
         group=QUANT,
-    ),
-    _spec(
-        "execute-nodes-in-fp16",
+    )
+    execute_nodes_in_fp16: tuple[str, ...] = option(
         "name_list",
         "Op types that stay float and compute in fp16 (comma separated, e.g. Softmax,Gelu).",
         default=(),
         group=QUANT,
         metavar="<op>[,<op>...]",
         default_text="none",
-    ),
-    _spec(
-        "keep-original-precision-for-nodes",
+    )
+    keep_original_precision_for_nodes: tuple[str, ...] = option(
         "name_list",
         "Op types that are not quantized and keep the model's float precision.",
         default=(),
         group=QUANT,
         metavar="<op>[,<op>...]",
         default_text="none",
-    ),
-    _spec(
-        "stats-level",
+    )
+    stats_level: int = option(
         "int",
         "Stats instrumentation level (additive): 40, 50, 70 or 100.",
         default=40,
         choices=STATS_LEVELS,
         group=PROFILING,
-    ),
-    _spec(
-        "stats-batchsize",
+    )
+    stats_batchsize: int | None = option(
         "int",
         "Batch size that stats are normalised by.",
         minimum=1,
         maximum=MAX_DIMENSION,
         group=PROFILING,
         default_text="the batch size",
-    ),
-    _spec(
-        "ddr-stats",
+    )
+    ddr_stats: bool = option(
         "bool",
         "Collect per-core DDR traffic (needs -stats-level >= 40).",
         default=False,
         group=PROFILING,
-    ),
-    _spec(
-        "aic-pmu-recipe",
+    )
+    aic_pmu_recipe: str | None = option(
         "enum",
         "Predefined PMU event set (excludes -aic-pmu-events).",
         choices=PMU_RECIPES,
         group=PROFILING,
         default_text="none",
-    ),
-    _spec(
-        "aic-pmu-events",
+    )
+    aic_pmu_events: tuple[str, ...] = option(
         "hex_list",
         f"Up to {MAX_PMU_EVENTS} PMU event ids in hex, comma separated (excludes -aic-pmu-recipe).",
         default=(),
@@ -470,41 +486,188 @@ OPTIONS: tuple[OptionSpec, ...] = (
         group=PROFILING,
         metavar="<hex>[,<hex>...]",
         default_text="none",
-    ),
-    _spec(
-        "aic-perf-warnings",
+    )
+    aic_perf_warnings: bool = option(
         "bool",
         "Print performance warnings.",
         default=False,
         affects_qpc=False,
         group=PROFILING,
-    ),
-    _spec(
-        "aic-perf-metrics",
+    )
+    aic_perf_metrics: bool = option(
         "bool",
         "Print compiler performance metrics.",
         default=False,
         affects_qpc=False,
         group=PROFILING,
-    ),
-    _spec(
-        "time-passes",
+    )
+    time_passes: bool = option(
         "bool",
         "Print the time each compiler stage took.",
         default=False,
         affects_qpc=False,
         group=PROFILING,
-    ),
-    _spec(
-        "compile-only",
+    )
+    compile_only: bool = option(
         "bool",
         "Accepted for compatibility and ignored.",
         default=False,
         deprecated=True,
         affects_qpc=False,
         group=PROFILING,
-    ),
+    )
+    warnings: tuple[str, ...] = ()
+    """Messages about accepted-but-deprecated flags, for the caller to print or store."""
+
+    def __post_init__(self) -> None:
+        # A read-only, key-sorted copy: the object stays hashable-in-spirit and canonical.
+        symbols = dict(sorted(dict(self.onnx_define_symbol).items()))
+        object.__setattr__(self, "onnx_define_symbol", _FrozenDict(symbols))
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_flags(cls, argv: Sequence[str]) -> CompileOptions:
+        """Parse qaic-compile style flags: `-flag=value`, bare booleans, repeatable flags."""
+        given: dict[str, Any] = {}
+        for arg in argv:
+            if not arg.startswith("-") or arg in ("-", "--"):
+                raise CompileError(
+                    "invalid_option",
+                    f"Unexpected argument {_shown(arg)}: options are written -flag=value",
+                    flag=arg,
+                )
+            name, has_value, text = arg.lstrip("-").partition("=")
+            spec = _FLAGS.get(name)
+            if spec is None:
+                raise _unknown(arg)
+            if not has_value and spec.kind != "bool":
+                raise CompileError(
+                    "invalid_option",
+                    f"Missing value for -{name} (write -{name}={spec.metavar or _metavar(spec)})",
+                    flag=spec.flag,
+                )
+            value = coerce(spec, text if has_value else True)
+            _merge(given, spec, value, shown=f"-{name}={text}" if has_value else f"-{name}")
+        return _build(given)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | str) -> CompileOptions:
+        """Parse a JSON object (or its text): keys `aic-num-cores`, `aic_num_cores` or `-m`."""
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise CompileError("invalid_option", f"options are not valid JSON: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise CompileError("invalid_option", "options must be a JSON object of flag: value")
+        given: dict[str, Any] = {}
+        for key, raw in data.items():
+            if not isinstance(key, str):
+                raise CompileError("unknown_option", f"Invalid option {key!r}.")
+            spec = _JSON_KEYS.get(_json_key(key))
+            if spec is None:
+                raise _unknown(key if key.startswith("-") else "-" + key)
+            if raw is None:
+                continue
+            if spec.attr in given:
+                raise _invalid(spec, raw, "given more than once under different spellings")
+            given[spec.attr] = coerce(spec, raw)
+        return _build(given)
+
+    def with_(self, **changes: Any) -> CompileOptions:
+        """A copy with some options changed (snake_case names), validated like any other."""
+        values = self._given()
+        for key, value in changes.items():
+            spec = _BY_ATTR.get(key)
+            if spec is None:
+                raise _unknown("-" + key.replace("_", "-"))
+            if value is None:
+                values.pop(key, None)
+            else:
+                values[key] = coerce(spec, value)
+        return _build(values)
+
+    def _given(self) -> dict[str, Any]:
+        """The non-default values, as `_build` takes them back."""
+        out: dict[str, Any] = {}
+        for spec in OPTIONS:
+            value = getattr(self, spec.attr)
+            if spec.attr == "aic_hw_version":
+                implied = get_device(self.aic_device).hw_version if self.aic_device else "ai100"
+                if value != implied:
+                    out[spec.attr] = value
+            elif _is_set(spec, value):
+                out[spec.attr] = value
+        return out
+
+    # -- output ---------------------------------------------------------------------------
+
+    def to_json(self, *, full: bool = False) -> dict[str, Any]:
+        """Canonical JSON: flag-name keys, canonical spellings, every option that changes the
+        QPC bytes (defaults included). `full=True` adds the rest (model path, output dir,
+        printing flags) so that `from_json(o.to_json(full=True)) == o`."""
+        out: dict[str, Any] = {}
+        for spec in OPTIONS:
+            if not (spec.affects_qpc or full):
+                continue
+            value = getattr(self, spec.attr)
+            if spec.kind in ("hex_list", "name_list"):
+                value = list(value)
+            elif spec.kind == "symbol_map":
+                value = dict(value)
+            out[spec.name] = value
+        return dict(sorted(out.items()))
+
+    def to_json_str(self) -> str:
+        """Compact, key-sorted canonical JSON; the farm keys its QPC cache on its sha256."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def to_flags(self) -> list[str]:
+        """Canonical flags that `from_flags` turns back into an equal object."""
+        flags: list[str] = []
+        given = self._given()
+        for spec in OPTIONS:
+            if spec.attr not in given:
+                continue
+            value = getattr(self, spec.attr)
+            if spec.kind == "bool":
+                flags.append(spec.flag if value else f"{spec.flag}=false")
+            elif spec.kind == "symbol_map":
+                flags.extend(f"{spec.flag}={k},{v}" for k, v in value.items())
+            elif spec.kind == "hex_list":  # as the user writes them: 0x1, not 1
+                flags.append(f"{spec.flag}={','.join('0x' + v for v in value)}")
+            elif spec.kind == "name_list":
+                flags.append(f"{spec.flag}={','.join(value)}")
+            else:
+                flags.append(f"{spec.flag}={_flag_text(value)}")
+        return flags
+
+    @property
+    def device(self) -> DeviceProfile:
+        """The chosen device profile, or the default one of the hardware version."""
+        if self.aic_device is not None:
+            return get_device(self.aic_device)
+        return default_device_for(self.aic_hw_version)
+
+    @property
+    def quantize(self) -> bool:
+        """Float operators are quantized from a profile (loaded, or dumped by this compile)."""
+        return bool(self.load_profile or self.dump_profile) and not self.no_quant
+
+    @property
+    def effective_stats_batchsize(self) -> int:
+        return self.stats_batchsize or self.batchsize or 1
+
+
+OPTIONS: tuple[OptionSpec, ...] = tuple(
+    f.metadata[_OPTION].spec(f.name) for f in fields(CompileOptions) if _OPTION in f.metadata
 )
+"""Every option's spec, in declaration order: built from the fields of `CompileOptions`."""
+LOCAL_ONLY_OPTIONS: tuple[OptionSpec, ...] = tuple(s for s in OPTIONS if s.local_only)
+"""Options for the compiling machine only: refused over the network, never sweep base flags."""
+MODEL_FILE_OPTIONS: tuple[OptionSpec, ...] = tuple(s for s in OPTIONS if s.model_file)
+"""Options naming a file read with the model: it travels in the model's archive."""
 
 _FLAGS = {spelling: s for s in OPTIONS for spelling in s.spellings()}
 """Flag names are matched exactly, as qaic-compile does (`-custom-IO-list-file`)."""
@@ -796,207 +959,6 @@ def coerce(spec: OptionSpec, value: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------
 # The options object
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """A validated, immutable set of compile options (defaults filled in, spellings canonical).
-
-    Build it with `from_flags`, `from_json` or `CompileOptions()` for all defaults; derive
-    variants with `with_`, which validates again.
-    """
-
-    model: str | None = None
-    aic_binary_dir: str | None = None
-    operators_supported: str | None = None
-    aic_hw: bool = False
-    aic_hw_version: str = "ai100"
-    aic_device: str | None = None
-    aic_num_cores: int = 1
-    ols: int = 1
-    mos: int | None = None
-    multicast_weights: bool = False
-    compile_threads: int | None = None
-    vtcm_working_set_limit_ratio: float = 1.0
-    size_split_granularity: int = 1024
-    allocator_dealloc_delay: int = 0
-    aic_enable_depth_first: bool = False
-    aic_depth_first_mem: int | None = None
-    retained_state: bool = False
-    batchsize: int | None = None
-    onnx_define_symbol: Mapping[str, int] = field(default_factory=dict)
-    network_specialization_config: str | None = None
-    convert_to_fp16: bool = False
-    mxfp6_matmul: bool = False
-    mxint8_kv_cache: bool = False
-    custom_io_list_file: str | None = None
-    node_precision_info: str | None = None
-    dump_profile: str | None = None
-    load_profile: str | None = None
-    input_list_file: str | None = None
-    no_quant: bool = False
-    quantization_precision: str = "Int8"
-    quantization_precision_bias: str = "Int8"
-    quantization_schema_activations: str = "symmetric_with_uint8"
-    quantization_schema_constants: str = "symmetric_with_uint8"
-    quantization_calibration: str = "None"
-    percentile_calibration_value: float = 100.0
-    num_histogram_bins: int = 512
-    enable_channelwise: bool = False
-    enable_rowwise: bool = False
-    execute_nodes_in_fp16: tuple[str, ...] = ()
-    keep_original_precision_for_nodes: tuple[str, ...] = ()
-    stats_level: int = 40
-    stats_batchsize: int | None = None
-    ddr_stats: bool = False
-    aic_pmu_recipe: str | None = None
-    aic_pmu_events: tuple[str, ...] = ()
-    aic_perf_warnings: bool = False
-    aic_perf_metrics: bool = False
-    time_passes: bool = False
-    compile_only: bool = False
-    warnings: tuple[str, ...] = ()
-    """Messages about accepted-but-deprecated flags, for the caller to print or store."""
-
-    def __post_init__(self) -> None:
-        # A read-only, key-sorted copy: the object stays hashable-in-spirit and canonical.
-        symbols = dict(sorted(dict(self.onnx_define_symbol).items()))
-        object.__setattr__(self, "onnx_define_symbol", _FrozenDict(symbols))
-
-    # -- construction ---------------------------------------------------------------------
-
-    @classmethod
-    def from_flags(cls, argv: Sequence[str]) -> CompileOptions:
-        """Parse qaic-compile style flags: `-flag=value`, bare booleans, repeatable flags."""
-        given: dict[str, Any] = {}
-        for arg in argv:
-            if not arg.startswith("-") or arg in ("-", "--"):
-                raise CompileError(
-                    "invalid_option",
-                    f"Unexpected argument {_shown(arg)}: options are written -flag=value",
-                    flag=arg,
-                )
-            name, has_value, text = arg.lstrip("-").partition("=")
-            spec = _FLAGS.get(name)
-            if spec is None:
-                raise _unknown(arg)
-            if not has_value and spec.kind != "bool":
-                raise CompileError(
-                    "invalid_option",
-                    f"Missing value for -{name} (write -{name}={spec.metavar or _metavar(spec)})",
-                    flag=spec.flag,
-                )
-            value = coerce(spec, text if has_value else True)
-            _merge(given, spec, value, shown=f"-{name}={text}" if has_value else f"-{name}")
-        return _build(given)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any] | str) -> CompileOptions:
-        """Parse a JSON object (or its text): keys `aic-num-cores`, `aic_num_cores` or `-m`."""
-        if isinstance(data, str):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise CompileError("invalid_option", f"options are not valid JSON: {exc}") from None
-        if not isinstance(data, Mapping):
-            raise CompileError("invalid_option", "options must be a JSON object of flag: value")
-        given: dict[str, Any] = {}
-        for key, raw in data.items():
-            if not isinstance(key, str):
-                raise CompileError("unknown_option", f"Invalid option {key!r}.")
-            spec = _JSON_KEYS.get(_json_key(key))
-            if spec is None:
-                raise _unknown(key if key.startswith("-") else "-" + key)
-            if raw is None:
-                continue
-            if spec.attr in given:
-                raise _invalid(spec, raw, "given more than once under different spellings")
-            given[spec.attr] = coerce(spec, raw)
-        return _build(given)
-
-    def with_(self, **changes: Any) -> CompileOptions:
-        """A copy with some options changed (snake_case names), validated like any other."""
-        values = self._given()
-        for key, value in changes.items():
-            spec = _BY_ATTR.get(key)
-            if spec is None:
-                raise _unknown("-" + key.replace("_", "-"))
-            if value is None:
-                values.pop(key, None)
-            else:
-                values[key] = coerce(spec, value)
-        return _build(values)
-
-    def _given(self) -> dict[str, Any]:
-        """The non-default values, as `_build` takes them back."""
-        out: dict[str, Any] = {}
-        for spec in OPTIONS:
-            value = getattr(self, spec.attr)
-            if spec.attr == "aic_hw_version":
-                implied = get_device(self.aic_device).hw_version if self.aic_device else "ai100"
-                if value != implied:
-                    out[spec.attr] = value
-            elif _is_set(spec, value):
-                out[spec.attr] = value
-        return out
-
-    # -- output ---------------------------------------------------------------------------
-
-    def to_json(self, *, full: bool = False) -> dict[str, Any]:
-        """Canonical JSON: flag-name keys, canonical spellings, every option that changes the
-        QPC bytes (defaults included). `full=True` adds the rest (model path, output dir,
-        printing flags) so that `from_json(o.to_json(full=True)) == o`."""
-        out: dict[str, Any] = {}
-        for spec in OPTIONS:
-            if not (spec.affects_qpc or full):
-                continue
-            value = getattr(self, spec.attr)
-            if spec.kind in ("hex_list", "name_list"):
-                value = list(value)
-            elif spec.kind == "symbol_map":
-                value = dict(value)
-            out[spec.name] = value
-        return dict(sorted(out.items()))
-
-    def to_json_str(self) -> str:
-        """Compact, key-sorted canonical JSON; the farm keys its QPC cache on its sha256."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
-
-    def to_flags(self) -> list[str]:
-        """Canonical flags that `from_flags` turns back into an equal object."""
-        flags: list[str] = []
-        given = self._given()
-        for spec in OPTIONS:
-            if spec.attr not in given:
-                continue
-            value = getattr(self, spec.attr)
-            if spec.kind == "bool":
-                flags.append(spec.flag if value else f"{spec.flag}=false")
-            elif spec.kind == "symbol_map":
-                flags.extend(f"{spec.flag}={k},{v}" for k, v in value.items())
-            elif spec.kind == "hex_list":  # as the user writes them: 0x1, not 1
-                flags.append(f"{spec.flag}={','.join('0x' + v for v in value)}")
-            elif spec.kind == "name_list":
-                flags.append(f"{spec.flag}={','.join(value)}")
-            else:
-                flags.append(f"{spec.flag}={_flag_text(value)}")
-        return flags
-
-    @property
-    def device(self) -> DeviceProfile:
-        """The chosen device profile, or the default one of the hardware version."""
-        if self.aic_device is not None:
-            return get_device(self.aic_device)
-        return default_device_for(self.aic_hw_version)
-
-    @property
-    def quantize(self) -> bool:
-        """Float operators are quantized from a profile (loaded, or dumped by this compile)."""
-        return bool(self.load_profile or self.dump_profile) and not self.no_quant
-
-    @property
-    def effective_stats_batchsize(self) -> int:
-        return self.stats_batchsize or self.batchsize or 1
 
 
 class _FrozenDict(dict[str, int]):
@@ -1335,11 +1297,14 @@ def options_json_schema() -> dict[str, Any]:
 
 
 __all__ = [
+    "LOCAL_ONLY_OPTIONS",
+    "MODEL_FILE_OPTIONS",
     "OPTIONS",
     "CompileOptions",
     "OptionSpec",
     "coerce",
     "options_json_schema",
+    "option",
     "options_model",
     "spec_for",
     "usage",

@@ -357,8 +357,18 @@ def test_another_teams_models_jobs_qpcs_and_validations_answer_404(
         ({"options": {"stats-level": 41}}, "invalid_option", "-stats-level"),
         ({"options": {"model": "/etc/passwd"}}, "invalid_option", "-model"),
         ({"flags": ["-aic-binary-dir=/srv"]}, "invalid_option", "-aic-binary-dir"),
+        ({"flags": ["-operators-supported=onnx"]}, "invalid_option", "-operators-supported"),
     ],
-    ids=["range", "flag-range", "unknown", "unknown-flag", "choice", "model-path", "out-dir"],
+    ids=[
+        "range",
+        "flag-range",
+        "unknown",
+        "unknown-flag",
+        "choice",
+        "model-path",
+        "out-dir",
+        "local-action",
+    ],
 )
 def test_bad_options_are_422_naming_the_flag_and_nothing_is_queued(
     local: LiveServer, local_api: httpx.Client, body: dict, code: str, flag: str

@@ -116,17 +116,16 @@ def test_the_service_stages_have_words_and_end_states_are_named_once() -> None:
 # ----------------------------------------------------------------------- option rules
 
 
-def test_every_option_rule_names_a_real_option_and_submit_uploads_each_file_option() -> None:
-    from app.console import submit
-    from app.domain.option_rules import MODEL_FILE_OPTIONS, SERVER_SIDE_OPTIONS
-    from compiler_core.options import CompileOptions, spec_for
+def test_the_farm_reads_its_option_rules_from_the_compilers_option_spec() -> None:
+    """Which options the farm refuses and which name a file in the model's upload are flags
+    on the compiler's option declarations; the service keeps no list of its own."""
+    from app.domain.services import farm_options
+    from compiler_core.options import LOCAL_ONLY_OPTIONS, MODEL_FILE_OPTIONS
 
-    fields = set(CompileOptions.__dataclass_fields__)
-    assert set(MODEL_FILE_OPTIONS) <= fields and set(SERVER_SIDE_OPTIONS) <= fields
-    assert not set(MODEL_FILE_OPTIONS) & set(SERVER_SIDE_OPTIONS)
-    assert submit.MODEL_FILE_OPTIONS is MODEL_FILE_OPTIONS
-    for attr in MODEL_FILE_OPTIONS:
-        assert spec_for(attr).flag.startswith("-")
+    local_only = {spec.attr for spec in LOCAL_ONLY_OPTIONS}
+    assert {"model", "aic_binary_dir", "operators_supported"} <= local_only
+    assert set(farm_options.FARM_INSTEAD) <= local_only  # only words the refusals
+    assert not local_only & {spec.attr for spec in MODEL_FILE_OPTIONS}
 
 
 @pytest.mark.parametrize(

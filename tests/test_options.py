@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import pickle
@@ -17,6 +18,8 @@ from compiler_core.devices import (
 )
 from compiler_core.errors import CompileError
 from compiler_core.options import (
+    LOCAL_ONLY_OPTIONS,
+    MODEL_FILE_OPTIONS,
     OPTIONS,
     CompileOptions,
     options_json_schema,
@@ -576,3 +579,34 @@ def test_default_device_per_hardware_version() -> None:
     assert default_device_for("2.0") is default_device_for("ai100")
     assert default_device_for("ai100").cores_per_soc == 16
     assert default_device_for("ai200").hw_version == "ai200"
+
+
+# -- one declaration per option ---------------------------------------------------------------
+
+
+def test_each_option_is_one_field_of_compile_options_declaring_its_flag() -> None:
+    declared = [f.name for f in dataclasses.fields(CompileOptions) if f.name != "warnings"]
+    assert [spec.attr for spec in OPTIONS] == declared
+    defaults = CompileOptions()
+    for spec in OPTIONS:
+        if spec.name == "aic-hw-version":  # follows -aic-device: -h and the schema say so
+            assert spec.default is None and defaults.aic_hw_version == "ai100"
+        else:
+            assert getattr(defaults, spec.attr) == spec.default, spec.name
+
+
+def test_the_option_rule_sets_are_read_from_the_declarations() -> None:
+    assert [s.name for s in LOCAL_ONLY_OPTIONS] == [
+        "model",
+        "aic-binary-dir",
+        "operators-supported",
+    ]
+    assert [s.name for s in MODEL_FILE_OPTIONS] == [
+        "network-specialization-config",
+        "custom-IO-list-file",
+        "node-precision-info",
+        "load-profile",
+        "input-list-file",
+    ]
+    assert all(s.kind == "path" for s in MODEL_FILE_OPTIONS)
+    assert not {s.name for s in LOCAL_ONLY_OPTIONS} & {s.name for s in MODEL_FILE_OPTIONS}

@@ -130,7 +130,17 @@ def test_yaml_and_json_spaces_read_the_same_and_the_docs_example_is_valid(tmp_pa
             "not allowed",
         ),
         ('{"parameters": {"cores": [1]}, "base_flags": ["-aic-num-cores=x"]}', "json", "base"),
-        ('{"parameters": {"m": ["x.onnx"]}}', "json", "configurator sets it"),
+        ('{"parameters": {"m": ["x.onnx"]}}', "json", "cannot set -model"),
+        (
+            '{"parameters": {"cores": [1]}, "base_flags": ["-operators-supported=onnx"]}',
+            "json",
+            "cannot set -operators-supported",
+        ),
+        (
+            '{"parameters": {"cores": [1]}, "base_flags": {"aic-binary-dir": "out"}}',
+            "json",
+            "cannot set -aic-binary-dir",
+        ),
         ("[1, 2]", "json", "must be a mapping"),
         ("{", "json", "not valid JSON"),
         ("a: [", "yaml", "not valid YAML"),

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TextIO
 
-from app.domain.option_rules import MODEL_FILE_OPTIONS
 from app.domain.stages import stage_words
 
 if TYPE_CHECKING:
@@ -145,32 +144,37 @@ def check_options(options: CompileOptions) -> tuple[Path, Path]:
 
 
 def option_files(options: CompileOptions) -> dict[str, tuple[str, Path]]:
-    """The local files that file-valued options name (`MODEL_FILE_OPTIONS`): option ->
-    (name in the upload, path). Each is uploaded in the model's archive, beside the model, as
-    `<flag name><suffix>` (the farm reads it there: app/domain/services/model_files.py)."""
+    """The local files that file-valued options name (the compiler's `MODEL_FILE_OPTIONS`):
+    option -> (name in the upload, path). Submit uploads each in the model's archive, beside
+    the model, as `<flag name><suffix>` (the farm reads it there:
+    app/domain/services/model_files.py)."""
     from compiler_core.errors import CompileError
-    from compiler_core.options import spec_for
+    from compiler_core.options import MODEL_FILE_OPTIONS
 
     files = {}
-    for attr in MODEL_FILE_OPTIONS:
-        value = getattr(options, attr)
+    for spec in MODEL_FILE_OPTIONS:
+        value = getattr(options, spec.attr)
         if value is None:
             continue
-        flag = spec_for(attr).flag
         path = Path(value)
         if not path.is_file():
-            raise CompileError("invalid_option", f"{flag}={value}: no such file", flag=flag)
-        files[attr] = (flag.lstrip("-") + path.suffix, path)
+            raise CompileError(
+                "invalid_option", f"{spec.flag}={value}: no such file", flag=spec.flag
+            )
+        files[spec.attr] = (spec.name + path.suffix, path)
     return files
 
 
 def remote_flags(
     options: CompileOptions, files: dict[str, tuple[str, Path]] | None = None
 ) -> list[str]:
-    """The canonical flags the server gets: no local paths; file options name their file's
-    place in the upload."""
+    """The canonical flags the server gets: no local-only option (the model and the output
+    directory stay here); file options name their file's place in the upload."""
+    from compiler_core.options import LOCAL_ONLY_OPTIONS
+
+    local = {spec.attr: None for spec in LOCAL_ONLY_OPTIONS}
     uploaded = {attr: name for attr, (name, _) in (files or {}).items()}
-    return options.with_(model=None, aic_binary_dir=None, **uploaded).to_flags()
+    return options.with_(**local, **uploaded).to_flags()
 
 
 # ---------------------------------------------------------------------------- the model

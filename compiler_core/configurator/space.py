@@ -58,9 +58,6 @@ MAX_POINTS = 4096
 """A space larger than this is refused: it is a typo, not a sweep (the 14-core reference
 space of every valid combination has well under this)."""
 
-FORBIDDEN_BASE = ("m", "model", "aic-binary-dir")
-"""Base flags the configurator sets itself."""
-
 
 class SpaceError(CompileError):
     """A search space that cannot be read (bad file, unknown parameter, bad constraint)."""
@@ -84,8 +81,11 @@ def canonical_param(name: str) -> str:
             f"unknown search-space parameter {name!r}: use cores, instances, batchsize, "
             "mos, ols, set_size or a compile flag name"
         ) from None
-    if spec.name in FORBIDDEN_BASE:
-        raise SpaceError(f"the search space cannot set -{spec.name}: the configurator sets it")
+    if spec.local_only:  # the model, the output directory, -operators-supported
+        raise SpaceError(
+            f"the search space cannot set -{spec.name}: it is for the compiling machine "
+            "(the configurator sets the model and the output directory itself)"
+        )
     return ALIASES.get(spec.name, spec.name)
 
 

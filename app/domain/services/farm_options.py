@@ -16,13 +16,19 @@ import logging
 import math
 from typing import Any
 
-from app.domain.option_rules import SERVER_SIDE_OPTIONS
 from app.domain.services.model_files import check_model_file_paths
 from compiler_core import CompileError, CompileOptions
-from compiler_core.options import spec_for
+from compiler_core.options import LOCAL_ONLY_OPTIONS
 
 log = logging.getLogger(__name__)
 
+FARM_INSTEAD = {
+    "model": "the model is the upload named by `model_id`",
+    "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
+    "operators_supported": "see GET /v1/operators",
+}
+"""What the farm offers in place of a local-only option (which options are local-only is the
+compiler's `LOCAL_ONLY_OPTIONS`; this only words the refusal)."""
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -49,12 +55,12 @@ def farm_options(
 
 def check_farm_rules(options: CompileOptions) -> None:
     """What the farm holds any options to, however they were made (a request, a sweep's
-    compile group): no server-side paths, file options inside the model, storable values."""
-    for attr, why in SERVER_SIDE_OPTIONS.items():
-        if getattr(options, attr):
-            flag = spec_for(attr).flag
+    compile group): no local-only option, file options inside the model, storable values."""
+    for spec in LOCAL_ONLY_OPTIONS:
+        if getattr(options, spec.attr):
+            why = FARM_INSTEAD.get(spec.attr, "it acts on the machine running the compile")
             raise CompileError(
-                "invalid_option", f"{flag} is not accepted by the farm: {why}", flag=flag
+                "invalid_option", f"{spec.flag} is not accepted by the farm: {why}", flag=spec.flag
             )
     check_model_file_paths(options)
     for name, value in options.to_json().items():

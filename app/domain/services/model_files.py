@@ -12,19 +12,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.domain.option_rules import MODEL_FILE_OPTIONS
 from app.domain.services.archives import inside_parts
 from app.domain.services.upload_check import KIND_ARCHIVE
 from compiler_core import CompileError, CompileOptions
-from compiler_core.options import spec_for
+from compiler_core.options import MODEL_FILE_OPTIONS
+
+# The options whose value is a file inside the model's upload (MODEL_FILE_OPTIONS: declared
+# with `model_file=True`; a quantization profile and the calibration inputs too, so the cache
+# key covers their bytes).
 
 
 def check_model_file_paths(options: CompileOptions) -> None:
     """Each file option names a plain relative path (no `..`, not absolute)."""
-    for attr in MODEL_FILE_OPTIONS:
-        value = getattr(options, attr)
+    for spec in MODEL_FILE_OPTIONS:
+        value = getattr(options, spec.attr)
         if value is not None:
-            _relative(value, spec_for(attr).flag)
+            _relative(value, spec.flag)
 
 
 def check_model_files(options: CompileOptions, model_dir: Path | None) -> None:
@@ -32,11 +35,11 @@ def check_model_files(options: CompileOptions, model_dir: Path | None) -> None:
     was a bare .onnx, which carries no other files). The compiler then reads them through
     its `ModelFolder` of `model_dir`, which confines every read (and every file a list file
     names) to that folder; this check only gives the clearer message first."""
-    for attr in MODEL_FILE_OPTIONS:
-        value = getattr(options, attr)
+    for spec in MODEL_FILE_OPTIONS:
+        value = getattr(options, spec.attr)
         if value is None:
             continue
-        flag = spec_for(attr).flag
+        flag = spec.flag
         relative = _relative(value, flag)
         if model_dir is None:
             raise _bare(flag, value)
@@ -54,10 +57,10 @@ def check_files_travel(options: CompileOptions, kind: str) -> None:
     failing later in the worker."""
     if kind == KIND_ARCHIVE:
         return
-    for attr in MODEL_FILE_OPTIONS:
-        value = getattr(options, attr)
+    for spec in MODEL_FILE_OPTIONS:
+        value = getattr(options, spec.attr)
         if value is not None:
-            raise _bare(spec_for(attr).flag, value)
+            raise _bare(spec.flag, value)
 
 
 def _bare(flag: str, value: str) -> CompileError:
