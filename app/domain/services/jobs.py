@@ -16,6 +16,7 @@ from sqlalchemy import Row, Select, Table, Uuid, bindparam, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
 from app.domain.blobs.integrity import verify_blob
 from app.domain.db.base import utcnow
@@ -200,7 +201,7 @@ def _cache_hit_values(qpc_id: uuid.UUID) -> dict[str, Any]:
     now = utcnow()
     return {
         "status": JobStatus.succeeded,
-        "stage": "done",
+        "stage": stages.DONE,
         "progress": 1.0,
         "cache_hit": True,
         "qpc_id": qpc_id,
@@ -346,7 +347,7 @@ def cancel(session: Session, team: Team, job: CompileJob) -> CompileJob:
     queued = session.execute(
         update(CompileJob)
         .where(CompileJob.id == job.id, CompileJob.status == JobStatus.queued)
-        .values(status=JobStatus.cancelled, stage="cancelled", finished_at=now)
+        .values(status=JobStatus.cancelled, stage=stages.CANCELLED, finished_at=now)
     )
     if rowcount(queued) == 0:
         running = session.execute(
