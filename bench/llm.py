@@ -2,7 +2,7 @@
 decode specializations in one QPC, the KV cache as retained state), in fp16 and with MXFP6
 weights, on the modelled AIC100 Standard; and the fit check of OPT-13B's shape.
 
-    python bench/llm.py [--work DIR] [--cases gptj-fp16,gptj-mxfp6,opt13b-fit]
+    python bench/llm.py [--work DIR] [--cases gptj-fp16,gptj-mxfp6,opt13b-fit,cb-fp16,cb-mxint8]
         [--cores 14] [--keep] [--json OUT]
 
 Every figure is the compiler's own estimate (`-aic-perf-metrics`, its `llm` section) of the
@@ -210,6 +210,76 @@ def run_fit(work: Path, cores: int) -> list[Row]:
     return rows
 
 
+CB = {"hidden": 1024, "heads": 16, "layers": 4, "ctx": 1024, "slots": 8, "vocab": 8192}
+"""The continuous-batching decoder (tests/cb_decoder_model.py, QEfficient's CtxScatterCB /
+CtxGatherCB form) the `cb-fp16` and `cb-mxint8` cases compile: decode of 1, 4 and all 8 slots."""
+CB_PREFILL = 128
+CB_BATCHES = (1, 4, 8)
+
+
+def run_cb(work: Path, cores: int, mxint8: bool) -> list[Row]:
+    """One QPC: a 128-token prefill into one slot and decodes of 1, 4 and 8 of the 8 slots;
+    fp16 compute and cache, or the cache in MXINT8 blocks; a row per decode batch."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import onnx
+
+    from tests.cb_decoder_model import cb_decoder
+    from tests.decoder_model import past_names, retained_name
+
+    case = "cb-mxint8" if mxint8 else "cb-fp16"
+    model = cb_decoder(
+        vocab=CB["vocab"], d_model=CB["hidden"], heads=CB["heads"], layers=CB["layers"],
+        ctx_len=CB["ctx"],
+    )  # fmt: skip
+    path = work / "cb.onnx"
+    onnx.save(model, path)
+    shape = {"ctx_len": CB["ctx"], "full_batch_size": CB["slots"]}
+    specs = [{"batch_size": 1, "seq_len": CB_PREFILL, **shape}]
+    specs += [{"batch_size": b, "seq_len": 1, **shape} for b in CB_BATCHES]
+    spec_file = work / "cb-specializations.json"
+    spec_file.write_text(
+        json.dumps({"specializations": [{k: str(v) for k, v in s.items()} for s in specs]})
+    )
+    names = [n for p in past_names(CB["layers"]) for n in (p, retained_name(p))]
+    custom = work / "cb-custom-io.yaml"
+    custom.write_text("".join(f"- IOName: {n}\n  Precision: float16\n" for n in names))
+    flags = [
+        f"-aic-device={DEVICE}",
+        f"-aic-num-cores={cores}",
+        f"-network-specialization-config={spec_file}",
+        "-retained-state",
+        "-convert-to-fp16",
+        f"-custom-IO-list-file={custom}",
+        "-aic-perf-metrics",
+        f"-aic-binary-dir={work / ('qpc-' + case)}",
+    ] + (["-mxint8-kv-cache"] if mxint8 else [])
+    metrics_path = work / f"{case}.json"
+    rows: list[Row] = []
+    try:
+        seconds, rss = _compile_in_child(path, flags, metrics_path)
+    except subprocess.CalledProcessError as exc:
+        return [Row(case=case, error=f"compile failed ({exc.returncode})")]
+    finally:
+        shutil.rmtree(work / f"qpc-{case}", ignore_errors=True)
+    metrics = json.loads(metrics_path.read_text())
+    llm = metrics["llm"]
+    for decode in llm["decode"]:
+        each = metrics["specializations"][decode["specialization"]]
+        rows.append(
+            Row(
+                case=f"{case} batch {decode['batch']}/{decode.get('slots')}",
+                decode_tokens_per_s=decode["tokens_per_s"],
+                ttft_ms=llm.get("time_to_first_token_ms"),
+                decode_ms=decode["time_per_output_token_ms"],
+                floor_ddr_ms=round(each["floor_ddr_us"] / 1e3, 3),
+                compile_s=seconds,
+                peak_rss_mib=rss,
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None)
@@ -225,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "opt13b-fit" in cases:
             rows += run_fit(work, args.cores)
+        for case in ("cb-fp16", "cb-mxint8"):
+            if case in cases:
+                rows += run_cb(work, args.cores, case.endswith("mxint8"))
+                print(json.dumps([asdict(r) for r in rows[-len(CB_BATCHES) :]]), flush=True)
         for case in ("gptj-fp16", "gptj-mxfp6"):
             if case in cases:
                 rows.append(run_gptj(work, args.cores, case.endswith("mxfp6"), args.keep))

@@ -71,7 +71,12 @@ from compiler_core.report import (
     PASS_SEPARATOR,
 )
 from compiler_core.specializations import FLAG as SPEC_FLAG
-from compiler_core.specializations import VENDOR_KEYS, Specialization, load_specializations
+from compiler_core.specializations import (
+    VENDOR_KEYS,
+    Specialization,
+    load_specializations,
+    with_full_batch_size,
+)
 from compiler_core.tensors import release_mapping
 from compiler_core.version import COMPILER_VERSION
 
@@ -303,7 +308,10 @@ def _specializations(opts: CompileOptions, folder: ModelFolder) -> list[Speciali
     """The specializations to build, or [None]: the network as it is."""
     if not opts.network_specialization_config:
         return [None]
-    return list(load_specializations(opts.network_specialization_config, folder))
+    loaded = load_specializations(opts.network_specialization_config, folder)
+    if opts.full_batch_size is not None:
+        loaded = with_full_batch_size(loaded, opts.full_batch_size)
+    return list(loaded)
 
 
 def _plan_and_emit(
@@ -453,6 +461,8 @@ def _lower(
 ) -> _Build:
     """Import (with the specialization's symbols bound), run the graph passes and lower."""
     symbols = dict(opts.onnx_define_symbol)
+    if opts.full_batch_size is not None:
+        symbols.setdefault("full_batch_size", opts.full_batch_size)
     if spec is not None:
         symbols.update(spec.symbols)
     with stages.stage("import"):

@@ -302,6 +302,15 @@ class CompileOptions:
         default_text="none",
         model_file=True,
     )
+    full_batch_size: int | None = option(
+        "int",
+        "Continuous batching: the KV cache's slots. Sets full_batch_size in every "
+        "specialization, and batch_size in each decode (seq_len 1) that leaves it unset.",
+        minimum=1,
+        maximum=MAX_DIMENSION,
+        group=PRECISION,
+        default_text="the specializations'",
+    )
     convert_to_fp16: bool = option(
         "bool",
         "Compute in fp16 (constants out of range are clipped).",

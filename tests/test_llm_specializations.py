@@ -532,3 +532,14 @@ def test_the_report_gives_chunked_prefill_ttft_up_to_the_context(compiled: Compi
     assert [(c["prompt_length"], c["runs"]) for c in chunks] == [(16, 2), (32, 4), (64, 8)]
     for c in chunks:
         assert c["time_to_first_token_ms"] == pytest.approx(c["runs"] * prefill * 1e3, abs=1e-3)
+
+
+def test_the_slot_gather_of_the_cache_is_a_gather_along_the_slot_axis(
+    cb_compiled: CompileResult,
+) -> None:
+    """CtxGatherCB's GatherND (slot from batch_index, every head and row) is compiled as a
+    Gather on axis 0, which tiles by head and row: a real cache does not fit VTCM whole."""
+    for program in cb_compiled.programs.values():
+        ops = [k.info.op_type for k in program.kernels]
+        assert "GatherND" not in ops
+        assert ops.count("ScatterND") == 2 * LAYERS

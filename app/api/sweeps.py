@@ -21,7 +21,12 @@ from app.domain.queue import commit_then_enqueue
 from app.domain.services import models, sweeps
 from app.domain.services.errors import from_compile_error
 from app.domain.services.farm_options import check_farm_rules
-from compiler_core.configurator.scoring import parse_objective
+from compiler_core.configurator.scoring import (
+    OBJECTIVE_TABLE,
+    OBJECTIVES,
+    parse_llm_bounds,
+    parse_objective,
+)
 from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
 from compiler_core.errors import CompileError
 
@@ -54,10 +59,21 @@ class SweepCreate(BaseModel):
     )
     base_flags: list[str] = Field(default_factory=list, examples=[["-convert-to-fp16"]])
     mode: Literal["brute", "optimize"] = "brute"
-    objective: Literal["max-throughput", "min-latency", "max-throughput-under-latency"] = (
-        "max-throughput"
+    objective: str = Field(
+        default="max-throughput",
+        description="; ".join(f"`{o.name}`: {o.summary}" for o in OBJECTIVE_TABLE),
+        json_schema_extra={"enum": list(OBJECTIVES)},
     )
     latency_bound_us: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_ttft_ms: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="An LLM objective's bound on TTFT."
+    )
+    max_tpot_ms: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="An LLM objective's bound on the time per output token.",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> SweepCreate:
@@ -104,6 +120,8 @@ class SweepOut(BaseModel):
     mode: str
     objective: str
     latency_bound_us: float | None
+    max_ttft_ms: float | None = None
+    max_tpot_ms: float | None = None
     status: str
     error: str | None
     base_flags: list[str]
@@ -178,6 +196,7 @@ def create_sweep(
     start the sweep: `brute` submits every compile group at once, `optimize` its first."""
     try:
         objective, bound = parse_objective(body.objective, body.latency_bound_us)
+        llm_bounds = parse_llm_bounds(objective, body.max_ttft_ms, body.max_tpot_ms)
     except CompileError as exc:
         raise from_compile_error(exc) from None
     space = parse_space(body)
@@ -186,7 +205,7 @@ def create_sweep(
     sweep, queued = sweeps.create_sweep(
         session, team, model, space, mode=body.mode, objective=objective,
         latency_bound_us=bound, cache_scope=settings.cache_scope,
-        team_compile_limit=settings.max_team_sweep_compiles,
+        team_compile_limit=settings.max_team_sweep_compiles, llm_bounds=llm_bounds,
     )  # fmt: skip
     commit_then_enqueue(session, queue, queued)
     response.headers["Location"] = f"/v1/sweeps/{sweep.id}"

@@ -1,15 +1,19 @@
 """`qpcfarm configure`: the model configurator, on this machine or on a farm.
 
     qpcfarm configure -m=model.onnx --search-space space.csv [--mode brute|optimize]
-                      [--objective max-throughput|min-latency|max-throughput-under-latency]
-                      [--latency-bound-us US] [-aic-binary-dir=DIR] [base compile flags]
+                      [--objective OBJECTIVE] [--latency-bound-us US]
+                      [--max-ttft-ms MS] [--max-tpot-ms MS] [-aic-binary-dir=DIR]
+                      [base compile flags]
                       [--server URL [--api-key KEY]] [--jobs N] [--json FILE]
 
 Every combination of the search space (a `.csv` in the vendor's form, or a `.json`/`.yaml`
 in the compact one) is checked first; the invalid ones are listed, never compiled. Locally the
 compiles run in `--jobs` processes; with `--server` they run on the farm as a sweep
 (`/v1/sweeps`) whose combinations are ordinary compile jobs. Either way the ranked table is
-printed, and the best combination's QPC is written to `DIR/programqpc.bin`.
+printed, and the best combination's QPC is written to `DIR/programqpc.bin`. The objectives
+are the configurator's table (`compiler_core.configurator.scoring.OBJECTIVE_TABLE`); an LLM's
+(`max-tokens-per-s`, `max-decode-tokens-per-s`) take bounds on the time to first token and
+per output token.
 """
 
 from __future__ import annotations
@@ -51,13 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a .csv (vendor form) or .json/.yaml (compact form) space",
     )
     parser.add_argument("--mode", choices=("brute", "optimize"), default="brute")
+    from compiler_core.configurator.scoring import OBJECTIVE_TABLE
+
     parser.add_argument(
         "--objective",
         default="max-throughput",
-        help="max-throughput (default), min-latency or max-throughput-under-latency",
+        help="; ".join(f"{o.name}: {o.summary}" for o in OBJECTIVE_TABLE)
+        + " (default max-throughput)",
     )
     parser.add_argument("--latency-bound-us", type=float, default=None, metavar="US",
                         help="the bound of max-throughput-under-latency")  # fmt: skip
+    parser.add_argument("--max-ttft-ms", type=float, default=None, metavar="MS",
+                        help="an LLM objective's bound on the time to first token")  # fmt: skip
+    parser.add_argument("--max-tpot-ms", type=float, default=None, metavar="MS",
+                        help="an LLM objective's bound on the time per output token")  # fmt: skip
     parser.add_argument("--server", default=None, metavar="URL",
                         help="run the sweep on this farm instead of locally")  # fmt: skip
     parser.add_argument("--api-key", default=None, help="the team's key (farm mode)")
@@ -103,7 +114,7 @@ def configure_command(argv: list[str]) -> int:
 def _configure(argv: list[str]) -> int:
     own, flags = split_flags(argv)
     args = build_parser().parse_args(own)
-    from compiler_core.configurator.scoring import parse_objective
+    from compiler_core.configurator.scoring import parse_llm_bounds, parse_objective
     from compiler_core.configurator.space import load_space
     from compiler_core.errors import CompileError
     from compiler_core.options import CompileOptions
@@ -111,6 +122,7 @@ def _configure(argv: list[str]) -> int:
     try:
         options = CompileOptions.from_flags(flags)
         objective, bound = parse_objective(args.objective, args.latency_bound_us)
+        llm_bounds = parse_llm_bounds(objective, args.max_ttft_ms, args.max_tpot_ms)
         base = options.with_(model=None, aic_binary_dir=None).to_flags()
         space = load_space(args.search_space, base)
     except CompileError as exc:
@@ -134,7 +146,7 @@ def _configure(argv: list[str]) -> int:
     if args.server:
         summary = _on_farm(args, model, space, base, objective, bound, out_dir)
     else:
-        summary = _locally(args, model, space, objective, bound, out_dir)
+        summary = _locally(args, model, space, objective, bound, out_dir, llm_bounds)
     from compiler_core.configurator.table import render
 
     print(render(summary["results"], TABLE_ROWS))
@@ -161,7 +173,7 @@ def _say(text: str) -> None:
 
 def _locally(
     args: argparse.Namespace, model: Path, space: Any, objective: str, bound: float | None,
-    out_dir: Path | None,
+    out_dir: Path | None, llm_bounds: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     from compiler_core.configurator.local import run_local
     from compiler_core.configurator.table import rows_of
@@ -176,7 +188,8 @@ def _locally(
         _say(f"compile {count}{'/' + str(total) if total else ''} (group {group}) {state}")
 
     run = run_local(model, space, mode=args.mode, objective=objective, latency_bound_us=bound,
-                    jobs=args.jobs, out_dir=out_dir, on_result=progress)  # fmt: skip
+                    llm_bounds=llm_bounds, jobs=args.jobs, out_dir=out_dir,
+                    on_result=progress)  # fmt: skip
     rows = rows_of(run.ranked)
     best = next((r for r in rows if run.best and r["index"] == run.best.point.index), None)
     line = (
@@ -217,6 +230,8 @@ def _on_farm(
             "mode": args.mode,
             "objective": objective,
             "latency_bound_us": bound,
+            "max_ttft_ms": args.max_ttft_ms,
+            "max_tpot_ms": args.max_tpot_ms,
             **_space_body(args.search_space),
         }
         sweep = client.create_sweep(body)

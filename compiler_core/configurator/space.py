@@ -2,12 +2,13 @@
 parameters to try, read from the vendor's CSV form (one row per combination) or a compact
 mapping (JSON/YAML: a list of values per parameter, constraints, fixed base flags).
 
-A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols` and any
-other compile flag) plus runtime ones (`instances`, `set_size`) that need no compile. Points
-sharing their compile parameters share one compile (a `Group`). Every point is checked before
-anything runs: the compile options through the option schema (`-ols` a power of two no larger
-than the cores, ...), the instances against the device's cores, and the space's constraints;
-an invalid point is reported with its reason, never compiled.
+A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols`, an LLM's
+`kv_precision` (fp16 | mxint8) and `weight_precision` (fp16 | mxfp6), and any other compile
+flag, e.g. `full-batch-size`) plus runtime ones (`instances`, `set_size`) that need no
+compile. Points sharing their compile parameters share one compile (a `Group`). Every point
+is checked before anything runs: the compile options through the option schema (`-ols` a
+power of two no larger than the cores, ...), the instances against the device's cores, and
+the space's constraints; an invalid point is reported with its reason, never compiled.
 """
 
 from __future__ import annotations
@@ -48,8 +49,19 @@ ALIASES: dict[str, str] = {
     "set_size": "set_size",
     "mos": "mos",
     "ols": "ols",
+    "kv-precision": "kv_precision",
+    "kv_precision": "kv_precision",
+    "weight-precision": "weight_precision",
+    "weight_precision": "weight_precision",
 }
 """Column and key spellings (after lower-casing, stripping dashes, `_` -> `-`)."""
+
+PRECISION_PARAMS: dict[str, tuple[str, dict[str, bool]]] = {
+    "kv_precision": ("mxint8-kv-cache", {"fp16": False, "mxint8": True}),
+    "weight_precision": ("mxfp6-matmul", {"fp16": False, "mxfp6": True}),
+}
+"""An LLM's precisions as a sweep names them, and the compile flag each value sets: the KV
+cache (retained state) as fp16 or MXINT8 blocks, MatMul weights as fp16 or MXFP6."""
 
 COMPILE_FLAG_OF = {"cores": "aic-num-cores", "batchsize": "batchsize", "mos": "mos", "ols": "ols"}
 """The compile flag behind each short compile parameter name."""
@@ -79,7 +91,7 @@ def canonical_param(name: str) -> str:
     except CompileError:
         raise SpaceError(
             f"unknown search-space parameter {name!r}: use cores, instances, batchsize, "
-            "mos, ols, set_size or a compile flag name"
+            "mos, ols, set_size, kv_precision, weight_precision or a compile flag name"
         ) from None
     if spec.local_only:  # the model, the output directory, -operators-supported
         raise SpaceError(
@@ -369,7 +381,13 @@ def _check_point(
             return Point(index, params, reason=problem)
     values = dict(base)
     for name, value in params.items():
-        if name not in RUNTIME_PARAMS:
+        if name in PRECISION_PARAMS:
+            flag, choices = PRECISION_PARAMS[name]
+            if str(value).lower() not in choices:
+                shown = " or ".join(choices)
+                return Point(index, params, reason=f"{name} must be {shown}, not {value!r}")
+            values[flag] = choices[str(value).lower()]
+        elif name not in RUNTIME_PARAMS:
             values[COMPILE_FLAG_OF.get(name, name)] = value
     try:
         options = CompileOptions.from_json(values)

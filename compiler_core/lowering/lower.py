@@ -458,7 +458,9 @@ def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: boo
     assert lk.request is not None
     tensor_scatter = lk.desc.info.op_type == "TensorScatter"
     boxes = in_place_input_boxes if tensor_scatter else whole_input_boxes
-    opdef = dataclasses.replace(lk.request.opdef, input_boxes=boxes)
+    opdef = dataclasses.replace(
+        lk.request.opdef, input_boxes=boxes, output_in_ddr=not tensor_scatter
+    )
     if mxint8 and tensor_scatter:  # a tile writes whole MX blocks: never cut the block (last) axis
         whole_rows = _without_last_axis(opdef.split_axes)
         opdef = dataclasses.replace(opdef, split_axes=whole_rows)

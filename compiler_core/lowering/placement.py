@@ -18,7 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from compiler_core.errors import CompileError
-from compiler_core.lowering.emit import Placement, Schedule, build_schedule, consumers_of
+from compiler_core.lowering.emit import (
+    BuildMemo,
+    Placement,
+    Schedule,
+    build_schedule,
+    consumers_of,
+)
 from compiler_core.lowering.lowered import LoweredGraph
 from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
 from compiler_core.lowering.splits import bounding_box
@@ -121,7 +127,7 @@ def plan_schedule(graph: LoweredGraph, budget: int, policy: CodegenPolicy) -> Pl
 
     prefetch = True
     ahead = WEIGHTS_AHEAD
-    memo: dict[tuple[int, int], list[list[int]]] = {}
+    memo = BuildMemo()
 
     def build(
         resident: frozenset[tuple[int, int]], double: bool, buffers_only: bool = False

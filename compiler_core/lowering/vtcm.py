@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 ALIGN = 128
 """VTCM buffers start on HVX vector boundaries."""
 
@@ -56,26 +58,37 @@ def allocate(buffers: list[Buffer]) -> Allocation:
         buf.offset = cursor
         cursor = align(cursor + buf.size)
     resident = cursor
-    placed: list[Buffer] = []
+    order = sorted((b for b in buffers if not b.resident), key=lambda b: (-b.size, b.first, b.id))
+    # the buffers placed so far, as arrays: one comparison finds those live with the next
+    firsts = np.array([b.first for b in order], dtype=np.int64)
+    lasts = np.array([b.last for b in order], dtype=np.int64)
+    sizes = np.array([align(max(b.size, 1)) for b in order], dtype=np.int64)
+    offsets = np.zeros(len(order), dtype=np.int64)
     peak = resident
-    for buf in sorted(
-        (b for b in buffers if not b.resident), key=lambda b: (-b.size, b.first, b.id)
-    ):
-        size = align(max(buf.size, 1))
-        clashes = sorted(
-            (p.offset, align(max(p.size, 1)))
-            for p in placed
-            if not (p.last < buf.first or buf.last < p.first)
-        )
-        offset = resident
-        for off, sz in clashes:
-            if offset + size <= off:
-                break
-            offset = max(offset, off + sz)
+    for n, buf in enumerate(order):
+        size = int(sizes[n])
+        live = (lasts[:n] >= buf.first) & (firsts[:n] <= buf.last)
+        offset = _lowest_gap(offsets[:n][live], sizes[:n][live], size, resident)
         buf.offset = offset
-        placed.append(buf)
+        offsets[n] = offset
         peak = max(peak, offset + size)
     return Allocation(resident=resident, peak=peak)
+
+
+def _lowest_gap(offsets: np.ndarray, sizes: np.ndarray, size: int, floor: int) -> int:
+    """The lowest offset >= `floor` where `size` bytes fit between the placed buffers
+    [offset, offset + size): walking them by offset, the first gap before one of them that
+    is large enough, else the end of the highest."""
+    if not len(offsets):
+        return floor
+    order = np.lexsort((sizes, offsets))
+    starts = offsets[order]
+    reach = np.maximum(np.maximum.accumulate(starts + sizes[order]), floor)
+    before = np.empty_like(reach)
+    before[0] = floor
+    before[1:] = reach[:-1]
+    fits = np.flatnonzero(before + size <= starts)
+    return int(before[fits[0]]) if len(fits) else int(reach[-1])
 
 
 def peak_demand(buffers: list[Buffer]) -> tuple[int, int]:

@@ -12,6 +12,7 @@ unique per sweep.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
@@ -37,7 +38,7 @@ from app.domain.db.ops import insert_or_ignore
 from app.domain.services import jobs
 from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.pages import Page, paginate
-from compiler_core.configurator.scoring import meets, pareto_front
+from compiler_core.configurator.scoring import LlmBounds, meets, pareto_front
 from compiler_core.configurator.search import Result, best, next_groups, ranked, results
 from compiler_core.configurator.space import SearchSpace
 from compiler_core.options import CompileOptions
@@ -52,9 +53,10 @@ Enqueue = Callable[[uuid.UUID], None]
 
 
 def scoring_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a compile report's metrics that scoring needs (kept on the sweep's row)."""
+    """The part of a compile report's metrics that scoring needs (kept on the sweep's row):
+    an LLM QPC's `llm` section and, of its specializations, those the section names."""
     total = (metrics.get("memory_traffic") or {}).get("total") or {}
-    return {
+    kept = {
         **{k: metrics.get(k) for k in SCORING_FIELDS},
         "memory_traffic": {
             "total": {
@@ -63,6 +65,14 @@ def scoring_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
             }
         },
     }
+    llm = metrics.get("llm")
+    if isinstance(llm, Mapping):
+        each = metrics.get("specializations") or {}
+        named = {d.get("specialization") for d in llm.get("decode") or []}
+        named.add(llm.get("prefill_specialization"))
+        kept["llm"] = dict(llm)
+        kept["specializations"] = {n: scoring_metrics(each[n]) for n in named if n in each}
+    return kept
 
 
 @dataclass
@@ -203,7 +213,7 @@ def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
     state = load_state(session, sweep)
     wanted = next_groups(
         state.space, sweep.mode, state.done, state.pending, sweep.objective,
-        sweep.latency_bound_us,
+        sweep.latency_bound_us, llm_bounds_of(sweep),
     )  # fmt: skip
     to_enqueue: list[uuid.UUID] = []
     if wanted:
@@ -275,6 +285,16 @@ def _finish(sweep: Sweep, status: JobStatus, message: str | None) -> None:
     sweep.finished_at = utcnow()
 
 
+LLM_BOUNDS_KEY = "llm_bounds"
+"""Where a sweep keeps its LLM objective's bounds (`scoring.LlmBounds`) in its stored space,
+beside the cache scope and the team's compile limit."""
+
+
+def llm_bounds_of(sweep: Sweep) -> LlmBounds | None:
+    stored = sweep.space.get(LLM_BOUNDS_KEY)
+    return LlmBounds(**stored) if isinstance(stored, dict) else None
+
+
 def create_sweep(
     session: Session,
     team: Team,
@@ -286,6 +306,7 @@ def create_sweep(
     latency_bound_us: float | None,
     cache_scope: str = "team",
     team_compile_limit: int | None = None,
+    llm_bounds: LlmBounds | None = None,
 ) -> tuple[Sweep, list[uuid.UUID]]:
     """A new running sweep with its first compiles submitted; (sweep, job ids to enqueue
     after the commit). A space with no valid combination is refused (422). The team's sweeps
@@ -310,6 +331,7 @@ def create_sweep(
             **space.to_json(),
             "cache_scope": cache_scope,
             TEAM_COMPILE_LIMIT_KEY: team_compile_limit or _default_team_limit(),
+            **({LLM_BOUNDS_KEY: dataclasses.asdict(llm_bounds)} if llm_bounds else {}),
         },
         status=JobStatus.running,
     )
@@ -385,8 +407,15 @@ def _result_json(r: Result, state: SweepState, sweep: Sweep, rank: int | None) -
         "device_latency_us": figures.get("device_latency_us"),
         "host_transfer_us": figures.get("host_transfer_us"),
         "ddr_bound": figures.get("ddr_bound"),
+        **{
+            k: figures[k]
+            for k in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "tpot_ms")
+            if k in figures
+        },  # fmt: skip
         "estimated": True,
-        "meets_objective": meets(r.score, sweep.objective, sweep.latency_bound_us),
+        "meets_objective": meets(
+            r.score, sweep.objective, sweep.latency_bound_us, llm_bounds_of(sweep)
+        ),
         "job_id": str(job.id) if job else None,
         "qpc_id": str(job.qpc_id) if job and job.qpc_id else None,
         "cache_hit": bool(job.cache_hit) if job else False,
@@ -399,8 +428,8 @@ def view(session: Session, sweep: Sweep) -> dict[str, Any]:
     points still compiling), the best, the Pareto front and the invalid combinations."""
     state = load_state(session, sweep)
     scored = state.results()
-    order = ranked(scored, sweep.objective, sweep.latency_bound_us)
-    top = best(scored, sweep.objective, sweep.latency_bound_us)
+    order = ranked(scored, sweep.objective, sweep.latency_bound_us, llm_bounds_of(sweep))
+    top = best(scored, sweep.objective, sweep.latency_bound_us, llm_bounds_of(sweep))
     items = [
         _result_json(r, state, sweep, rank + 1 if r.score is not None else None)
         for rank, r in enumerate(order)
@@ -425,6 +454,8 @@ def view(session: Session, sweep: Sweep) -> dict[str, Any]:
         "mode": sweep.mode,
         "objective": sweep.objective,
         "latency_bound_us": sweep.latency_bound_us,
+        "max_ttft_ms": (sweep.space.get(LLM_BOUNDS_KEY) or {}).get("max_ttft_ms"),
+        "max_tpot_ms": (sweep.space.get(LLM_BOUNDS_KEY) or {}).get("max_tpot_ms"),
         "status": sweep.status.value,
         "error": sweep.error_message,
         "base_flags": CompileOptions.from_json(state.space.base).to_flags(),
