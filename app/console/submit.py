@@ -442,6 +442,10 @@ def _submit(args: SubmitArgs) -> int:
             raise SubmitError(f"job {job['id']} succeeded without a QPC (a server bug)")
         qpc_path = out_dir / QPC_FILE_NAME
         client.download_qpc(str(job["qpc_id"]), qpc_path)
+    if options.mdp_dump_partition_config:  # local-only: written here, from the QPC
+        from compiler_core.mdp.build import dump_from_qpc
+
+        dump_from_qpc(qpc_path, options.mdp_dump_partition_config)
 
     for warning in job.get("warnings") or []:
         if isinstance(warning, dict) and shown_locally(warning, options):

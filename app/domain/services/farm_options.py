@@ -26,6 +26,8 @@ FARM_INSTEAD = {
     "model": "the model is the upload named by `model_id`",
     "aic_binary_dir": "the QPC is stored by the farm: download it from /v1/qpcs/{id}/download",
     "operators_supported": "see GET /v1/operators",
+    "mdp_dump_partition_config": "the partition a compile used is in its QPC's mdp_meta_info "
+    "(qpc inspect names its devices)",
 }
 """What the farm offers in place of a local-only option (which options are local-only is the
 compiler's `LOCAL_ONLY_OPTIONS`; this only words the refusal)."""
