@@ -16,6 +16,7 @@ import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from compiler_core.cost_timeline import Timeline
@@ -77,14 +78,15 @@ def compile_partitioned(
     progress: Any,
     policy: CodegenPolicy,
     folder: ModelFolder,
+    single: ModuleType,
 ) -> Any:
-    """`compile_model` for `-mdp-load-partition-config`: one program per device.
+    """`compile_model` for `-mdp-load-partition-config`: one program per device. `single`
+    is the single-device compile (compiler_core.compile, passed in so this module does not
+    import it back): its steps build each device's programs.
 
     Devices are compiled one after another; each one's constants are written to a spill file
     beside the QPC as soon as its programs are emitted and its weights let go, so the compile
     holds one device's share of the weights at a time, not the whole model."""
-    from compiler_core import compile as single
-
     config = load_partition(opts, folder)
     devices = config.partitions[0].devices
     n = len(devices)
