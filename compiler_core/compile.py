@@ -278,7 +278,12 @@ def _compile(
     folder: ModelFolder,
 ) -> CompileResult:
     """import -> graph passes -> lower (once per specialization) -> plan memory -> emit ->
-    write the QPC; warnings now, the metrics when first asked for."""
+    write the QPC; warnings now, the metrics when first asked for. A partition config
+    compiles one program per device instead (compiler_core/mdp/build.py)."""
+    if opts.mdp_load_partition_config:
+        from compiler_core.mdp.build import compile_partitioned
+
+        return compile_partitioned(source, opts, progress, policy, folder)
     stages = _Stages(progress)
     builds = [
         _lower(source, opts, spec, stages, policy, folder)
@@ -291,6 +296,10 @@ def _compile(
     out_dir, tmpdir = _output_dir(opts)
     with stages.stage("write-qpc"):
         _write_qpc(out_dir / "programqpc.bin", builds, opts, retained, constant_items)
+    if opts.mdp_dump_partition_config:  # the partition of a single-device compile: one SoC
+        from compiler_core.mdp.build import dump_from_qpc
+
+        dump_from_qpc(out_dir / "programqpc.bin", opts.mdp_dump_partition_config)
     timelines = _Timelines(builds, opts.device)
     return CompileResult(
         qpc_path=out_dir / "programqpc.bin",
@@ -315,10 +324,14 @@ def _specializations(opts: CompileOptions, folder: ModelFolder) -> list[Speciali
 
 
 def _plan_and_emit(
-    build: _Build, region: SharedConstants | None, opts: CompileOptions, stages: _Stages
+    build: _Build,
+    region: SharedConstants | None,
+    opts: CompileOptions,
+    stages: _Stages,
+    meta: Mapping[str, Any] | None = None,
 ) -> None:
     """Place the build's tensors in memory (the stats buffer at the end of DDR), then emit
-    and encode its program."""
+    and encode its program (with `meta` added to the program's)."""
     with stages.stage("plan-memory"):
         build.plan = plan_memory(
             build.lowered,
@@ -336,6 +349,7 @@ def _plan_and_emit(
             build.planned.schedule,
             build.planned.allocation.resident,
         )
+        build.program.meta.update(meta or {})
         build.program_bytes = encode_program(build.program)
 
 
@@ -346,6 +360,15 @@ def _write_qpc(
     retained: list[str],
     constant_items: list[tuple[LTensor, int]] | None,
 ) -> None:
+    write_qpc(path, _segments(builds, opts, retained, constant_items))
+
+
+def _segments(
+    builds: list[_Build],
+    opts: CompileOptions,
+    retained: list[str],
+    constant_items: list[tuple[LTensor, int]] | None,
+) -> list[Segment]:
     """The network descriptor, each build's program and stats layout, and the constants
     (shared by every build when there are several; else the first build's own)."""
     first_plan = builds[0].done()[0]
@@ -361,7 +384,7 @@ def _write_qpc(
         segments.append(Segment(statsdesc_segment(index), build.stats_layout.to_bytes()))
     segments.append(Segment("constants.bin", constants, offset_field=None))
     segments.append(Segment("constantsdesc.bin", encode_constantsdesc(entries)))
-    write_qpc(path, segments)
+    return segments
 
 
 class _Timelines:
@@ -411,6 +434,7 @@ def _warnings(
             if isinstance(w, str)
             else {"kind": KIND_PRECISION, **w}
             for w in build.pass_warnings
+            if opts.aic_perf_warnings or isinstance(w, str) or w.get("kind") != KIND_PERF
         ]
         if opts.aic_perf_warnings:
             analysis = perf_warnings(program, build.lowered, opts, opts.device, timelines[index])
@@ -458,17 +482,12 @@ def _lower(
     stages: _Stages,
     policy: CodegenPolicy,
     folder: ModelFolder,
+    imported: ImportedModel | None = None,
 ) -> _Build:
-    """Import (with the specialization's symbols bound), run the graph passes and lower."""
-    symbols = dict(opts.onnx_define_symbol)
-    if opts.full_batch_size is not None:
-        symbols.setdefault("full_batch_size", opts.full_batch_size)
-    if spec is not None:
-        symbols.update(spec.symbols)
-    with stages.stage("import"):
-        imported = _import(source, opts, symbols, folder)
-    if spec is not None:
-        _check_symbols_exist(imported, spec)
+    """Import (with the specialization's symbols bound), run the graph passes and lower.
+    `imported`: the model already imported (one device's share of it, for a partition)."""
+    if imported is None:
+        imported = _import_spec(source, opts, spec, stages, folder)
     ir_model = imported.model
     passes = graph_pipeline(opts, folder)
     timing = PassTiming()
@@ -503,6 +522,26 @@ def _lower(
         planned=planned,
         notes=notes,
     )
+
+
+def _import_spec(
+    source: ModelSource,
+    opts: CompileOptions,
+    spec: Specialization | None,
+    stages: _Stages,
+    folder: ModelFolder,
+) -> ImportedModel:
+    """The model imported with the specialization's symbols bound."""
+    symbols = dict(opts.onnx_define_symbol)
+    if opts.full_batch_size is not None:
+        symbols.setdefault("full_batch_size", opts.full_batch_size)
+    if spec is not None:
+        symbols.update(spec.symbols)
+    with stages.stage("import"):
+        imported = _import(source, opts, symbols, folder)
+    if spec is not None:
+        _check_symbols_exist(imported, spec)
+    return imported
 
 
 def _latency(lowered: LoweredGraph, planned: Planned, opts: CompileOptions) -> float:

@@ -202,6 +202,22 @@ class CompileOptions:
         maximum=MAX_CORES,
         group=TARGET,
     )
+    mdp_load_partition_config: str | None = option(
+        "path",
+        "JSON partition config: the devices (SoCs) one partition spans, their cores, and which "
+        "devices are connected peer to peer; the network is sliced across them.",
+        group=TARGET,
+        default_text="none (one SoC)",
+        model_file=True,
+    )
+    mdp_dump_partition_config: str | None = option(
+        "path",
+        "Write the partition the compile used (JSON, the -mdp-load-partition-config format).",
+        affects_qpc=False,
+        group=TARGET,
+        default_text="none",
+        local_only=True,
+    )
     ols: int = option(
         "int",
         "Overlap split factor: a power of two, at most -aic-num-cores.",

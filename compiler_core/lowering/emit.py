@@ -35,6 +35,7 @@ from compiler_core.lowering.program import (
     KIND_INPUT,
     KIND_ONCHIP,
     KIND_OUTPUT,
+    LINK_KERNEL,
     SCATTER_IN_PLACE,
     DmaGather,
     DmaLoad,
@@ -42,6 +43,8 @@ from compiler_core.lowering.program import (
     DmaStore,
     Instr,
     KernelDesc,
+    LinkSend,
+    LinkWait,
     NocCopy,
     Operand,
     Piece,
@@ -61,6 +64,7 @@ from compiler_core.ops.in_place_scatter import dma_axis, operands
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
+LINK_SEND, LINK_WAIT = 7, 8
 
 BufRef = tuple[int, int]
 """(buffer id, byte offset inside the buffer)."""
@@ -331,10 +335,38 @@ class _Builder:
 
     # -------------------------------------------------------------------------- kernels
 
+    def link(self, k: int) -> None:
+        """An AllGather between devices: core 0 sends this device's part (its whole input, in
+        DDR) to every device of the partition, itself included, at its rank's place in the
+        output, then waits until every part has landed in its own copy of the output."""
+        if self.buffers_only:
+            return
+        desc = self.graph.kernels[k].desc
+        info = desc.info
+        x, out = desc.inputs[0], desc.outputs[0]
+        devices, rank = int(info.attr("devices", 1)), int(info.attr("rank", 0))
+        axis = int(info.attr("axis", 0)) % len(self.graph.tensors[out].shape)
+        box = full_box(self.graph.tensors[x].shape)
+        part = box[axis][1] - box[axis][0]
+        dst_box = tuple(
+            (rank * part, (rank + 1) * part) if a == axis else rng for a, rng in enumerate(box)
+        )
+        order = [rank, *(p for p in range(devices) if p != rank)]  # own copy first
+        for peer in order:
+            self.ops.append(
+                Op(core=0, kind=LINK_SEND, kernel=k, tensor=x, box=box, dst_box=dst_box, mask=peer)
+            )
+        out_box = full_box(self.graph.tensors[out].shape)
+        self.ops.append(Op(core=0, kind=LINK_WAIT, kernel=k, tensor=out, box=out_box, mask=devices))
+
     def kernel(self, k: int) -> None:
         """Kernel k's buffers and operations: where its outputs go, where each input comes
         from, the streamed inputs' scratch buffers, then its tiles' loads, runs and stores
-        in pipeline order; weights a tile needs first are hoisted ahead of the kernel."""
+        in pipeline order; weights a tile needs first are hoisted ahead of the kernel. An
+        AllGather between devices is link transfers instead (`link`)."""
+        if self.graph.kernels[k].desc.kernel == LINK_KERNEL:
+            self.link(k)
+            return
         block = len(self.ops)
         kt = self._tiles(k)
         outputs = self._outputs(kt)
@@ -1122,6 +1154,10 @@ def materialize(
                 for ref, box in operand.parts:
                     vtcm.read(*span(c, ref, box, desc.inputs[slot]), index, deps)
             ddr.write(op.tensor, op.box, index, deps)
+        elif op.kind == LINK_SEND:
+            ddr.read(op.tensor, op.box, index, deps)
+        elif op.kind == LINK_WAIT:
+            ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
@@ -1210,6 +1246,12 @@ def _instr(
             op.mask,
             op.kernel,
         )
+    if op.kind == LINK_SEND:
+        assert graph is not None
+        out = graph.kernels[op.kernel].desc.outputs[0]
+        return LinkSend(id_map[op.tensor], op.box, op.mask, id_map[out], op.dst_box, op.kernel)
+    if op.kind == LINK_WAIT:
+        return LinkWait(id_map[op.tensor], op.mask, op.kernel)
     if op.kind == GATHER:
         assert op.src is not None and op.dst is not None and graph is not None
         desc = graph.kernels[op.kernel].desc
