@@ -11,6 +11,7 @@ import functools
 import gc
 import hashlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -283,7 +284,7 @@ def _compile(
     if opts.mdp_load_partition_config:
         from compiler_core.mdp.build import compile_partitioned
 
-        return compile_partitioned(source, opts, progress, policy, folder)
+        return compile_partitioned(source, opts, progress, policy, folder, sys.modules[__name__])
     stages = _Stages(progress)
     builds = [
         _lower(source, opts, spec, stages, policy, folder)
