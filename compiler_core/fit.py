@@ -335,7 +335,7 @@ def _devices(options: Any, folder: ModelFolder, text: str | bytes | None = None)
     """The SoCs of the partition config the options name (1 without one)."""
     path = getattr(options, "mdp_load_partition_config", None)
     if not path:
-        return 1
+        return int(getattr(options, "mdp_devices", None) or 1)
     from compiler_core.mdp.config import FLAG, parse_partition_config
 
     if text is None:
