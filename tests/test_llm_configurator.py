@@ -208,8 +208,8 @@ def test_a_precision_dimension_with_another_value_is_an_invalid_combination() ->
 
 
 def test_the_objectives_come_from_one_table() -> None:
-    from qpcfarm.app.api.sweeps import SweepCreate
-    from qpcfarm.app.configure import build_parser
+    from app.api.sweeps import SweepCreate
+    from app.console.configure import build_parser
 
     assert OBJECTIVES == tuple(o.name for o in OBJECTIVE_TABLE)
     schema = SweepCreate.model_json_schema()["properties"]["objective"]
@@ -276,8 +276,8 @@ def test_qpcfarm_configure_ranks_an_llm_by_tokens_under_a_tpot_bound(tmp_path: P
 def test_a_farm_sweep_keeps_what_the_llm_scoring_reads(swept: tuple) -> None:
     """A farm sweep stores a few numbers of each compile's report (`scoring_metrics`): the
     LLM figures scored from them are those of the whole report."""
+    from app.domain.services.sweeps import scoring_metrics
     from compiler_core.configurator.search import score_point
-    from qpcfarm.app.services.sweeps import scoring_metrics
 
     space, items, done = swept
     for r in items:

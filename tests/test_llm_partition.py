@@ -336,7 +336,7 @@ def test_no_connection_means_traffic_through_the_host() -> None:
 
 
 def test_the_farm_refuses_the_dump_option_and_takes_the_config_from_the_archive() -> None:
-    from qpcfarm.app.services.farm_options import farm_options
+    from app.domain.services.farm_options import farm_options
 
     with pytest.raises(CompileError, match="-mdp-dump-partition-config is not accepted"):
         farm_options(flags=["-mdp-dump-partition-config=out.json"])
