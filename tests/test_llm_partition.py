@@ -419,3 +419,39 @@ def test_the_kv_cache_is_counted_per_soc_when_sliced(
     )
     assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
     assert two.weights_bytes < one.weights_bytes
+
+
+def test_a_kernel_with_weights_right_after_an_exchange_equals_onnx_runtime(tmp_path: Path) -> None:
+    """LayerNorm over a split axis needs the whole row: an all-gather, then a kernel whose
+    weights load while the parts travel (they are hoisted to the exchange)."""
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(1)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "scale"),
+        numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "bias"),
+    ]
+    graph = oh.make_graph(
+        [
+            oh.make_node("MatMul", ["x", "w"], ["h"]),
+            oh.make_node("LayerNormalization", ["h", "scale", "bias"], ["y"], axis=-1),
+        ],
+        "gathered",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 32])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 64])],
+        inits,
+    )
+    small = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    partition = tmp_path / "partition.json"
+    partition.write_text(json.dumps(TWO_DEVICES))
+    result = compile_model(
+        small.SerializeToString(),
+        [f"-mdp-load-partition-config={partition}", f"-aic-binary-dir={tmp_path / 'out'}"],
+    )
+    x = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    with QpcSession(result.qpc_path) as session:
+        got = session.run({"x": x})["y"]
+    expected = ort_runner(small)({"x": x})["y"]
+    np.testing.assert_allclose(got, expected, atol=1e-5)

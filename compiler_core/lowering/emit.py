@@ -356,6 +356,8 @@ class _Builder:
             self.ops.append(
                 Op(core=0, kind=LINK_SEND, kernel=k, tensor=x, box=box, dst_box=dst_box, mask=peer)
             )
+        # the next kernels' weights are hoisted here: they load while the parts travel
+        self.run_start[k] = len(self.ops)
         out_box = full_box(self.graph.tensors[out].shape)
         self.ops.append(Op(core=0, kind=LINK_WAIT, kernel=k, tensor=out, box=out_box, mask=devices))
 
