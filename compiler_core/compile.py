@@ -119,7 +119,7 @@ def _compile(
     """import -> graph passes -> lower (once per specialization) -> plan memory -> emit ->
     write the QPC; warnings now, the metrics when first asked for. A partition config
     compiles one program per device instead (compiler_core/mdp/build.py)."""
-    if opts.mdp_load_partition_config:
+    if opts.mdp_load_partition_config or (opts.mdp_devices or 1) > 1:
         from compiler_core.mdp.build import compile_partitioned
 
         return compile_partitioned(source, opts, progress, policy, folder)

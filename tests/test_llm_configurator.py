@@ -284,3 +284,18 @@ def test_a_farm_sweep_keeps_what_the_llm_scoring_reads(swept: tuple) -> None:
         kept = scoring_metrics(done[r.point.group])
         assert score_point(r.point, kept) == r.score
         assert len(json.dumps(kept)) < len(json.dumps(done[r.point.group])) / 4
+
+
+def test_the_fit_check_counts_the_slots_full_batch_size_sets(tmp_path: Path) -> None:
+    """The fit check reads the cache's slots where the compile does: -full-batch-size."""
+    from compiler_core.fit import check_fit
+    from compiler_core.options import CompileOptions
+
+    model, specs = _model_and_specs(tmp_path)
+    flags = [f"-network-specialization-config={specs}", "-retained-state"]
+    reports = {
+        n: check_fit(str(model), CompileOptions.from_flags([*flags, f"-full-batch-size={n}"]))
+        for n in (1, 4)
+    }
+    assert reports[1].sequences == 1 and reports[4].sequences == 4
+    assert reports[4].kv_cache_bytes == 4 * reports[1].kv_cache_bytes

@@ -455,3 +455,47 @@ def test_a_kernel_with_weights_right_after_an_exchange_equals_onnx_runtime(tmp_p
         got = session.run({"x": x})["y"]
     expected = ort_runner(small)({"x": x})["y"]
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_mdp_devices_is_a_partition_over_the_first_socs(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    """`-mdp-devices=2` compiles what a config listing SoCs 0 and 1 (p2p) compiles."""
+    flags = [f for f in _flags(tmp_path) if not f.startswith("-mdp-load-partition-config")]
+    result = compile_model(model.SerializeToString(), [*flags, "-mdp-devices=2"])
+    with load_qpc(result.qpc_path) as qpc:
+        meta = qpc.mdp
+        assert meta is not None
+        assert meta["partition"]["partitions"][0]["devices"] == [
+            {"deviceId": 0, "numCores": 1},
+            {"deviceId": 1, "numCores": 1},
+        ]
+    with pytest.raises(CompileError, match="not both"):
+        CompileOptions.from_flags(["-mdp-devices=2", "-mdp-load-partition-config=p.json"])
+    with pytest.raises(CompileError, match="at most 32 AIC100 Ultra SoCs"):
+        CompileOptions.from_flags(["-aic-device=aic100-ultra", "-mdp-devices=33"])
+
+
+def test_the_configurator_sweeps_the_number_of_devices(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    """A devices dimension: each point a compile over that many SoCs, scored in tokens/s."""
+    from compiler_core.configurator.local import run_local
+    from compiler_core.configurator.space import parse_mapping
+
+    path = tmp_path / "decoder.onnx"
+    path.write_bytes(model.SerializeToString())
+    base = [
+        f for f in _flags(tmp_path)
+        if not f.startswith(("-mdp-load-partition-config", "-aic-binary-dir"))
+    ]  # fmt: skip
+    space = parse_mapping({"parameters": {"devices": [1, 2], "cores": [2]}}, base)
+    assert len(space.groups) == 2
+    assert "-mdp-devices=2" not in space.valid_points[0].flags()
+    assert "-mdp-devices=2" in space.valid_points[1].flags()
+    sweep = run_local(path, space, objective="max-decode-tokens-per-s")
+    assert sweep.failed == 0 and sweep.compiles == 2
+    by_devices = {r.point.params["devices"]: r for r in sweep.ranked}
+    for devices in (1, 2):
+        assert by_devices[devices].score is not None
+        assert by_devices[devices].score.decode_tokens_per_s > 0

@@ -29,6 +29,7 @@ from compiler_core.mdp.config import (
     PartitionConfig,
     PartitionDevice,
     parse_partition_config,
+    tensor_slicing,
 )
 from compiler_core.mdp.shard import shard_model
 from compiler_core.model_folder import ModelFolder
@@ -43,7 +44,10 @@ def device_prefix(index: int) -> str:
 
 
 def load_partition(opts: CompileOptions, folder: ModelFolder) -> PartitionConfig:
-    assert opts.mdp_load_partition_config is not None
+    """The partition file the options name, or the one `-mdp-devices=N` stands for."""
+    if opts.mdp_load_partition_config is None:
+        config = tensor_slicing(opts.mdp_devices or 1, opts.aic_num_cores)
+        return parse_partition_config(config.dumps(), opts.device)
     text = folder.read_text(opts.mdp_load_partition_config, FLAG)
     return parse_partition_config(text, opts.device)
 
@@ -102,6 +106,7 @@ def compile_partitioned(
                 aic_num_cores=device.num_cores,
                 mdp_load_partition_config=None,
                 mdp_dump_partition_config=None,
+                mdp_devices=None,
             )
             builds = []
             for spec, imported in zip(specs, imports, strict=True):
