@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import LinkSend, LinkWait
@@ -498,3 +499,23 @@ def test_the_configurator_sweeps_the_number_of_devices(
     for devices in (1, 2):
         assert by_devices[devices].score is not None
         assert by_devices[devices].score.decode_tokens_per_s > 0
+
+
+def test_each_exchange_is_charged_from_the_link_table(
+    model: onnx.ModelProto, compiled: CompileResult, tmp_path: Path
+) -> None:
+    """Without a p2p connection the parts are relayed through the host (10 us instead of
+    2 us each way, at the same bytes): the decode step waits longer for its 5 exchanges."""
+    from compiler_core.devices import HOST_RELAY_LATENCY_S, P2P_LATENCY_S
+
+    through_host = {"partitions": TWO_DEVICES["partitions"]}
+    relayed = compile_model(model.SerializeToString(), _flags(tmp_path, config=through_host))
+    decode = "batch_size=1,seq_len=1"
+    p2p_metrics = compiled.metrics["specializations"][decode]
+    host_metrics = relayed.metrics["specializations"][decode]
+    assert compiled.metrics["mdp"]["link"]["kind"] == "p2p"
+    assert relayed.metrics["mdp"]["link"]["kind"] == "host"
+    slower_us = host_metrics["estimated_latency_us"] - p2p_metrics["estimated_latency_us"]
+    expected_us = (2 * LAYERS + 1) * (HOST_RELAY_LATENCY_S - P2P_LATENCY_S) * 1e6
+    assert 0.5 * expected_us <= slower_us <= 1.5 * expected_us
+    assert compiled.metrics["mdp"]["link_bytes_per_device"] > 0
