@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import LinkSend, LinkWait

@@ -29,7 +29,8 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import (
     DmaGather,

@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import compiler_core.build as single
 from compiler_core.cost_timeline import Timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource
@@ -81,11 +81,9 @@ def compile_partitioned(
     progress: Any,
     policy: CodegenPolicy,
     folder: ModelFolder,
-    single: ModuleType,
 ) -> Any:
-    """`compile_model` for `-mdp-load-partition-config`: one program per device. `single`
-    is the single-device compile (compiler_core.compile, passed in so this module does not
-    import it back): its steps build each device's programs.
+    """`compile_model` for `-mdp-load-partition-config`: one program per device, each built
+    with the single-device compile's steps (compiler_core/build.py).
 
     Devices are compiled one after another; weights still in the model's file are sliced
     lazily (mdp/shard.py), so the compile holds no device's share of them: the QPC writer
@@ -93,13 +91,13 @@ def compile_partitioned(
     config = load_partition(opts, folder)
     devices = config.partitions[0].devices
     n = len(devices)
-    stages = single._Stages(progress)
-    specs = single._specializations(opts, folder)
-    imports = [single._import_spec(source, opts, spec, stages, folder) for spec in specs]
+    stages = single.Stages(progress)
+    specs = single.specializations(opts, folder)
+    imports = [single.import_spec(source, opts, spec, stages, folder) for spec in specs]
     link = link_meta(config, opts)
     segments: list[Segment] = []
     first: tuple[list[Any], list[str], CompileOptions] | None = None
-    out_dir, tmpdir = single._output_dir(opts)
+    out_dir, tmpdir = single.output_dir(opts)
     for rank, device in enumerate(devices):
         device_opts = opts.with_(
             aic_num_cores=device.num_cores,
@@ -111,21 +109,21 @@ def compile_partitioned(
         for spec, imported in zip(specs, imports, strict=True):
             share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
             builds.append(
-                single._lower(source, device_opts, spec, stages, policy, folder, imported=share)
+                single.lower_spec(source, device_opts, spec, stages, policy, folder, imported=share)
             )
         meta = {"mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}}
-        retained = single._retained_state(builds, device_opts)
-        shared, constant_items = single._shared_constants(builds)
+        retained = single.retained_state(builds, device_opts)
+        shared, constant_items = single.shared_constants(builds)
         for build, region in zip(builds, shared, strict=True):
-            single._plan_and_emit(build, region, device_opts, stages, meta)
+            single.plan_and_emit(build, region, device_opts, stages, meta)
         prefix = device_prefix(rank)
-        for seg in single._segments(builds, device_opts, retained, constant_items):
+        for seg in single.qpc_segments(builds, device_opts, retained, constant_items):
             segments.append(dataclasses.replace(seg, name=prefix + seg.name))
         if first is None:
             first = (builds, retained, device_opts)
     assert first is not None
     builds, retained, first_opts = first
-    network = single._network_desc(builds, opts, retained)
+    network = single.network_desc(builds, opts, retained)
     top = [
         Segment("networkdesc.bin", network.to_bytes()),
         Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
@@ -134,21 +132,21 @@ def compile_partitioned(
         write_qpc(out_dir / "programqpc.bin", top + segments)
     if opts.mdp_dump_partition_config:
         _dump(opts.mdp_dump_partition_config, config)
-    timelines = single._Timelines(builds, first_opts.device)
+    timelines = single.Timelines(builds, first_opts.device)
 
     def report() -> dict[str, Any]:
-        metrics = single._metrics(builds, first_opts, timelines)
+        metrics = single.build_metrics(builds, first_opts, timelines)
         metrics["mdp"] = mdp_report(config, opts, timelines[0])
         return metrics
 
     return single.CompileResult(
         qpc_path=out_dir / "programqpc.bin",
         _report=report,
-        warnings=single._warnings(builds, first_opts, retained, timelines),
+        warnings=single.build_warnings(builds, first_opts, retained, timelines),
         pass_times=stages.pass_times(),
         options=opts,
         program=builds[0].done()[1],
-        programs={single._spec_name(b.spec): b.done()[1] for b in builds},
+        programs={single.spec_name(b.spec): b.done()[1] for b in builds},
         _tmpdir=tmpdir,
     )
 
