@@ -3,7 +3,7 @@
 #
 # Two stages: the first builds the wheel from the sources, the second installs that wheel (and
 # its service extra) like any user would, so the image runs what `pip install` ships: the
-# service as `qpcfarm.app` / `qpcfarm.worker`, the migrations and alembic.ini as package data.
+# service as `app` / `worker` / `migrations`, the migrations with alembic.ini as package data.
 FROM python:3.11-slim AS build
 
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -1,25 +1,26 @@
-"""The FastAPI application: `create_app()` wires settings, database, blob store and job queue.
+"""The FastAPI application, the web face of the farm: `create_app()` wires settings, the
+opened farm (database, blob store) and a job queue.
 
-Nothing is built at import. The lifespan waits for the database, upgrades it with Alembic,
-builds the blob store and the job queue (`worker.queues.queue_from_settings`: an in-process worker
-in the embedded mode, Celery when a broker is configured) and keeps them on `app.state`
-(`settings`, `engine`, `session_factory`, `store`, `queue`); on shutdown it closes the queue
-it built and disposes of the engine. A queue passed in is the caller's to close.
+Nothing is built at import. The lifespan opens the farm (`app.domain.farm.open_farm`: waits
+for the database, upgrades it with Alembic, builds the blob store), builds the job queue with
+the factory it was given (the composition root `app.console.serve` passes the worker's: an
+in-process worker in the embedded mode, Celery when a broker is configured) and keeps them on
+`app.state` (`farm`, `settings`, `engine`, `blob_engine`, `session_factory`, `store`, `queue`);
+on shutdown it closes the queue it built and the farm. A queue passed in is the caller's to
+close. The web face never imports the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from compiler_core.version import COMPILER_VERSION
-from qpcfarm.app.api import (
+from app.api import (
     compile_jobs,
     keys,
     meta,
@@ -29,18 +30,19 @@ from qpcfarm.app.api import (
     sweeps,
     validations,
 )
-from qpcfarm.app.api.errors import install_error_handlers
-from qpcfarm.app.api.openapi import complete
-from qpcfarm.app.api.request_guard import RequestGuard
-from qpcfarm.app.api.schemas import OPTIONS_SCHEMA_NAME
-from qpcfarm.app.security_headers import SecurityHeaders
-from qpcfarm.app.settings import Settings, get_settings
-from qpcfarm.app.web import docs as web_docs
-from qpcfarm.app.web import router as web_router
-from qpcfarm.app.web.errors import install_page_errors
+from app.api.errors import install_error_handlers
+from app.api.openapi import complete
+from app.api.request_guard import RequestGuard
+from app.api.schemas import OPTIONS_SCHEMA_NAME
+from app.domain.settings import Settings, get_settings
+from app.security_headers import SecurityHeaders
+from app.web import docs as web_docs
+from app.web import router as web_router
+from app.web.errors import install_page_errors
+from compiler_core.version import COMPILER_VERSION
 
 if TYPE_CHECKING:
-    from qpcfarm.app.queue import JobQueue
+    from app.domain.queue import JobQueue, QueueFactory
 
 DESCRIPTION = """\
 An ONNX -> QPC compile farm. Upload a model, submit a compile job with `qaic-compile` options
@@ -52,17 +54,26 @@ Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
 """
 
 
-BLOB_POOL: dict[str, Any] = {"pool_size": 5, "max_overflow": 20}
 
-
-def create_app(settings: Settings | None = None, *, queue: JobQueue | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    queue: JobQueue | None = None,
+    queue_factory: QueueFactory | None = None,
+) -> FastAPI:
     """The API app. `settings` default to the environment's (`get_settings()`, read at
-    start-up); `queue` replaces the one built from settings (tests, embedding)."""
+    start-up). The jobs go to `queue` (the caller's: tests, embedding), or to the queue
+    `queue_factory` builds at start-up for the opened farm (and closes at shutdown)."""
+    if queue is None and queue_factory is None:
+        raise ValueError(
+            "create_app needs a job queue: pass queue= or queue_factory= "
+            "(app.console.serve.create_farm_app passes the worker's)"
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         resolved = settings or get_settings()
-        await anyio.to_thread.run_sync(_start, app, resolved, queue)
+        await anyio.to_thread.run_sync(_start, app, resolved, queue, queue_factory)
         try:
             yield
         finally:
@@ -98,53 +109,36 @@ def create_app(settings: Settings | None = None, *, queue: JobQueue | None = Non
     return app
 
 
-def _start(app: FastAPI, settings: Settings, queue: JobQueue | None) -> None:
-    from qpcfarm.app.blobs import blob_store_from_settings
-    from qpcfarm.app.db.session import (
-        make_engine,
-        make_session_factory,
-        private_folder,
-        upgrade_database,
-        wait_for_database,
-    )
-    from qpcfarm.app.services import describer
-    from qpcfarm.app.services.limits import check_limits
+def _start(
+    app: FastAPI, settings: Settings, queue: JobQueue | None, factory: QueueFactory | None
+) -> None:
+    from app.domain.farm import open_farm
+    from app.domain.services import describer
+    from app.domain.services.limits import check_limits
 
-    if settings.blob_store == "filesystem" or settings.is_sqlite:
-        private_folder(Path(settings.data_dir))  # the embedded mode's home: 0700 when made
     describer.configure(check_limits(settings))  # the upload checkers' limits
-    wait_for_database(settings.database_url)
-    engine = make_engine(settings.database_url)
-    upgrade_database(engine)
-    session_factory = make_session_factory(engine)
-    # Blob reads and the quarantine's record use a pool of their own: a request holds a
-    # connection of the API's pool while it reads a blob (a download, a cache hit's check),
-    # and a reader waiting for a second connection of the same, exhausted pool would wait
-    # for itself.
-    blob_engine = engine if settings.is_sqlite else make_engine(settings.database_url, **BLOB_POOL)
-    store = blob_store_from_settings(settings, make_session_factory(blob_engine))
+    farm = open_farm(settings, migrate=True)
     if queue is None:
-        from qpcfarm.worker.queues import queue_from_settings
-
-        queue = queue_from_settings(settings, session_factory, store)
+        assert factory is not None
+        queue = factory(settings, farm.sessions, farm.store)
+    app.state.farm = farm
     app.state.settings = settings
-    app.state.engine = engine
-    app.state.blob_engine = blob_engine
-    app.state.session_factory = session_factory
-    app.state.store = store
+    app.state.engine = farm.engine
+    app.state.blob_engine = farm.blob_engine
+    app.state.session_factory = farm.sessions
+    app.state.store = farm.store
     app.state.queue = queue
 
 
 def _stop(app: FastAPI, owns_queue: bool) -> None:
-    from qpcfarm.app.services import describer
+    from app.domain.services import describer
 
     try:
         if owns_queue:
             app.state.queue.close()
     finally:
         describer.shutdown()
-        app.state.engine.dispose()
-        app.state.blob_engine.dispose()
+        app.state.farm.close()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -316,7 +316,7 @@ def measure_round_robin(measurements: Sequence[Measurement], repeat: int, timeou
             )
 
 
-PACKAGES = ("compiler_core", "qpcfarm.app")
+PACKAGES = ("compiler_core", "app")
 """What `qpcfarm compile` imports of ours."""
 
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def qpcfarm(*args: str) -> list[str]:
     """The `qpcfarm` command of this interpreter (the checkout's code, installed or not)."""
-    return [sys.executable, "-m", "qpcfarm.app.cli", *args]
+    return [sys.executable, "-m", "app.console.cli", *args]
 
 
 def free_port() -> int:

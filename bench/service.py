@@ -66,7 +66,7 @@ from farm_processes import (  # noqa: E402  (bench/, the script's own folder, is
     stop,
 )
 
-from qpcfarm.app.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
+from app.console.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
 
 MIB = 1 << 20
 START_ATTEMPTS = 900  # x 0.1 s

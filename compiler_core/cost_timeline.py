@@ -48,7 +48,7 @@ from compiler_core.cost_rates import (
     TileCompute,
     tile_cost,
 )
-from compiler_core.devices import DeviceProfile
+from compiler_core.devices import DeviceProfile, link_between
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
@@ -57,6 +57,8 @@ from compiler_core.lowering.program import (
     DmaScatter,
     DmaStore,
     Instr,
+    LinkSend,
+    LinkWait,
     NocCopy,
     Program,
     RunKernel,
@@ -190,6 +192,10 @@ class Timeline:
     issued: list[list[tuple[int, int]]] = field(default_factory=list)
     """Per core, per instruction: when it started and completed (waits and posts: when they
     let issue go on / were raised)."""
+    link_bytes: int = 0
+    """Bytes this device sent to the other devices of its partition (multi-device QPCs)."""
+    link_cycles: int = 0
+    """Cycles its cores waited for other devices' parts to land (link waits)."""
 
     @property
     def total_cycles(self) -> int:
@@ -434,6 +440,52 @@ class _Scheduler:
             for t in program.inputs
         ]
 
+        link = program.meta.get("mdp", {}).get("link") or {}
+        fallback = link_between("host", same_card=True)
+        self.link_rate = float(link.get("bytes_per_s", fallback.bytes_per_s)) / device.clock_hz
+        """Bytes per cycle one device sends to its peers (its PCIe port's payload rate)."""
+        self.link_latency = int(
+            math.ceil(float(link.get("latency_s", fallback.latency_s)) * device.clock_hz)
+        )
+        self.rank = int(program.meta.get("mdp", {}).get("rank", 0))
+        self.link_free = 0
+        self.landed: dict[int, int] = {}
+        """Per link kernel: when the last part for this device lands. The partition's
+        devices run the same program shape, so each peer's part to this device leaves when
+        this device's part to that peer does and lands a link latency later."""
+
+    def link_send(self, core: _Core, instr: LinkSend) -> tuple[int, int]:
+        """A part to a peer crosses the device's PCIe port (one transfer at a time); the
+        device's own part is a copy within its DDR."""
+        t = self.program.tensors[instr.tensor]
+        nbytes = box_nbytes(instr.box, t.dtype)
+        start = max(core.now, core.dma_free)
+        if instr.peer == self.rank:
+            end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES, 2 * nbytes, self.engine)
+            landed = end
+        else:
+            start = max(start, self.link_free)
+            end = start + DMA_DESCRIPTOR_CYCLES + int(math.ceil(nbytes / self.link_rate))
+            self.link_free = end
+            landed = end + self.link_latency
+            self.timeline.link_bytes += nbytes
+        self.landed[instr.kernel] = max(self.landed.get(instr.kernel, 0), landed)
+        run = self.run(core, instr.kernel)
+        run.thread("dma", start, end)
+        run.dma_cycles += end - start
+        self._touch(run, start, end)
+        core.dma_free = end
+        core.done = max(core.done, end)
+        return start, end
+
+    def link_wait(self, core: _Core, instr: LinkWait) -> tuple[int, int]:
+        landed = self.landed.get(instr.kernel, core.now)
+        if landed > core.now:
+            self.timeline.waits.append(Wait(core.index, core.now, landed, "link", instr.tensor))
+            self.timeline.link_cycles += landed - core.now
+            core.now = landed
+        return core.now, core.now
+
     def run(self, core: _Core, kernel: int) -> KernelRun:
         key = (kernel, core.index)
         found = self.runs.get(key)
@@ -623,7 +675,7 @@ def _next_start(core: _Core) -> int:
     """The earliest its next instruction can start: cores go in this order, so the shared
     calendars are booked roughly in time order."""
     instr = core.stream[core.pc]
-    if isinstance(instr, DmaLoad | DmaStore | DmaGather | DmaScatter):
+    if isinstance(instr, DmaLoad | DmaStore | DmaGather | DmaScatter | LinkSend):
         return max(core.now, core.dma_free)
     if isinstance(instr, NocCopy):
         return max(core.now, core.noc_free)
@@ -675,6 +727,10 @@ def _simulate(
             span = (t, t)
         elif isinstance(instr, RunKernel):
             span = sched.kernel(core, instr)
+        elif isinstance(instr, LinkSend):
+            span = sched.link_send(core, instr)
+        elif isinstance(instr, LinkWait):
+            span = sched.link_wait(core, instr)
         else:
             span = sched.dma(core, instr)  # type: ignore[arg-type]
         issued[index].append(span)

@@ -125,6 +125,14 @@ class DeviceProfile:
     def supports_dtype(self, dtype: str) -> bool:
         return dtype in self.dtypes
 
+    def card_of(self, soc: int) -> int:
+        """The card a SoC (a partition config's deviceId) sits on."""
+        return soc // self.socs
+
+    @property
+    def max_socs_per_host(self) -> int:
+        return self.socs * MAX_CARDS_PER_HOST
+
 
 def _profile(
     name: str,
@@ -225,6 +233,61 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         modelled=True,
     ),
 )
+
+PCIE_GEN4_LANE_BYTES_PER_S = 16e9 * 128 / 130 / 8
+"""One PCIe Gen4 lane: 16 GT/s with 128b/130b encoding (PCI-SIG), 1.97 GB/s each way."""
+PCIE_PAYLOAD_EFFICIENCY = 0.86
+"""Share of the lane rate that carries data: 256-byte payloads behind ~24 bytes of TLP header,
+sequence number and CRC plus DLLP flow-control traffic (the usual Gen4 figure, ~0.86)."""
+SOC_PORT_LANES = 8
+"""Each SoC's PCIe port (the Standard and Pro cards are Gen4 x8; an Ultra card's SoCs are
+modelled with the same x8 port each, to the card's switch)."""
+CARD_HOST_LANES = 16
+"""An Ultra card's host link: Gen4 x16 from its PCIe switch (the Standard/Pro cards: x8)."""
+P2P_LATENCY_S = 2e-6
+"""One peer-to-peer DMA between two SoCs behind one switch, issue to landing (an assumption:
+DMA descriptor fetch, two switch hops and the doorbell write, a few round trips of ~0.5 us)."""
+HOST_RELAY_LATENCY_S = 10e-6
+"""A transfer between devices with no p2p connection: written to host memory by the sender's
+DMA, noticed by the host and sent down to the receiver (an assumption: two DMAs plus a host
+interrupt and doorbell, ~10 us)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """How bytes move between two devices of a partition (modelled; docs/compiler.md)."""
+
+    kind: str
+    """"p2p" (through the card's PCIe switch) or "host" (relayed through host memory)."""
+    bytes_per_s: float
+    """What one SoC can send to its peers at once: its port's payload rate."""
+    latency_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+def pcie_bytes_per_s(lanes: int) -> float:
+    """Payload bandwidth of a Gen4 link of `lanes` lanes, one direction."""
+    return lanes * PCIE_GEN4_LANE_BYTES_PER_S * PCIE_PAYLOAD_EFFICIENCY
+
+
+def link_between(kind: str, same_card: bool) -> Link:
+    """A p2p link between SoCs of one card goes through its switch at a SoC port's rate; across
+    cards, or without a p2p connection, it goes through the host, at most a card's host link
+    shared by the SoCs behind it, with the relay's latency."""
+    port = pcie_bytes_per_s(SOC_PORT_LANES)
+    if kind == "p2p" and same_card:
+        return Link("p2p", port, P2P_LATENCY_S)
+    if kind == "p2p":
+        return Link("p2p", min(port, pcie_bytes_per_s(CARD_HOST_LANES)), 2 * P2P_LATENCY_S)
+    return Link("host", min(port, pcie_bytes_per_s(CARD_HOST_LANES) / 2), HOST_RELAY_LATENCY_S)
+
+
+MAX_CARDS_PER_HOST = 8
+"""Cards one host takes (its PCIe slots): device ids of a partition config are SoCs numbered
+card after card (an Ultra card's SoCs 0-3, the next card's 4-7, ...)."""
+
 
 MAX_SOC_DDR_BYTES = max(p.ddr_bytes_per_soc for p in _PROFILES)
 """The DDR of the largest single SoC of any profile (128 GiB, AIC200): no tensor of a QPC,

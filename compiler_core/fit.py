@@ -1,6 +1,8 @@
 """Does the model fit the device? Decided from the model's header, before any compile.
 
-What one SoC's DDR must hold (per SoC: a program runs on one):
+What one SoC's DDR must hold (per SoC: a program runs on one; sliced over the SoCs of a
+partition, `-mdp-load-partition-config`, each keeps its share of the MatMul weights and of the
+KV cache, see `_weights`):
 - the weights, at the size they are stored: fp16 with `-convert-to-fp16` (float32 weights),
   MXFP6 (6.25 bits an element, scales included) for MatMul/Gemm weights with
   `-mxfp6-matmul`, their own type otherwise;
@@ -59,14 +61,17 @@ class FitReport:
     host_bytes: int
     device: str
     suggestions: list[str] = field(default_factory=list)
+    devices: int = 1
+    """SoCs the model is sliced over (-mdp-load-partition-config): the figures are per SoC."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def message(self) -> str:
         gb = 1e9
+        over = f" sliced over {self.devices} SoCs" if self.devices > 1 else ""
         text = (
-            f"the model needs {self.needed_bytes / gb:.2f} GB of device DDR per SoC "
+            f"the model{over} needs {self.needed_bytes / gb:.2f} GB of device DDR per SoC "
             f"(weights {self.weights_bytes / gb:.2f} GB, KV cache {self.kv_cache_bytes / gb:.2f} "
             f"GB for {self.sequences} sequence(s), working set "
             f"{self.working_set_bytes / gb:.2f} GB); {self.device} has "
@@ -93,17 +98,23 @@ def _mxfp6_weights(model: Any) -> set[str]:
     return names
 
 
-def _weights(model: Any, fp16: bool, mxfp6: bool) -> tuple[int, int]:
-    """(bytes stored on the device, bytes in the model's files)."""
+def _weights(model: Any, fp16: bool, mxfp6: bool, devices: int = 1) -> tuple[int, int]:
+    """(bytes stored on one SoC, bytes in the model's files). Over several SoCs (tensor
+    slicing, compiler_core/mdp/shard.py) each keeps 1/devices of every 2-D MatMul/Gemm weight
+    that divides; the rest (embeddings, norms) is whole on each."""
     from compiler_core.mxfp import mxfp6_nbytes
 
-    encoded = _mxfp6_weights(model) if mxfp6 else set()
+    matmul = _mxfp6_weights(model)
+    encoded = matmul if mxfp6 else set()
     stored = files = 0
     for init in model.graph.initializer:
         shape = [int(d) for d in init.dims]
         count = math.prod(shape)
         size = _itemsize(init.data_type)
         files += count * size
+        if devices > 1 and init.name in matmul and len(shape) == 2 and _divides(shape, devices):
+            shape = [shape[0], shape[1] // devices]
+            count //= devices
         if init.name in encoded and init.data_type in _FLOAT and len(shape) == 2:
             stored += mxfp6_nbytes(shape, 0)
         elif fp16 and init.data_type == 1:
@@ -111,6 +122,20 @@ def _weights(model: Any, fp16: bool, mxfp6: bool) -> tuple[int, int]:
         else:
             stored += count * size
     return stored, files
+
+
+def _divides(shape: list[int], devices: int) -> bool:
+    return shape[0] % devices == 0 and shape[1] % devices == 0
+
+
+def sliceable(model: Any, devices: int) -> bool:
+    """Whether every 2-D MatMul/Gemm weight splits evenly over `devices` SoCs."""
+    names = _mxfp6_weights(model)
+    return all(
+        _divides([int(d) for d in init.dims], devices)
+        for init in model.graph.initializer
+        if init.name in names and len(init.dims) == 2
+    )
 
 
 def _bound(model: Any, symbols: Mapping[str, int]) -> Any:
@@ -145,20 +170,24 @@ def check_fit_model(
     options: Any,
     specializations: list[Mapping[str, int]],
     precisions: Mapping[str, str] | None = None,
+    devices: int = 1,
 ) -> FitReport:
     """The fit of a header-only ModelProto under `options` (CompileOptions); `precisions`:
-    the custom-IO list's entries by name (None: read the list the options name, locally)."""
+    the custom-IO list's entries by name (None: read the list the options name, locally);
+    `devices`: the SoCs of the partition it is sliced over (weights and KV cache per SoC)."""
     from compiler_core.mxint8 import mxint8_nbytes
 
     device = options.device
     fp16 = bool(options.convert_to_fp16)
-    weights, files = _weights(model, fp16, bool(options.mxfp6_matmul))
+    weights, files = _weights(model, fp16, bool(options.mxfp6_matmul), devices)
     mx_all = bool(getattr(options, "mxint8_kv_cache", False))
     if precisions is None:
         precisions = _custom_io(options, LOCAL)
-    bindings = [dict(options.onnx_define_symbol) | dict(s) for s in specializations] or [
-        dict(options.onnx_define_symbol)
-    ]
+    defined = dict(options.onnx_define_symbol)
+    slots = getattr(options, "full_batch_size", None)
+    if slots is not None:  # -full-batch-size binds the cache's slots, as the compile does
+        defined.setdefault("full_batch_size", int(slots))
+    bindings = [defined | dict(s) for s in specializations] or [defined]
     kv = 0
     kv_fp16 = 0
     mx_kv_bytes = 0
@@ -196,9 +225,9 @@ def check_fit_model(
             (b for v in bound.graph.value_info if (b := _tensor_bytes(v, fp16)) is not None),
             reverse=True,
         )[:2]
-        kv = max(kv, spec_kv)
-        kv_fp16 = max(kv_fp16, spec_kv16)
-        mx_kv_bytes = max(mx_kv_bytes, spec_mx)
+        kv = max(kv, -(-spec_kv // devices))  # each SoC keeps its heads' share
+        kv_fp16 = max(kv_fp16, -(-spec_kv16 // devices))
+        mx_kv_bytes = max(mx_kv_bytes, -(-spec_mx // devices))
         working = max(working, io_bytes + sum(largest))
     needed = weights + kv + working
     available = device.ddr_bytes_per_soc
@@ -213,12 +242,13 @@ def check_fit_model(
         kv_bytes_per_sequence=kv // max(1, sequences),
         host_bytes=files,
         device=device.name,
+        devices=devices,
     )
     if report.fits:
         return report
     suggestions = []
     if not options.mxfp6_matmul:
-        mx_weights, _ = _weights(model, fp16, True)
+        mx_weights, _ = _weights(model, fp16, True, devices)
         if mx_weights + kv + working <= available:
             suggestions.append(f"-mxfp6-matmul (weights {mx_weights / 1e9:.2f} GB)")
     if kv and not mx_all and kv == kv_fp16:
@@ -228,9 +258,32 @@ def check_fit_model(
     if kv and weights + working < available:
         share = (available - weights - working) / kv
         suggestions.append(f"a context at most {share:.0%} of the current one")
-    devices = math.ceil(needed / available)
-    suggestions.append(f"{devices} devices (multi-device partitioning)")
+    more = _more_devices(model, options, kv, working, devices)
+    if more is not None:
+        suggestions.append(more)
     return FitReport(**{**report.as_dict(), "suggestions": suggestions})
+
+
+def _more_devices(model: Any, options: Any, kv: int, working: int, devices: int) -> str | None:
+    """The fewest SoCs (more than now, at most a host's) the model fits sliced over, as the
+    flag that does it; None when no number does (the working set does not shrink)."""
+    device = options.device
+    fp16 = bool(options.convert_to_fp16)
+    available = device.ddr_bytes_per_soc
+    kv_whole = kv * devices
+    for n in range(devices + 1, device.max_socs_per_host + 1):
+        if not sliceable(model, n):
+            continue
+        weights, _ = _weights(model, fp16, bool(options.mxfp6_matmul), n)
+        per_soc = weights + -(-kv_whole // n) + working
+        if per_soc <= available:
+            cards = -(-n // device.socs)
+            where = f"{cards} {device.display_name} cards" if cards > 1 else "one card"
+            return (
+                f"-mdp-load-partition-config over {n} SoCs ({where}; "
+                f"{per_soc / 1e9:.2f} GB per SoC)"
+            )
+    return None
 
 
 def _custom_io(options: Any, folder: ModelFolder) -> dict[str, str]:
@@ -247,9 +300,13 @@ def _specializations(options: Any, folder: ModelFolder) -> list[Mapping[str, int
     path = getattr(options, "network_specialization_config", None)
     if not path:
         return []
-    from compiler_core.specializations import load_specializations
+    from compiler_core.specializations import load_specializations, with_full_batch_size
 
-    return [s.symbols for s in load_specializations(path, folder)]
+    specs = load_specializations(path, folder)
+    slots = getattr(options, "full_batch_size", None)
+    if slots is not None:
+        specs = with_full_batch_size(specs, int(slots))
+    return [s.symbols for s in specs]
 
 
 def read_header(source: object) -> Any:
@@ -270,7 +327,20 @@ def check_fit(source: object, options: Any, folder: ModelFolder = LOCAL) -> FitR
     options name are read through `folder`."""
     header = read_header(source)
     precisions = _custom_io(options, folder)
-    return check_fit_model(header, options, _specializations(options, folder), precisions)
+    specs = _specializations(options, folder)
+    return check_fit_model(header, options, specs, precisions, _devices(options, folder))
+
+
+def _devices(options: Any, folder: ModelFolder, text: str | bytes | None = None) -> int:
+    """The SoCs of the partition config the options name (1 without one)."""
+    path = getattr(options, "mdp_load_partition_config", None)
+    if not path:
+        return int(getattr(options, "mdp_devices", None) or 1)
+    from compiler_core.mdp.config import FLAG, parse_partition_config
+
+    if text is None:
+        text = folder.read_text(path, FLAG)
+    return len(parse_partition_config(text, options.device).partitions[0].devices)
 
 
 def require_fit(report: FitReport) -> None:
@@ -367,6 +437,8 @@ def check_upload_fit(stream: IO[bytes], options: Any) -> FitReport | None:
         wanted["specializations"] = options.network_specialization_config
     if options.custom_io_list_file:
         wanted["custom_io"] = options.custom_io_list_file
+    if options.mdp_load_partition_config:
+        wanted["partition"] = options.mdp_load_partition_config
     found = header_from_upload(stream, wanted)
     if found is None:
         return None
@@ -389,6 +461,7 @@ def check_upload_fit(stream: IO[bytes], options: Any) -> FitReport | None:
                     for e in entries
                     if isinstance(e, dict)
                 }
+        devices = _devices(options, LOCAL, files["partition"]) if "partition" in files else 1
     except (ValueError, RecursionError, yaml.YAMLError, CompileError):
         return None  # a malformed option file: the compile names what is wrong with it
-    return check_fit_model(header, options, specs, precisions)
+    return check_fit_model(header, options, specs, precisions, devices)

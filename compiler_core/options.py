@@ -202,6 +202,32 @@ class CompileOptions:
         maximum=MAX_CORES,
         group=TARGET,
     )
+    mdp_load_partition_config: str | None = option(
+        "path",
+        "JSON partition config: the devices (SoCs) one partition spans, their cores, and which "
+        "devices are connected peer to peer; the network is sliced across them.",
+        group=TARGET,
+        default_text="none (one SoC)",
+        model_file=True,
+    )
+    mdp_dump_partition_config: str | None = option(
+        "path",
+        "Write the partition the compile used (JSON, the -mdp-load-partition-config format).",
+        affects_qpc=False,
+        group=TARGET,
+        default_text="none",
+        local_only=True,
+    )
+    mdp_devices: int | None = option(
+        "int",
+        "Slice the network over this many SoCs (qpcfarm addition): one partition over SoCs "
+        "0..N-1 connected peer to peer, -aic-num-cores each, as a -mdp-load-partition-config "
+        "listing them would (what the configurator's devices dimension sets).",
+        minimum=1,
+        maximum=64,
+        group=TARGET,
+        default_text="1",
+    )
     ols: int = option(
         "int",
         "Overlap split factor: a power of two, at most -aic-num-cores.",
@@ -301,6 +327,15 @@ class CompileOptions:
         group=PRECISION,
         default_text="none",
         model_file=True,
+    )
+    full_batch_size: int | None = option(
+        "int",
+        "Continuous batching: the KV cache's slots. Sets full_batch_size in every "
+        "specialization, and batch_size in each decode (seq_len 1) that leaves it unset.",
+        minimum=1,
+        maximum=MAX_DIMENSION,
+        group=PRECISION,
+        default_text="the specializations'",
     )
     convert_to_fp16: bool = option(
         "bool",
@@ -1061,6 +1096,18 @@ def _build(given: Mapping[str, Any]) -> CompileOptions:
 def _check_rules(o: CompileOptions, device: DeviceProfile) -> None:
     """Every rule that involves more than one option, in one place."""
     spec = _BY_ATTR
+    if o.mdp_devices is not None and o.mdp_load_partition_config:
+        raise _invalid(
+            spec["mdp_devices"],
+            o.mdp_devices,
+            "give the devices either as a number or in -mdp-load-partition-config, not both",
+        )
+    if o.mdp_devices is not None and o.mdp_devices > device.max_socs_per_host:
+        raise _invalid(
+            spec["mdp_devices"],
+            o.mdp_devices,
+            f"a host holds at most {device.max_socs_per_host} {device.display_name} SoCs",
+        )
     if o.aic_num_cores > device.cores_per_soc:
         raise _invalid(
             spec["aic_num_cores"],

@@ -120,6 +120,27 @@ def _entry(item: Any, index: int) -> Specialization:
     return Specialization(name, _vendor_keys(symbols, where))
 
 
+def with_full_batch_size(specs: list[Specialization], slots: int) -> list[Specialization]:
+    """`-full-batch-size=N`: every specialization's `full_batch_size` is N (a file that says
+    otherwise is refused: one value, one place), and a decode (seq_len 1) without a
+    `batch_size` decodes every slot."""
+    out = []
+    for index, spec in enumerate(specs):
+        symbols = dict(spec.symbols)
+        given = symbols.setdefault("full_batch_size", slots)
+        if given != slots:
+            raise CompileError(
+                "invalid_option",
+                f"-full-batch-size={slots} but specialization {spec.name!r} sets "
+                f"full_batch_size={given}: give it in one place",
+                flag="-full-batch-size",
+            )
+        if symbols.get("seq_len") == 1:
+            symbols.setdefault("batch_size", slots)
+        out.append(Specialization(spec.name, _vendor_keys(symbols, f"specialization {index + 1}")))
+    return out
+
+
 def _vendor_keys(symbols: dict[str, int], where: str) -> dict[str, int]:
     """The LLM keys checked against each other; `num_speculative_tokens` = k sets seq_len."""
     if SPECULATIVE in symbols:

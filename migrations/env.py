@@ -1,7 +1,7 @@
 """Alembic environment: runs against a connection handed in by the app, or the settings' URL.
 
 `config.attributes["connection"]` (an open Connection) wins, then
-`config.attributes["database_url"]`, then `QPCFARM_DATABASE_URL` via app.settings.
+`config.attributes["database_url"]`, then `QPCFARM_DATABASE_URL` via app.domain.settings.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging.config
 from alembic import context
 from sqlalchemy import Connection
 
-from qpcfarm.app.db import models  # noqa: F401  (fills Base.metadata)
-from qpcfarm.app.db.base import Base
-from qpcfarm.app.db.session import make_engine
-from qpcfarm.app.settings import get_settings
+from app.domain.db import models  # noqa: F401  (fills Base.metadata)
+from app.domain.db.base import Base
+from app.domain.db.session import make_engine
+from app.domain.settings import get_settings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logger", False):

@@ -21,8 +21,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from qpcfarm.app.main import create_app
-from qpcfarm.app.settings import Settings
+from app.domain.settings import Settings
+from app.main import create_app
 from tests.conftest import _postgres_problem, postgres_url
 
 START_TIMEOUT_S = 60.0
@@ -85,7 +85,7 @@ class LiveServer:
 
     def new_key(self, team_name: str | None = None) -> str:
         """A new team (unless `team_name` exists) and a bearer key for it."""
-        from qpcfarm.app.services import teams
+        from app.domain.services import teams
 
         with self.state.session_factory() as session:
             name = team_name or f"team-{uuid.uuid4().hex[:8]}"

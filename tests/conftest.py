@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # app modules are imported lazily: other test files need no d
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from qpcfarm.app.blobs import BlobStore
-    from qpcfarm.app.db.models import Team
+    from app.domain.blobs import BlobStore
+    from app.domain.db.models import Team
 
 POSTGRES_URL_ENV = "QPCFARM_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -70,7 +70,7 @@ def empty_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
     """A database with no tables: a new SQLite file, or a new PostgreSQL schema."""
     from sqlalchemy import text
 
-    from qpcfarm.app.db.session import make_engine, make_session_factory
+    from app.domain.db.session import make_engine, make_session_factory
 
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'qpcfarm-test.db'}"
@@ -102,8 +102,8 @@ def empty_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
 @contextmanager
 def ready_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
     """An empty database with the models' tables created."""
-    from qpcfarm.app.db import models  # noqa: F401 - registers the tables
-    from qpcfarm.app.db.base import Base
+    from app.domain.db import models  # noqa: F401 - registers the tables
+    from app.domain.db.base import Base
 
     with empty_database(kind, tmp_path) as db:
         Base.metadata.create_all(db.engine)
@@ -128,8 +128,8 @@ class Farm:
 
 @pytest.fixture(params=["embedded", "farm"])
 def farm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Farm]:
-    from qpcfarm.app.blobs.database import DatabaseBlobStore
-    from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
+    from app.domain.blobs.database import DatabaseBlobStore
+    from app.domain.blobs.filesystem import FilesystemBlobStore
 
     kind = "sqlite" if request.param == "embedded" else "postgresql"
     with ready_database(kind, tmp_path) as db:
@@ -153,8 +153,8 @@ def session(farm: Farm) -> Iterator[Session]:
 @pytest.fixture(params=["filesystem", "database-sqlite", "database-postgresql"])
 def blob_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BlobStore]:
     """Each blob store; the database store on both databases."""
-    from qpcfarm.app.blobs.database import DatabaseBlobStore
-    from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
+    from app.domain.blobs.database import DatabaseBlobStore
+    from app.domain.blobs.filesystem import FilesystemBlobStore
 
     if request.param == "filesystem":
         yield FilesystemBlobStore(tmp_path / "blobs")
@@ -168,9 +168,9 @@ def corrupt_blob(store: BlobStore, sha256: str, offset: int = -1) -> None:
     (negative: from the end)."""
     from sqlalchemy import select, update
 
-    from qpcfarm.app.blobs.database import DatabaseBlobStore
-    from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
-    from qpcfarm.app.db.models import BlobChunk
+    from app.domain.blobs.database import DatabaseBlobStore
+    from app.domain.blobs.filesystem import FilesystemBlobStore
+    from app.domain.db.models import BlobChunk
 
     if isinstance(store, FilesystemBlobStore):
         path = store.root / sha256[:2] / sha256[2:]
@@ -193,7 +193,7 @@ def corrupt_blob(store: BlobStore, sha256: str, offset: int = -1) -> None:
 
 
 def make_team(session: Session, name: str | None = None) -> Team:
-    from qpcfarm.app.services import teams
+    from app.domain.services import teams
 
     return teams.create_team(session, name or f"team-{uuid.uuid4().hex[:8]}")
 

@@ -51,8 +51,8 @@ def service_env(**overrides: str) -> dict[str, str]:
 
 
 def qpcfarm_argv(*args: str) -> list[str]:
-    """`qpcfarm ARGS` as the console script runs it (the entry point is `qpcfarm.app.cli:main`)."""
-    return [sys.executable, "-m", "qpcfarm.app.cli", *args]
+    """`qpcfarm ARGS` as the console script runs it (the entry point is `app.console.cli:main`)."""
+    return [sys.executable, "-m", "app.console.cli", *args]
 
 
 def wait_until(check: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:

@@ -27,11 +27,10 @@ import onnx
 import pytest
 from sqlalchemy import func, select
 
+from app.api.uploads import UploadInterrupted
+from app.domain.db.models import BlobChunk, CompileJob
 from compiler_core.devices import device_names
 from compiler_core.options import options_json_schema
-from qpcfarm.app.api.uploads import UploadInterrupted
-from qpcfarm.app.db.models import BlobChunk, CompileJob
-from qpcfarm.worker import compile_jobs
 from tests.api_helpers import (
     LiveServer,
     Servers,
@@ -43,6 +42,7 @@ from tests.api_helpers import (
     zip_of_folder,
 )
 from tests.conftest import external_data_model_dir, tiny_model, tiny_model_bytes
+from worker import compile_jobs
 
 LIMIT = 1 << 20
 ZERO_ID = "00000000-0000-0000-0000-000000000000"
@@ -405,7 +405,7 @@ def test_a_submitted_job_is_committed_then_enqueued_and_answers_202(
     model = upload(api)
     seen_committed: list[bool] = []
 
-    def enqueue(job_id: uuid.UUID) -> None:  # what a worker in another process would read
+    def enqueue(job_id: uuid.UUID, kind: str = "compile") -> None:  # as a worker would read
         with server.state.session_factory() as session:
             seen_committed.append(session.get(CompileJob, job_id) is not None)
         server.queue.ids.append(job_id)

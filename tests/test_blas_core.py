@@ -85,7 +85,7 @@ def test_the_qpcfarm_entry_point_decides_before_numpy_loads() -> None:
     # variable is what this machine's /proc/cpuinfo calls for, and numpy is loaded after it.
     script = (
         "import contextlib, io, json, os, sys\n"
-        "from qpcfarm.app.cli import main\n"
+        "from app.console.cli import main\n"
         "numpy_before = 'numpy' in sys.modules\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--help'])\n"

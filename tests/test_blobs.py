@@ -16,12 +16,13 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
-from qpcfarm.app.blobs import BlobNotFound, BlobRef, BlobStore, BlobTooLarge, local_path
-from qpcfarm.app.blobs.base import CHUNK_SIZE, blob_store_from_settings
-from qpcfarm.app.blobs.database import DatabaseBlobStore
-from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
-from qpcfarm.app.db.models import Blob, BlobChunk
-from qpcfarm.app.settings import Settings
+from app.domain.blobs import BlobNotFound, BlobRef, BlobStore, BlobTooLarge, local_path
+from app.domain.blobs.base import CHUNK_SIZE
+from app.domain.blobs.database import DatabaseBlobStore
+from app.domain.blobs.factory import blob_store_from_settings
+from app.domain.blobs.filesystem import FilesystemBlobStore
+from app.domain.db.models import Blob, BlobChunk
+from app.domain.settings import Settings
 
 MiB = 1 << 20
 
@@ -249,8 +250,8 @@ def test_settings_pick_the_filesystem_store_for_sqlite_and_the_database_store_ot
 def test_a_corrupt_blob_is_never_read_whole_and_is_quarantined_by_its_first_reader(
     blob_store: BlobStore,
 ) -> None:
-    from qpcfarm.app.blobs import BlobCorrupt
-    from qpcfarm.app.blobs.integrity import verified_range
+    from app.domain.blobs import BlobCorrupt
+    from app.domain.blobs.integrity import verified_range
     from tests.conftest import corrupt_blob
 
     data = os.urandom(3 * CHUNK_SIZE + 5)
@@ -271,7 +272,7 @@ def test_a_corrupt_blob_is_never_read_whole_and_is_quarantined_by_its_first_read
 
 
 def test_a_checked_range_is_exactly_the_bytes_asked_for(blob_store: BlobStore) -> None:
-    from qpcfarm.app.blobs.integrity import verified_range
+    from app.domain.blobs.integrity import verified_range
 
     data = os.urandom(2 * CHUNK_SIZE + 100)
     ref = blob_store.put(io.BytesIO(data))
@@ -281,7 +282,7 @@ def test_a_checked_range_is_exactly_the_bytes_asked_for(blob_store: BlobStore) -
 
 
 def test_storing_known_content_again_repairs_an_undetected_damaged_file(tmp_path: Path) -> None:
-    from qpcfarm.app.blobs.integrity import verify_blob
+    from app.domain.blobs.integrity import verify_blob
     from tests.conftest import corrupt_blob
 
     store = FilesystemBlobStore(tmp_path / "blobs")
@@ -294,9 +295,9 @@ def test_storing_known_content_again_repairs_an_undetected_damaged_file(tmp_path
 def test_the_store_reports_each_quarantined_blob_once_with_where_it_went(
     tmp_path: Path,
 ) -> None:
-    from qpcfarm.app.blobs import BlobCorrupt
-    from qpcfarm.app.blobs.base import Quarantined
-    from qpcfarm.app.blobs.integrity import verify_blob
+    from app.domain.blobs import BlobCorrupt
+    from app.domain.blobs.base import Quarantined
+    from app.domain.blobs.integrity import verify_blob
     from tests.conftest import corrupt_blob
 
     events: list[Quarantined] = []

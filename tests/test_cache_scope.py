@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from qpcfarm.worker import compile_jobs
 from tests.api_helpers import LiveServer, live_server
 from tests.conftest import tiny_model_bytes
+from worker import compile_jobs
 
 
 def compile_for(server: LiveServer, client: httpx.Client, data: bytes) -> httpx.Response:

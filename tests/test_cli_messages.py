@@ -16,10 +16,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from app.console.cli import main
 from compiler_core import CompileError, compile_model
 from compiler_core.cli import main as core_main
 from compiler_core.passes.quantize import format_sqnr, sqnr_db
-from qpcfarm.app.cli import main
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

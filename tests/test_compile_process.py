@@ -13,8 +13,8 @@ import onnx
 import pytest
 
 from compiler_core import CompileError, CompileOptions
-from qpcfarm.worker.compile_process import CompileProcess
 from tests.conftest import tiny_model
+from worker.compile_process import CompileProcess
 
 
 @pytest.fixture(scope="module")

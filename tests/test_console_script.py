@@ -1,4 +1,4 @@
-"""The `qpcfarm` console script (`qpcfarm.app.cli:entry`): after a compile it leaves without
+"""The `qpcfarm` console script (`app.console.cli:entry`): after a compile it leaves without
 tearing the interpreter down, yet prints everything, runs atexit handlers and keeps the exit
 code; other commands exit the ordinary way."""
 
@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from qpcfarm.app.cli import entry
+from app.console.cli import entry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def _run_entry(args: list[str]) -> subprocess.CompletedProcess[str]:
         "import atexit, sys\n"
         "atexit.register(lambda: print('atexit handler ran', file=sys.stderr, flush=True))\n"
         f"sys.argv = ['qpcfarm', *{args!r}]\n"
-        "from qpcfarm.app.cli import entry\n"
+        "from app.console.cli import entry\n"
         "entry()\n"
     )
     return subprocess.run(

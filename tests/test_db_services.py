@@ -23,21 +23,19 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import func, inspect, select
 from sqlalchemy.orm import Session
 
-from compiler_core import CompileOptions
-from qpcfarm.app.blobs import BlobRef
-from qpcfarm.app.db.base import Base, utcnow
-from qpcfarm.app.db.models import ApiKey, CompileJob, CompileReport, JobStatus, Model, Qpc, Team
-from qpcfarm.app.db.session import (
+from app.domain.blobs import BlobRef
+from app.domain.db.base import Base, utcnow
+from app.domain.db.models import ApiKey, CompileJob, CompileReport, JobStatus, Model, Qpc, Team
+from app.domain.db.session import (
     alembic_config,
     session_scope,
     upgrade_database,
     wait_for_database,
 )
-from qpcfarm.app.services import jobs, models, qpcs, teams, validations
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.settings import Settings, get_settings
-from qpcfarm.worker import claims, compile_jobs
-from qpcfarm.worker.heartbeat import JobHeartbeat
+from app.domain.services import jobs, models, qpcs, teams, validations
+from app.domain.services.errors import ServiceError
+from app.domain.settings import Settings, get_settings
+from compiler_core import CompileOptions
 from tests.conftest import (
     Farm,
     empty_database,
@@ -46,6 +44,8 @@ from tests.conftest import (
     tiny_model,
     tiny_model_bytes,
 )
+from worker import claims, compile_jobs
+from worker.heartbeat import JobHeartbeat
 
 LIMIT = 64 << 20
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
@@ -891,7 +891,7 @@ def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
 ) -> None:
     from sqlalchemy import insert
 
-    from qpcfarm.app.db.models import ACTIVE_JOB_PREDICATE
+    from app.domain.db.models import ACTIVE_JOB_PREDICATE
 
     with empty_database(kind, tmp_path) as db:
         upgrade_database(db.engine, "0003")
@@ -944,7 +944,7 @@ def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothin
 ) -> None:
     from sqlalchemy import insert
 
-    from qpcfarm.app.db.models import ProfileJob, Validation
+    from app.domain.db.models import ProfileJob, Validation
 
     with empty_database(kind, tmp_path) as db:
         upgrade_database(db.engine, "0005")

@@ -41,7 +41,7 @@ def test_each_compiler_module_imports_first_in_a_fresh_interpreter() -> None:
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("name", ["qpcfarm.app.services.models", "qpcfarm.worker.tasks"])
+@pytest.mark.parametrize("name", ["app.domain.services.models", "worker.tasks"])
 def test_service_entry_modules_import_first(name: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", f"import {name}"], cwd=ROOT, capture_output=True, text=True

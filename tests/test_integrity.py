@@ -18,10 +18,10 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from qpcfarm.app.db.models import QuarantinedBlob
-from qpcfarm.worker import compile_jobs
+from app.domain.db.models import QuarantinedBlob
 from tests.api_helpers import LiveServer, Servers
 from tests.conftest import corrupt_blob, tiny_model_bytes
+from worker import compile_jobs
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_a_resubmit_of_a_corrupt_qpc_is_no_cache_hit(server: LiveServer, api: ht
 def test_a_large_corrupt_qpc_streams_but_never_completes(
     server: LiveServer, api: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qpcfarm.app.api import downloads
+    from app.api import downloads
 
     monkeypatch.setattr(downloads, "CHECK_FIRST_BYTES", 0)  # every QPC is streamed
     _, job = compile_new(server, api)
@@ -151,8 +151,8 @@ def test_a_job_whose_model_blob_is_corrupt_fails_blob_corrupt(
 def test_verify_blobs_quarantines_corrupt_blobs_and_lists_the_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
-    from qpcfarm.app.settings import get_settings
+    from app.console.cli import main
+    from app.domain.settings import get_settings
     from tests.api_helpers import live_server
 
     with live_server("sqlite", tmp_path / "data") as server, server.client(

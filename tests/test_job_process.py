@@ -1,5 +1,5 @@
 """The embedded mode's jobs in child processes (`worker.job_process`), and the file lock that
-lets SQLite writers of several processes take turns (`app.db.session.WriterLock`).
+lets SQLite writers of several processes take turns (`app.domain.db.session.WriterLock`).
 
 The API process of the embedded mode keeps no job work: a job is claimed, compiled, stored
 and finished by a child that opened the same database and blob store again; a child that dies
@@ -23,20 +23,20 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.domain.blobs import BlobStore
+from app.domain.blobs.database import DatabaseBlobStore
+from app.domain.blobs.filesystem import FilesystemBlobStore
+from app.domain.db.models import CompileJob, JobStatus
+from app.domain.db.session import WriterLock, make_engine, make_session_factory
+from app.domain.services import jobs, models
+from app.domain.settings import Settings
 from compiler_core import CompileOptions
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.blobs.database import DatabaseBlobStore
-from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
-from qpcfarm.app.db.models import CompileJob, JobStatus
-from qpcfarm.app.db.session import WriterLock, make_engine, make_session_factory
-from qpcfarm.app.services import jobs, models
-from qpcfarm.app.settings import Settings
-from qpcfarm.worker import compile_jobs
-from qpcfarm.worker.job_process import JobProcess, config_for
-from qpcfarm.worker.queues import queue_from_settings
 from tests.api_helpers import postgres_schema_url
 from tests.conftest import make_team, tiny_model_bytes
 from tests.test_worker import wait_for
+from worker import compile_jobs
+from worker.job_process import JobProcess, config_for
+from worker.queues import queue_from_settings
 
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
 
@@ -79,8 +79,8 @@ def _url(kind: str, tmp_path: Path) -> Iterator[str]:
 def embedded(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Embedded]:
     """A farm whose database a child can open again from its URL (the embedded mode's, or
     an embedded worker on PostgreSQL with the database blob store)."""
-    from qpcfarm.app.db import models as tables  # noqa: F401 - registers the tables
-    from qpcfarm.app.db.base import Base
+    from app.domain.db import models as tables  # noqa: F401 - registers the tables
+    from app.domain.db.base import Base
 
     with _url(request.param, tmp_path) as url:
         engine = make_engine(url)
@@ -272,8 +272,8 @@ def test_stage_changes_in_quick_succession_share_a_write(monkeypatch: pytest.Mon
 
 
 def test_a_failure_records_the_stage_it_failed_in(tmp_path: Path) -> None:
-    from qpcfarm.app.db import models as tables  # noqa: F401 - registers the tables
-    from qpcfarm.app.db.base import Base
+    from app.domain.db import models as tables  # noqa: F401 - registers the tables
+    from app.domain.db.base import Base
 
     engine = make_engine(f"sqlite:///{tmp_path / 'f.db'}")
     Base.metadata.create_all(engine)

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from qpcfarm.app.api.deps import TEAM_CACHE_TTL_S
-from qpcfarm.app.settings import Settings
+from app.api.deps import TEAM_CACHE_TTL_S
+from app.domain.settings import Settings
 from tests.api_helpers import LiveServer, live_server
 
 
@@ -32,7 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 def admin_key(server: LiveServer) -> str:
-    from qpcfarm.app.services import teams
+    from app.domain.services import teams
 
     with server.state.session_factory() as session:
         team = teams.create_team(session, f"team-{time.monotonic_ns()}")
@@ -92,12 +92,12 @@ def test_every_answer_carries_the_security_headers(server: LiveServer) -> None:
 def site(tmp_path: Path) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
+    from app.console.serve import create_farm_app
 
     settings = Settings(
         data_dir=tmp_path, database_url=f"sqlite:///{tmp_path / 'q.db'}", require_auth=True
     )
-    app = create_app(settings)
+    app = create_farm_app(settings)
     with TestClient(app, base_url="https://farm.example", follow_redirects=False) as client:
         yield client
 
@@ -114,7 +114,7 @@ def sign_in(client: Any, key: str) -> httpx.Response:
 
 
 def key_of(client: Any) -> tuple[str, str]:
-    from qpcfarm.app.services import teams
+    from app.domain.services import teams
 
     with client.app.state.session_factory() as session:
         team = teams.create_team(session, "web")
@@ -137,7 +137,7 @@ def test_a_browser_session_holds_a_token_not_the_key_and_is_secure_over_https(
 
 
 def test_revoking_a_key_ends_its_browser_sessions_and_sign_out_ends_one(site: Any) -> None:
-    from qpcfarm.app.services import teams
+    from app.domain.services import teams
 
     key, key_id = key_of(site)
     sign_in(site, key)
@@ -170,7 +170,7 @@ def test_revoking_a_key_ends_its_browser_sessions_and_sign_out_ends_one(site: An
 
 @pytest.fixture
 def embedded_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    from qpcfarm.app.settings import get_settings
+    from app.domain.settings import get_settings
 
     for name in ("QPCFARM_DATABASE_URL", "QPCFARM_BROKER_URL", "QPCFARM_BLOB_STORE"):
         monkeypatch.delenv(name, raising=False)
@@ -183,7 +183,7 @@ def embedded_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 def test_admin_lists_and_revokes_keys(
     embedded_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(["admin", "create-team", "vision", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "vision", "--name", "ci", "--admin"]) == 0
@@ -206,7 +206,7 @@ def production(**values: Any) -> Settings:
 
 
 def test_production_refuses_default_secrets_open_binds_without_tls_and_no_auth() -> None:
-    from qpcfarm.app.cli import production_problems
+    from app.console.cli import production_problems
 
     fit = production(database_url="postgresql+psycopg://farm:s3cr3t-Zq@db/farm")
     assert production_problems(fit, "127.0.0.1", tls=False) == []
@@ -228,8 +228,8 @@ def test_production_refuses_default_secrets_open_binds_without_tls_and_no_auth()
 def test_serve_in_production_with_a_default_secret_exits_before_listening(
     embedded_env: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
-    from qpcfarm.app.settings import get_settings
+    from app.console.cli import main
+    from app.domain.settings import get_settings
 
     monkeypatch.setenv("QPCFARM_ENVIRONMENT", "production")
     monkeypatch.setenv("QPCFARM_DATABASE_URL", "postgresql+psycopg://qpcfarm:qpcfarm@h/db")

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from compiler_core.build import CompileResult
 from compiler_core.cli import main
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.compile import compile_model
 from compiler_core.devices import get_device
 from tests.decoder_model import kv_decoder
 
@@ -114,8 +115,8 @@ def test_the_job_page_shows_the_llm_figures(tmp_path: Path) -> None:
 
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.settings import Settings
+    from app.console.serve import create_farm_app
+    from app.domain.settings import Settings
     from tests.api_helpers import zip_bytes
     from tests.test_web_pages import Site, new_key, signed_in, submit, wait_done
 
@@ -126,7 +127,7 @@ def test_the_job_page_shows_the_llm_figures(tmp_path: Path) -> None:
         blob_store="filesystem",
         require_auth=True,
     )
-    app = create_app(settings)
+    app = create_farm_app(settings)
     specs = {
         "specializations": [
             {"batch_size": "1", "seq_len": "8"},

@@ -600,8 +600,10 @@ def test_the_option_rule_sets_are_read_from_the_declarations() -> None:
         "model",
         "aic-binary-dir",
         "operators-supported",
+        "mdp-dump-partition-config",
     ]
     assert [s.name for s in MODEL_FILE_OPTIONS] == [
+        "mdp-load-partition-config",
         "network-specialization-config",
         "custom-IO-list-file",
         "node-precision-info",

@@ -1,11 +1,10 @@
 """What the wheel holds and how an installed farm finds its parts.
 
-The folders are app/ worker/ migrations/ compiler_core/; installed, the service lives under one
-namespace (`qpcfarm.app`, `qpcfarm.worker`, `qpcfarm.migrations`), so the wheel puts no generic
-top-level `app` or `worker` into site-packages, and the migrations are package data found
-through the package rather than beside a source tree. The last test builds the wheel, installs
-it with its service extra in a fresh venv and serves from a folder far from the repository
-(~40 s on 2 CPUs, pip's cache cold or warm: in the default run, so CI builds what users install).
+The import names are the folders (app/ worker/ migrations/ compiler_core/), so the wheel lists
+every package folder under its own name, and the migrations are package data found through the
+package rather than beside a source tree. The last test builds the wheel, installs it with its
+service extra in a fresh venv and serves from a folder far from the repository (~40 s on 2
+CPUs, pip's cache cold or warm: in the default run, so CI builds what users install).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from tests.conftest import tiny_model_bytes
 from tests.service_helpers import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"qpcfarm.app": "app", "qpcfarm.worker": "worker", "qpcfarm.migrations": "migrations"}
 SOURCE_DIRS = ("app", "worker", "migrations", "compiler_core", "tests", "bench")
 BUILD_INPUTS = ("pyproject.toml", "README.md", "app", "worker", "migrations", "compiler_core")
 
@@ -36,30 +34,25 @@ def setuptools_config() -> dict[str, object]:
 
 
 def package_folders() -> set[str]:
-    """Every package the folders hold, by its installed name."""
+    """Every package the folders hold, by its import name (the folder's path)."""
     found = set()
     for top in ("app", "worker", "migrations", "compiler_core"):
         for init in (ROOT / top).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT).parts
-            name = ".".join(parts)
-            for package, folder in MAPPED.items():
-                if parts[0] == folder:
-                    name = ".".join((package, *parts[1:]))
-            found.add(name)
+            found.add(".".join(init.parent.relative_to(ROOT).parts))
     return found
 
 
-def test_the_wheel_lists_every_package_folder_under_its_installed_name() -> None:
+def test_the_wheel_lists_every_package_folder_under_its_import_name() -> None:
     config = setuptools_config()
-    assert config["package-dir"] == MAPPED
+    assert "package-dir" not in config  # no name mapping: the import names are the folders
     packages = config["packages"]
     assert isinstance(packages, list) and set(packages) == package_folders()
 
 
-def test_no_source_imports_the_folders_by_their_bare_names() -> None:
-    """`import app` would load a second copy of every module (two settings caches, two
-    engines) in a source tree, and fail in an installed farm."""
-    bare = []
+def test_no_source_imports_the_service_by_a_mapped_name() -> None:
+    """The old `qpcfarm.app` names are gone: one name per module, so a module is never
+    loaded twice (two settings caches, two engines)."""
+    mapped = []
     for top in SOURCE_DIRS:
         for path in (ROOT / top).rglob("*.py"):
             tree = ast.parse(path.read_text(), str(path))
@@ -71,13 +64,13 @@ def test_no_source_imports_the_folders_by_their_bare_names() -> None:
                 else:
                     continue
                 for line, name in found:
-                    if name.split(".")[0] in ("app", "worker", "migrations"):
-                        bare.append(f"{path.relative_to(ROOT)}:{line}: {name}")
-    assert not bare, "\n".join(bare)
+                    if name.split(".")[0] == "qpcfarm":
+                        mapped.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not mapped, "\n".join(mapped)
 
 
 def test_the_migrations_are_found_through_the_package() -> None:
-    from qpcfarm.app.db.session import alembic_config, migrations_dir
+    from app.domain.db.session import alembic_config, migrations_dir
 
     folder = migrations_dir()
     assert (folder / "alembic.ini").is_file() and (folder / "env.py").is_file()
@@ -111,14 +104,14 @@ def test_a_wheel_installed_in_a_fresh_venv_serves_from_any_folder(tmp_path: Path
     (wheel,) = dist.glob("qpcfarm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == {"qpcfarm", "compiler_core"}, tops
+    assert tops == {"app", "worker", "migrations", "compiler_core"}, tops
     for shipped in (
-        "qpcfarm/migrations/alembic.ini",
-        "qpcfarm/migrations/env.py",
-        "qpcfarm/migrations/script.py.mako",
-        "qpcfarm/migrations/versions/0001_initial_schema.py",
-        "qpcfarm/app/web/templates/base.html",
-        "qpcfarm/app/web/static/web.css",
+        "migrations/alembic.ini",
+        "migrations/env.py",
+        "migrations/script.py.mako",
+        "migrations/versions/0001_initial_schema.py",
+        "app/web/templates/base.html",
+        "app/web/static/web.css",
     ):
         assert shipped in names, shipped
 
@@ -131,12 +124,6 @@ def test_a_wheel_installed_in_a_fresh_venv_serves_from_any_folder(tmp_path: Path
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QPCFARM_", "PYTHON"))}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    # No generic names in site-packages: `import app` finds nothing in a clean folder.
-    probe = subprocess.run(
-        [str(bin_dir / "python"), "-c", "import app"], cwd=elsewhere, env=env, capture_output=True
-    )
-    assert probe.returncode != 0
-
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as log_file:

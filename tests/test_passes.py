@@ -539,6 +539,7 @@ def test_pipeline_runs_in_order_and_leaves_one_fused_conv() -> None:
     assert [p.name for p in passes] == [
         "canonicalize",
         "fold-constants",
+        "gather-slots",
         "eliminate-dead-code",
         "eliminate-common-subexpressions",
         "fold-batchnorm",

@@ -27,17 +27,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from sqlalchemy.orm import Session
 
+from app.domain.db.base import utcnow
+from app.domain.db.models import JobStatus, ProfileJob, Team
+from app.domain.services import jobs, models, profiles
+from app.domain.services.errors import ServiceError
 from compiler_core import CompileOptions
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Team
-from qpcfarm.app.services import jobs, models, profiles
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.worker import profile_jobs
-from qpcfarm.worker.inprocess import InProcessQueue
-from qpcfarm.worker.runner import process_job
-from qpcfarm.worker.sweep import sweep_once
 from tests.api_helpers import LiveServer, Servers
 from tests.conftest import Farm, tiny_model_bytes
+from worker import claims
+from worker.inprocess import InProcessQueue
+from worker.reaper import reap_once
+from worker.runner import process_job
 
 LEVEL_70 = {"aic-num-cores": 2, "stats-level": 70}
 NODES = ("fc1", "act1", "fc2", "probs")
@@ -362,7 +362,7 @@ def test_the_sweep_hands_a_dead_workers_profile_to_another_worker(
 ) -> None:
     profile_id = queued_profile(farm, session, team)
     old = utcnow() - dt.timedelta(minutes=5)
-    assert profile_jobs.claim(session, profile_id, "dead-worker", now=old) is not None
+    assert claims.claim_job(session, "profile", profile_id, "dead-worker", now=old) is not None
 
     class Recording:
         def __init__(self) -> None:
@@ -377,7 +377,7 @@ def test_the_sweep_hands_a_dead_workers_profile_to_another_worker(
             return True
 
     recording = Recording()
-    assert sweep_once(farm.db.sessions, recording, stale_after_s=60) == [profile_id]
+    assert reap_once(farm.db.sessions, recording, stale_after_s=60) == [profile_id]
     assert recording.sent == [(profile_id, "profile")]  # to the profile task
     assert run(farm, profile_id) == JobStatus.succeeded
     done = status_of(farm, profile_id)

@@ -187,3 +187,90 @@ def test_torch_fake_quant_export_folds_into_int8_kernels(tmp_path):
         ref = run_ort(qdq, feeds, optimize=not ort_int8_saturates())[0]
         assert np.abs(ours - ref).max() <= 0.02 * (1 + 1e-5)
     result.cleanup()
+
+
+# -- why a group stays float ------------------------------------------------------------------
+
+
+def _qdq_matmul(after: str, **gemm: int) -> onnx.ModelProto:
+    """x -> Q -> DQ -> MatMul (or Gemm with `gemm` attributes) with a DQ'd int8 weight; the
+    product goes to `after`: "quantize" (Q -> DQ -> y) or "softmax" (Softmax -> y)."""
+    from onnx import TensorProto
+    from onnx import helper as oh
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    inits = [
+        nh.from_array(np.array(0.05, np.float32), "s"),
+        nh.from_array(np.array(128, np.uint8), "z"),
+        nh.from_array(rng.integers(-60, 60, (4, 4)).astype(np.int8), "w_q"),
+        nh.from_array(np.array(0.02, np.float32), "ws"),
+        nh.from_array(np.array(0.1, np.float32), "ys"),
+    ]
+    op = "Gemm" if gemm else "MatMul"
+    nodes = [
+        oh.make_node("QuantizeLinear", ["x", "s", "z"], ["x_q"], name="q_x"),
+        oh.make_node("DequantizeLinear", ["x_q", "s", "z"], ["x_d"], name="dq_x"),
+        oh.make_node("DequantizeLinear", ["w_q", "ws"], ["w_d"], name="dq_w"),
+        oh.make_node(op, ["x_d", "w_d"], ["p"], name="product", **gemm),
+    ]
+    if after == "quantize":
+        nodes += [
+            oh.make_node("QuantizeLinear", ["p", "ys", "z"], ["p_q"], name="q_p"),
+            oh.make_node("DequantizeLinear", ["p_q", "ys", "z"], ["y"], name="dq_p"),
+        ]
+    else:
+        nodes.append(oh.make_node("Softmax", ["p"], ["y"], name="sm"))
+    graph = oh.make_graph(
+        nodes,
+        "qdq",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+        inits,
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+
+
+def _fold(proto: onnx.ModelProto):
+    from compiler_core.importer import import_model
+    from compiler_core.passes.fold_qdq import FoldQDQPass
+
+    model = import_model(proto).model
+    fold = FoldQDQPass()
+    fold(model)
+    return model, fold
+
+
+def test_a_group_that_folds_leaves_no_refusal() -> None:
+    model, fold = _fold(_qdq_matmul("quantize"))
+    assert "QMatMul" in [n.op_type for n in model.graph]
+    assert fold.refusals == []
+
+
+def test_a_product_read_by_a_float_op_stays_float_and_says_why() -> None:
+    model, fold = _fold(_qdq_matmul("softmax"))
+    assert "MatMul" in [n.op_type for n in model.graph]
+    (refusal,) = fold.refusals
+    assert (refusal.node, refusal.op_type) == ("product", "MatMul")
+    assert refusal.reasons == ("the output is read by Softmax sm, not a QuantizeLinear",)
+
+
+def test_a_gemm_that_transposes_a_stays_float_and_says_why() -> None:
+    model, fold = _fold(_qdq_matmul("quantize", transA=1))
+    assert "Gemm" in [n.op_type for n in model.graph]
+    (refusal,) = fold.refusals
+    assert refusal.reasons == ("alone: Gemm transposes A (transA=1)",)
+
+
+def test_aic_perf_warnings_name_the_nodes_left_float_and_why() -> None:
+    model = _qdq_matmul("softmax")
+    quiet = compile_model(model, [])
+    loud = compile_model(model, ["-aic-perf-warnings"])
+    try:
+        assert "qdq_not_folded" not in [w["code"] for w in quiet.warnings]
+        (warning,) = [w for w in loud.warnings if w["code"] == "qdq_not_folded"]
+        assert warning["kind"] == "perf" and warning["nodes"] == ["product"]
+        assert "product (MatMul): the output is read by Softmax sm" in warning["message"]
+    finally:
+        quiet.cleanup()
+        loud.cleanup()

@@ -17,8 +17,8 @@ TRANSPORT = ["kombu.transport.redis", "redis.client"]
 def _modules_around_queue_build() -> dict[str, dict[str, bool]]:
     script = (
         "import json, sys\n"
-        "from qpcfarm.app.settings import get_settings\n"
-        "from qpcfarm.worker.queues import CeleryQueue\n"
+        "from app.domain.settings import get_settings\n"
+        "from worker.queues import CeleryQueue\n"
         f"names = {TRANSPORT!r}\n"
         "before = {n: n in sys.modules for n in names}\n"
         "queue = CeleryQueue(get_settings())\n"

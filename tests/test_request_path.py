@@ -18,8 +18,8 @@ import httpx
 import pytest
 from sqlalchemy import event
 
-from qpcfarm.app.api.deps import TeamCache, _cached
-from qpcfarm.app.services import describer
+from app.api.deps import TeamCache, _cached
+from app.domain.services import describer
 from tests.api_helpers import LiveServer, live_server
 from tests.conftest import tiny_model_bytes
 
@@ -71,7 +71,7 @@ def test_a_new_job_submit_is_four_statements_and_a_commit(
 
 
 def test_a_cache_hit_reads_the_qpc_row_once(server: LiveServer, api: httpx.Client) -> None:
-    from qpcfarm.worker import compile_jobs
+    from worker import compile_jobs
 
     model = api.post("/v1/models", files={"file": ("m.onnx", tiny_model_bytes(0.72))}).json()
     body = {"model_id": model["id"], "flags": ["-aic-num-cores=2"]}

@@ -567,7 +567,7 @@ def test_specialization_values_no_device_holds_are_refused_naming_the_flag(
 def test_the_embedded_compile_process_confines_files_to_the_folder_it_is_given(
     tmp_path: Path,
 ) -> None:
-    from qpcfarm.worker.compile_process import CompileProcess
+    from worker.compile_process import CompileProcess
 
     folder = _model_folder(tmp_path)
     secret = _outside_secret(tmp_path)

@@ -32,7 +32,7 @@ import httpx
 import numpy as np
 import pytest
 
-from qpcfarm.app.services.archives import ArchiveLimits, extract_archive
+from app.domain.services.archives import ArchiveLimits, extract_archive
 from tests.api_helpers import LiveServer, Servers, live_server, tar_with_symlink, zip_bytes
 from tests.conftest import external_data_model_dir, tiny_model, tiny_model_bytes
 
@@ -241,7 +241,7 @@ def test_an_unauthenticated_stream_costs_the_api_no_more_than_a_few_kb(
 
 
 def test_the_guard_knows_every_route_whose_body_is_a_file(local: LiveServer) -> None:
-    from qpcfarm.app.api.request_guard import upload_patterns
+    from app.api.request_guard import upload_patterns
 
     found = {
         (method, path)
@@ -522,8 +522,8 @@ def object_npz() -> bytes:
 def test_profile_inputs_declaring_1_gib_are_refused_from_their_headers_unread(
     farm: Any,
 ) -> None:
-    from qpcfarm.app.services import profiles
-    from qpcfarm.app.services.errors import ServiceError
+    from app.domain.services import profiles
+    from app.domain.services.errors import ServiceError
 
     data = npz_of_1_gib()
     assert len(data) < 8 * MiB
@@ -540,8 +540,8 @@ def test_profile_inputs_declaring_1_gib_are_refused_from_their_headers_unread(
 
 @pytest.mark.parametrize("make", [lying_npz, object_npz, lambda: b"PK\x05\x06" + bytes(18)])
 def test_profile_inputs_that_are_not_plain_arrays_are_422_bad_inputs(farm: Any, make: Any) -> None:
-    from qpcfarm.app.services import profiles
-    from qpcfarm.app.services.errors import ServiceError
+    from app.domain.services import profiles
+    from app.domain.services.errors import ServiceError
 
     with pytest.raises(ServiceError) as refusal:
         profiles.store_inputs(farm.store, io.BytesIO(make()), max_array_bytes=256 * MiB)
@@ -549,7 +549,7 @@ def test_profile_inputs_that_are_not_plain_arrays_are_422_bad_inputs(farm: Any, 
 
 
 def test_real_profile_inputs_pass_the_header_check(farm: Any) -> None:
-    from qpcfarm.app.services import profiles
+    from app.domain.services import profiles
 
     buffer = io.BytesIO()
     np.savez_compressed(buffer, x=np.ones((2, 4), np.float32), ids=np.arange(3))
@@ -592,7 +592,7 @@ def test_a_teams_sweeps_queue_at_most_their_allowance_and_the_rest_waits(
 
 
 def compiled_qpc(server: LiveServer, client: httpx.Client) -> dict[str, Any]:
-    from qpcfarm.worker import compile_jobs
+    from worker import compile_jobs
 
     model = upload(client, tiny_model_bytes(random.uniform(0.01, 1.0)), "m.onnx").json()
     job = client.post("/v1/compile-jobs", json={"model_id": model["id"], "flags": []}).json()

@@ -37,15 +37,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from sqlalchemy.orm import Session
 
+from app.domain.db.models import CompileJob, JobStatus, Team
+from app.domain.services import describer, jobs
+from app.domain.services.errors import ServiceError
+from app.domain.services.limits import Limits, MiB, caused_by_memory
 from compiler_core import CompileError, CompileOptions
-from qpcfarm.app.db.models import CompileJob, JobStatus, Team
-from qpcfarm.app.services import describer, jobs
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.services.limits import Limits, MiB, caused_by_memory
-from qpcfarm.worker.compile_process import CompileProcess
-from qpcfarm.worker.workdirs import job_folder, remove_abandoned
 from tests.conftest import Farm, tiny_model
 from tests.test_worker import queued_job, reload, run, wait_for
+from worker.compile_process import CompileProcess
+from worker.workdirs import job_folder, remove_abandoned
 
 GiB = 1 << 30
 SLACK_S = 60.0
@@ -283,7 +283,7 @@ def test_a_cancel_reaches_a_compile_stuck_inside_one_pass_through_the_job_row(
 HOLDER = """
 import sys, time, uuid
 from pathlib import Path
-from qpcfarm.worker.workdirs import job_folder
+from worker.workdirs import job_folder
 with job_folder("compile", uuid.uuid4(), Path(sys.argv[1])) as folder:
     (folder / "model.onnx").write_bytes(b"x" * 4096)
     print(folder, flush=True)
@@ -328,18 +328,18 @@ def test_a_killed_jobs_folder_is_removed_and_folders_of_running_jobs_are_kept(
 
 
 def test_the_sweep_removes_the_folder_of_a_killed_job(farm: Farm, tmp_path: Path) -> None:
-    from qpcfarm.worker.sweep import Sweeper
     from tests.test_worker import RecordingQueue
+    from worker.reaper import Reaper
 
     root = tmp_path / "work"
     holder, folder = hold_folder(root)
     holder.kill()
     holder.wait()
-    sweeper = Sweeper(farm.db.sessions, RecordingQueue(), 0.05, work_root=root).start()
+    reaper = Reaper(farm.db.sessions, RecordingQueue(), 0.05, work_root=root).start()
     try:
         wait_for(lambda: not folder.exists(), "the sweep to remove the folder")
     finally:
-        sweeper.stop()
+        reaper.stop()
 
 
 def test_a_job_process_killed_mid_compile_leaves_a_folder_the_next_worker_start_removes(
@@ -347,9 +347,9 @@ def test_a_job_process_killed_mid_compile_leaves_a_folder_the_next_worker_start_
 ) -> None:
     """The embedded mode's job process is SIGKILLed while its compile runs: its folder
     (the model, the compiler's files) outlives it until the next worker start."""
-    from qpcfarm.worker.inprocess import InProcessQueue
-    from qpcfarm.worker.job_process import JobProcess, config_for
     from tests.test_job_process import Embedded
+    from worker.inprocess import InProcessQueue
+    from worker.job_process import JobProcess, config_for
 
     embedded = _embedded_sqlite(tmp_path)
     root = tmp_path / "work"
@@ -388,11 +388,11 @@ def test_a_job_process_killed_mid_compile_leaves_a_folder_the_next_worker_start_
 
 
 def _embedded_sqlite(tmp_path: Path) -> Any:
-    from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
-    from qpcfarm.app.db import models as tables  # noqa: F401 - registers the tables
-    from qpcfarm.app.db.base import Base
-    from qpcfarm.app.db.session import make_engine, make_session_factory
-    from qpcfarm.app.settings import Settings
+    from app.domain.blobs.filesystem import FilesystemBlobStore
+    from app.domain.db import models as tables  # noqa: F401 - registers the tables
+    from app.domain.db.base import Base
+    from app.domain.db.session import make_engine, make_session_factory
+    from app.domain.settings import Settings
     from tests.test_job_process import Embedded
 
     url = f"sqlite:///{tmp_path / 'qpcfarm.db'}"
@@ -410,8 +410,8 @@ def _embedded_sqlite(tmp_path: Path) -> Any:
 def _store_model(embedded: Any, session: Session, model: onnx.ModelProto) -> Any:
     import io
 
-    from qpcfarm.app.db.models import Team as TeamRow
-    from qpcfarm.app.services import models
+    from app.domain.db.models import Team as TeamRow
+    from app.domain.services import models
 
     team = session.query(TeamRow).first()
     assert team is not None
@@ -523,7 +523,7 @@ def broker_messages(url: str) -> list[str]:
 
     import redis
 
-    from qpcfarm.worker.celery_app import QUEUE_NAME
+    from worker.celery_app import QUEUE_NAME
 
     client = redis.Redis.from_url(url)
     try:
@@ -542,10 +542,10 @@ def test_a_broker_that_lost_its_messages_gets_every_queued_job_again_at_once(
 ) -> None:
     import redis
 
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.worker import compile_jobs
-    from qpcfarm.worker.queues import CeleryQueue
-    from qpcfarm.worker.sweep import requeue_if_broker_lost
+    from app.domain.settings import Settings
+    from worker import compile_jobs
+    from worker.queues import CeleryQueue
+    from worker.reaper import requeue_if_broker_lost
 
     waiting = [queued_job(farm, session, team, tiny_model(0.1 * i).SerializeToString()).id
                for i in (1, 2)]  # fmt: skip
@@ -576,8 +576,8 @@ def test_a_broker_that_lost_its_messages_gets_every_queued_job_again_at_once(
 def test_two_sweepers_see_one_broker_restart_once(
     farm: Farm, session: Session, team: Team, private_redis: Any, tmp_path: Path
 ) -> None:
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.worker.queues import CeleryQueue
+    from app.domain.settings import Settings
+    from worker.queues import CeleryQueue
 
     settings = Settings(data_dir=tmp_path, broker_url=private_redis.url)
     queues = [CeleryQueue(settings), CeleryQueue(settings)]

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from qpcfarm.app.db.models import CompileJob, Qpc
+from app.domain.db.models import CompileJob, Qpc
 from tests.conftest import _postgres_problem, postgres_url, tiny_model_bytes
 from tests.service_helpers import (
     Api,
@@ -116,10 +116,10 @@ def test_embedded_serve_restarted_keeps_its_key_and_runs_jobs_left_queued(
 
 
 def queue_job_directly(data_dir: Path, model_id: str) -> uuid.UUID:
+    from app.domain.db.models import Model, Team
+    from app.domain.db.session import make_engine, make_session_factory
+    from app.domain.services import jobs
     from compiler_core import CompileOptions
-    from qpcfarm.app.db.models import Model, Team
-    from qpcfarm.app.db.session import make_engine, make_session_factory
-    from qpcfarm.app.services import jobs
 
     engine = make_engine(f"sqlite:///{data_dir / 'qpcfarm.db'}")
     try:

@@ -215,8 +215,8 @@ def test_farm_mode_answers_50_concurrent_cache_hits_without_starving_its_pool(
     a connection: blob reads have a pool of their own, so a burst cannot wait for itself."""
     import uuid
 
-    from qpcfarm.worker import compile_jobs
     from tests.api_helpers import live_server
+    from worker import compile_jobs
 
     with live_server("postgresql", tmp_path) as server, server.client(server.new_key()) as http:
         model = http.post("/v1/models", files={"file": ("m.onnx", distinct_model(7))}).json()

@@ -35,7 +35,7 @@ def _loaded_after(code: str) -> dict[str, bool]:
 @pytest.mark.parametrize("argv", [["--help"], ["compile", "-h"]])
 def test_cli_help_imports_no_heavy_module(argv: list[str]) -> None:
     code = (
-        f"import qpcfarm.app.cli\n    try: qpcfarm.app.cli.main({argv!r})\n"
+        f"import app.console.cli\n    try: app.console.cli.main({argv!r})\n"
         "    except SystemExit: pass"
     )
     loaded = _loaded_after(code)

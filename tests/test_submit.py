@@ -22,16 +22,16 @@ import httpx
 import onnx
 import pytest
 
-from compiler_core.options import CompileOptions
-from qpcfarm.app.cli import main
-from qpcfarm.app.client import etag_sha256
-from qpcfarm.app.submit import (
+from app.console.cli import main
+from app.console.client import etag_sha256
+from app.console.submit import (
     ProgressDisplay,
     external_data_files,
     parse_args,
     remote_flags,
     upload_source,
 )
+from compiler_core.options import CompileOptions
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = _free_port()
     log = open(root / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qpcfarm.app.cli", "serve", "--port", str(port)]
+        [sys.executable, "-m", "app.console.cli", "serve", "--port", str(port)]
         + ["--log-level", "warning"],
         cwd=root,
         env=_server_env(data_dir),

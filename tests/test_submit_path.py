@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.api.schemas import JobOut
-from qpcfarm.app.db.models import CompileJob, JobStatus, Model, Team
-from qpcfarm.app.services import jobs
+from app.api.schemas import JobOut
+from app.domain.db.models import CompileJob, JobStatus, Model, Team
+from app.domain.services import jobs
 from tests.conftest import Farm, make_team
 from tests.test_db_services import OPTIONS, add_model, compiled_job, raises_service_error
 

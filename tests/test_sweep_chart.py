@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qpcfarm.app.web.sweep_chart import build_chart
+from app.web.sweep_chart import build_chart
 
 
 @pytest.mark.parametrize(

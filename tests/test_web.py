@@ -85,10 +85,10 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     import uvicorn
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.services import teams
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.worker.queues import queue_from_settings
+    from app.domain.services import teams
+    from app.domain.settings import Settings
+    from app.main import create_app
+    from worker.queues import queue_from_settings
 
     data = tmp_path_factory.mktemp("web-data")
     settings = Settings(

@@ -49,9 +49,9 @@ class Site:
 def site(tmp_path: Path) -> Iterator[Site]:
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.services import teams
-    from qpcfarm.app.settings import Settings
+    from app.domain.services import teams
+    from app.domain.settings import Settings
+    from app.main import create_app
 
     settings = Settings(
         data_dir=tmp_path,
@@ -95,7 +95,7 @@ def notice(html: str) -> str:
 
 def run_job_now(site: Site, job_id: str) -> None:
     """Run a held job in this thread with the worker's own code."""
-    from qpcfarm.worker.runner import process_job
+    from worker.runner import process_job
 
     state = site.app.state
     status = process_job(
@@ -136,7 +136,7 @@ class Tree(HTMLParser):
 
 
 def test_a_new_upload_is_announced_as_new_even_once_a_worker_runs_it(site: Site) -> None:
-    from qpcfarm.worker import compile_jobs
+    from worker import compile_jobs
 
     csrf = sign_in(site)
     answer = upload(site, csrf, tiny_model_bytes(0.31))
@@ -255,7 +255,7 @@ def test_the_form_and_the_job_page_name_the_device_the_estimates_are_for(site: S
 
 
 def test_list_metrics_become_a_count_that_opens_into_a_list() -> None:
-    from qpcfarm.app.web.views import split_metrics
+    from app.web.views import split_metrics
 
     nodes = [f"/layer{i}/conv_{i}" for i in range(300)]
     shown = split_metrics({"precision": {"fp16": {"kernels": 57, "nodes": nodes}, "fp32": {}}})
@@ -304,8 +304,8 @@ def test_the_embedded_sign_in_page_points_to_the_saved_key_file(site: Site) -> N
 
 
 def test_the_key_hint_names_the_relative_data_folder_and_none_on_a_farm() -> None:
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.app.web.views import key_hint
+    from app.domain.settings import Settings
+    from app.web.views import key_hint
 
     assert key_hint(Settings(data_dir=Path("./qpcfarm-data"), broker_url=None)) == (
         "./qpcfarm-data/api-key"

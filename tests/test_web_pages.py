@@ -31,7 +31,7 @@ class Site:
 
 
 def new_key(app: Any, team_name: str) -> str:
-    from qpcfarm.app.services import teams
+    from app.domain.services import teams
 
     with app.state.session_factory() as session:
         team = teams.create_team(session, team_name)
@@ -44,8 +44,8 @@ def new_key(app: Any, team_name: str) -> str:
 def site(tmp_path: Path) -> Iterator[Site]:
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.settings import Settings
+    from app.console.serve import create_farm_app
+    from app.domain.settings import Settings
 
     settings = Settings(
         data_dir=tmp_path,
@@ -54,7 +54,7 @@ def site(tmp_path: Path) -> Iterator[Site]:
         blob_store="filesystem",
         require_auth=True,
     )
-    app = create_app(settings)
+    app = create_farm_app(settings)
     with TestClient(app, base_url="http://localhost", follow_redirects=False) as client:
         yield Site(client, app, new_key(app, "alpha"), new_key(app, "beta"))
 
@@ -108,7 +108,7 @@ def wait_done(site: Site, job_id: str) -> None:
 def job_count(site: Site) -> int:
     from sqlalchemy import func, select
 
-    from qpcfarm.app.db.models import CompileJob, Model
+    from app.domain.db.models import CompileJob, Model
 
     with site.app.state.session_factory() as session:
         jobs = session.execute(select(func.count()).select_from(CompileJob)).scalar_one()
@@ -262,8 +262,8 @@ def test_validation_shows_one_line_per_check_and_an_unknown_device_is_an_error(
 def test_a_queued_job_can_be_cancelled_from_its_page(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from qpcfarm.app.main import create_app
-    from qpcfarm.app.settings import Settings
+    from app.domain.settings import Settings
+    from app.main import create_app
 
     class HeldQueue:  # never runs anything: the job stays queued
         def enqueue(self, job_id: uuid.UUID, kind: str = "compile") -> None: ...
@@ -301,7 +301,7 @@ def test_sign_out_forgets_the_key(site: Site) -> None:
 
 
 def test_metrics_flatten_to_rows_and_record_lists_to_tables() -> None:
-    from qpcfarm.app.web.views import split_metrics
+    from app.web.views import split_metrics
 
     shown = split_metrics(
         {
@@ -322,7 +322,7 @@ def test_metrics_flatten_to_rows_and_record_lists_to_tables() -> None:
 
 
 def test_metrics_are_grouped_with_units_and_names_a_person_reads() -> None:
-    from qpcfarm.app.web.views import split_metrics
+    from app.web.views import split_metrics
 
     shown = split_metrics(
         {
@@ -349,7 +349,7 @@ def test_metrics_are_grouped_with_units_and_names_a_person_reads() -> None:
 
 
 def test_pass_times_are_a_tree_whose_total_counts_the_stages() -> None:
-    from qpcfarm.app.web.views import pass_times
+    from app.web.views import pass_times
 
     times = {"import": 0.5, "graph-passes": 0.25, "graph-passes/fold": 0.2, "lower": 0.25}
     tree = pass_times(times)
@@ -371,7 +371,7 @@ def test_pass_times_are_a_tree_whose_total_counts_the_stages() -> None:
     ],
 )
 def test_stages_are_shown_in_words(status: str, stage: str | None, shown: str) -> None:
-    from qpcfarm.app.stages import describe_stage
+    from app.domain.stages import describe_stage
 
     assert describe_stage(status, stage) == shown
 

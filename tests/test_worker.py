@@ -22,17 +22,17 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from app.domain.db.base import Base, utcnow
+from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc, Team
+from app.domain.db.session import make_engine, make_session_factory, upgrade_database
+from app.domain.services import jobs, models, teams
+from app.domain.settings import Settings, get_settings
 from compiler_core import CompileOptions
-from qpcfarm.app.db.base import Base, utcnow
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc, Team
-from qpcfarm.app.db.session import make_engine, make_session_factory, upgrade_database
-from qpcfarm.app.services import jobs, models, teams
-from qpcfarm.app.settings import Settings, get_settings
-from qpcfarm.worker import compile_jobs
-from qpcfarm.worker.inprocess import InProcessQueue
-from qpcfarm.worker.runner import process_job
-from qpcfarm.worker.sweep import sweep_once
 from tests.conftest import Farm, make_team, tiny_model, tiny_model_bytes
+from worker import compile_jobs
+from worker.inprocess import InProcessQueue
+from worker.reaper import reap_once
+from worker.runner import process_job
 
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
 LIMIT = 64 << 20
@@ -256,9 +256,9 @@ def test_the_sweep_reenqueues_a_dead_workers_job_and_the_reclaim_counts_an_attem
     assert compile_jobs.claim(session, live.id, "live-worker") is not None
     queue = RecordingQueue()
 
-    assert sweep_once(farm.db.sessions, queue, now, stale_after_s=60) == [job.id]
+    assert reap_once(farm.db.sessions, queue, now, stale_after_s=60) == [job.id]
     assert queue.ids == [job.id]  # the live worker's job is left alone
-    assert sweep_once(farm.db.sessions, queue, now, stale_after_s=60) == []  # stamped
+    assert reap_once(farm.db.sessions, queue, now, stale_after_s=60) == []  # stamped
 
     assert run(farm, job.id, "rescuer", stale_after_s=60) == JobStatus.succeeded
     done = reload(farm, job.id)
@@ -274,8 +274,8 @@ def test_the_sweep_reenqueues_a_job_whose_message_was_lost(
     soon = utcnow() + dt.timedelta(seconds=10)
     later = utcnow() + dt.timedelta(seconds=400)
 
-    assert sweep_once(farm.db.sessions, queue, soon, requeue_after_s=300) == []
-    assert sweep_once(farm.db.sessions, queue, later, requeue_after_s=300) == [job.id]
+    assert reap_once(farm.db.sessions, queue, soon, requeue_after_s=300) == []
+    assert reap_once(farm.db.sessions, queue, later, requeue_after_s=300) == [job.id]
 
 
 def test_concurrent_sweeps_hand_out_a_dead_job_and_only_one_worker_runs_it(
@@ -285,7 +285,7 @@ def test_concurrent_sweeps_hand_out_a_dead_job_and_only_one_worker_runs_it(
     assert compile_jobs.claim(session, job.id, "dead", now=utcnow() - dt.timedelta(minutes=5))
     queues = [RecordingQueue(), RecordingQueue()]
     for queue in queues:
-        sweep_once(farm.db.sessions, queue, stale_after_s=60)
+        reap_once(farm.db.sessions, queue, stale_after_s=60)
     handed_out = [job_id for queue in queues for job_id in queue.ids]
     assert set(handed_out) == {job.id}
 
@@ -345,7 +345,7 @@ def test_the_in_process_queue_picks_up_queued_and_dead_jobs_when_it_starts(
 def test_the_in_process_queue_sweeps_for_itself_while_it_runs(
     farm: Farm, session: Session, team: Team, in_process: Callable[..., InProcessQueue]
 ) -> None:
-    in_process(stale_after_s=60, sweep_interval_s=0.05)
+    in_process(stale_after_s=60, reap_interval_s=0.05)
     # After the start: a job whose worker died and whose id no thread was ever given.
     orphan = queued_job(farm, session, team).id
     assert compile_jobs.claim(
@@ -372,8 +372,8 @@ def test_a_closed_in_process_queue_refuses_work_and_reports_not_ready(
 def test_without_a_broker_the_queue_is_in_process_and_with_one_it_is_celery(
     farm: Farm, tmp_path: Path
 ) -> None:
-    from qpcfarm.app.queue import JobQueue
-    from qpcfarm.worker.queues import CeleryQueue, queue_from_settings
+    from app.domain.queue import JobQueue
+    from worker.queues import CeleryQueue, queue_from_settings
 
     embedded = queue_from_settings(Settings(data_dir=tmp_path), farm.db.sessions, farm.store)
     try:
@@ -395,7 +395,7 @@ def test_without_a_broker_the_queue_is_in_process_and_with_one_it_is_celery(
 
 
 def test_the_celery_app_redelivers_rather_than_loses_and_outlives_the_longest_compile() -> None:
-    from qpcfarm.worker.celery_app import celery_config, make_celery_app
+    from worker.celery_app import celery_config, make_celery_app
 
     settings = Settings(broker_url="redis://127.0.0.1:6379/0", job_time_limit_s=1200)
     config = celery_config(settings)
@@ -419,9 +419,9 @@ def test_the_compile_task_runs_the_job_named_in_its_message_and_retries_database
 ) -> None:
     from sqlalchemy.exc import OperationalError
 
-    from qpcfarm.app.blobs import blob_store_from_settings
-    from qpcfarm.worker.celery_app import TASK_NAME, make_celery_app
-    from qpcfarm.worker.tasks import register_tasks
+    from app.domain.blobs import blob_store_from_settings
+    from worker.celery_app import TASK_NAME, make_celery_app
+    from worker.tasks import register_tasks
 
     settings = Settings(data_dir=tmp_path, broker_url="memory://")
     upgrade_database(settings.database_url)
@@ -484,7 +484,7 @@ def team_of(data_dir: Path, key: str) -> str | None:
 def test_admin_creates_a_team_and_prints_a_working_key_on_its_own_line(
     embedded_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(["admin", "create-team", "vision", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "vision"]) == 0
@@ -497,7 +497,7 @@ def test_admin_creates_a_team_and_prints_a_working_key_on_its_own_line(
 def test_admin_errors_are_one_line_and_exit_non_zero(
     embedded_env: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(["db", "upgrade", "--init"]) == 0
     assert main(["admin", "create-key", "--team", "nobody"]) == 1
@@ -512,7 +512,7 @@ def test_admin_errors_are_one_line_and_exit_non_zero(
 def test_the_first_embedded_start_creates_team_local_and_saves_its_key_privately(
     embedded_env: Path,
 ) -> None:
-    from qpcfarm.app.cli import API_KEY_FILE, ensure_local_key
+    from app.console.cli import API_KEY_FILE, ensure_local_key
 
     upgrade_database(get_settings().database_url)  # as `serve` does first
     key = ensure_local_key(get_settings())
@@ -525,7 +525,7 @@ def test_the_first_embedded_start_creates_team_local_and_saves_its_key_privately
 
 
 def test_worker_needs_a_broker(embedded_env: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(["worker"]) == 1
     assert "QPCFARM_BROKER_URL" in capsys.readouterr().err
@@ -534,7 +534,7 @@ def test_worker_needs_a_broker(embedded_env: Path, capsys: pytest.CaptureFixture
 def test_db_upgrade_creates_the_schema_when_asked_and_upgrades_it_again(
     embedded_env: Path,
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(["db", "upgrade", "--init"]) == 0
     assert main(["db", "upgrade"]) == 0  # idempotent
@@ -554,7 +554,7 @@ def test_db_upgrade_creates_the_schema_when_asked_and_upgrades_it_again(
 def test_outside_the_farms_folder_admin_and_db_refuse_and_create_nothing(
     embedded_env: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     assert main(argv) == 1
     error = capsys.readouterr().err
@@ -566,7 +566,7 @@ def test_outside_the_farms_folder_admin_and_db_refuse_and_create_nothing(
 def test_a_server_database_without_the_farms_schema_is_refused_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
     from tests.api_helpers import postgres_schema_url
 
     with postgres_schema_url() as url:
@@ -586,7 +586,7 @@ def test_compiler_commands_and_help_go_to_the_compiler_cli(
 ) -> None:
     import onnx
 
-    from qpcfarm.app.cli import main
+    from app.console.cli import main
 
     model = tmp_path / "m.onnx"
     onnx.save_model(tiny_model(), str(model))

@@ -5,32 +5,28 @@ acknowledged only after the task (`task_acks_late`), go back to the broker when 
 process dies under them (`task_reject_on_worker_lost`), and a worker takes one message at a
 time (`worker_prefetch_multiplier=1`, compiles are long). Redis redelivers an unacknowledged
 message only after its visibility timeout, so that is set longer than the hard time limit of a
-compile; a worker that dies without its broker noticing is covered earlier by the sweep
-(`worker.sweep`), which re-enqueues from the database.
+compile; a worker that dies without its broker noticing is covered earlier by the reaper
+(`worker.reaper`), which re-enqueues from the database.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from app.domain.job_kinds import JOB_KINDS
+from app.domain.services.limits import soft_time_limit
+
 if TYPE_CHECKING:
     from celery import Celery
 
-    from qpcfarm.app.settings import Settings
+    from app.domain.settings import Settings
 
-TASK_NAMES = {"compile": "qpcfarm.compile", "profile": "qpcfarm.profile"}
-"""One task per kind of job; a message carries the job's id."""
+TASK_NAMES = {kind: spec.task_name for kind, spec in JOB_KINDS.items()}
+"""One task per kind of job (`JOB_KINDS`); a message carries the job's id."""
 TASK_NAME = TASK_NAMES["compile"]
 QUEUE_NAME = "qpcfarm"
 VISIBILITY_MARGIN_S = 600
 """How much longer than the hard time limit Redis waits before redelivering a message."""
-
-
-def soft_time_limit(hard_s: int) -> int:
-    """The soft limit ends the compile as a failed job shortly before the hard limit kills
-    its process (5% earlier, at least 5 s and at most 60 s earlier)."""
-    margin = min(60, max(5, hard_s // 20))
-    return max(1, hard_s - margin)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

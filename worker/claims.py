@@ -1,5 +1,5 @@
 """The queries every kind of job shares, parameterised by its table (`compile_jobs`,
-`profile_jobs`): claim, heartbeat, fail, and the sweep's list of jobs to hand out again.
+`profile_jobs`): claim, heartbeat, fail, and the reaper's list of jobs to hand out again.
 
 The job row is the truth. A worker owns a job only through `claim`, a conditional UPDATE that
 exactly one caller wins; every later write is conditional on the job still being in the state
@@ -16,16 +16,15 @@ from typing import Any, TypeVar
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import ACTIVE_STATUSES, CompileJob, JobStatus, ProfileJob
-from qpcfarm.app.db.ops import rowcount
-
-DEFAULT_STALE_AFTER_S = 60.0
-DEFAULT_REQUEUE_AFTER_S = 300.0
-DEFAULT_HEARTBEAT_S = 5.0
+from app.domain import stages
+from app.domain.db.base import utcnow
+from app.domain.db.models import ACTIVE_STATUSES, CompileJob, JobStatus, ProfileJob
+from app.domain.db.ops import rowcount
+from app.domain.job_kinds import JOB_KINDS, JobTable
+from app.domain.queue import JobKind
+from app.domain.timing import REQUEUE_AFTER_S, STALE_AFTER_S
 
 Job = TypeVar("Job", CompileJob, ProfileJob)
-JobTable = type[CompileJob] | type[ProfileJob]
 
 
 def _cancellable(table: JobTable) -> bool:
@@ -39,7 +38,7 @@ def claim(
     worker: str,
     *,
     now: dt.datetime | None = None,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
     values: dict[str, Any] | None = None,
 ) -> Job | None:
     """Take a job to run it: queued -> running, or re-take a running job whose worker stopped
@@ -75,13 +74,35 @@ def claim(
         session.execute(
             update(table)
             .where(table.id == job_id, table.cancel_requested.is_(True), claimable)  # type: ignore[union-attr,attr-defined]
-            .values(status=JobStatus.cancelled, stage="cancelled", finished_at=now),
+            .values(status=JobStatus.cancelled, stage=stages.CANCELLED, finished_at=now),
             execution_options={"synchronize_session": False},
         )
     session.commit()
     if not won:
         return None
     return session.get(table, job_id, populate_existing=True)
+
+
+def claim_job(
+    session: Session,
+    kind: JobKind,
+    job_id: uuid.UUID,
+    worker: str,
+    *,
+    now: dt.datetime | None = None,
+    stale_after_s: float = STALE_AFTER_S,
+) -> CompileJob | ProfileJob | None:
+    """`claim` on the kind's table, setting what its claim sets (`JOB_KINDS`)."""
+    table: Any = JOB_KINDS[kind].table
+    return claim(
+        session,
+        table,
+        job_id,
+        worker,
+        now=now,
+        stale_after_s=stale_after_s,
+        values=dict(JOB_KINDS[kind].claim_values),
+    )
 
 
 def touch(
@@ -141,13 +162,13 @@ def stale_ids(
     table: JobTable,
     now: dt.datetime | None = None,
     *,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
-    requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
+    requeue_after_s: float = REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
     """Ids of jobs to enqueue again: queued for `requeue_after_s` since their last enqueue
     (a lost message), or running with a heartbeat older than `stale_after_s` (a dead worker).
 
-    Marks them enqueued now, so the next sweep leaves them alone for a while. The caller
+    Marks them enqueued now, so the next reap leaves them alone for a while. The caller
     commits, then enqueues; a duplicate message is harmless (claim is conditional)."""
     now = now or utcnow()
     requeue_cutoff = now - dt.timedelta(seconds=requeue_after_s)

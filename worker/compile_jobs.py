@@ -25,22 +25,23 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from app.domain import stages
+from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.domain.db.base import utcnow
+from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
+from app.domain.db.ops import insert_or_ignore
+from app.domain.services.errors import ServiceError, internal_error_message
+from app.domain.services.model_files import check_model_files
+from app.domain.services.models import materialize_model
+from app.domain.services.qpcs import PROFILE_METRIC
+from app.domain.services.upload_check import KIND_ARCHIVE
 from compiler_core import CompileError, CompileOptions
 from compiler_core.model_folder import ModelFolder
 from compiler_core.version import COMPILER_VERSION
-from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
-from qpcfarm.app.db.ops import insert_or_ignore
-from qpcfarm.app.services.errors import ServiceError, internal_error_message
-from qpcfarm.app.services.model_files import check_model_files
-from qpcfarm.app.services.models import KIND_ARCHIVE, materialize_model
-from qpcfarm.app.services.qpcs import PROFILE_METRIC
-from qpcfarm.worker import claims
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S, touch
-from qpcfarm.worker.compile_process import CompileProcess
-from qpcfarm.worker.heartbeat import JobHeartbeat
-from qpcfarm.worker.workdirs import job_folder
+from worker import claims
+from worker.claims import STALE_AFTER_S, touch
+from worker.compile_process import CompileProcess
+from worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +54,12 @@ def claim(
     worker: str,
     *,
     now: dt.datetime | None = None,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
 ) -> CompileJob | None:
-    """`claims.claim` on compile_jobs: the stage starts at `claimed`, progress at 0."""
-    return claims.claim(
-        session,
-        CompileJob,
-        job_id,
-        worker,
-        now=now,
-        stale_after_s=stale_after_s,
-        values={"stage": "claimed", "progress": 0.0},
-    )
+    """`claims.claim_job` of a compile (its stage starts at `claimed`, progress at 0)."""
+    job = claims.claim_job(session, "compile", job_id, worker, now=now, stale_after_s=stale_after_s)
+    assert job is None or isinstance(job, CompileJob)
+    return job
 
 
 def fail(
@@ -80,14 +75,6 @@ def fail(
     """`claims.fail` on compile_jobs; `stage` (the stage it failed in) is recorded too."""
     extra = {"stage": stage[:64]} if stage is not None else None
     claims.fail(session, CompileJob, job, code, message, detail, now=now, values=extra)
-
-
-def heartbeat(
-    session_factory: Callable[[], Session], job: CompileJob, interval_s: float = DEFAULT_HEARTBEAT_S
-) -> JobHeartbeat:
-    """A heartbeat thread for a claimed compile (`with heartbeat(...) as hb:`)."""
-    assert job.worker is not None, "a heartbeat needs a claimed job"
-    return JobHeartbeat(session_factory, CompileJob, job.id, job.worker, interval_s)
 
 
 def report_progress(
@@ -177,7 +164,7 @@ def succeed(
         .where(CompileJob.id == job.id, CompileJob.status == JobStatus.running)
         .values(
             status=JobStatus.succeeded,
-            stage="done",
+            stage=stages.DONE,
             progress=1.0,
             qpc_id=qpc.id,
             finished_at=now,
@@ -194,7 +181,7 @@ def _finish_cancelled(session: Session, job: CompileJob) -> None:
     session.execute(
         update(CompileJob)
         .where(CompileJob.id == job.id, CompileJob.status == JobStatus.running)
-        .values(status=JobStatus.cancelled, stage="cancelled", finished_at=utcnow()),
+        .values(status=JobStatus.cancelled, stage=stages.CANCELLED, finished_at=utcnow()),
         execution_options={"synchronize_session": False},
     )
     session.commit()

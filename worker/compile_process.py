@@ -8,7 +8,7 @@ the worker only relays: it sends the model path and options, receives progress r
 forwards them to the job's progress callback, and reads back the result (the QPC file is
 written by the child into the job's private folder).
 
-Limits (`app.services.limits`): the child caps its own address space (`RLIMIT_AS`), so an
+Limits (`app.domain.services.limits`): the child caps its own address space (`RLIMIT_AS`), so an
 allocation beyond it fails there as a `MemoryError` and the compile fails
 `compile_memory_limit`; the parent kills the child at the wall-clock deadline and fails the
 compile `compile_time_limit`. Either way the child is replaced for the next compile.
@@ -36,9 +36,9 @@ from multiprocessing.process import AuthenticationString  # type: ignore[attr-de
 from pathlib import Path
 from typing import Any
 
+from app.domain.services.limits import Limits, apply_memory_limit, caused_by_memory
 from compiler_core import CompileError, CompileOptions
 from compiler_core.model_folder import LOCAL, ModelFolder
-from qpcfarm.app.services.limits import Limits, apply_memory_limit, caused_by_memory
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The thread that keeps a claimed job's heartbeat fresh while its work runs.
 
-The sweep re-enqueues running jobs whose heartbeat is old, so a worker deep inside one long
+The reaper re-enqueues running jobs whose heartbeat is old, so a worker deep inside one long
 step (a compile stage, a profile run) must keep beating on its own session. What a beat
 writes differs per kind of job; the thread around it does not.
 """
@@ -14,8 +14,10 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, JobTable, touch
+from app.domain.db.base import utcnow
+from app.domain.job_kinds import JobTable
+from app.domain.timing import HEARTBEAT_S
+from worker.claims import touch
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class JobHeartbeat(HeartbeatThread):
         table: JobTable,
         job_id: uuid.UUID,
         worker: str,
-        interval_s: float = DEFAULT_HEARTBEAT_S,
+        interval_s: float = HEARTBEAT_S,
     ) -> None:
         def beat(session: Session) -> bool:
             mine, cancel = touch(session, table, job_id, worker, {"heartbeat_at": utcnow()})

@@ -9,7 +9,7 @@ in-memory SQLite) keeps jobs in the threads, with only the compile in a child.
 The queue lives in memory, so on start it re-enqueues from the database every job that
 is queued, and every running job whose heartbeat went stale (the process that ran it died):
 a restart loses nothing. It also removes the work folders that killed jobs left behind
-(`worker.workdirs`). With `sweep_interval_s` it also sweeps for itself (only it can run
+(`worker.workdirs`). With `reap_interval_s` it also reaps for itself (only it can run
 the embedded mode's jobs), re-taking jobs whose message was lost or whose thread died.
 """
 
@@ -23,22 +23,18 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.db.session import session_scope
-from qpcfarm.app.queue import JobKind
-from qpcfarm.app.services.limits import Limits
-from qpcfarm.worker.claims import (
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_REQUEUE_AFTER_S,
-    DEFAULT_STALE_AFTER_S,
-    queued_ids,
-    stale_ids,
-)
-from qpcfarm.worker.compile_process import CompileProcess
-from qpcfarm.worker.job_process import JobProcess, JobProcessConfig
-from qpcfarm.worker.runner import default_worker_name, process_job
-from qpcfarm.worker.sweep import JOB_TABLES, Sweeper
-from qpcfarm.worker.workdirs import remove_abandoned
+from app.domain.blobs import BlobStore
+from app.domain.db.session import session_scope
+from app.domain.job_kinds import JOB_KINDS
+from app.domain.queue import JobKind
+from app.domain.services.limits import Limits
+from app.domain.timing import HEARTBEAT_S, REQUEUE_AFTER_S, STALE_AFTER_S
+from worker.claims import queued_ids, stale_ids
+from worker.compile_process import CompileProcess
+from worker.job_process import JobProcess, JobProcessConfig
+from worker.reaper import Reaper
+from worker.runner import default_worker_name, process_job
+from worker.workdirs import remove_abandoned
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +43,7 @@ _STOP = object()
 
 
 class InProcessQueue:
-    """A `JobQueue` (see app.queue) run by `concurrency` daemon threads of this process;
+    """A `JobQueue` (see app.domain.queue) run by `concurrency` daemon threads of this process;
     its items are (kind, job id)."""
 
     def __init__(
@@ -56,10 +52,10 @@ class InProcessQueue:
         store: BlobStore,
         *,
         concurrency: int = 1,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        stale_after_s: float = DEFAULT_STALE_AFTER_S,
-        requeue_after_s: float = DEFAULT_REQUEUE_AFTER_S,
-        sweep_interval_s: float | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+        stale_after_s: float = STALE_AFTER_S,
+        requeue_after_s: float = REQUEUE_AFTER_S,
+        reap_interval_s: float | None = None,
         isolate_compiles: bool = True,
         job_process: JobProcessConfig | None = None,
         compile_limits: Limits | None = None,
@@ -74,8 +70,8 @@ class InProcessQueue:
         self._ids: queue.Queue[object] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._sweep_interval_s = sweep_interval_s
-        self._sweeper: Sweeper | None = None
+        self._reap_interval_s = reap_interval_s
+        self._reaper: Reaper | None = None
         self._isolate = isolate_compiles
         """Each thread compiles in a child process of its own (`worker.compile_process`): the
         API's process keeps its CPU and GIL for requests."""
@@ -98,7 +94,7 @@ class InProcessQueue:
             return self
         try:
             remove_abandoned(self._work_root)
-        except OSError:  # a folder we may not remove: the sweep tries again
+        except OSError:  # a folder we may not remove: the reaper tries again
             log.warning("could not remove abandoned work folders", exc_info=True)
         for item in self.recover():
             self._ids.put(item)
@@ -111,11 +107,11 @@ class InProcessQueue:
             )
             thread.start()
             self._threads.append(thread)
-        if self._sweep_interval_s is not None:
-            self._sweeper = Sweeper(
+        if self._reap_interval_s is not None:
+            self._reaper = Reaper(
                 self._sessions,
                 self,
-                self._sweep_interval_s,
+                self._reap_interval_s,
                 stale_after_s=self._stale_after_s,
                 requeue_after_s=self._requeue_after_s,
                 work_root=self._work_root,
@@ -128,12 +124,12 @@ class InProcessQueue:
         queued: list[tuple[JobKind, uuid.UUID]] = []
         stale: list[tuple[JobKind, uuid.UUID]] = []
         with session_scope(self._sessions) as session:
-            for kind, table in JOB_TABLES.items():
-                queued += [(kind, i) for i in queued_ids(session, table)]
-            for kind, table in JOB_TABLES.items():
+            for kind, spec in JOB_KINDS.items():
+                queued += [(kind, i) for i in queued_ids(session, spec.table)]
+            for kind, spec in JOB_KINDS.items():
                 ids = stale_ids(
                     session,
-                    table,
+                    spec.table,
                     stale_after_s=self._stale_after_s,
                     requeue_after_s=self._requeue_after_s,
                 )
@@ -165,8 +161,8 @@ class InProcessQueue:
         if self._closed:
             return
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.stop()
+        if self._reaper is not None:
+            self._reaper.stop()
         for _ in self._threads:
             self._ids.put(_STOP)
         for thread in self._threads:
@@ -215,5 +211,5 @@ class InProcessQueue:
                     stale_after_s=self._stale_after_s,
                     work_root=self._work_root,
                 )
-            except Exception:  # a database outage: the sweep re-enqueues the job later
-                log.exception("%s %s: worker error; the sweep will retry it", kind, job_id)
+            except Exception:  # a database outage: the reaper re-enqueues the job later
+                log.exception("%s %s: worker error; the reaper will retry it", kind, job_id)

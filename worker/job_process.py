@@ -15,7 +15,7 @@ database, and a cancel reaches it there. A child that dies mid-job (a crash, the
 is replaced; the job it held is failed at once (`compiler_crashed` for a compile,
 `worker_crashed` for a profile) if it is still running under the child's worker name, and a
 job whose claim the child never wrote stays queued for the next one. SQLite writers of the
-two processes take turns on one file lock (`app.db.session.WriterLock`).
+two processes take turns on one file lock (`app.domain.db.session.WriterLock`).
 """
 
 from __future__ import annotations
@@ -34,19 +34,18 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.queue import JobKind
-from qpcfarm.app.services.limits import Limits, compile_limits
+from app.domain.blobs import BlobStore
+from app.domain.queue import JobKind
+from app.domain.services.limits import Limits, compile_limits
 
 if TYPE_CHECKING:
-    from qpcfarm.app.settings import Settings
+    from app.domain.settings import Settings
 
 log = logging.getLogger(__name__)
 
 NICENESS = 10
 """How much lower than the API the child runs: requests get the CPU first, jobs the rest."""
 
-CRASH_CODES: dict[JobKind, str] = {"compile": "compiler_crashed", "profile": "worker_crashed"}
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class JobProcessConfig:
     heartbeat_s: float
     stale_after_s: float
     compile_limits: Limits = Limits()
-    """The limits of the job process's compile child (`app.services.limits`)."""
+    """The limits of the job process's compile child (`app.domain.services.limits`)."""
     work_root: str | None = None
     """Where job folders go (`worker.workdirs`; None: the default)."""
 
@@ -70,8 +69,8 @@ def config_for(settings: Settings, store: BlobStore) -> JobProcessConfig | None:
     """The config that opens the configured database and this store again in a child, or
     None when that cannot be done (an in-memory SQLite, a store of another kind): jobs then
     run in the worker threads themselves."""
-    from qpcfarm.app.blobs.database import DatabaseBlobStore
-    from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
+    from app.domain.blobs.database import DatabaseBlobStore
+    from app.domain.blobs.filesystem import FilesystemBlobStore
 
     url = make_url(settings.database_url)
     if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
@@ -102,25 +101,16 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
         pass
     from pathlib import Path
 
-    from qpcfarm.app.blobs.quarantine import recorder
-    from qpcfarm.app.db.session import make_engine, make_session_factory
-    from qpcfarm.worker.runner import process_job
+    from app.domain.farm import open_farm
+    from app.domain.settings import Settings
+    from worker.compile_process import CompileProcess
+    from worker.runner import process_job
 
-    sessions = make_session_factory(make_engine(config.database_url))
-    store: BlobStore
-    if config.store_kind == "filesystem":
-        from qpcfarm.app.blobs.filesystem import FilesystemBlobStore
-
-        assert config.store_root is not None
-        store = FilesystemBlobStore(config.store_root, on_quarantine=recorder(sessions))
-    else:
-        from qpcfarm.app.blobs.database import DatabaseBlobStore
-        from qpcfarm.app.main import BLOB_POOL
-
-        blob_engine = make_engine(config.database_url, **BLOB_POOL)
-        blob_sessions = make_session_factory(blob_engine)
-        store = DatabaseBlobStore(blob_sessions, on_quarantine=recorder(blob_sessions))
-    from qpcfarm.worker.compile_process import CompileProcess
+    farm = open_farm(
+        Settings(database_url=config.database_url, blob_store=config.store_kind),
+        blob_root=None if config.store_root is None else Path(config.store_root),
+    )
+    sessions, store = farm.sessions, farm.store
 
     compiler = CompileProcess(config.compile_limits).start()
     work_root = None if config.work_root is None else Path(config.work_root)
@@ -143,8 +133,8 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
                 work_root=work_root,
             )
             conn.send(("done", None if status is None else status.value))
-        except Exception as exc:  # noqa: BLE001 - a database outage: the sweep retries the job
-            log.exception("%s %s: worker error; the sweep will retry it", kind, job_id)
+        except Exception as exc:  # noqa: BLE001 - a database outage: the reaper retries the job
+            log.exception("%s %s: worker error; the reaper will retry it", kind, job_id)
             conn.send(("error", type(exc).__name__))
 
 
@@ -211,15 +201,15 @@ class JobProcess:
     def _fail_crashed(
         self, kind: JobKind, job_id: uuid.UUID, worker_name: str, exit_code: int | None
     ) -> None:
-        from qpcfarm.app.db.base import utcnow
-        from qpcfarm.app.db.models import JobStatus
-        from qpcfarm.app.db.session import unit_of_work
-        from qpcfarm.worker.sweep import JOB_TABLES
+        from app.domain.db.base import utcnow
+        from app.domain.db.models import JobStatus
+        from app.domain.db.session import unit_of_work
+        from app.domain.job_kinds import JOB_KINDS
 
-        table = JOB_TABLES[kind]
-        doing = "compiling" if kind == "compile" else "running"
+        spec = JOB_KINDS[kind]
+        table: Any = spec.table
         message = (
-            f"the worker process died (exit code {exit_code}) while {doing} the job; "
+            f"the worker process died (exit code {exit_code}) while {spec.doing} the job; "
             "the model may need more memory than the farm has"
         )
         log.error("%s %s: %s", kind, job_id, message)
@@ -233,7 +223,7 @@ class JobProcess:
                 )
                 .values(
                     status=JobStatus.failed,
-                    error_code=CRASH_CODES[kind],
+                    error_code=spec.crash_code,
                     error_message=message,
                     error_detail={"exit_code": exit_code},
                     finished_at=utcnow(),

@@ -4,18 +4,15 @@ opstats; store the summary (JSON, text, CSV) on the row and the Chrome trace as 
 The farm's version of the vendor loop `qaic-runner --profiling-out-dir` + `qaic-opstats`.
 A QPC compiled below `-stats-level=70` ends the job failed with opstats'
 `stats_level_too_low`. All figures are estimated (the runtime fills the buffers from the
-cost model). Claimed and heart-beaten like a compile (`worker.claims`).
+cost model). Claimed and heart-beaten like a compile (`worker.runner`).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import io
 import json
 import logging
-import uuid
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,48 +20,16 @@ import numpy as np
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
+from app.domain.blobs.integrity import verified_bytes, verified_path
+from app.domain.db.base import utcnow
+from app.domain.db.models import JobStatus, ProfileJob, Qpc
+from app.domain.services.errors import internal_error_message
 from compiler_core import CompileError
-from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound, BlobStore
-from qpcfarm.app.blobs.integrity import verified_bytes, verified_path
-from qpcfarm.app.db.base import utcnow
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc
-from qpcfarm.app.services.errors import internal_error_message
-from qpcfarm.worker import claims
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
-from qpcfarm.worker.heartbeat import JobHeartbeat
-from qpcfarm.worker.workdirs import job_folder
+from worker import claims
+from worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
-
-
-def claim(
-    session: Session,
-    job_id: uuid.UUID,
-    worker: str,
-    *,
-    now: dt.datetime | None = None,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
-) -> ProfileJob | None:
-    return claims.claim(session, ProfileJob, job_id, worker, now=now, stale_after_s=stale_after_s)
-
-
-def fail(
-    session: Session,
-    job: ProfileJob,
-    code: str,
-    message: str,
-    detail: dict[str, Any] | None = None,
-) -> None:
-    claims.fail(session, ProfileJob, job, code, message, detail)
-
-
-def heartbeat(
-    session_factory: Callable[[], Session], job: ProfileJob, interval_s: float = DEFAULT_HEARTBEAT_S
-) -> JobHeartbeat:
-    """Profiles have no progress callback and are not cancelled: the heartbeat keeps the
-    sweep from handing a live profile to a second worker."""
-    assert job.worker is not None, "a heartbeat needs a claimed job"
-    return JobHeartbeat(session_factory, ProfileJob, job.id, job.worker, interval_s)
 
 
 def run_profile(
@@ -93,11 +58,11 @@ def run_profile(
         session.refresh(job)
     except CompileError as exc:
         session.rollback()
-        fail(session, job, exc.code, exc.message, exc.to_dict())
+        claims.fail(session, ProfileJob, job, exc.code, exc.message, exc.to_dict())
     except Exception as exc:
         log.exception("profile %s failed unexpectedly", job.id)
         session.rollback()
-        fail(session, job, "internal_error", internal_error_message(exc))
+        claims.fail(session, ProfileJob, job, "internal_error", internal_error_message(exc))
     return job
 
 

@@ -7,14 +7,14 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from qpcfarm.app.queue import JobKind, JobQueue
+from app.domain.queue import JobKind, JobQueue
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session, sessionmaker
 
-    from qpcfarm.app.blobs import BlobStore
-    from qpcfarm.app.settings import Settings
+    from app.domain.blobs import BlobStore
+    from app.domain.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class CeleryQueue:
     `settings.broker_url`."""
 
     def __init__(self, settings: Settings) -> None:
-        from qpcfarm.worker.celery_app import make_celery_app
+        from worker.celery_app import make_celery_app
 
         self._app = make_celery_app(settings)
         # The broker's transport (kombu's redis transport, the redis client) is imported on
@@ -40,20 +40,20 @@ class CeleryQueue:
         return self._app
 
     def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None:
-        from qpcfarm.worker.celery_app import TASK_NAMES
+        from app.domain.job_kinds import JOB_KINDS
 
         try:
-            self._app.send_task(TASK_NAMES[kind], args=[str(job_id)])
-        except Exception:  # broker down: the job stays queued and the sweep sends it later
+            self._app.send_task(JOB_KINDS[kind].task_name, args=[str(job_id)])
+        except Exception:  # broker down: the job stays queued and the reaper sends it later
             log.warning(
-                "could not enqueue %s %s; the sweep will retry", kind, job_id, exc_info=True
+                "could not enqueue %s %s; the reaper will retry", kind, job_id, exc_info=True
             )
 
     def broker_lost_messages(self) -> bool:
-        """Whether the Redis broker restarted or lost its keys since any sweeper last looked
-        (`app.queue.BrokerWatch`). The broker's epoch is its `run_id` (new at every start),
+        """Whether the Redis broker restarted or lost its keys since any reaper last looked
+        (`app.domain.queue.BrokerWatch`). The broker's epoch is its `run_id` (new at every start),
         kept under `BROKER_EPOCH_KEY`: a restart changes the run_id, a flush removes the key.
-        GETSET makes exactly one sweeper of the farm see each change. Other brokers: False
+        GETSET makes exactly one reaper of the farm see each change. Other brokers: False
         (the requeue threshold covers them)."""
         with self._app.connection_for_write() as connection:
             if connection.transport.driver_type != "redis":
@@ -81,15 +81,15 @@ def queue_from_settings(
     settings: Settings, session_factory: sessionmaker[Session], store: BlobStore
 ) -> JobQueue:
     """The configured queue: Celery when a broker URL is set, else a started in-process
-    worker (which re-enqueues the database's pending jobs as it starts, sweeps for itself,
+    worker (which re-enqueues the database's pending jobs as it starts, reaps for itself,
     and runs each job in a child process that opens `settings.database_url` and the store
-    again). In farm mode the sweep runs in `qpcfarm serve` and in every `qpcfarm worker`."""
+    again). In farm mode the reaper runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
         return CeleryQueue(settings)
-    from qpcfarm.app.services.limits import compile_limits
-    from qpcfarm.worker.inprocess import InProcessQueue
-    from qpcfarm.worker.job_process import config_for
-    from qpcfarm.worker.sweep import sweep_interval
+    from app.domain.services.limits import compile_limits
+    from worker.inprocess import InProcessQueue
+    from worker.job_process import config_for
+    from worker.reaper import reap_interval
 
     return InProcessQueue(
         session_factory,
@@ -98,7 +98,7 @@ def queue_from_settings(
         heartbeat_s=settings.heartbeat_s,
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
-        sweep_interval_s=sweep_interval(settings),
+        reap_interval_s=reap_interval(settings),
         job_process=config_for(settings, store),
         compile_limits=compile_limits(settings),
         work_root=settings.work_dir,

@@ -1,11 +1,13 @@
 """Run one job by kind and id: the whole of a worker's job, shared by Celery and the
-in-process worker.
+in-process worker, one path for every kind.
 
 The job row is the truth. `process_job` claims the job (a conditional UPDATE: a duplicate
 message, a finished or cancelled job, or one another live worker holds, gets None and nothing
-happens), runs it while a heartbeat thread keeps the row fresh, and stores the outcome
-(`worker.compile_jobs`, `worker.profile_jobs`). After `MAX_ATTEMPTS` claims whose workers
-died, the job fails `worker_lost` instead of being run again.
+happens), runs it while a heartbeat thread keeps the row fresh, and stores the outcome. What
+differs per kind is declared once (`app.domain.job_kinds.JOB_KINDS`: table, task, claim
+values) and the work itself (`RUNS`: `worker.compile_jobs`, `worker.profile_jobs`). After
+`MAX_ATTEMPTS` claims whose workers died, the job fails `worker_lost` instead of being run
+again.
 """
 
 from __future__ import annotations
@@ -15,23 +17,23 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.db.models import JobStatus, ProfileJob
-from qpcfarm.app.queue import JobKind
-from qpcfarm.worker import compile_jobs, profile_jobs
-from qpcfarm.worker.claims import DEFAULT_HEARTBEAT_S, DEFAULT_STALE_AFTER_S
-from qpcfarm.worker.compile_process import CompileProcess
+from app.domain.blobs import BlobStore
+from app.domain.db.models import CompileJob, JobStatus, ProfileJob
+from app.domain.job_kinds import JOB_KINDS
+from app.domain.queue import JobKind
+from app.domain.timing import HEARTBEAT_S, MAX_ATTEMPTS, STALE_AFTER_S
+from worker import claims, compile_jobs, profile_jobs
+from worker.compile_process import CompileProcess
+from worker.heartbeat import HeartbeatThread, JobHeartbeat
 
 log = logging.getLogger(__name__)
-
-MAX_ATTEMPTS = 3
-"""Claims a job may take before it is failed as `worker_lost`: a model that kills its worker
-(out of memory, a crash) must not be retried by the sweep forever."""
 
 PROGRESS_INTERVAL_S = 0.5
 
@@ -44,12 +46,54 @@ def default_worker_name(suffix: str = "") -> str:
 
 def kind_of(session: Session, job_id: uuid.UUID) -> JobKind:
     """The kind of a job id (messages sent before each kind had its own task carried a
-    profile's id to the compile task)."""
-    found = session.execute(
-        select(ProfileJob.id).where(ProfileJob.id == job_id)
-    ).scalar_one_or_none()
+    profile's id to the compile task): the first table that holds it, else a compile."""
+    found: JobKind = "compile"
+    for kind, spec in JOB_KINDS.items():
+        table: Any = spec.table
+        if session.execute(select(table.id).where(table.id == job_id)).scalar_one_or_none():
+            found = kind
+            break
     session.commit()
-    return "profile" if found is not None else "compile"
+    return found
+
+
+@dataclass
+class JobRun:
+    """What the work of one claimed job gets: its session and row, the store, the heartbeat
+    (whose `stop_requested` says the job was cancelled or taken over) and the worker's
+    compile child and work folder."""
+
+    session: Session
+    store: BlobStore
+    job: Any
+    beat: HeartbeatThread
+    compiler: CompileProcess | None
+    work_root: Path | None
+    progress_cb: compile_jobs.ProgressCallback | None
+    progress_interval_s: float
+
+
+def _run_compile(run: JobRun) -> None:
+    assert isinstance(run.job, CompileJob)
+    compile_jobs.run_compile(
+        run.session,
+        run.store,
+        run.job,
+        run.progress_cb,
+        run.beat.stop_requested,
+        progress_interval_s=run.progress_interval_s,
+        compiler=run.compiler,
+        work_root=run.work_root,
+    )
+
+
+def _run_profile(run: JobRun) -> None:
+    assert isinstance(run.job, ProfileJob)
+    profile_jobs.run_profile(run.session, run.store, run.job, run.work_root)
+
+
+RUNS: dict[JobKind, Callable[[JobRun], None]] = {"compile": _run_compile, "profile": _run_profile}
+"""The work of each kind of job, once it is claimed and beating."""
 
 
 def process_job(
@@ -59,8 +103,8 @@ def process_job(
     store: BlobStore,
     worker_name: str,
     kind: JobKind | None = None,
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    heartbeat_s: float = HEARTBEAT_S,
+    stale_after_s: float = STALE_AFTER_S,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
     max_attempts: int = MAX_ATTEMPTS,
     progress_cb: compile_jobs.ProgressCallback | None = None,
@@ -81,63 +125,29 @@ def process_job(
     try:
         if kind is None:
             kind = kind_of(session, job_id)
-        if kind == "profile":
-            return _profile(session, job_id, session_factory, store, worker_name, heartbeat_s,
-                            stale_after_s, max_attempts, work_root)  # fmt: skip
-        job = compile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
+        spec = JOB_KINDS[kind]
+        job = claims.claim_job(session, kind, job_id, worker_name, stale_after_s=stale_after_s)
         if job is None:
-            log.info("job %s: not claimable (finished, cancelled or taken); skipped", job_id)
+            log.info("%s %s: not claimable (finished, cancelled or taken); skipped", kind, job_id)
             return None
         if job.attempts > max_attempts:
-            compile_jobs.fail(session, job, "worker_lost", _lost(job.attempts, "compiling"),
-                              {"attempts": job.attempts - 1})  # fmt: skip
-            return job.status
-        log.info("job %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
-        with compile_jobs.heartbeat(session_factory, job, heartbeat_s) as beat:
-            compile_jobs.run_compile(
-                session,
-                store,
-                job,
-                progress_cb,
-                beat.stop_requested,
-                progress_interval_s=progress_interval_s,
-                compiler=compiler,
-                work_root=work_root,
+            message = (
+                f"the job's worker stopped {job.attempts - 1} times while {spec.doing} it; "
+                "giving up (the model may need more memory than a worker has)"
             )
-        log.info("job %s: %s", job_id, job.status.value)
+            detail = {"attempts": job.attempts - 1}
+            table: Any = spec.table
+            claims.fail(session, table, job, "worker_lost", message, detail)
+            return job.status
+        log.info("%s %s: claimed by %s (attempt %d)", kind, job_id, worker_name, job.attempts)
+        assert job.worker is not None
+        with JobHeartbeat(session_factory, spec.table, job.id, job.worker, heartbeat_s) as beat:
+            RUNS[kind](
+                JobRun(
+                    session, store, job, beat, compiler, work_root, progress_cb, progress_interval_s
+                )  # fmt: skip
+            )
+        log.info("%s %s: %s", kind, job_id, job.status.value)
         return job.status
     finally:
         session.close()
-
-
-def _lost(attempts: int, doing: str) -> str:
-    return (
-        f"the job's worker stopped {attempts - 1} times while {doing} it; giving up (the "
-        "model may need more memory than a worker has)"
-    )
-
-
-def _profile(
-    session: Session,
-    job_id: uuid.UUID,
-    session_factory: Callable[[], Session],
-    store: BlobStore,
-    worker_name: str,
-    heartbeat_s: float,
-    stale_after_s: float,
-    max_attempts: int,
-    work_root: Path | None,
-) -> JobStatus | None:
-    job = profile_jobs.claim(session, job_id, worker_name, stale_after_s=stale_after_s)
-    if job is None:
-        log.info("profile %s: not claimable (finished or taken); skipped", job_id)
-        return None
-    if job.attempts > max_attempts:
-        profile_jobs.fail(session, job, "worker_lost", _lost(job.attempts, "running"),
-                          {"attempts": job.attempts - 1})  # fmt: skip
-        return job.status
-    log.info("profile %s: claimed by %s (attempt %d)", job_id, worker_name, job.attempts)
-    with profile_jobs.heartbeat(session_factory, job, heartbeat_s):
-        profile_jobs.run_profile(session, store, job, work_root)
-    log.info("profile %s: %s", job_id, job.status.value)
-    return job.status

@@ -23,16 +23,17 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
-from qpcfarm.app.queue import JobKind
-from qpcfarm.worker.celery_app import TASK_NAMES
+from app.domain.job_kinds import JOB_KINDS
+from app.domain.queue import JobKind
 
 if TYPE_CHECKING:
     from celery import Celery
     from sqlalchemy.orm import Session
 
-    from qpcfarm.app.blobs import BlobStore
-    from qpcfarm.app.settings import Settings
-    from qpcfarm.worker.compile_process import CompileProcess
+    from app.domain.blobs import BlobStore
+    from app.domain.farm import Farm
+    from app.domain.settings import Settings
+    from worker.compile_process import CompileProcess
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,16 @@ TRANSIENT_ERRORS: tuple[type[Exception], ...] = (OperationalError, PoolTimeoutEr
 @dataclass
 class _Resources:
     pid: int
-    session_factory: Callable[[], Session]
-    store: BlobStore
+    farm: Farm
     compiler: CompileProcess
+
+    @property
+    def session_factory(self) -> Callable[[], Session]:
+        return self.farm.sessions
+
+    @property
+    def store(self) -> BlobStore:
+        return self.farm.store
 
 
 class ProcessResources:
@@ -65,16 +73,13 @@ class ProcessResources:
             return self._current
 
     def _build(self, pid: int) -> _Resources:
-        from qpcfarm.app.blobs import blob_store_from_settings
-        from qpcfarm.app.db.session import make_engine, make_session_factory
-        from qpcfarm.app.services.limits import compile_limits
-        from qpcfarm.worker.compile_process import CompileProcess
+        from app.domain.farm import open_farm
+        from app.domain.services.limits import compile_limits
+        from worker.compile_process import CompileProcess
 
-        factory = make_session_factory(make_engine(self._settings.database_url))
         return _Resources(
             pid,
-            factory,
-            blob_store_from_settings(self._settings, factory),
+            open_farm(self._settings),
             CompileProcess(compile_limits(self._settings)).start(),
         )
 
@@ -85,8 +90,8 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
     tasks of their own) looks the kind up."""
     from celery import signals
 
-    from qpcfarm.worker.runner import default_worker_name, process_job
-    from qpcfarm.worker.workdirs import remove_abandoned
+    from worker.runner import default_worker_name, process_job
+    from worker.workdirs import remove_abandoned
 
     resources = ProcessResources(settings)
 
@@ -97,7 +102,7 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
 
     def make(kind: JobKind) -> Any:
         @app.task(
-            name=TASK_NAMES[kind],
+            name=JOB_KINDS[kind].task_name,
             acks_late=True,
             ignore_result=True,
             autoretry_for=TRANSIENT_ERRORS,
@@ -128,4 +133,4 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
 
         return run
 
-    return {kind: make(kind) for kind in ("compile", "profile")}
+    return {kind: make(kind) for kind in JOB_KINDS}

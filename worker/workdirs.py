@@ -6,7 +6,7 @@ OOM killer, a time limit) cannot, and a load test left 45 MB behind after 17 kil
 folder lives under one root (`work_root`) beside a lock file that its process holds
 (`flock`, released by the kernel when the process dies, however it dies): a folder whose lock
 can be taken belongs to nobody alive and is removed (`remove_abandoned`, called at each
-worker start and by the sweep). A folder whose process still runs is never touched, whichever
+worker start and by the reaper). A folder whose process still runs is never touched, whichever
 farm or worker on the host it belongs to.
 """
 

@@ -16,14 +16,15 @@ from fastapi import APIRouter, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
+from app.api.models import Limit, Offset
+from app.api.schemas import JobCreate, JobList, JobOut
+from app.domain.db.models import CompileJob, CompileReport, JobStatus
+from app.domain.queue import commit_then_enqueue
+from app.domain.services import jobs
+from app.domain.services.farm_options import farm_options
+from app.domain.services.jobs import JobRow
 from compiler_core import CompileOptions
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamJob
-from qpcfarm.app.api.models import Limit, Offset
-from qpcfarm.app.api.schemas import JobCreate, JobList, JobOut
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus
-from qpcfarm.app.services import jobs
-from qpcfarm.app.services.farm_options import farm_options
-from qpcfarm.app.services.jobs import JobRow
 
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 
@@ -71,9 +72,7 @@ def submit_job(
     job, created = jobs.submit(
         session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope
     )
-    session.commit()
-    if created and job.status == JobStatus.queued:
-        queue.enqueue(job.id)
+    commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))
     report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None
     # The answer serialised by its model at once (what `response_model` declares): FastAPI
     # would validate the returned model again and encode it through plain Python objects.

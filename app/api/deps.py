@@ -16,25 +16,25 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.api.errors import unauthorized
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.db.models import CompileJob, Model, Qpc, Team
-from qpcfarm.app.queue import JobKind
-from qpcfarm.app.services import jobs, models, qpcs, teams, web_sessions
-from qpcfarm.app.settings import Settings
+from app.api.errors import unauthorized
+from app.domain.blobs import BlobStore
+from app.domain.db.models import CompileJob, Model, Qpc, Team
+from app.domain.queue import Enqueuer
+from app.domain.services import jobs, models, qpcs, teams, web_sessions
+from app.domain.settings import Settings
 
 LOCAL_TEAM = "local"
 """The team of unauthenticated requests when `require_auth` is off (a one-person setup)."""
 WEB_SESSION_COOKIE = "qpcfarm_session"
 """The HttpOnly, SameSite=Strict cookie holding a signed-in browser's session token
-(app.web, app.services.web_sessions); never the API key itself."""
+(app.web, app.domain.services.web_sessions); never the API key itself."""
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -86,12 +86,6 @@ def team_cache_of(app: Any) -> TeamCache:
     return cache
 
 
-class Enqueuer(Protocol):
-    """What the API needs of `app.queue.JobQueue`: hand a committed job id to the workers."""
-
-    def enqueue(self, job_id: uuid.UUID, kind: JobKind = "compile") -> None: ...
-
-
 async def get_queue(request: Request) -> Enqueuer:
     queue: Enqueuer = request.app.state.queue
     return queue
@@ -114,7 +108,7 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
     left inside a transaction (a route that raised) is rolled back: on PostgreSQL in the
     thread pool (a round trip), on SQLite at once, here. A SQLite write transaction holds
     the engine's writer lock, and the pool may be full of writers waiting for that lock:
-    its rollback must not wait for a pool thread (see `app.db.session.unit_of_work`)."""
+    its rollback must not wait for a pool thread (see `app.domain.db.session.unit_of_work`)."""
     session: Session = request.app.state.session_factory()
     try:
         yield session

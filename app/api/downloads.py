@@ -5,7 +5,7 @@ The sha256 names the content, so it is the strong ETag (`If-None-Match` -> 304) 
 got. One `Range: bytes=a-b` answers 206; a range that is malformed, multiple or beyond the end
 answers 416 with `Content-Range: bytes */size`.
 
-Nothing corrupt is served (app.blobs.integrity): a blob up to `CHECK_FIRST_BYTES` is read and
+Nothing corrupt is served (app.domain.blobs.integrity): a blob up to `CHECK_FIRST_BYTES` is read and
 checked before the answer starts, so damage answers 500 `blob_corrupt`; a larger one streams
 while it is hashed and its last piece waits for the hash, so a damaged one ends the
 connection short of its Content-Length. Either way the blob is quarantined and later requests
@@ -20,9 +20,9 @@ import re
 from fastapi import Response
 from fastapi.responses import StreamingResponse
 
-from qpcfarm.app.api.errors import ApiError
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.blobs.integrity import verified_bytes, verified_range
+from app.api.errors import ApiError
+from app.domain.blobs import BlobStore
+from app.domain.blobs.integrity import verified_bytes, verified_range
 
 CHECK_FIRST_BYTES = 16 << 20
 """Blobs up to this size are checked whole before the first byte is sent."""

@@ -20,10 +20,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.domain.blobs import BlobCorrupt, BlobNotFound
+from app.domain.blobs.quarantine import was_quarantined
+from app.domain.services.errors import ServiceError, from_compile_error
 from compiler_core import CompileError
-from qpcfarm.app.blobs import BlobCorrupt, BlobNotFound
-from qpcfarm.app.blobs.quarantine import was_quarantined
-from qpcfarm.app.services.errors import ServiceError, from_compile_error
 
 log = logging.getLogger(__name__)
 

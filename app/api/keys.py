@@ -11,10 +11,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 
-from qpcfarm.app.api.deps import Caller, CurrentCaller, SessionDep
-from qpcfarm.app.api.errors import ApiError
-from qpcfarm.app.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
-from qpcfarm.app.services import teams
+from app.api.deps import Caller, CurrentCaller, SessionDep
+from app.api.errors import ApiError
+from app.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
+from app.domain.services import teams
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

@@ -10,9 +10,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from qpcfarm.app.api.deps import CurrentTeam
-from qpcfarm.app.api.errors import ApiError
-from qpcfarm.app.api.schemas import DeviceOut, Health, OperatorOut
+from app.api.deps import CurrentTeam
+from app.api.errors import ApiError
+from app.api.schemas import DeviceOut, Health, OperatorOut
 
 log = logging.getLogger(__name__)
 

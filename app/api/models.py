@@ -7,14 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from qpcfarm.app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep, TeamModel
-from qpcfarm.app.api.schemas import ModelList, ModelOut
-from qpcfarm.app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
-from qpcfarm.app.blobs.orphans import discarded_on_refusal
-from qpcfarm.app.db.models import Model
-from qpcfarm.app.db.session import unit_of_work
-from qpcfarm.app.services import models
-from qpcfarm.app.services.pages import MAX_LIMIT, MAX_OFFSET
+from app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep, TeamModel
+from app.api.schemas import ModelList, ModelOut
+from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
+from app.domain.blobs.orphans import discarded_on_refusal
+from app.domain.db.models import Model
+from app.domain.db.session import unit_of_work
+from app.domain.services import models
+from app.domain.services.pages import MAX_LIMIT, MAX_OFFSET
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -20,15 +20,15 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamQpc
-from qpcfarm.app.api.downloads import blob_response
-from qpcfarm.app.api.errors import ApiError
-from qpcfarm.app.api.schemas import ProfileCreate, ProfileOut
-from qpcfarm.app.api.uploads import Upload, receive_upload
-from qpcfarm.app.blobs.orphans import discarded_on_refusal
-from qpcfarm.app.db.models import JobStatus, ProfileJob, Qpc, Team
-from qpcfarm.app.db.session import unit_of_work
-from qpcfarm.app.services import profiles
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep, StoreDep, TeamQpc
+from app.api.downloads import blob_response
+from app.api.errors import ApiError
+from app.api.schemas import ProfileCreate, ProfileOut
+from app.api.uploads import Upload, receive_upload
+from app.domain.blobs.orphans import discarded_on_refusal
+from app.domain.db.models import JobStatus, ProfileJob, Qpc, Team
+from app.domain.db.session import unit_of_work
+from app.domain.services import profiles
 
 router = APIRouter(tags=["profiles"])
 

@@ -12,12 +12,12 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import StreamingResponse
 
-from qpcfarm.app.api.deps import CurrentTeam, SessionDep, StoreDep, TeamQpc
-from qpcfarm.app.api.downloads import blob_response
-from qpcfarm.app.api.schemas import QpcOut, ValidateRequest, ValidationOut
-from qpcfarm.app.services import qpcs, validations
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.services.qpcs import PROFILE_METRIC
+from app.api.deps import CurrentTeam, SessionDep, StoreDep, TeamQpc
+from app.api.downloads import blob_response
+from app.api.schemas import QpcOut, ValidateRequest, ValidationOut
+from app.domain.services import qpcs, validations
+from app.domain.services.errors import ServiceError
+from app.domain.services.qpcs import PROFILE_METRIC
 
 router = APIRouter(prefix="/v1/qpcs", tags=["qpcs"])
 

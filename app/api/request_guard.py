@@ -38,10 +38,10 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qpcfarm.app.api import deps
-from qpcfarm.app.api.errors import ApiError, error_response, unauthorized, upload_too_large
-from qpcfarm.app.api.uploads import MULTIPART_OVERHEAD
-from qpcfarm.app.settings import Settings
+from app.api import deps
+from app.api.errors import ApiError, error_response, unauthorized, upload_too_large
+from app.api.uploads import MULTIPART_OVERHEAD
+from app.domain.settings import Settings
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 UPLOAD_MEDIA = frozenset({"multipart/form-data", "application/octet-stream", ""})

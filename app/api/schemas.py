@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from sqlalchemy import Row
 
-from qpcfarm.app.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
+from app.domain.db.models import CompileJob, CompileReport, JobStatus, ProfileJob, Qpc, Validation
 
 OPTIONS_SCHEMA_NAME = "CompileOptions"
 """Component name of `compiler_core.options.options_json_schema()` in the OpenAPI document."""

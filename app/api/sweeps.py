@@ -14,14 +14,21 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compiler_core.configurator.scoring import parse_objective
+from app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
+from app.api.models import Limit, Offset
+from app.domain.db.models import Sweep
+from app.domain.queue import commit_then_enqueue
+from app.domain.services import models, sweeps
+from app.domain.services.errors import from_compile_error
+from app.domain.services.farm_options import check_farm_rules
+from compiler_core.configurator.scoring import (
+    OBJECTIVE_TABLE,
+    OBJECTIVES,
+    parse_llm_bounds,
+    parse_objective,
+)
 from compiler_core.configurator.space import SearchSpace, parse_csv, parse_mapping
 from compiler_core.errors import CompileError
-from qpcfarm.app.api.deps import CurrentTeam, QueueDep, SessionDep, SettingsDep
-from qpcfarm.app.api.models import Limit, Offset
-from qpcfarm.app.db.models import Sweep
-from qpcfarm.app.services import models, sweeps
-from qpcfarm.app.services.errors import from_compile_error
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
@@ -52,10 +59,21 @@ class SweepCreate(BaseModel):
     )
     base_flags: list[str] = Field(default_factory=list, examples=[["-convert-to-fp16"]])
     mode: Literal["brute", "optimize"] = "brute"
-    objective: Literal["max-throughput", "min-latency", "max-throughput-under-latency"] = (
-        "max-throughput"
+    objective: str = Field(
+        default="max-throughput",
+        description="; ".join(f"`{o.name}`: {o.summary}" for o in OBJECTIVE_TABLE),
+        json_schema_extra={"enum": list(OBJECTIVES)},
     )
     latency_bound_us: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    max_ttft_ms: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="An LLM objective's bound on TTFT."
+    )
+    max_tpot_ms: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="An LLM objective's bound on the time per output token.",
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> SweepCreate:
@@ -102,6 +120,8 @@ class SweepOut(BaseModel):
     mode: str
     objective: str
     latency_bound_us: float | None
+    max_ttft_ms: float | None = None
+    max_tpot_ms: float | None = None
     status: str
     error: str | None
     base_flags: list[str]
@@ -130,13 +150,19 @@ class SweepList(BaseModel):
 
 
 def parse_space(body: SweepCreate) -> SearchSpace:
-    """The request's space, checked (CompileError -> 422 with its code)."""
+    """The request's space, checked (CompileError -> 422 with its code), each compile group's
+    options held to the farm's rules like a compile's (no server-side paths: a sweep's base
+    flags or parameters may not carry `-operators-supported`, `-aic-binary-dir`...)."""
     try:
         if body.space_csv is not None:
-            return parse_csv(body.space_csv, body.base_flags)
-        return parse_mapping(body.space, body.base_flags)
+            space = parse_csv(body.space_csv, body.base_flags)
+        else:
+            space = parse_mapping(body.space, body.base_flags)
+        for group in space.groups:
+            check_farm_rules(group.options)
     except CompileError as exc:
         raise from_compile_error(exc) from None
+    return space
 
 
 def team_sweep(sweep_id: uuid.UUID, session: SessionDep, team: CurrentTeam) -> Sweep:
@@ -170,6 +196,7 @@ def create_sweep(
     start the sweep: `brute` submits every compile group at once, `optimize` its first."""
     try:
         objective, bound = parse_objective(body.objective, body.latency_bound_us)
+        llm_bounds = parse_llm_bounds(objective, body.max_ttft_ms, body.max_tpot_ms)
     except CompileError as exc:
         raise from_compile_error(exc) from None
     space = parse_space(body)
@@ -178,11 +205,9 @@ def create_sweep(
     sweep, queued = sweeps.create_sweep(
         session, team, model, space, mode=body.mode, objective=objective,
         latency_bound_us=bound, cache_scope=settings.cache_scope,
-        team_compile_limit=settings.max_team_sweep_compiles,
+        team_compile_limit=settings.max_team_sweep_compiles, llm_bounds=llm_bounds,
     )  # fmt: skip
-    session.commit()
-    for job_id in queued:
-        queue.enqueue(job_id)
+    commit_then_enqueue(session, queue, queued)
     response.headers["Location"] = f"/v1/sweeps/{sweep.id}"
     return sweeps.view(session, sweep)
 
@@ -208,10 +233,7 @@ def list_sweeps(
 
 def advanced_view(sweep: Sweep, session: SessionDep, queue: QueueDep) -> dict[str, Any]:
     """Move the sweep on (a finished compile may let the next round start), then show it."""
-    queued = sweeps.advance(session, sweep.id)
-    session.commit()
-    for job_id in queued:
-        queue.enqueue(job_id)
+    commit_then_enqueue(session, queue, sweeps.advance(session, sweep.id))
     session.refresh(sweep)
     return sweeps.view(session, sweep)
 

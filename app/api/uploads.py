@@ -28,8 +28,8 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
-from qpcfarm.app.api.errors import ApiError, invalid_request, upload_too_large
-from qpcfarm.app.services.errors import ServiceError
+from app.api.errors import ApiError, invalid_request, upload_too_large
+from app.domain.services.errors import ServiceError
 
 T = TypeVar("T")
 

@@ -8,15 +8,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
 
-from qpcfarm.app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep
-from qpcfarm.app.api.errors import invalid_request
-from qpcfarm.app.api.models import Limit, Offset
-from qpcfarm.app.api.schemas import ValidationList, ValidationOut
-from qpcfarm.app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
-from qpcfarm.app.blobs.orphans import discarded_on_refusal
-from qpcfarm.app.db.models import Validation
-from qpcfarm.app.db.session import unit_of_work
-from qpcfarm.app.services import validations
+from app.api.deps import CurrentTeam, SessionDep, SettingsDep, StoreDep
+from app.api.errors import invalid_request
+from app.api.models import Limit, Offset
+from app.api.schemas import ValidationList, ValidationOut
+from app.api.uploads import UPLOAD_BODY_DOC, Upload, receive_upload
+from app.domain.blobs.orphans import discarded_on_refusal
+from app.domain.db.models import Validation
+from app.domain.db.session import unit_of_work
+from app.domain.services import validations
 
 router = APIRouter(prefix="/v1/validations", tags=["validations"])
 

@@ -1,7 +1,7 @@
 """The server-rendered web pages at `/` (include `app.web.router` in the app)."""
 
-from qpcfarm.app.web import sweep_pages
-from qpcfarm.app.web.routes import router
+from app.web import sweep_pages
+from app.web.routes import router
 
 router.include_router(sweep_pages.router)
 

@@ -1,7 +1,7 @@
 """Who a browser is: a server-side session in an HttpOnly cookie, and a CSRF token bound to
 that session (before sign-in, a double-submit cookie's).
 
-Signing in with an API key opens a session (app.services.web_sessions); the cookie holds the
+Signing in with an API key opens a session (app.domain.services.web_sessions); the cookie holds the
 session's random token, never the key. It is HttpOnly, SameSite=Strict, and Secure when the
 page came over HTTPS (or the farm runs in production), so other sites can neither read it nor
 send it with their forms; the CSRF token echoed in every form (an HMAC of the session's
@@ -21,10 +21,10 @@ from fastapi import Request, Response
 from fastapi.responses import RedirectResponse
 from sqlalchemy.orm import Session
 
-from qpcfarm.app.api.deps import LOCAL_TEAM, WEB_SESSION_COOKIE
-from qpcfarm.app.db.models import Team
-from qpcfarm.app.services import teams, web_sessions
-from qpcfarm.app.settings import Settings
+from app.api.deps import LOCAL_TEAM, WEB_SESSION_COOKIE
+from app.domain.db.models import Team
+from app.domain.services import teams, web_sessions
+from app.domain.settings import Settings
 
 SESSION_COOKIE = WEB_SESSION_COOKIE
 """The signed-in browser's session token; the API accepts it on GET, so the QPC download

@@ -12,8 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qpcfarm.app.api import errors as api_errors
-from qpcfarm.app.web.routes import problem, render
+from app.api import errors as api_errors
+from app.web import auth
+from app.web.deps import PageNotFound, SignInRequired
+from app.web.routes import not_found_page, problem, render
 
 API_PREFIXES = ("/v1/", "/openapi.json", "/docs/assets/")
 
@@ -34,6 +36,21 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return await api_errors._http_error(request, exc)
 
 
+async def _sign_in_required(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SignInRequired)
+    return Response(status_code=401) if exc.fragment else auth.sign_in_redirect(request)
+
+
+async def _page_not_found(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PageNotFound)
+    if exc.fragment:
+        return Response(status_code=404)
+    return not_found_page(request, exc.team, exc.what, exc.ident)
+
+
 def install_page_errors(app: FastAPI) -> None:
-    """Answer a browser's 404 with a page (after `install_error_handlers`, which it wraps)."""
+    """Answer a browser's 404 with a page (after `install_error_handlers`, which it wraps),
+    and the pages' sign-in and ownership refusals (`app.web.deps`)."""
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(SignInRequired, _sign_in_required)
+    app.add_exception_handler(PageNotFound, _page_not_found)

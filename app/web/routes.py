@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,15 +20,13 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from compiler_core import CompileError, CompileOptions
-from compiler_core.devices import list_devices
-from compiler_core.profiling.opstats import OPSTATS_LEVEL
-from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
-from qpcfarm.app.blobs import BlobStore
-from qpcfarm.app.blobs.orphans import discarded_on_refusal
-from qpcfarm.app.db.models import CompileJob, JobStatus, ProfileJob, Team
-from qpcfarm.app.db.session import unit_of_work
-from qpcfarm.app.services import (
+from app.api.deps import QueueDep, SessionDep, SettingsDep, StoreDep
+from app.domain.blobs import BlobStore
+from app.domain.blobs.orphans import discarded_on_refusal
+from app.domain.db.models import CompileJob, ProfileJob, Team
+from app.domain.db.session import unit_of_work
+from app.domain.queue import commit_then_enqueue
+from app.domain.services import (
     job_origins,
     jobs,
     models,
@@ -39,9 +36,22 @@ from qpcfarm.app.services import (
     validations,
     web_sessions,
 )
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.services.farm_options import farm_options
-from qpcfarm.app.web import auth, profile_views, views
+from app.domain.services.errors import ServiceError
+from app.domain.services.farm_options import farm_options
+from app.web import auth, profile_views, views
+from app.web.deps import (
+    FragmentJob,
+    FragmentProfile,
+    FragmentTeam,
+    PageJob,
+    PageProfile,
+    PageTeam,
+    find_job,
+    parse_uuid,
+)
+from compiler_core import CompileError, CompileOptions
+from compiler_core.devices import list_devices
+from compiler_core.profiling.opstats import OPSTATS_LEVEL
 
 HERE = Path(__file__).resolve().parent
 STATIC_DIR = HERE / "static"
@@ -78,24 +88,6 @@ def csrf_refused() -> dict[str, Any]:
     return problem(
         "csrf_failed", "the form's security token did not match; reload the page and try again"
     )
-
-
-def parse_uuid(text: str) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        return None
-
-
-def find_job(session: Session, team: Team, job_id: str) -> CompileJob | None:
-    """The team's job of that id; None for a malformed id, a missing or another team's job."""
-    ident = parse_uuid(job_id)
-    if ident is None:
-        return None
-    try:
-        return jobs.get_job(session, team, ident)
-    except ServiceError:
-        return None
 
 
 def not_found_page(request: Request, team: Team, what: str, ident: str) -> HTMLResponse:
@@ -201,14 +193,11 @@ def sign_out(request: Request, session: SessionDep, csrf: FormStr = "") -> Respo
 def dashboard(
     request: Request,
     session: SessionDep,
-    settings: SettingsDep,
+    team: PageTeam,
     submitted: str | None = None,
     attached: str | None = None,
     show: str | None = None,
 ) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
     submitted_job = find_job(session, team, submitted) if submitted else None
     context = dashboard_context(
         session, team, show, submitted_job=submitted_job, attached=bool(attached)
@@ -218,12 +207,9 @@ def dashboard(
 
 @router.get("/jobs/rows", response_model=None)
 def job_rows(
-    request: Request, session: SessionDep, settings: SettingsDep, show: str | None = None
+    request: Request, session: SessionDep, team: FragmentTeam, show: str | None = None
 ) -> Response:
     """The job list's rows alone, polled by the dashboard for live status."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return Response(status_code=401)
     context = {"team": team, **team_jobs(session, team, show)}
     return render(request, "_job_rows.html", context)
 
@@ -236,6 +222,7 @@ UPLOAD_FORM: dict[str, Any] = {"requestBody": {"content": {"multipart/form-data"
 def submit(
     request: Request,
     session: SessionDep,
+    team: PageTeam,
     settings: SettingsDep,
     store: StoreDep,
     queue: QueueDep,
@@ -247,9 +234,6 @@ def submit(
     csrf: FormStr = "",
 ) -> Response:
     """Upload a model and submit its compile, as `POST /v1/models` + `/v1/compile-jobs`."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
     form = {
         "flags": flags,
         "cores": cores,
@@ -276,8 +260,7 @@ def submit(
         status = exc.status if isinstance(exc, ServiceError) else 422
         context = dashboard_context(session, team, form=form, error=exc.to_dict())
         return render(request, "dashboard.html", context, status)
-    if created and job.status == JobStatus.queued:
-        queue.enqueue(job.id)
+    commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))  # committed above
     attached = "" if created else "&attached=1"  # joined an identical job in flight
     return RedirectResponse(f"/?submitted={job.id}{attached}", status_code=303)
 
@@ -316,18 +299,12 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
 @router.get("/jobs/{job_id}", response_model=None)
 def job_page(
     request: Request,
-    job_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    team: PageTeam,
+    job: PageJob,
     validation: str | None = None,
     recompiled_from: str | None = None,
 ) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return not_found_page(request, team, "job", job_id)
     context = job_context(session, team, job)
     context["recompiled_from"] = find_job(session, team, recompiled_from or "")
     shown = parse_uuid(validation or "")
@@ -340,14 +317,10 @@ def job_page(
 
 
 @router.get("/jobs/{job_id}/live", response_model=None)
-def job_live(request: Request, job_id: str, session: SessionDep, settings: SettingsDep) -> Response:
+def job_live(
+    request: Request, session: SessionDep, team: FragmentTeam, job: FragmentJob
+) -> Response:
     """The job page's changing part, polled while the job is queued or running."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return Response(status_code=401)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return Response(status_code=404)
     response = render(request, "_job_body.html", job_context(session, team, job))
     if not job.status.is_active:
         response.headers[POLL_DONE_HEADER] = "1"
@@ -357,20 +330,14 @@ def job_live(request: Request, job_id: str, session: SessionDep, settings: Setti
 def job_action(
     request: Request,
     session: Session,
-    settings: Any,
-    job_id: str,
+    team: Team,
+    job: CompileJob,
     csrf: str,
     act: Callable[[Team, CompileJob], str],
 ) -> Response:
-    """The common shape of a form on the job page: signed in, the team's job, a valid CSRF
-    token, then `act` (which returns where to go next); a ServiceError it raises is shown on
-    the job page with its status."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    job = find_job(session, team, job_id)
-    if job is None:
-        return not_found_page(request, team, "job", job_id)
+    """The common shape of a form on the job page (signed in and the team's job: the route's
+    dependencies): a valid CSRF token, then `act` (which returns where to go next); a
+    ServiceError it raises is shown on the job page with its status."""
     if not auth.csrf_ok(request, csrf):
         context = {**job_context(session, team, job), "error": csrf_refused()}
         return render(request, "job.html", context, 403)
@@ -392,9 +359,9 @@ def _job_qpc(session: Session, team: Team, job: CompileJob, purpose: str) -> Any
 @router.post("/jobs/{job_id}/validate", response_model=None)
 def validate(
     request: Request,
-    job_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    team: PageTeam,
+    job: PageJob,
     store: StoreDep,
     device: FormStr = "",
     csrf: FormStr = "",
@@ -407,26 +374,27 @@ def validate(
         session.commit()
         return f"/jobs/{job.id}?validation={row.id}#validation"
 
-    return job_action(request, session, settings, job_id, csrf, act)
+    return job_action(request, session, team, job, csrf, act)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=None)
 def cancel(
-    request: Request, job_id: str, session: SessionDep, settings: SettingsDep, csrf: FormStr = ""
+    request: Request, session: SessionDep, team: PageTeam, job: PageJob, csrf: FormStr = ""
 ) -> Response:
     def act(team: Team, job: CompileJob) -> str:
         jobs.cancel(session, team, job)
         session.commit()
         return f"/jobs/{job.id}"
 
-    return job_action(request, session, settings, job_id, csrf, act)
+    return job_action(request, session, team, job, csrf, act)
 
 
 @router.post("/jobs/{job_id}/recompile-for-profile", response_model=None)
 def recompile_for_profile(
     request: Request,
-    job_id: str,
     session: SessionDep,
+    team: PageTeam,
+    job: PageJob,
     settings: SettingsDep,
     store: StoreDep,
     queue: QueueDep,
@@ -440,12 +408,10 @@ def recompile_for_profile(
         new, created = jobs.submit_job(
             session, team, job.model, options, store=store, cache_scope=settings.cache_scope
         )
-        session.commit()
-        if created and new.status == JobStatus.queued:
-            queue.enqueue(new.id)
+        commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
         return f"/jobs/{new.id}?recompiled_from={job.id}"
 
-    return job_action(request, session, settings, job_id, csrf, act)
+    return job_action(request, session, team, job, csrf, act)
 
 
 # ---------------------------------------------------------------------------- profiles
@@ -454,9 +420,9 @@ def recompile_for_profile(
 @router.post("/jobs/{job_id}/profile", response_model=None)
 def start_profile(
     request: Request,
-    job_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    team: PageTeam,
+    job: PageJob,
     queue: QueueDep,
     iterations: FormStr = "1",
     csrf: FormStr = "",
@@ -473,21 +439,10 @@ def start_profile(
                 "invalid_iterations", f"iterations must be a number, not {iterations!r}", 422
             ) from None
         row = profiles.submit(session, team, qpc, iterations=count)
-        session.commit()
-        queue.enqueue(row.id, "profile")
+        commit_then_enqueue(session, queue, [row.id], "profile")
         return f"/profiles/{row.id}"
 
-    return job_action(request, session, settings, job_id, csrf, act)
-
-
-def find_profile(session: Session, team: Team, profile_id: str) -> ProfileJob | None:
-    ident = parse_uuid(profile_id)
-    if ident is None:
-        return None
-    try:
-        return profiles.get_profile(session, team, ident)
-    except ServiceError:
-        return None
+    return job_action(request, session, team, job, csrf, act)
 
 
 def profile_context(
@@ -514,28 +469,20 @@ def profile_context(
 
 @router.get("/profiles/{profile_id}", response_model=None)
 def profile_page(
-    request: Request, profile_id: str, session: SessionDep, settings: SettingsDep, store: StoreDep
+    request: Request, session: SessionDep, team: PageTeam, profile: PageProfile, store: StoreDep
 ) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    profile = find_profile(session, team, profile_id)
-    if profile is None:
-        return not_found_page(request, team, "profile", profile_id)
     return render(request, "profile.html", profile_context(session, store, team, profile))
 
 
 @router.get("/profiles/{profile_id}/live", response_model=None)
 def profile_live(
-    request: Request, profile_id: str, session: SessionDep, settings: SettingsDep, store: StoreDep
+    request: Request,
+    session: SessionDep,
+    team: FragmentTeam,
+    profile: FragmentProfile,
+    store: StoreDep,
 ) -> Response:
     """The profile page's body, polled while the profile is queued or running."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return Response(status_code=401)
-    profile = find_profile(session, team, profile_id)
-    if profile is None:
-        return Response(status_code=404)
     context = profile_context(session, store, team, profile)
     response = render(request, "_profile_body.html", context)
     if not profile.status.is_active:

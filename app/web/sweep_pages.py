@@ -5,19 +5,18 @@ job's (`poll.js`), with the sort kept in the polled URL."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from qpcfarm.app.api.deps import QueueDep, SessionDep, SettingsDep
-from qpcfarm.app.db.models import JobStatus, Sweep, Team
-from qpcfarm.app.services import sweeps
-from qpcfarm.app.services.errors import ServiceError
-from qpcfarm.app.web import auth
-from qpcfarm.app.web.routes import POLL_DONE_HEADER, not_found_page, render
-from qpcfarm.app.web.sweep_chart import build_chart
+from app.api.deps import QueueDep, SessionDep
+from app.domain.db.models import JobStatus, Sweep, Team
+from app.domain.queue import commit_then_enqueue
+from app.domain.services import sweeps
+from app.web.deps import FragmentSweep, FragmentTeam, PageSweep, PageTeam
+from app.web.routes import POLL_DONE_HEADER, render
+from app.web.sweep_chart import build_chart
 
 router = APIRouter(include_in_schema=False)
 
@@ -41,20 +40,11 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def find_sweep(session: Any, team: Team, sweep_id: str) -> Sweep | None:
-    try:
-        return sweeps.get_sweep(session, team, uuid.UUID(sweep_id))
-    except (ValueError, ServiceError):
-        return None
-
-
 def sweep_context(
     session: Any, queue: Any, team: Team, sweep: Sweep, sort: str, desc: bool
 ) -> dict[str, Any]:
     queued = sweeps.advance(session, sweep.id)
-    session.commit()
-    for job_id in queued:
-        queue.enqueue(job_id)
+    commit_then_enqueue(session, queue, queued)
     session.refresh(sweep)
     data = sweeps.view(session, sweep)
     sort = sort if sort in SORTS else "rank"
@@ -73,10 +63,7 @@ def sweep_context(
 
 
 @router.get("/sweeps", response_model=None)
-def sweep_list(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
+def sweep_list(request: Request, session: SessionDep, team: PageTeam) -> Response:
     items = sweeps.list_sweeps(session, team, limit=100).items
     return render(request, "sweeps.html", {"team": team, "sweeps": items})
 
@@ -84,39 +71,27 @@ def sweep_list(request: Request, session: SessionDep, settings: SettingsDep) -> 
 @router.get("/sweeps/{sweep_id}", response_model=None)
 def sweep_page(
     request: Request,
-    sweep_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    team: PageTeam,
+    sweep: PageSweep,
     queue: QueueDep,
     sort: str = "rank",
     desc: bool = False,
 ) -> Response:
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return auth.sign_in_redirect(request)
-    sweep = find_sweep(session, team, sweep_id)
-    if sweep is None:
-        return not_found_page(request, team, "sweep", sweep_id)
     return render(request, "sweep.html", sweep_context(session, queue, team, sweep, sort, desc))
 
 
 @router.get("/sweeps/{sweep_id}/live", response_model=None)
 def sweep_live(
     request: Request,
-    sweep_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    team: FragmentTeam,
+    sweep: FragmentSweep,
     queue: QueueDep,
     sort: str = "rank",
     desc: bool = False,
 ) -> Response:
     """The sweep page's changing part, polled while the sweep runs."""
-    team = auth.web_team(request, session, settings)
-    if team is None:
-        return Response(status_code=401)
-    sweep = find_sweep(session, team, sweep_id)
-    if sweep is None:
-        return Response(status_code=404)
     context = sweep_context(session, queue, team, sweep, sort, desc)
     response = render(request, "_sweep_body.html", context)
     if not context["active"]:

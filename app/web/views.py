@@ -14,6 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.domain.db.models import CompileJob
+from app.domain.settings import Settings
+from app.domain.stages import describe_stage
 from compiler_core import CompileError, CompileOptions
 from compiler_core.devices import get_device
 from compiler_core.report import (
@@ -24,9 +27,6 @@ from compiler_core.report import (
     pass_time_rows,
     warning_kind,
 )
-from qpcfarm.app.db.models import CompileJob
-from qpcfarm.app.settings import Settings
-from qpcfarm.app.stages import describe_stage
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiler_core.configurator.scoring import LlmBounds
 from compiler_core.configurator.search import Result, best, next_groups, ranked, results
 from compiler_core.configurator.space import SearchSpace
 from compiler_core.errors import CompileError
@@ -58,6 +59,7 @@ def run_local(
     mode: str = "brute",
     objective: str = "max-throughput",
     latency_bound_us: float | None = None,
+    llm_bounds: LlmBounds | None = None,
     jobs: int = 1,
     out_dir: Path | None = None,
     on_result: Callable[[int, dict[str, Any]], None] | None = None,
@@ -74,7 +76,7 @@ def run_local(
         running: dict[Future[dict[str, Any]], int] = {}
         while True:
             for g in next_groups(space, mode, done, set(running.values()), objective,
-                                 latency_bound_us):  # fmt: skip
+                                 latency_bound_us, llm_bounds):  # fmt: skip
                 options = space.groups[g].options.to_json()
                 future = pool.submit(compile_group, str(model), options, f"{tmp}/g{g}")
                 running[future] = g
@@ -93,14 +95,14 @@ def run_local(
                 if on_result is not None:
                     on_result(g, outcome)
         items = results(space, done, errors)
-        top = best(items, objective, latency_bound_us)
+        top = best(items, objective, latency_bound_us, llm_bounds)
         best_qpc = None
         if top is not None and out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             best_qpc = out_dir / QPC_FILE
             shutil.copyfile(Path(tmp) / f"g{top.point.group}" / QPC_FILE, best_qpc)
     return LocalSweep(
-        ranked=ranked(items, objective, latency_bound_us),
+        ranked=ranked(items, objective, latency_bound_us, llm_bounds),
         best=top,
         compiles=len(done),
         failed=len(errors),

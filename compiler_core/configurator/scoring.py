@@ -17,25 +17,98 @@ With `instances` copies running at once they share the SoC's DDR bandwidth and t
 - throughput = instances x batch / period; latency = set size x period (Little's law: s
   batches in flight per instance), so a deeper queue buys throughput with latency.
 
+An LLM QPC (prefill and decode specializations, the KV cache as retained state: its perf
+metrics carry an `llm` section) is also scored in tokens: its full-batch decode
+specialization's step scored as above with set size 1 (a step needs the last token) gives
+`tokens_per_s` (instances x batch / period: every sequence of every instance),
+`decode_tokens_per_s` (1 / period: what one sequence sees) and the time per output token
+`tpot_ms`; its prefill specialization's run gives the time to first token `ttft_ms`.
+
+The objectives are `OBJECTIVE_TABLE`: the one list the CLI, the API schema and the web form
+read. The LLM ones take optional bounds on the time to first token and per output token
+(`LlmBounds`): the combinations within them rank first.
+
 Every figure is an estimate of the cost model, not a measurement, and is labelled so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from compiler_core.devices import DeviceProfile, get_device
 from compiler_core.errors import CompileError
 
-Objective = Literal["max-throughput", "min-latency", "max-throughput-under-latency"]
-OBJECTIVES: tuple[str, ...] = ("max-throughput", "min-latency", "max-throughput-under-latency")
+
+@dataclass(frozen=True)
+class ObjectiveDef:
+    """One objective: its name, what it ranks by, and whether it scores tokens (an LLM QPC)."""
+
+    name: str
+    summary: str
+    llm: bool = False
+    needs_latency_bound: bool = False
+
+
+OBJECTIVE_TABLE: tuple[ObjectiveDef, ...] = (
+    ObjectiveDef("max-throughput", "inferences per second of all instances"),
+    ObjectiveDef("min-latency", "time from an inference's submission to its result"),
+    ObjectiveDef(
+        "max-throughput-under-latency",
+        "inferences per second among the combinations within latency_bound_us",
+        needs_latency_bound=True,
+    ),
+    ObjectiveDef(
+        "max-tokens-per-s",
+        "decode tokens per second of every sequence of every instance at the full decode "
+        "batch (an LLM QPC; bounds: max_ttft_ms, max_tpot_ms)",
+        llm=True,
+    ),
+    ObjectiveDef(
+        "max-decode-tokens-per-s",
+        "decode tokens per second one sequence sees at the full decode batch (an LLM QPC; "
+        "bounds: max_ttft_ms, max_tpot_ms)",
+        llm=True,
+    ),
+)
+"""Every objective the configurator ranks by, in the order the CLI and API list them."""
+
+OBJECTIVES: tuple[str, ...] = tuple(o.name for o in OBJECTIVE_TABLE)
 OBJECTIVE_ALIASES = {
     "throughput": "max-throughput",
     "latency": "min-latency",
     "throughput-under-latency": "max-throughput-under-latency",
+    "tokens-per-s": "max-tokens-per-s",
+    "decode-tokens-per-s": "max-decode-tokens-per-s",
 }
+_BY_NAME = {o.name: o for o in OBJECTIVE_TABLE}
+
+
+def is_llm_objective(objective: str) -> bool:
+    return objective in _BY_NAME and _BY_NAME[objective].llm
+
+
+@dataclass(frozen=True)
+class LlmBounds:
+    """Upper bounds of the LLM objectives (None: unbounded)."""
+
+    max_ttft_ms: float | None = None
+    max_tpot_ms: float | None = None
+
+    def overshoot(self, s: Score) -> float:
+        """0 within every bound, else how far over (the sum of the relative excesses; a
+        bound on a figure the QPC does not give counts as missed)."""
+        over = 0.0
+        for bound, value in ((self.max_ttft_ms, s.ttft_ms), (self.max_tpot_ms, s.tpot_ms)):
+            if bound is None:
+                continue
+            if value is None:
+                over += 1e9
+            elif value > bound:
+                over += value / bound - 1
+        return over
 
 
 @dataclass(frozen=True)
@@ -53,9 +126,15 @@ class Score:
     ddr_bound: bool
     """Whether the instances' shared DDR bandwidth, not compute, sets `t_run`."""
     estimated: bool = True
+    tokens_per_s: float | None = None
+    """An LLM QPC: decode tokens/s of every sequence of every instance at the full batch."""
+    decode_tokens_per_s: float | None = None
+    """An LLM QPC: decode tokens/s one sequence sees at the full batch."""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "latency_us": round(self.latency_us, 3),
             "throughput": round(self.throughput, 2),
             "period_us": round(self.period_us, 3),
@@ -64,6 +143,11 @@ class Score:
             "ddr_bound": self.ddr_bound,
             "estimated": True,
         }
+        for name in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = round(value, 3)
+        return out
 
 
 def _ddr_bytes(metrics: Mapping[str, Any]) -> int:
@@ -77,6 +161,36 @@ def device_of(metrics: Mapping[str, Any]) -> DeviceProfile:
 
 def score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_size: int) -> Score:
     """The combination's estimate from its compile's perf metrics (see the module doc)."""
+    base = _score(metrics, instances=instances, batchsize=batchsize, set_size=set_size)
+    llm = metrics.get("llm")
+    if not isinstance(llm, Mapping) or "full_batch" not in llm:
+        return base
+    each = metrics.get("specializations") or {}
+    full = max(
+        (d for d in llm["decode"] if d["batch"] == llm["full_batch"]),
+        key=lambda d: d["tokens_per_s"],
+    )
+    step = _score(
+        each.get(full["specialization"], metrics),
+        instances=instances,
+        batchsize=int(full["batch"]),
+        set_size=1,
+    )
+    ttft_ms = None
+    prefill = llm.get("prefill_specialization")
+    if prefill is not None and prefill in each:
+        ttft_ms = _score(each[prefill], instances=instances, batchsize=1, set_size=1).period_us
+        ttft_ms /= 1e3
+    return dataclasses.replace(
+        base,
+        tokens_per_s=step.throughput,
+        decode_tokens_per_s=1e6 / step.period_us,
+        ttft_ms=ttft_ms,
+        tpot_ms=step.period_us / 1e3,
+    )
+
+
+def _score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_size: int) -> Score:
     t_dev = float(metrics["estimated_device_latency_us"])
     t_host = float(metrics.get("host_transfer_us") or 0.0)
     bandwidth = device_of(metrics).ddr_bandwidth_bytes_per_s
@@ -105,7 +219,7 @@ def parse_objective(name: str, latency_bound_us: float | None = None) -> tuple[s
             "invalid_objective",
             f"unknown objective {name!r}: one of {', '.join(OBJECTIVES)}",
         )
-    if canonical == "max-throughput-under-latency":
+    if _BY_NAME[canonical].needs_latency_bound:
         if latency_bound_us is None or not latency_bound_us > 0:
             raise CompileError(
                 "invalid_objective",
@@ -116,14 +230,52 @@ def parse_objective(name: str, latency_bound_us: float | None = None) -> tuple[s
     return canonical, None
 
 
+def parse_llm_bounds(
+    objective: str, max_ttft_ms: float | None = None, max_tpot_ms: float | None = None
+) -> LlmBounds | None:
+    """The bounds of an LLM objective (each positive, or None); bounds given to another
+    objective are an error, not ignored."""
+    given = {"max_ttft_ms": max_ttft_ms, "max_tpot_ms": max_tpot_ms}
+    for key, value in given.items():
+        if value is not None and not (value > 0 and value < float("inf")):
+            raise CompileError("invalid_objective", f"{key} must be a positive number of ms")
+    if not is_llm_objective(objective):
+        named = [k for k, v in given.items() if v is not None]
+        if named:
+            llm = ", ".join(o.name for o in OBJECTIVE_TABLE if o.llm)
+            raise CompileError(
+                "invalid_objective",
+                f"{' and '.join(named)} bound an LLM objective ({llm}), not {objective}",
+            )
+        return None
+    return LlmBounds(max_ttft_ms, max_tpot_ms)
+
+
+def _tokens(s: Score, objective: str) -> float | None:
+    return s.tokens_per_s if objective == "max-tokens-per-s" else s.decode_tokens_per_s
+
+
 def rank_key(
-    s: Score | None, objective: str, latency_bound_us: float | None, tie: Sequence[int] = ()
+    s: Score | None,
+    objective: str,
+    latency_bound_us: float | None,
+    tie: Sequence[int] = (),
+    llm_bounds: LlmBounds | None = None,
 ) -> tuple[Any, ...]:
-    """Sort key, best first: unscored (failed) last; under a latency bound the combinations
-    within it by throughput, then those over it by latency. Ties go to fewer cores in use,
-    then to `tie` (the input order)."""
+    """Sort key, best first: unscored (failed, or no LLM figures for an LLM objective) last;
+    under a latency bound the combinations within it by throughput, then those over it by
+    latency; under LLM bounds those within them by tokens/s, then those over them by how far.
+    Ties go to fewer cores in use, then to `tie` (the input order)."""
     if s is None:
         return (2, 0.0, *tie)
+    if is_llm_objective(objective):
+        tokens = _tokens(s, objective)
+        if tokens is None:
+            return (2, 0.0, *tie)
+        over = (llm_bounds or LlmBounds()).overshoot(s)
+        if over > 0:
+            return (1, over, -tokens, *tie)
+        return (0, -tokens, s.tpot_ms or 0.0, *tie)
     if objective == "min-latency":
         return (0, s.latency_us, -s.throughput, *tie)
     if objective == "max-throughput-under-latency":
@@ -134,10 +286,18 @@ def rank_key(
     return (0, -s.throughput, s.latency_us, *tie)
 
 
-def meets(s: Score | None, objective: str, latency_bound_us: float | None) -> bool:
-    """Whether a scored combination satisfies the objective's bound (always, without one)."""
+def meets(
+    s: Score | None,
+    objective: str,
+    latency_bound_us: float | None,
+    llm_bounds: LlmBounds | None = None,
+) -> bool:
+    """Whether a scored combination satisfies the objective's bound (always, without one;
+    an LLM objective needs the QPC's token figures)."""
     if s is None:
         return False
+    if is_llm_objective(objective):
+        return _tokens(s, objective) is not None and (llm_bounds or LlmBounds()).overshoot(s) == 0
     return objective != "max-throughput-under-latency" or s.latency_us <= (latency_bound_us or 0)
 
 

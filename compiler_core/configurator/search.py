@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compiler_core.configurator.scoring import Score, meets, rank_key, score
+from compiler_core.configurator.scoring import LlmBounds, Score, meets, rank_key, score
 from compiler_core.configurator.space import Group, Point, SearchSpace
 
 MODES = ("brute", "optimize")
@@ -66,20 +66,34 @@ def results(
     return out
 
 
-def ranked(items: Sequence[Result], objective: str, latency_bound_us: float | None) -> list[Result]:
+def ranked(
+    items: Sequence[Result],
+    objective: str,
+    latency_bound_us: float | None,
+    llm_bounds: LlmBounds | None = None,
+) -> list[Result]:
     """Best first (see `scoring.rank_key`)."""
     return sorted(
         items,
         key=lambda r: rank_key(
-            r.score, objective, latency_bound_us, (r.point.cores * r.point.instances, r.point.index)
+            r.score,
+            objective,
+            latency_bound_us,
+            (r.point.cores * r.point.instances, r.point.index),
+            llm_bounds,
         ),
     )
 
 
-def best(items: Sequence[Result], objective: str, latency_bound_us: float | None) -> Result | None:
+def best(
+    items: Sequence[Result],
+    objective: str,
+    latency_bound_us: float | None,
+    llm_bounds: LlmBounds | None = None,
+) -> Result | None:
     """The best result, if any was scored (under a bound: the best within it, else None)."""
-    top = ranked(items, objective, latency_bound_us)
-    if not top or top[0].score is None or not meets(top[0].score, objective, latency_bound_us):
+    top = ranked(items, objective, latency_bound_us, llm_bounds)
+    if not top or not meets(top[0].score, objective, latency_bound_us, llm_bounds):
         return None
     return top[0]
 
@@ -156,13 +170,19 @@ def _move_cost(pos: Mapping[str, int], here: Mapping[str, int], axis: str) -> tu
 
 def group_score(
     space: SearchSpace, group: int, metrics: Metrics | None, objective: str,
-    latency_bound_us: float | None,
+    latency_bound_us: float | None, llm_bounds: LlmBounds | None = None,
 ) -> tuple[Any, ...]:  # fmt: skip
     """The rank key of the best point of a compiled group (failed: worst)."""
     if metrics is None:
-        return rank_key(None, objective, latency_bound_us, (group,))
+        return rank_key(None, objective, latency_bound_us, (group,), llm_bounds)
     keys = [
-        rank_key(score_point(space.points[i], metrics), objective, latency_bound_us, (group,))
+        rank_key(
+            score_point(space.points[i], metrics),
+            objective,
+            latency_bound_us,
+            (group,),
+            llm_bounds,
+        )  # fmt: skip
         for i in space.groups[group].points
     ]
     return min(keys)
@@ -175,6 +195,7 @@ def next_groups(
     pending: Sequence[int] | set[int],
     objective: str,
     latency_bound_us: float | None = None,
+    llm_bounds: LlmBounds | None = None,
 ) -> list[int]:
     """The groups to compile now (none while a round is pending, or when finished)."""
     if mode == "brute":
@@ -188,7 +209,8 @@ def next_groups(
     scored = [g for g, m in done.items() if m is not None]
     if scored:
         current = min(
-            scored, key=lambda g: group_score(space, g, done[g], objective, latency_bound_us)
+            scored,
+            key=lambda g: group_score(space, g, done[g], objective, latency_bound_us, llm_bounds),
         )
         frontier = [current]
     else:  # every compile so far failed: widen around all of them

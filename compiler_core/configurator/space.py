@@ -2,12 +2,14 @@
 parameters to try, read from the vendor's CSV form (one row per combination) or a compact
 mapping (JSON/YAML: a list of values per parameter, constraints, fixed base flags).
 
-A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols` and any
-other compile flag) plus runtime ones (`instances`, `set_size`) that need no compile. Points
-sharing their compile parameters share one compile (a `Group`). Every point is checked before
-anything runs: the compile options through the option schema (`-ols` a power of two no larger
-than the cores, ...), the instances against the device's cores, and the space's constraints;
-an invalid point is reported with its reason, never compiled.
+A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols`, the
+number of SoCs `devices` the network is sliced over (`-mdp-devices`), an LLM's
+`kv_precision` (fp16 | mxint8) and `weight_precision` (fp16 | mxfp6), and any other compile
+flag, e.g. `full-batch-size`) plus runtime ones (`instances`, `set_size`) that need no
+compile. Points sharing their compile parameters share one compile (a `Group`). Every point
+is checked before anything runs: the compile options through the option schema (`-ols` a
+power of two no larger than the cores, ...), the instances against the device's cores, and
+the space's constraints; an invalid point is reported with its reason, never compiled.
 """
 
 from __future__ import annotations
@@ -48,10 +50,30 @@ ALIASES: dict[str, str] = {
     "set_size": "set_size",
     "mos": "mos",
     "ols": "ols",
+    "kv-precision": "kv_precision",
+    "kv_precision": "kv_precision",
+    "weight-precision": "weight_precision",
+    "weight_precision": "weight_precision",
+    "devices": "devices",
+    "socs": "devices",
+    "mdp-devices": "devices",
 }
 """Column and key spellings (after lower-casing, stripping dashes, `_` -> `-`)."""
 
-COMPILE_FLAG_OF = {"cores": "aic-num-cores", "batchsize": "batchsize", "mos": "mos", "ols": "ols"}
+PRECISION_PARAMS: dict[str, tuple[str, dict[str, bool]]] = {
+    "kv_precision": ("mxint8-kv-cache", {"fp16": False, "mxint8": True}),
+    "weight_precision": ("mxfp6-matmul", {"fp16": False, "mxfp6": True}),
+}
+"""An LLM's precisions as a sweep names them, and the compile flag each value sets: the KV
+cache (retained state) as fp16 or MXINT8 blocks, MatMul weights as fp16 or MXFP6."""
+
+COMPILE_FLAG_OF = {
+    "cores": "aic-num-cores",
+    "batchsize": "batchsize",
+    "mos": "mos",
+    "ols": "ols",
+    "devices": "mdp-devices",
+}
 """The compile flag behind each short compile parameter name."""
 
 MAX_POINTS = 4096
@@ -79,7 +101,7 @@ def canonical_param(name: str) -> str:
     except CompileError:
         raise SpaceError(
             f"unknown search-space parameter {name!r}: use cores, instances, batchsize, "
-            "mos, ols, set_size or a compile flag name"
+            "mos, ols, set_size, devices, kv_precision, weight_precision or a compile flag name"
         ) from None
     if spec.local_only:  # the model, the output directory, -operators-supported
         raise SpaceError(
@@ -369,7 +391,13 @@ def _check_point(
             return Point(index, params, reason=problem)
     values = dict(base)
     for name, value in params.items():
-        if name not in RUNTIME_PARAMS:
+        if name in PRECISION_PARAMS:
+            flag, choices = PRECISION_PARAMS[name]
+            if str(value).lower() not in choices:
+                shown = " or ".join(choices)
+                return Point(index, params, reason=f"{name} must be {shown}, not {value!r}")
+            values[flag] = choices[str(value).lower()]
+        elif name not in RUNTIME_PARAMS:
             values[COMPILE_FLAG_OF.get(name, name)] = value
     try:
         options = CompileOptions.from_json(values)
@@ -386,7 +414,8 @@ def _check_point(
         )
     known = {"cores": options.aic_num_cores, "batchsize": options.batchsize or 1,
              "instances": instances, "set_size": int(params.get("set_size") or 1),
-             "mos": options.mos or 0, "ols": options.ols}  # fmt: skip
+             "mos": options.mos or 0, "ols": options.ols,
+             "devices": options.mdp_devices or 1}  # fmt: skip
     for constraint in constraints:
         if not constraint.holds({**params, **known}):
             return Point(index, params, reason=f"fails the constraint {constraint.text}")

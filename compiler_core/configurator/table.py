@@ -12,6 +12,11 @@ COLUMNS = (
     ("rank", 4), ("cores", 5), ("inst", 4), ("batch", 5), ("mos", 3), ("ols", 3), ("set", 3),
     ("latency_us", 11), ("inf/s", 11),
 )  # fmt: skip
+LLM_COLUMNS = (
+    ("tokens_per_s", "tok/s", 10), ("decode_tokens_per_s", "seq tok/s", 10),
+    ("ttft_ms", "ttft_ms", 9), ("tpot_ms", "tpot_ms", 9),
+)  # fmt: skip
+"""An LLM QPC's figures (`scoring.Score`), shown when a row has them."""
 
 
 def rows_of(items: Sequence[Result]) -> list[dict[str, Any]]:
@@ -35,6 +40,11 @@ def rows_of(items: Sequence[Result]) -> list[dict[str, Any]]:
                 "throughput": round(r.score.throughput, 2) if r.score else None,
                 "device_latency_us": round(r.score.device_latency_us, 3) if r.score else None,
                 "ddr_bound": r.score.ddr_bound if r.score else None,
+                **{
+                    key: (round(v, 3) if (v := getattr(r.score, key)) is not None else None)
+                    for key, _, _ in LLM_COLUMNS
+                    if r.score is not None
+                },
                 "estimated": True,
                 "error": r.error,
             }
@@ -52,7 +62,9 @@ def _cell(value: Any) -> str:
 
 def render(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> str:
     """Fixed-width text: one line per result, best first, failed ones with their error."""
-    head = "  ".join(f"{name:>{width}}" for name, width in COLUMNS) + "  other flags"
+    llm = [c for c in LLM_COLUMNS if any(row.get(c[0]) is not None for row in rows)]
+    widths = [*COLUMNS, *((label, width) for _, label, width in llm)]
+    head = "  ".join(f"{name:>{width}}" for name, width in widths) + "  other flags"
     lines = [head, "-" * len(head)]
     shown = rows if limit is None else rows[:limit]
     for row in shown:
@@ -60,9 +72,9 @@ def render(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> str:
         values = (
             row.get("rank"), row.get("cores"), row.get("instances"), row.get("batchsize"),
             params.get("mos"), params.get("ols"), row.get("set_size"),
-            row.get("latency_us"), row.get("throughput"),
+            row.get("latency_us"), row.get("throughput"), *(row.get(c[0]) for c in llm),
         )  # fmt: skip
-        cells = "  ".join(f"{_cell(v):>{w}}" for v, (_, w) in zip(values, COLUMNS, strict=True))
+        cells = "  ".join(f"{_cell(v):>{w}}" for v, (_, w) in zip(values, widths, strict=True))
         known = {"cores", "instances", "batchsize", "mos", "ols", "set_size"}
         other = " ".join(f"{k}={v}" for k, v in params.items() if k not in known)
         if row.get("error"):
@@ -70,5 +82,9 @@ def render(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> str:
         lines.append(f"{cells}  {other}".rstrip())
     if limit is not None and len(rows) > limit:
         lines.append(f"... {len(rows) - limit} more")
-    lines.append("(latency and inferences/s are the cost model's estimates)")
+    lines.append(
+        "(latency, inferences/s and tokens figures are the cost model's estimates)"
+        if llm
+        else "(latency and inferences/s are the cost model's estimates)"
+    )
     return "\n".join(lines)

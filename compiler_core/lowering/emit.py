@@ -24,6 +24,7 @@ import bisect
 from collections import defaultdict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,12 +36,16 @@ from compiler_core.lowering.program import (
     KIND_INPUT,
     KIND_ONCHIP,
     KIND_OUTPUT,
+    LINK_KERNEL,
     SCATTER_IN_PLACE,
     DmaGather,
     DmaLoad,
     DmaScatter,
     DmaStore,
     Instr,
+    KernelDesc,
+    LinkSend,
+    LinkWait,
     NocCopy,
     Operand,
     Piece,
@@ -60,9 +65,32 @@ from compiler_core.ops.in_place_scatter import dma_axis, operands
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
+LINK_SEND, LINK_WAIT = 7, 8
 
 BufRef = tuple[int, int]
 """(buffer id, byte offset inside the buffer)."""
+
+
+class Part(NamedTuple):
+    """Part of a tile's operand in VTCM: the buffer (and byte offset) and the box it holds."""
+
+    ref: BufRef
+    box: Box
+
+
+class TileInput(NamedTuple):
+    """What one tile reads of one input: the box, and the parts of VTCM that hold it."""
+
+    box: Box
+    parts: tuple[Part, ...]
+
+
+class TileOutput(NamedTuple):
+    """Where one tile writes one output: the box, its buffer and the box that buffer holds."""
+
+    box: Box
+    ref: BufRef
+    held: Box
 
 
 @dataclass
@@ -78,8 +106,8 @@ class Op:
     src_box: Box = ()
     mask: int = 0
     out_box: Box = ()
-    inputs: tuple[tuple[Box, tuple[tuple[BufRef, Box], ...]] | None, ...] = ()
-    outputs: tuple[tuple[Box, BufRef, Box] | None, ...] = ()
+    inputs: tuple[TileInput | None, ...] = ()
+    outputs: tuple[TileOutput | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +174,56 @@ def producer_of(graph: LoweredGraph) -> dict[int, int]:
             if t >= 0:
                 out[t] = index
     return out
+
+
+@dataclass(frozen=True)
+class _KernelTiles:
+    """One kernel's tiles by core and the shape of its pipeline."""
+
+    k: int
+    desc: KernelDesc
+    by_core: dict[int, list[TileSpec]]
+    steps: int
+    """Tiles of the busiest core: the pipeline's length."""
+    compute: int
+    """The schedule step the kernel computes in (`vtcm.step_of`)."""
+    first: int
+    """The first step its buffers live in (one earlier when inputs are prefetched)."""
+    parities: int
+    """2 when the tiles are double-buffered, else 1."""
+    scatter: bool
+    """An in-place scatter into retained state: a scatter DMA per update tile."""
+    gather: bool
+    """An embedding lookup done by a gather DMA (`_Builder.gathers`)."""
+
+
+class _Outputs(NamedTuple):
+    refs: dict[tuple[int, int, int], BufRef]
+    """(core, step, output slot) -> the buffer the tile writes."""
+    stores: list[int]
+    """Output slots stored to DDR after each tile."""
+
+
+class _Inputs(NamedTuple):
+    operands: dict[tuple[int, int, int], TileInput]
+    """(core, step, input slot) -> what the tile reads; streamed slots are added by the
+    pipeline's loads."""
+    streamed: list[int]
+    """Input slots loaded from DDR tile by tile."""
+
+
+class _Held(NamedTuple):
+    """The box a core's scratch buffer of an input holds, and which of its two buffers."""
+
+    box: Box
+    parity: int
+
+
+class _Loads(NamedTuple):
+    held: dict[tuple[int, int], _Held]
+    """(core, input slot) -> what that core last loaded for it."""
+    early: list[Op]
+    """The first tiles' weight loads, to be hoisted ahead of the kernel."""
 
 
 class _Builder:
@@ -240,237 +318,324 @@ class _Builder:
 
     # -------------------------------------------------------------------------- kernels
 
+    def link(self, k: int) -> None:
+        """An AllGather between devices: core 0 sends this device's part (its whole input, in
+        DDR) to every device of the partition, itself included, at its rank's place in the
+        output, then waits until every part has landed in its own copy of the output."""
+        if self.buffers_only:
+            return
+        desc = self.graph.kernels[k].desc
+        info = desc.info
+        x, out = desc.inputs[0], desc.outputs[0]
+        devices, rank = int(info.attr("devices", 1)), int(info.attr("rank", 0))
+        axis = int(info.attr("axis", 0)) % len(self.graph.tensors[out].shape)
+        box = full_box(self.graph.tensors[x].shape)
+        part = box[axis][1] - box[axis][0]
+        dst_box = tuple(
+            (rank * part, (rank + 1) * part) if a == axis else rng for a, rng in enumerate(box)
+        )
+        order = [rank, *(p for p in range(devices) if p != rank)]  # own copy first
+        for peer in order:
+            self.ops.append(
+                Op(core=0, kind=LINK_SEND, kernel=k, tensor=x, box=box, dst_box=dst_box, mask=peer)
+            )
+        # the next kernels' weights are hoisted here: they load while the parts travel
+        self.run_start[k] = len(self.ops)
+        out_box = full_box(self.graph.tensors[out].shape)
+        self.ops.append(Op(core=0, kind=LINK_WAIT, kernel=k, tensor=out, box=out_box, mask=devices))
+
     def kernel(self, k: int) -> None:
-        graph = self.graph
-        lk = graph.kernels[k]
-        desc = lk.desc
+        """Kernel k's buffers and operations: where its outputs go, where each input comes
+        from, the streamed inputs' scratch buffers, then its tiles' loads, runs and stores
+        in pipeline order; weights a tile needs first are hoisted ahead of the kernel. An
+        AllGather between devices is link transfers instead (`link`)."""
+        if self.graph.kernels[k].desc.kernel == LINK_KERNEL:
+            self.link(k)
+            return
         block = len(self.ops)
+        kt = self._tiles(k)
+        outputs = self._outputs(kt)
+        inputs = self._inputs(kt)
+        scratch = self._scratch(kt, inputs.streamed)
+        if self.buffers_only:
+            self.track_weight_tail(k, inputs.streamed, kt.by_core)
+            return
+        early = self._pipeline(kt, outputs, inputs, scratch)
+        if early:
+            self._hoist(k, early, block)
+
+    def _tiles(self, k: int) -> _KernelTiles:
+        lk = self.graph.kernels[k]
         by_core: dict[int, list[TileSpec]] = defaultdict(list)
         for tile in lk.tiles:
             by_core[tile.core].append(tile)
         steps = max(len(t) for t in by_core.values())
-        compute = step_of(k, True)
-        first = step_of(k, False) - (1 if self.placement.prefetch else 0)
         double = self.placement.double_buffer and steps > 1
-        parities = 2 if double else 1
+        return _KernelTiles(
+            k=k,
+            desc=lk.desc,
+            by_core=by_core,
+            steps=steps,
+            compute=step_of(k, True),
+            first=step_of(k, False) - (1 if self.placement.prefetch else 0),
+            parities=2 if double else 1,
+            scatter=lk.desc.kernel == SCATTER_IN_PLACE,
+            gather=self.gathers(k),
+        )
 
-        # outputs: on-chip slots, or double-buffered scratch stored to DDR
-        out_refs: dict[tuple[int, int, int], BufRef] = {}  # (core, step, slot) -> ref
-        stores: list[int] = []
-        scatter = desc.kernel == SCATTER_IN_PLACE  # writes DDR straight from its update tile
+    def _outputs(self, kt: _KernelTiles) -> _Outputs:
+        """Each output's buffers: on-chip slots that its consumers read (stored to DDR too
+        when it is a graph output), or double-buffered scratch stored to DDR. An in-place
+        scatter has none: it writes DDR straight from its update tile."""
+        graph, desc = self.graph, kt.desc
+        out = _Outputs(refs={}, stores=[])
         for o, tid in enumerate(desc.outputs):
-            if tid < 0 or scatter:
+            if tid < 0 or kt.scatter:
                 continue
             dtype = self.dtype(tid)
             if tid in self.placement.chip:
-                last = max((step_of(c, True) for c in self.consumers.get(tid, [])), default=compute)
+                last = max(
+                    (step_of(c, True) for c in self.consumers.get(tid, [])), default=kt.compute
+                )
                 sizes = {
                     c: sum(
-                        align(box_nbytes(_tile_out_boxes(graph, k, t)[o] or (), dtype)) for t in ts
+                        align(box_nbytes(_tile_out_boxes(graph, kt.k, t)[o] or (), dtype))
+                        for t in ts
                     )
-                    for c, ts in by_core.items()
+                    for c, ts in kt.by_core.items()
                 }
                 size = max(sizes.values())
-                buf = self.buffer(size, compute, last, f"output of {desc.name}", root=tid)
+                buf = self.buffer(size, kt.compute, last, f"output of {desc.name}", root=tid)
                 self.chip_bytes[tid] = size
                 slots = []
-                for c, ts in sorted(by_core.items()):
+                for c, ts in sorted(kt.by_core.items()):
                     delta = 0
                     for j, t in enumerate(ts):
-                        box = _tile_out_boxes(graph, k, t)[o]
+                        box = _tile_out_boxes(graph, kt.k, t)[o]
                         assert box is not None
-                        out_refs[(c, j, o)] = (buf, delta)
+                        out.refs[(c, j, o)] = (buf, delta)
                         slots.append(_Slot(c, box, (buf, delta)))
                         delta += align(box_nbytes(box, dtype))
                 self.slots[tid] = slots
                 if graph.tensors[tid].kind == KIND_OUTPUT:
-                    stores.append(o)  # a graph output its consumers read on chip
+                    out.stores.append(o)  # a graph output its consumers read on chip
             else:
-                stores.append(o)
+                out.stores.append(o)
                 size = max(
-                    box_nbytes(_tile_out_boxes(graph, k, t)[o] or (), dtype) for t in lk.tiles
+                    box_nbytes(_tile_out_boxes(graph, kt.k, t)[o] or (), dtype)
+                    for t in graph.kernels[kt.k].tiles
                 )
                 bufs = [
-                    self.buffer(size, first, compute, f"output tile of {desc.name}")
-                    for _ in range(parities)
+                    self.buffer(size, kt.first, kt.compute, f"output tile of {desc.name}")
+                    for _ in range(kt.parities)
                 ]
-                for c, ts in by_core.items():
+                for c, ts in kt.by_core.items():
                     for j in range(len(ts)):
-                        out_refs[(c, j, o)] = (bufs[j % parities], 0)
+                        out.refs[(c, j, o)] = (bufs[j % kt.parities], 0)
+        return out
 
-        # inputs
-        operand: dict[tuple[int, int, int], tuple[Box, tuple[tuple[BufRef, Box], ...]]] = {}
-        streamed: list[int] = []
-        gather = self.gathers(k)
-        for i, tid in enumerate(desc.inputs):
-            if tid < 0 or (gather and i == 0) or (scatter and i == 0):
+    def _inputs(self, kt: _KernelTiles) -> _Inputs:
+        """Where each input comes from: resident weights, on-chip activations (NoC copies
+        as needed), or streamed from DDR (slots left for the pipeline's loads)."""
+        graph, k = self.graph, kt.k
+        inputs = _Inputs(operands={}, streamed=[])
+        for i, tid in enumerate(kt.desc.inputs):
+            if tid < 0 or (kt.gather and i == 0) or (kt.scatter and i == 0):
                 continue  # an in-place scatter never reads the cache it writes
             root = graph.root(tid)
             if (graph.layer(k), i) in self.resident_refs:
                 refs = self.resident_refs[(graph.layer(k), i)]
-                for c, ts in by_core.items():
+                for c, ts in kt.by_core.items():
                     for j, t in enumerate(ts):
                         box = t.in_boxes[i]
                         if box is not None:
                             ref, kept = refs[c]
-                            operand[(c, j, i)] = (box, ((ref, kept),))
+                            inputs.operands[(c, j, i)] = TileInput(box, (Part(ref, kept),))
             elif root in self.placement.chip:
-                self.chip_input(k, i, tid, root, by_core, operand)
+                self.chip_input(k, i, tid, root, kt.by_core, inputs.operands)
             else:
-                streamed.append(i)
+                inputs.streamed.append(i)
+        return inputs
 
+    def _scratch(self, kt: _KernelTiles, streamed: list[int]) -> dict[int, list[int]]:
+        """Per streamed input slot, its load buffers (one per parity); a weight's live from
+        the kernel it is hoisted to."""
+        graph, desc = self.graph, kt.desc
         scratch: dict[int, list[int]] = {}
         for i in streamed:
             tid = desc.inputs[i]
             size = max(
-                box_nbytes(b, self.dtype(tid)) for t in lk.tiles if (b := t.in_boxes[i]) is not None
+                box_nbytes(b, self.dtype(tid))
+                for t in graph.kernels[kt.k].tiles
+                if (b := t.in_boxes[i]) is not None
             )
             weight = graph.tensors[graph.root(tid)].kind == KIND_CONSTANT
-            early_first = step_of(self.hoist_to(k), True) - 1 if weight else first
+            early_first = step_of(self.hoist_to(kt.k), True) - 1 if weight else kt.first
             scratch[i] = [
-                self.buffer(size, min(first, early_first), compute, f"input tile of {desc.name}")
-                for _ in range(parities)
-            ]
-        if self.buffers_only:
-            self.track_weight_tail(k, streamed, by_core)
-            return
-        held: dict[tuple[int, int], tuple[Box, int]] = {}  # (core, slot) -> (box, parity)
-
-        def loads(j: int) -> None:
-            groups: dict[tuple[int, Box, int], list[int]] = defaultdict(list)
-            for c in sorted(by_core):
-                ts = by_core[c]
-                if j >= len(ts):
-                    continue
-                for i in streamed:
-                    box = ts[j].in_boxes[i]
-                    if box is None:
-                        continue
-                    last = held.get((c, i))
-                    if last is not None and last[0] == box:
-                        operand[(c, j, i)] = (box, (((scratch[i][last[1]], 0), box),))
-                        continue
-                    parity = (1 - last[1]) % parities if last is not None else j % parities
-                    held[(c, i)] = (box, parity)
-                    groups[(i, box, parity)].append(c)
-                    operand[(c, j, i)] = (box, (((scratch[i][parity], 0), box),))
-            for (i, box, parity), all_cores in groups.items():
-                # a weight of the first tiles depends on nothing: it is issued early, while
-                # the kernel before still computes (its buffer's lifetime allows it)
-                weight = graph.tensors[graph.root(desc.inputs[i])].kind == KIND_CONSTANT
-                target = early if j == 0 and weight and self.placement.prefetch else self.ops
-                for cores in self.fan(all_cores):
-                    target.append(
-                        Op(
-                            core=cores[0],
-                            kind=LOAD,
-                            kernel=k,
-                            tensor=desc.inputs[i],
-                            box=box,
-                            dst=(scratch[i][parity], 0),
-                            dst_box=box,
-                            mask=mask_of(cores),
-                        )
-                    )
-
-        def runs(j: int) -> None:
-            if j == steps - 1:
-                self.run_start[k] = len(self.ops)
-            for c in sorted(by_core):
-                ts = by_core[c]
-                if j >= len(ts):
-                    continue
-                tile = ts[j]
-                ins = tuple(
-                    operand.get((c, j, i)) if tid >= 0 else None
-                    for i, tid in enumerate(desc.inputs)
+                self.buffer(
+                    size, min(kt.first, early_first), kt.compute, f"input tile of {desc.name}"
                 )
-                out_boxes = _tile_out_boxes(graph, k, tile)
-                if scatter:
-                    self.ops.append(
-                        Op(
-                            core=c,
-                            kind=SCATTER,
-                            kernel=k,
-                            tensor=desc.outputs[0],
-                            box=tile.out_box,
-                            out_box=tile.out_box,
-                            inputs=ins,
-                        )
-                    )
+                for _ in range(kt.parities)
+            ]
+        return scratch
+
+    def _pipeline(
+        self, kt: _KernelTiles, outputs: _Outputs, inputs: _Inputs, scratch: dict[int, list[int]]
+    ) -> list[Op]:
+        """The tiles' loads, runs and stores in order; software-pipelined when double
+        buffered (tile j+1 loads while tile j runs). Returns the first tiles' weight loads,
+        which depend on nothing and are issued early (see `_hoist`)."""
+        loads = _Loads(held={}, early=[])
+        if kt.parities == 2:
+            self._loads(kt, 0, inputs, scratch, loads)
+            for j in range(1, kt.steps):
+                self._loads(kt, j, inputs, scratch, loads)
+                self._runs(kt, j - 1, outputs, inputs)
+            self._runs(kt, kt.steps - 1, outputs, inputs)
+        else:
+            for j in range(kt.steps):
+                self._loads(kt, j, inputs, scratch, loads)
+                self._runs(kt, j, outputs, inputs)
+        return loads.early
+
+    def _loads(
+        self,
+        kt: _KernelTiles,
+        j: int,
+        inputs: _Inputs,
+        scratch: dict[int, list[int]],
+        loads: _Loads,
+    ) -> None:
+        """Step j's loads of streamed inputs: a box a core already holds is not loaded
+        again; cores that need the same box get one multicast."""
+        graph, desc = self.graph, kt.desc
+        groups: dict[tuple[int, Box, int], list[int]] = defaultdict(list)
+        for c in sorted(kt.by_core):
+            ts = kt.by_core[c]
+            if j >= len(ts):
+                continue
+            for i in inputs.streamed:
+                box = ts[j].in_boxes[i]
+                if box is None:
                     continue
+                last = loads.held.get((c, i))
+                if last is not None and last.box == box:
+                    ref = (scratch[i][last.parity], 0)
+                    inputs.operands[(c, j, i)] = TileInput(box, (Part(ref, box),))
+                    continue
+                if last is not None:
+                    parity = (1 - last.parity) % kt.parities
+                else:
+                    parity = j % kt.parities
+                loads.held[(c, i)] = _Held(box, parity)
+                groups[(i, box, parity)].append(c)
+                ref = (scratch[i][parity], 0)
+                inputs.operands[(c, j, i)] = TileInput(box, (Part(ref, box),))
+        for (i, box, parity), all_cores in groups.items():
+            # a weight of the first tiles depends on nothing: it is issued early, while
+            # the kernel before still computes (its buffer's lifetime allows it)
+            weight = graph.tensors[graph.root(desc.inputs[i])].kind == KIND_CONSTANT
+            target = loads.early if j == 0 and weight and self.placement.prefetch else self.ops
+            for cores in self.fan(all_cores):
+                target.append(
+                    Op(
+                        core=cores[0],
+                        kind=LOAD,
+                        kernel=kt.k,
+                        tensor=desc.inputs[i],
+                        box=box,
+                        dst=(scratch[i][parity], 0),
+                        dst_box=box,
+                        mask=mask_of(cores),
+                    )
+                )
+
+    def _runs(self, kt: _KernelTiles, j: int, outputs: _Outputs, inputs: _Inputs) -> None:
+        """Step j's tile on every core that has one (a run, a gather DMA or an in-place
+        scatter DMA), each followed by the stores of its outputs that go to DDR."""
+        k, desc = kt.k, kt.desc
+        if j == kt.steps - 1:
+            self.run_start[k] = len(self.ops)
+        for c in sorted(kt.by_core):
+            ts = kt.by_core[c]
+            if j >= len(ts):
+                continue
+            tile = ts[j]
+            ins = tuple(
+                inputs.operands.get((c, j, i)) if tid >= 0 else None
+                for i, tid in enumerate(desc.inputs)
+            )
+            out_boxes = _tile_out_boxes(self.graph, k, tile)
+            if kt.scatter:
+                self.ops.append(
+                    Op(
+                        core=c,
+                        kind=SCATTER,
+                        kernel=k,
+                        tensor=desc.outputs[0],
+                        box=tile.out_box,
+                        out_box=tile.out_box,
+                        inputs=ins,
+                    )
+                )
+                continue
+            if kt.gather:
+                index = ins[1]
+                assert index is not None and len(index.parts) == 1
+                self.ops.append(
+                    Op(
+                        core=c,
+                        kind=GATHER,
+                        kernel=k,
+                        tensor=desc.inputs[0],
+                        box=tile.in_boxes[0] or (),
+                        src=index.parts[0].ref,
+                        src_box=index.parts[0].box,
+                        dst=outputs.refs[(c, j, 0)],
+                        dst_box=tile.out_box,
+                        out_box=tile.out_box,
+                        inputs=ins,
+                    )
+                )
+            else:
                 outs = tuple(
-                    None if box is None else (box, out_refs[(c, j, o)], box)
+                    None if box is None else TileOutput(box, outputs.refs[(c, j, o)], box)
                     for o, box in enumerate(out_boxes)
                 )
-                if gather:
-                    index = ins[1]
-                    assert index is not None and len(index[1]) == 1
-                    self.ops.append(
-                        Op(
-                            core=c,
-                            kind=GATHER,
-                            kernel=k,
-                            tensor=desc.inputs[0],
-                            box=tile.in_boxes[0] or (),
-                            src=index[1][0][0],
-                            src_box=index[1][0][1],
-                            dst=out_refs[(c, j, 0)],
-                            dst_box=tile.out_box,
-                            out_box=tile.out_box,
-                            inputs=ins,
-                        )
+                self.ops.append(
+                    Op(core=c, kind=RUN, kernel=k, out_box=tile.out_box, inputs=ins, outputs=outs)
+                )
+            for o in outputs.stores:
+                box = out_boxes[o]
+                assert box is not None
+                self.ops.append(
+                    Op(
+                        core=c,
+                        kind=STORE,
+                        kernel=k,
+                        tensor=desc.outputs[o],
+                        box=box,
+                        src=outputs.refs[(c, j, o)],
+                        src_box=box,
                     )
-                else:
-                    self.ops.append(
-                        Op(
-                            core=c,
-                            kind=RUN,
-                            kernel=k,
-                            out_box=tile.out_box,
-                            inputs=ins,
-                            outputs=outs,
-                        )
-                    )
-                for o in stores:
-                    box = out_boxes[o]
-                    assert box is not None
-                    self.ops.append(
-                        Op(
-                            core=c,
-                            kind=STORE,
-                            kernel=k,
-                            tensor=desc.outputs[o],
-                            box=box,
-                            src=out_refs[(c, j, o)],
-                            src_box=box,
-                        )
-                    )
+                )
 
-        early: list[Op] = []
-        if double:  # software pipelining: tile j+1 loads while tile j runs
-            loads(0)
-            for j in range(1, steps):
-                loads(j)
-                runs(j - 1)
-            runs(steps - 1)
+    def _hoist(self, k: int, early: list[Op], block: int) -> None:
+        """Put kernel k's early weight loads where they overlap earlier compute: right
+        behind the previous hoisted weights, or before the last tiles of the kernel they are
+        hoisted to, or (not hoisted) at the start of k's own operations."""
+        host = self.hoist_to(k)
+        if host == k or not self.ahead:
+            at = block
+        elif self.weight_tail is not None and self.weight_tail[1] == host:
+            at = self.weight_tail[0]
         else:
-            for j in range(steps):
-                loads(j)
-                runs(j)
-        if early:
-            host = self.hoist_to(k)
-            if host == k or not self.ahead:
-                at = block
-            elif self.weight_tail is not None and self.weight_tail[1] == host:
-                at = self.weight_tail[0]
-            else:
-                at = self.run_start[host]
-            self.ops[at:at] = early
-            for other, position in self.run_start.items():
-                if position >= at and other != host:  # their tiles moved down
-                    self.run_start[other] = position + len(early)
-            self.weight_tail = (at + len(early), host)
+            at = self.run_start[host]
+        self.ops[at:at] = early
+        for other, position in self.run_start.items():
+            if position >= at and other != host:  # their tiles moved down
+                self.run_start[other] = position + len(early)
+        self.weight_tail = (at + len(early), host)
 
     def buffers_signature(self, k: int) -> Hashable:
         """Everything a buffers-only build of kernel k reads besides the graph: which of its
@@ -553,8 +718,10 @@ class _Builder:
         return min(host, k - 1)
 
     def gathers(self, k: int) -> bool:
-        """Whether kernel k is an embedding lookup done by a gather DMA: its table is a weight
-        left in DDR, its indices come whole from DDR, and no epilogue is fused into it."""
+        """Whether kernel k is a lookup done by a gather DMA: its table is a weight left in DDR
+        (an embedding) or a KV cache written in place (continuous batching's slot gather,
+        `lower._gather_rows_by_dma`), its indices come whole from DDR, and no epilogue is
+        fused into it."""
         lk = self.graph.kernels[k]
         request, desc = lk.request, lk.desc
         if request is None or 0 not in request.indexed or desc.epilogue:
@@ -564,11 +731,16 @@ class _Builder:
             return False
         index = desc.inputs[1]
         root = self.graph.root(index)
+        held, seen = self.graph.tensors[root], self.graph.tensors[index]
         return (
             index >= 0
             and root not in self.placement.chip
             and (layer, 1) not in self.resident_refs
-            and self.graph.tensors[index].shape == self.graph.tensors[root].shape
+            and (
+                seen.shape == held.shape
+                # or a reshape of all of it (`batch_index` [B, 1] seen as [B]): same bytes
+                or (self.graph.offset_in_root(index) == 0 and seen.nbytes == held.nbytes)
+            )
         )
 
     def push(
@@ -599,7 +771,7 @@ class _Builder:
         tid: int,
         root: int,
         by_core: dict[int, list[TileSpec]],
-        operand: dict[tuple[int, int, int], tuple[Box, tuple[tuple[BufRef, Box], ...]]],
+        operand: dict[tuple[int, int, int], TileInput],
     ) -> None:
         """Operands of an on-chip activation: the producer's own buffers where the data is
         local; otherwise NoC copies pushed by the producing cores, into halo slots (a few
@@ -625,7 +797,7 @@ class _Builder:
                     for j, t in enumerate(ts):
                         box = t.in_boxes[i]
                         if box is not None:
-                            operand[(c, j, i)] = (box, ((slots[0].ref, whole),))
+                            operand[(c, j, i)] = TileInput(box, (Part(slots[0].ref, whole),))
                 return
             size = box_nbytes(whole_root, dtype)
             buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
@@ -636,7 +808,7 @@ class _Builder:
                 for j, t in enumerate(ts):
                     box = t.in_boxes[i]
                     if box is not None:
-                        operand[(c, j, i)] = (box, (((buf, 0), whole),))
+                        operand[(c, j, i)] = TileInput(box, (Part((buf, 0), whole),))
             return
 
         needs: dict[tuple[int, int], tuple[Box, list[_Slot], list[_Slot]]] = {}
@@ -658,7 +830,7 @@ class _Builder:
             most_remote = max(most_remote, len(remote))
         if most_remote == 0:
             for (c, j), (box, mine, _) in needs.items():
-                operand[(c, j, i)] = (box, tuple((s.ref, s.box) for s in mine))
+                operand[(c, j, i)] = TileInput(box, tuple(Part(s.ref, s.box) for s in mine))
             return
         if most_remote <= 2:
             # halo: each remote part that a tile reads lands in a slot of its own
@@ -671,12 +843,13 @@ class _Builder:
                     pieces.append((c, j, s, part, layout[c]))
                     layout[c] += align(box_nbytes(part, dtype))
             buf = self.buffer(max(layout.values()), first, compute, f"halo of {name}")
-            extra: dict[tuple[int, int], list[tuple[BufRef, Box]]] = defaultdict(list)
+            extra: dict[tuple[int, int], list[Part]] = defaultdict(list)
             for c, j, s, part, delta in pieces:
                 self.push(root, s, part, (buf, delta), part, [c])
-                extra[(c, j)].append(((buf, delta), part))
+                extra[(c, j)].append(Part((buf, delta), part))
             for (c, j), (box, mine, _) in needs.items():
-                operand[(c, j, i)] = (box, (*((s.ref, s.box) for s in mine), *extra[(c, j)]))
+                parts = (*(Part(s.ref, s.box) for s in mine), *extra[(c, j)])
+                operand[(c, j, i)] = TileInput(box, parts)
             return
         # gather: each core receives the bounding box of what its tiles read
         wanted: dict[int, Box] = {}
@@ -697,7 +870,7 @@ class _Builder:
                 for cores in self.fan(all_cores):
                     self.push(root, slot, part, (buf, 0), g_box, cores)
         for (c, j), (box, _, _) in needs.items():
-            operand[(c, j, i)] = (box, (((buf, 0), wanted[c]),))
+            operand[(c, j, i)] = TileInput(box, (Part((buf, 0), wanted[c]),))
 
 
 def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
@@ -965,12 +1138,17 @@ def materialize(
             for slot in (1, 2):
                 operand = op.inputs[slot]
                 assert operand is not None
-                for ref, box in operand[1]:
+                for ref, box in operand.parts:
                     vtcm.read(*span(c, ref, box, desc.inputs[slot]), index, deps)
+            ddr.write(op.tensor, op.box, index, deps)
+        elif op.kind == LINK_SEND:
+            ddr.read(op.tensor, op.box, index, deps)
+        elif op.kind == LINK_WAIT:
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
+            ddr.read(op.tensor, op.box, index, deps)  # a cache written earlier in the run
             vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
             out = desc.outputs[0]
             lo, hi = span(0, op.dst, op.dst_box, out)
@@ -981,12 +1159,12 @@ def materialize(
             for tid, operand in zip(desc.inputs, op.inputs, strict=True):
                 if operand is None or tid < 0:
                     continue
-                for ref, box in operand[1]:
+                for ref, box in operand.parts:
                     vtcm.read(*span(c, ref, box, tid), index, deps)
             for tid, result in zip(desc.outputs, op.outputs, strict=True):
                 if result is None or tid < 0:
                     continue
-                lo, hi = span(0, result[1], result[2], tid)
+                lo, hi = span(0, result.ref, result.held, tid)
                 vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
                 vtcm_used[c] = max(vtcm_used[c], hi)
         deps.discard(index)
@@ -1055,6 +1233,12 @@ def _instr(
             op.mask,
             op.kernel,
         )
+    if op.kind == LINK_SEND:
+        assert graph is not None
+        out = graph.kernels[op.kernel].desc.outputs[0]
+        return LinkSend(id_map[op.tensor], op.box, op.mask, id_map[out], op.dst_box, op.kernel)
+    if op.kind == LINK_WAIT:
+        return LinkWait(id_map[op.tensor], op.mask, op.kernel)
     if op.kind == GATHER:
         assert op.src is not None and op.dst is not None and graph is not None
         desc = graph.kernels[op.kernel].desc
@@ -1075,7 +1259,7 @@ def _instr(
     ins = tuple(
         None
         if operand is None
-        else Operand(operand[0], tuple(Piece(resolve(ref), box) for ref, box in operand[1]))
+        else Operand(operand.box, tuple(Piece(resolve(ref), box) for ref, box in operand.parts))
         for operand in op.inputs
     )
     if op.kind == SCATTER:
@@ -1095,7 +1279,7 @@ def _instr(
             kernel=op.kernel,
         )
     outs = tuple(
-        None if out is None else Operand(out[0], (Piece(resolve(out[1]), out[2]),))
+        None if out is None else Operand(out.box, (Piece(resolve(out.ref), out.held),))
         for out in op.outputs
     )
     return RunKernel(kernel=op.kernel, out_box=op.out_box, inputs=ins, outputs=outs)

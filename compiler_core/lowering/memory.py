@@ -17,6 +17,7 @@ from compiler_core.lowering.program import (
     KIND_CONSTANT,
     KIND_INPUT,
     KIND_OUTPUT,
+    LINK_KERNEL,
 )
 
 ALIGN = 64
@@ -145,6 +146,11 @@ def plan_memory(
     act_start = cursor
     acts = [t for t in used_roots if graph.tensors[t].kind == KIND_ACTIVATION and t not in on_chip]
     lifetimes = {t: (first.get(t, 0), last.get(t, 0) + dealloc_delay) for t in acts}
+    for kernel in graph.kernels:  # other devices write them when they get there: never reused
+        if kernel.desc.kernel == LINK_KERNEL:
+            for t in kernel.desc.outputs:
+                if t >= 0 and graph.root(t) in lifetimes:
+                    lifetimes[graph.root(t)] = (0, len(graph.kernels) + dealloc_delay)
     placed: list[tuple[int, int, int, int]] = []  # (offset, size, start, end)
     peak = 0
     for tid in sorted(acts, key=lambda t: (-graph.tensors[t].nbytes, lifetimes[t][0], t)):

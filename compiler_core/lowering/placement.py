@@ -26,7 +26,13 @@ from compiler_core.lowering.emit import (
     consumers_of,
 )
 from compiler_core.lowering.lowered import LoweredGraph
-from compiler_core.lowering.program import KIND_ACTIVATION, KIND_CONSTANT, KIND_OUTPUT, box_nbytes
+from compiler_core.lowering.program import (
+    KIND_ACTIVATION,
+    KIND_CONSTANT,
+    KIND_OUTPUT,
+    LINK_KERNEL,
+    box_nbytes,
+)
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.vtcm import Allocation, Buffer, align, allocate
 from compiler_core.ops.registry import Box
@@ -64,6 +70,13 @@ class Planned:
 def _eligible(graph: LoweredGraph) -> set[int]:
     consumers = consumers_of(graph)
     produced = {t for lk in graph.kernels for t in lk.desc.outputs if t >= 0}
+    linked = {  # read and written by link transfers, which move DDR to DDR
+        graph.root(t)
+        for lk in graph.kernels
+        if lk.desc.kernel == LINK_KERNEL
+        for t in (*lk.desc.inputs, *lk.desc.outputs)
+        if t >= 0
+    }
     return {
         t.id
         for t in graph.tensors
@@ -72,6 +85,7 @@ def _eligible(graph: LoweredGraph) -> set[int]:
         and t.id in produced
         and t.nbytes > 0
         and consumers.get(t.id)
+        and t.id not in linked
     }
 
 

@@ -29,6 +29,9 @@ KIND_OUTPUT = "output"
 KIND_ACTIVATION = "activation"
 KIND_ONCHIP = "onchip"
 """An activation that lives only in the VTCM of the cores that produce it: it has no DDR."""
+LINK_KERNEL = "link_all_gather"
+"""The kernel name of an AllGather between the devices of a partition: link transfers, not a
+kernel (compiler_core/ops/collective.py)."""
 SCATTER_IN_PLACE = "tensor_scatter_in_place"
 """The kernel name of a scatter (TensorScatter, ScatterND, ScatterElements) into retained
 state done in place by `DmaScatter`."""
@@ -264,7 +267,43 @@ class SemWait:
     count: int
 
 
-Instr = DmaLoad | DmaStore | NocCopy | DmaGather | DmaScatter | RunKernel | SemPost | SemWait
+@dataclass(frozen=True)
+class LinkSend:
+    """DDR -> another device's DDR over the partition's link (multi-device partitioning): the
+    `box` of `tensor` lands at `dst_box` of tensor `dst` of device `peer` (its index in the
+    partition; its own index is a copy inside this device's DDR). The receiver counts the
+    arrival on `dst` (see LinkWait)."""
+
+    tensor: int
+    box: Box
+    peer: int
+    dst: int
+    dst_box: Box
+    kernel: int = -1
+
+
+@dataclass(frozen=True)
+class LinkWait:
+    """Issue nothing further until `count` link transfers into `tensor` have landed in this
+    device's DDR (this inference's)."""
+
+    tensor: int
+    count: int
+    kernel: int = -1
+
+
+Instr = (
+    DmaLoad
+    | DmaStore
+    | NocCopy
+    | DmaGather
+    | DmaScatter
+    | RunKernel
+    | SemPost
+    | SemWait
+    | LinkSend
+    | LinkWait
+)
 
 
 @dataclass
@@ -310,6 +349,7 @@ class Program:
 
 _OP_LOAD, _OP_STORE, _OP_KERNEL, _OP_POST, _OP_WAIT, _OP_NOC, _OP_GATHER = 1, 2, 3, 4, 5, 6, 7
 _OP_SCATTER = 8
+_OP_LINK_SEND, _OP_LINK_WAIT = 9, 10
 
 
 def _jsonable(value: Any) -> Any:
@@ -512,6 +552,18 @@ def _pack_stream(stream: list[Instr]) -> list[bytes]:
                 _pack_operand(body, operand)
         elif isinstance(instr, SemPost):
             body.append(struct.pack("<BI", _OP_POST, instr.sem))
+        elif isinstance(instr, LinkSend):
+            body.append(
+                struct.pack(
+                    "<BIiII", _OP_LINK_SEND, instr.tensor, instr.kernel, instr.peer, instr.dst
+                )
+            )
+            _pack_box(body, instr.box)
+            _pack_box(body, instr.dst_box)
+        elif isinstance(instr, LinkWait):
+            body.append(
+                struct.pack("<BIiI", _OP_LINK_WAIT, instr.tensor, instr.kernel, instr.count)
+            )
         else:
             body.append(struct.pack("<BII", _OP_WAIT, instr.sem, instr.count))
     return body
@@ -619,6 +671,13 @@ class _Reader:
                 stream.append(SemPost(*self.take("<I")))
             elif code == _OP_WAIT:
                 stream.append(SemWait(*self.take("<II")))
+            elif code == _OP_LINK_SEND:
+                tensor, kernel, peer, dst = self.take("<IiII")
+                box, dst_box = self.box(), self.box()
+                stream.append(LinkSend(tensor, box, peer, dst, dst_box, kernel))
+            elif code == _OP_LINK_WAIT:
+                tensor, kernel, count = self.take("<IiI")
+                stream.append(LinkWait(tensor, count, kernel))
             else:
                 raise CompileError("invalid_program", f"unknown opcode {code} at {self.pos - 1}")
         return stream
@@ -725,6 +784,10 @@ def check_program(program: Program) -> None:
         for instr in stream:
             if isinstance(instr, DmaLoad | DmaStore | NocCopy | DmaGather) and instr.tensor >= n_t:
                 raise CompileError("invalid_program", f"core {core}: DMA of tensor {instr.tensor}")
+            if isinstance(instr, LinkSend | LinkWait) and instr.tensor >= n_t:
+                raise CompileError("invalid_program", f"core {core}: link of tensor {instr.tensor}")
+            if isinstance(instr, LinkSend) and instr.dst >= n_t:
+                raise CompileError("invalid_program", f"core {core}: link into tensor {instr.dst}")
             if isinstance(instr, DmaGather) and (instr.indices >= n_t or instr.out >= n_t):
                 raise CompileError("invalid_program", f"core {core}: gather names tensor")
             if isinstance(instr, DmaScatter) and (

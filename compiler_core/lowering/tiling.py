@@ -93,9 +93,10 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
         for start, stop in b:
             n *= stop - start
         ws += (n + ALIGN - 1) // ALIGN * ALIGN
-    outs = output_boxes(req.opdef, info, out_box)
-    for b, d in zip(outs, info.out_dtypes, strict=True):
-        ws += _nbytes(b, d)
+    if not req.opdef.output_in_ddr:
+        outs = output_boxes(req.opdef, info, out_box)
+        for b, d in zip(outs, info.out_dtypes, strict=True):
+            ws += _nbytes(b, d)
     return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=ws)
 
 

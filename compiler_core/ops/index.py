@@ -199,6 +199,7 @@ OP_MODULES: dict[tuple[str, str], tuple[str, ...]] = {
     ("ai.onnx.preview.training", "Adagrad"): ("training",),
     ("ai.onnx.preview.training", "Adam"): ("training",),
     ("ai.onnx.preview.training", "Momentum"): ("training",),
+    ("com.qpcfarm", "AllGather"): ("collective",),
     ("com.qpcfarm", "PartialMatMul"): ("partial_matmul",),
     ("com.qpcfarm", "QAdd"): ("int8",),
     ("com.qpcfarm", "QAveragePool"): ("int8",),

@@ -188,6 +188,9 @@ class OpDef:
     output_boxes: Callable[[NodeInfo, Box], list[Box]] | None = None
     """For ops with several outputs: each output's box in a tile cut from output 0's (None:
     such an op runs whole)."""
+    output_in_ddr: bool = False
+    """The output is written to DDR by a DMA straight from the input tiles (a scatter into
+    retained state done in place, see ops/in_place_scatter.py): it takes no VTCM."""
     alias: bool = False
     """The output is the input's bytes reinterpreted (Reshape, Squeeze...): no kernel runs."""
     elementwise: bool = False

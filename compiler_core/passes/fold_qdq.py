@@ -16,15 +16,17 @@ still compute in float between a dequantize and a quantize. This pass keeps the 
 
 A group folds only when every float input is a DequantizeLinear (per-tensor for activations)
 and every use of the output is a QuantizeLinear with one set of per-tensor parameters; any
-other node stays float between its Q/DQ nodes. A DequantizeLinear of a constant left over
-becomes a float constant. `keep_float` names op types that are never folded.
+other node stays float between its Q/DQ nodes, and the pass records why in `refusals` (one
+`FoldRefusal` per node beside Q/DQ nodes that did not fold, logged at debug level). A
+DequantizeLinear of a constant left over becomes a float constant. `keep_float` names op types
+that are never folded.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -66,6 +68,8 @@ MOVE_OPS = frozenset(
 """Ops whose output codes are input codes (moved, not computed): they run on the integers."""
 
 NOT_LUT = frozenset({"Cast", "CastLike", "IsNaN", "IsInf", "Not", "Sign", "Dropout"})
+REFUSALS_SHOWN = 4
+"""Refused nodes whose reasons the warning spells out (all are named in its `nodes`)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,41 @@ def _attr_ints(**values: int) -> list[ir.Attr]:
     return [ir.AttrInt64(name, int(v)) for name, v in values.items()]
 
 
+@dataclass(frozen=True)
+class FoldRefusal:
+    """Why a node beside Q/DQ nodes stays float: one reason per way it was tried."""
+
+    node: str
+    op_type: str
+    reasons: tuple[str, ...]
+
+
+class _NoFold(Exception):
+    """A matcher's check failed; the message says which (raised before any rewrite)."""
+
+
+@dataclass(frozen=True)
+class _Group:
+    """What one integer kernel would replace: the op, the Relu/Clip whose range becomes its
+    saturation (`tail`), the bias Add it absorbs, and the integer form of the group's output
+    with the QuantizeLinear nodes that produce it."""
+
+    node: ir.Node
+    out: QParams
+    quantizers: list[ir.Node]
+    tail: tuple[ir.Node, float, float] | None = None
+    absorbed: tuple[ir.Node, ...] = ()
+    bias: ir.Value | None = None
+    """A MatMul's bias taken from the Add that follows it."""
+
+    @property
+    def how(self) -> str:
+        steps = [f"{n.op_type} {n.name}" for n in self.absorbed]
+        if self.tail is not None:
+            steps.append(f"{self.tail[0].op_type} {self.tail[0].name}")
+        return "with " + " and ".join(steps) if steps else "alone"
+
+
 class FoldQDQPass(GraphPass):
     name = "fold-qdq"
 
@@ -186,118 +225,141 @@ class FoldQDQPass(GraphPass):
         self.keep_float = frozenset(keep_float)
         self.folded: dict[str, list[str]] = {}
         """Kernel op type -> names of the nodes folded into it (for reports)."""
+        self.refusals: list[FoldRefusal] = []
+        """Nodes beside Q/DQ nodes that stay float, with why."""
+
+    @property
+    def warnings(self) -> list[dict[str, object]]:
+        """The refusals as one perf warning (shown with -aic-perf-warnings): in a quantized
+        model, a node left float is a float kernel between integer ones."""
+        if not self.refusals:
+            return []
+        shown = [f"{r.node} ({r.op_type}): {' / '.join(r.reasons)}" for r in self.refusals]
+        more = len(shown) - REFUSALS_SHOWN
+        listed = "; ".join(shown[:REFUSALS_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+        return [
+            {
+                "code": "qdq_not_folded",
+                "kind": "perf",
+                "message": f"{len(shown)} node(s) between QuantizeLinear/DequantizeLinear "
+                f"pairs stay float: {listed}",
+                "nodes": [r.node for r in self.refusals],
+            }
+        ]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        graph = model.graph
-        self.graph = graph
-        self.names = NameScope(graph)
-        self.opset = model_opset(model)
-        self.folded = {}
-        self._tail: tuple[ir.Node, float, float] | None = None
-        self._absorbed: list[ir.Node] = []
-        self._bias_value: ir.Value | None = None
+        folder = _Folder(model.graph, model_opset(model))
         changed = False
-        for node in list(graph):
+        for node in list(model.graph):
             if node.graph is None or node.domain not in ("", "ai.onnx"):
                 continue
             if node.op_type in self.keep_float:
                 continue
-            if self._fold(node):
+            if folder.fold(node):
                 changed = True
-        changed |= self._drop_dead()
-        changed |= self._fold_constant_dequantize()
-        if any(n.domain == DOMAIN for n in graph):
+        changed |= folder.drop_dead()
+        changed |= folder.fold_constant_dequantize()
+        if any(n.domain == DOMAIN for n in model.graph):
             model.opset_imports.setdefault(DOMAIN, 1)
-        log.info("fold-qdq: %s", {k: len(v) for k, v in self.folded.items()})
+        self.folded, self.refusals = folder.folded, folder.refusals
+        log.info(
+            "fold-qdq: %s, refused %d",
+            {k: len(v) for k, v in self.folded.items()},
+            len(self.refusals),
+        )
         return ir.passes.PassResult(model, modified=changed)
+
+
+@dataclass
+class _Folder:
+    """One run of the pass over a graph: the rewrites and what they folded or refused."""
+
+    graph: ir.Graph
+    opset: int
+    folded: dict[str, list[str]] = field(default_factory=dict)
+    refusals: list[FoldRefusal] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.names = NameScope(self.graph)
 
     # -- dispatch -------------------------------------------------------------------------
 
-    def _fold(self, node: ir.Node) -> bool:
+    def fold(self, node: ir.Node) -> bool:
         op = node.op_type
         if op == "QuantizeLinear":
             return self._requantize_pair(node)
         if len(node.outputs) != 1 or op == "DequantizeLinear":
             return False
-        if op == "MatMul":
-            found = bias_add(node)
-            if found is not None and self._fold_with_bias(node, *found):
+        reasons: list[str] = []
+        groups = list(self._groups(node))
+        for group in groups:
+            if isinstance(group, str):
+                reasons.append(group)
+                continue
+            try:
+                self._fold_to(group)
                 return True
-        if op in ("Conv", "MatMul", "Gemm", "Add", "Sub"):
-            tail = _activation_tail(node)
-            if tail is not None and self._fold_with_tail(node, *tail):
-                return True
-        out = quantized(node.outputs[0])
-        if out is None:
-            return False
-        return self._fold_to(node, *out)
-
-    def _fold_to(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        op = node.op_type
-        if op == "Conv":
-            return self._conv(node, out, quantizers)
-        if op in ("MatMul", "Gemm"):
-            return self._matmul(node, out, quantizers)
-        if op in ("Add", "Sub", "Mul"):
-            return self._binary(node, out, quantizers)
-        if op in ("GlobalAveragePool", "ReduceMean"):
-            return self._avgpool(node, out, quantizers)
-        if op == "AveragePool":
-            return self._windowed_avgpool(node, out, quantizers)
-        return self._fold_other(node, out, quantizers)
-
-    def _fold_with_tail(self, node: ir.Node, tail: ir.Node, lo: float, hi: float) -> bool:
-        """Conv -> Relu/Clip -> Q (a float activation between the op and its quantizer, as
-        torch exports it): the activation becomes the kernel's saturation range."""
-        out = quantized(tail.outputs[0])
-        if out is None:
-            return False
-        params, quantizers = out
-        self._tail = (tail, lo, hi)
-        try:
-            return self._fold_to(node, params, quantizers)
-        finally:
-            self._tail = None
-
-    def _fold_with_bias(self, node: ir.Node, add: ir.Node, bias: ir.Value) -> bool:
-        """MatMul -> Add(constant [N]) [-> Relu/Clip] -> Q: the constant is the kernel's
-        bias, added in the accumulator (one rounding instead of two, no extra pass)."""
-        tail = _activation_tail(add)
-        last = tail[0] if tail is not None else add
-        out = quantized(last.outputs[0])
-        if out is None:
-            return False
-        params, quantizers = out
-        self._tail = tail
-        self._absorbed = [add]
-        self._bias_value = bias
-        try:
-            return self._matmul(node, params, quantizers)
-        finally:
-            self._tail, self._absorbed, self._bias_value = None, [], None
-
-    def _fold_other(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        op = node.op_type
-        if op in MOVE_OPS:
-            return self._move(node, out, quantizers)
-        opdef = REGISTRY.lookup(op, node.domain, self.opset)
-        if opdef is not None and opdef.elementwise and op not in NOT_LUT:
-            return self._lut(node, out, quantizers)
+            except _NoFold as why:
+                reasons.append(f"{group.how}: {why}")
+        if any(not isinstance(g, str) for g in groups) or any(
+            dequantized(v, int32=True) is not None for v in node.inputs
+        ):
+            self._refuse(node, reasons)
         return False
 
+    def _groups(self, node: ir.Node) -> Iterator[_Group | str]:
+        """The groups `node` could head, the most absorbing first (a MatMul with its bias
+        Add, an op with its Relu/Clip, the op alone), or why one has no integer output."""
+        op = node.op_type
+        found = bias_add(node) if op == "MatMul" else None
+        if found is not None:
+            add, bias = found
+            tail = _activation_tail(add)
+            yield _group(node, tail[0] if tail else add, tail=tail, absorbed=(add,), bias=bias)
+        tail = _activation_tail(node) if op in ("Conv", "MatMul", "Gemm", "Add", "Sub") else None
+        if tail is not None:
+            yield _group(node, tail[0], tail=tail)
+        yield _group(node, node)
+
+    def _refuse(self, node: ir.Node, reasons: list[str]) -> None:
+        refusal = FoldRefusal(node.name or node.op_type, node.op_type, tuple(reasons))
+        self.refusals.append(refusal)
+        log.debug("fold-qdq: %s stays float: %s", refusal.node, "; ".join(refusal.reasons))
+
+    def _fold_to(self, g: _Group) -> None:
+        op = g.node.op_type
+        if g.bias is not None:  # a MatMul with its bias Add
+            self._matmul(g)
+        elif op == "Conv":
+            self._conv(g)
+        elif op in ("MatMul", "Gemm"):
+            self._matmul(g)
+        elif op in ("Add", "Sub", "Mul"):
+            self._binary(g)
+        elif op in ("GlobalAveragePool", "ReduceMean"):
+            self._avgpool(g)
+        elif op == "AveragePool":
+            self._windowed_avgpool(g)
+        else:
+            self._fold_other(g)
+
+    def _fold_other(self, g: _Group) -> None:
+        op = g.node.op_type
+        if op in MOVE_OPS:
+            self._move(g)
+            return
+        opdef = REGISTRY.lookup(op, g.node.domain, self.opset)
+        if opdef is None or not opdef.elementwise or op in NOT_LUT:
+            raise _NoFold(f"no integer kernel for {op}")
+        self._lut(g)
+
     def _replace(
-        self,
-        node: ir.Node,
-        op_type: str,
-        inputs: list[ir.Value | None],
-        attrs: list[ir.Attr],
-        out: QParams,
-        quantizers: list[ir.Node],
+        self, g: _Group, op_type: str, inputs: list[ir.Value | None], attrs: list[ir.Attr]
     ) -> ir.Value:
-        """Put the integer kernel in place of `node` and its QuantizeLinear nodes."""
+        """Put the integer kernel in place of the group's nodes and its QuantizeLinear nodes."""
+        node, out, quantizers, tail = g.node, g.out, g.quantizers, g.tail
         first = quantizers[0].outputs[0]
         result = ir.Value(name=None, type=first.type, shape=first.shape)
-        tail = self._tail
         if tail is not None:
             codes = _quantize(np.array([tail[1], tail[2]]), out.s, out.z, out.dtype)
             attrs = [*attrs, *_attr_ints(y_min=int(codes[0]), y_max=int(codes[1]))]
@@ -316,7 +378,7 @@ class FoldQDQPass(GraphPass):
         result.name = name
         for q in quantizers:
             self.graph.remove(q, safe=True)
-        chain = [*self._absorbed, *([tail[0]] if tail is not None else [])]
+        chain = [*g.absorbed, *([tail[0]] if tail is not None else [])]
         if chain:
             names = [*fused_node_names(node)]
             for extra in chain:
@@ -350,7 +412,7 @@ class FoldQDQPass(GraphPass):
         value: ir.Value | None,
         acc_scale: np.ndarray,
         scale_factor: float = 1.0,
-    ) -> tuple[ir.Value | None, ir.Value | None] | None:
+    ) -> tuple[ir.Value | None, ir.Value | None]:
         """The bias as the accumulator adds it: int32 at the accumulator's scale, or int8 with
         the (mantissa, shift) table that rescales it; (None, None) without a bias."""
         if value is None:
@@ -358,7 +420,7 @@ class FoldQDQPass(GraphPass):
         channels = acc_scale.size
         dims = static_dims(value)
         if dims is None or int(np.prod(dims, dtype=np.int64)) not in (1, channels):
-            return None
+            raise _NoFold(f"the bias has neither 1 nor {channels} (one per channel) values")
         q = dequantized(value, int32=True)
         if q is not None and q.value.const_value is not None:
             codes = np.asarray(q.value.const_value.numpy()).astype(np.int64).reshape(-1)
@@ -387,17 +449,16 @@ class FoldQDQPass(GraphPass):
         else:
             array = _const(value)
             if array is None or array.dtype.kind != "f":
-                return None
+                raise _NoFold("the bias is neither a dequantized nor a float constant")
             real = np.broadcast_to(array.astype(np.float64).reshape(-1), (channels,))
         real = real * scale_factor
         acc = np.rint(real / acc_scale.astype(np.float64))
         if np.any(np.abs(acc) >= 2**31):
-            return None
+            raise _NoFold("the bias overflows int32 at the accumulator's scale")
         return self._const_value(acc.astype(np.int32), f"{value.name or 'bias'}_i32"), None
 
     def _hmx(
         self,
-        node: ir.Node,
         op_type: str,
         x: QParams,
         w_value: ir.Value,
@@ -406,9 +467,9 @@ class FoldQDQPass(GraphPass):
         bias: tuple[ir.Value | None, ir.Value | None],
         multiplier: np.ndarray,
         attrs: list[ir.Attr],
-        out: QParams,
-        quantizers: list[ir.Node],
-    ) -> bool:
+        g: _Group,
+    ) -> None:
+        node, out = g.node, g.out
         zeros = np.broadcast_to(w.zero.reshape(-1), (channels,))
         w_zero = None
         if np.any(zeros != 0):
@@ -421,49 +482,46 @@ class FoldQDQPass(GraphPass):
         while inputs and inputs[-1] is None:
             inputs.pop()
         attrs = [*attrs, *_attr_ints(x_zero=x.z, y_zero=out.z)]
-        self._replace(node, op_type, inputs, attrs, out, quantizers)
-        return True
+        self._replace(g, op_type, inputs, attrs)
 
-    def _conv(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        x = dequantized(node.inputs[0])
+    def _conv(self, g: _Group) -> None:
+        node, out = g.node, g.out
+        x = _activation(node.inputs[0], "the input")
         w_shape = static_dims(node.inputs[1])
-        if x is None or not x.per_tensor or w_shape is None:
-            return False
+        if w_shape is None:
+            raise _NoFold("the weight's shape is not static")
         channels = int(w_shape[0])
         w = self._weights(node.inputs[1], channels, 0)
         if w is None:
-            return False
+            raise _NoFold(_WEIGHT_FORM)
         sw = np.broadcast_to(w.scale.reshape(-1), (channels,)).astype(np.float32)
         acc_scale = (x.s * sw).astype(np.float32)
         bias = self._bias(node.inputs[2] if len(node.inputs) > 2 else None, acc_scale)
-        if bias is None:
-            return False
         multiplier = (acc_scale / out.s).astype(np.float32)
         attrs = [a for a in node.attributes.values()]
-        return self._hmx(
-            node, "QConv", x, w.value, w, channels, bias, multiplier, attrs, out, quantizers
-        )
+        self._hmx("QConv", x, w.value, w, channels, bias, multiplier, attrs, g)
 
-    def _matmul(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        a = dequantized(node.inputs[0])
-        if a is None or not a.per_tensor or node.inputs[1] is None:
-            return False
+    def _matmul(self, g: _Group) -> None:
+        node, out = g.node, g.out
+        a = _activation(node.inputs[0], "input A")
+        if node.inputs[1] is None:
+            raise _NoFold("input B is missing")
         b_value = node.inputs[1]
         gemm = node.op_type == "Gemm"
         alpha = beta = 1.0
-        bias_value = self._bias_value
+        bias_value = g.bias
         if gemm:
             attrs = {k: v.value for k, v in node.attributes.items()}
             if int(attrs.get("transA", 0)):
-                return False
+                raise _NoFold("Gemm transposes A (transA=1)")
             alpha = float(attrs.get("alpha", 1.0))
             beta = float(attrs.get("beta", 1.0))
             bias_value = node.inputs[2] if len(node.inputs) > 2 else None
         b = dequantized(b_value)
         if b is None or b.value.shape is None or len(b.value.shape) < 1:
-            return False
+            raise _NoFold("input B is not a DequantizeLinear of a shaped integer tensor")
         if bias_value is not None and not gemm and b.value.const_value is None:
-            return False
+            raise _NoFold("a bias needs B constant (one value per output column)")
         b_int = b.value
         trans_b = gemm and int(
             node.attributes["transB"].as_int() if "transB" in node.attributes else 0
@@ -471,13 +529,13 @@ class FoldQDQPass(GraphPass):
         shape = tuple(int(d) for d in b.value.shape)  # type: ignore[arg-type]
         if b.value.const_value is None:
             if not b.per_tensor or trans_b or gemm:
-                return False
+                raise _NoFold("an activation B must be per tensor, untransposed, in a MatMul")
             channels = 1
         else:
             channels = shape[0] if trans_b else shape[-1]
             axis = 0 if trans_b else len(shape) - 1
             if self._weights(b_value, channels, axis) is None:
-                return False
+                raise _NoFold(_WEIGHT_FORM)
             if trans_b:
                 codes = np.asarray(b.value.const_value.numpy()).T
                 b_int = self._const_value(codes, f"{b.value.name}_t")
@@ -485,23 +543,18 @@ class FoldQDQPass(GraphPass):
         acc_scale = (a.s * sb).astype(np.float32)
         if bias_value is not None and beta != 0.0:
             bias = self._bias(bias_value, acc_scale, beta / alpha if alpha else 1.0)
-            if bias is None:
-                return False
         else:
             bias = (None, None)
         multiplier = (acc_scale * np.float32(alpha) / out.s).astype(np.float32)
-        return self._hmx(
-            node, "QMatMul", a, b_int, b, channels, bias, multiplier, [], out, quantizers
-        )
+        self._hmx("QMatMul", a, b_int, b, channels, bias, multiplier, [], g)
 
     # -- elementwise and pooling ----------------------------------------------------------
 
-    def _binary(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
+    def _binary(self, g: _Group) -> None:
+        node, out = g.node, g.out
         if len(node.inputs) != 2:
-            return False
-        a, b = dequantized(node.inputs[0]), dequantized(node.inputs[1])
-        if a is None or b is None or not (a.per_tensor and b.per_tensor):
-            return False
+            raise _NoFold(f"{node.op_type} has {len(node.inputs)} inputs")
+        a, b = _activation(node.inputs[0], "input A"), _activation(node.inputs[1], "input B")
         attrs = _attr_ints(a_zero=a.z, b_zero=b.z, y_zero=out.z)
         if node.op_type == "Mul":
             mant, shift = _fixed(np.float32(a.s * b.s) / out.s)
@@ -515,56 +568,53 @@ class FoldQDQPass(GraphPass):
                 mb = -mb
             attrs += _attr_ints(a_mult=ma, b_mult=mb, shift=shift)
             op = "QAdd"
-        self._replace(node, op, [a.value, b.value], attrs, out, quantizers)
-        return True
+        self._replace(g, op, [a.value, b.value], attrs)
 
-    def _avgpool(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        x = dequantized(node.inputs[0])
-        shape = static_dims(x.value) if x is not None else None
-        if x is None or not x.per_tensor or shape is None:
-            return False
+    def _avgpool(self, g: _Group) -> None:
+        node, out = g.node, g.out
+        x = _activation(node.inputs[0], "the input")
+        shape = static_dims(x.value)
+        if shape is None:
+            raise _NoFold("the input's shape is not static")
         if node.op_type == "ReduceMean" and not _spatial_mean(node, len(shape)):
-            return False
+            raise _NoFold("ReduceMean is not over every spatial axis (a global average pool)")
         count = int(np.prod(shape[2:], dtype=np.int64))
         mant, shift = _fixed(np.float64(x.s) / (np.float64(out.s) * count))
         attrs = _attr_ints(x_zero=x.z, y_zero=out.z, mult=mant, shift=shift)
-        self._replace(node, "QAvgPool", [x.value], attrs, out, quantizers)
-        return True
+        self._replace(g, "QAvgPool", [x.value], attrs)
 
-    def _windowed_avgpool(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
+    def _windowed_avgpool(self, g: _Group) -> None:
         """AveragePool -> QAveragePool: AveragePool's own attributes plus the s_x / s_y
         multiplier; the kernel divides each window by its own count (pads, ceil_mode)."""
-        x = dequantized(node.inputs[0])
-        if x is None or not x.per_tensor or static_dims(x.value) is None:
-            return False
+        node, out = g.node, g.out
+        x = _activation(node.inputs[0], "the input")
+        if static_dims(x.value) is None:
+            raise _NoFold("the input's shape is not static")
         if "kernel_shape" not in node.attributes:
-            return False
+            raise _NoFold("AveragePool has no kernel_shape")
         mant, shift = _fixed(x.s / out.s)
         extra = _attr_ints(x_zero=x.z, y_zero=out.z, mult=mant, shift=shift)
         attrs = [*node.attributes.values(), *extra]
-        self._replace(node, "QAveragePool", [x.value], attrs, out, quantizers)
-        return True
+        self._replace(g, "QAveragePool", [x.value], attrs)
 
-    def _lut(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
-        x = dequantized(node.inputs[0])
-        if x is None or not x.per_tensor:
-            return False
+    def _lut(self, g: _Group) -> None:
+        node, out = g.node, g.out
+        x = _activation(node.inputs[0], "the input")
         extras = []
-        for value in node.inputs[1:]:
+        for index, value in enumerate(node.inputs[1:], start=1):
             array = _const(value) if value is not None else None
             if value is not None and (array is None or array.size != 1):
-                return False
+                raise _NoFold(f"input {index} is not a constant scalar")
             extras.append(array)
         if node.op_type in ("Relu", "Clip") and self._narrow_producer(node, x, extras, out):
-            self._route(quantizers, x.value)
+            self._route(g.quantizers, x.value)
             self.graph.remove(node, safe=True)
-            return True
+            return
         table = self._table(node, x, extras, out)
         if table is None:
-            return False
+            raise _NoFold(f"{node.op_type} cannot be tabulated over the input's codes")
         table_value = self._const_value(table, f"{node.name}_table")
-        self._replace(node, "QLut", [x.value, table_value], [], out, quantizers)
-        return True
+        self._replace(g, "QLut", [x.value, table_value], [])
 
     def _table(
         self, node: ir.Node, x: QParams, extras: list[np.ndarray | None], out: QParams
@@ -641,19 +691,17 @@ class FoldQDQPass(GraphPass):
             replace_value(q.outputs[0], value)
             self.graph.remove(q, safe=True)
 
-    def _move(self, node: ir.Node, out: QParams, quantizers: list[ir.Node]) -> bool:
+    def _move(self, g: _Group) -> None:
+        node, out, quantizers = g.node, g.out, g.quantizers
         data = [0] if node.op_type != "Concat" else list(range(len(node.inputs)))
-        sources = [dequantized(node.inputs[i]) for i in data]
-        if any(s is None or not s.per_tensor for s in sources):
-            return False
+        sources = [_activation(node.inputs[i], f"input {i}") for i in data]
         opdef = REGISTRY.lookup(node.op_type, node.domain, self.opset)
         if opdef is None or out.dtype not in opdef.dtypes:
-            return False
+            raise _NoFold(f"{node.op_type} has no {out.dtype} kernel")
         inputs = list(node.inputs)
         for index, source in zip(data, sources, strict=True):
-            assert source is not None
             if source.dtype != out.dtype:
-                return False
+                raise _NoFold(f"input {index} is {source.dtype}, the output {out.dtype}")
             value = source.value
             if not source.same(out):
                 value = self._requant_lut(node, source, out)
@@ -675,7 +723,6 @@ class FoldQDQPass(GraphPass):
             self.graph.remove(q, safe=True)
         self.graph.remove(node, safe=True)
         self.folded.setdefault(node.op_type, []).append(node.name or node.op_type)
-        return True
 
     def _requant_lut(self, node: ir.Node, source: QParams, out: QParams) -> ir.Value:
         info = np.iinfo(np.dtype(source.dtype))
@@ -705,7 +752,7 @@ class FoldQDQPass(GraphPass):
 
     # -- clean-up -------------------------------------------------------------------------
 
-    def _drop_dead(self) -> bool:
+    def drop_dead(self) -> bool:
         """Q/DQ nodes nothing reads any more."""
         removed = True
         changed = False
@@ -720,7 +767,7 @@ class FoldQDQPass(GraphPass):
                 removed = changed = True
         return changed
 
-    def _fold_constant_dequantize(self) -> bool:
+    def fold_constant_dequantize(self) -> bool:
         """A DequantizeLinear of a constant that no integer kernel took becomes a float
         constant (computed by the registry's own kernel)."""
         changed = False
@@ -744,6 +791,45 @@ class FoldQDQPass(GraphPass):
             self.graph.remove(node, safe=True)
             changed = True
         return changed
+
+
+_WEIGHT_FORM = "the weight is not a constant DequantizeLinear, per tensor or per output channel"
+
+
+def _activation(value: ir.Value | None, what: str) -> QParams:
+    """The per-tensor integer form behind an activation input, or why there is none."""
+    found = dequantized(value)
+    if found is None:
+        raise _NoFold(f"{what} is not a DequantizeLinear output")
+    if not found.per_tensor:
+        raise _NoFold(f"{what} is dequantized per channel")
+    return found
+
+
+def _group(
+    node: ir.Node,
+    last: ir.Node,
+    *,
+    tail: tuple[ir.Node, float, float] | None = None,
+    absorbed: tuple[ir.Node, ...] = (),
+    bias: ir.Value | None = None,
+) -> _Group | str:
+    """The group from `node` to `last` (whose output the QuantizeLinear nodes read), or why
+    that output has no single per-tensor integer form."""
+    found = quantized(last.outputs[0])
+    if found is not None:
+        out, quantizers = found
+        return _Group(node, out, quantizers, tail, absorbed, bias)
+    value = last.outputs[0]
+    whose = "the output" if last is node else f"the output of {last.op_type} {last.name}"
+    if value.is_graph_output():
+        return f"{whose} is a graph output"
+    for use in value.uses():
+        if use.node.op_type != "QuantizeLinear" or use.idx != 0:
+            return f"{whose} is read by {use.node.op_type} {use.node.name}, not a QuantizeLinear"
+    if not value.uses():
+        return f"{whose} is not read"
+    return f"{whose} is not quantized to one per-tensor form by its QuantizeLinear nodes"
 
 
 def _spatial_mean(node: ir.Node, rank: int) -> bool:

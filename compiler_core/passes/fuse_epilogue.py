@@ -112,6 +112,8 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
         reasons.append(f"{label} ({producer.op_type}) has no kernel")
     elif base.alias:
         reasons.append(f"{label} ({producer.op_type}) is an alias and runs no kernel")
+    elif base.unit == "link":
+        reasons.append(f"{label} ({producer.op_type}) moves data between devices, computes none")
     elif any(
         i < len(producer.inputs)
         and producer.inputs[i] is not None

@@ -24,6 +24,7 @@ from compiler_core.passes.fold_constants import FoldConstantsPass
 from compiler_core.passes.fold_matmul_scale import FoldMatMulScalePass
 from compiler_core.passes.fold_qdq import FoldQDQPass
 from compiler_core.passes.fuse_epilogue import FuseEpiloguePass
+from compiler_core.passes.gather_slots import GatherSlotsPass
 from compiler_core.passes.quantize import QuantizePass, QuantSettings
 from compiler_core.passes.raise_opset import RaiseOpsetPass
 
@@ -61,6 +62,7 @@ def without_epilogue_fusion() -> Iterator[None]:
 PASS_NAMES = (
     CanonicalizePass.name,
     FoldConstantsPass.name,
+    GatherSlotsPass.name,
     EliminateDeadCodePass.name,
     EliminateCommonSubexpressionsPass.name,
     FoldBatchNormIntoConvPass.name,
@@ -79,19 +81,21 @@ PASS_NAMES = (
 def graph_pipeline(options: PipelineOptions, folder: ModelFolder = LOCAL) -> list[GraphPass]:
     """Fresh pass instances for one compile (passes hold per-run results such as warnings).
 
-    Folding runs again after BatchNorm folding because folding creates new constants; epilogue
-    fusion comes after every rewrite that expects plain ONNX and after raising an old model's
-    opset for a bfloat16 boundary Cast (fusion records each step at the model's opset);
-    float16's range is looked after before it (a scale folds out of a MatMul before fusion
-    makes it the MatMul's epilogue); precision conversion last, so that it sees the final
-    constants (folded weights are clipped once, after folding); the boundary precisions of
-    `-custom-IO-list-file` after that, so they replace its boundary Casts rather than add to
-    them. Files the options name are read through `folder`; a profile this compile has just
-    written (`-dump-profile`) is its own output and is read where it was written.
+    A GatherND of whole cache slots becomes a Gather once folding has made its indices' constant
+    parts constants. Folding runs again after BatchNorm folding because folding creates new
+    constants; epilogue fusion comes after every rewrite that expects plain ONNX and after
+    raising an old model's opset for a bfloat16 boundary Cast (fusion records each step at the
+    model's opset); float16's range is looked after before it (a scale folds out of a MatMul
+    before fusion makes it the MatMul's epilogue); precision conversion last, so that it sees
+    the final constants (folded weights are clipped once, after folding); the boundary
+    precisions of `-custom-IO-list-file` after that, so they replace its boundary Casts rather
+    than add to them. Files the options name are read through `folder`; a profile this compile
+    has just written (`-dump-profile`) is its own output and is read where it was written.
     """
     passes: list[GraphPass] = [
         CanonicalizePass(),
         FoldConstantsPass(),
+        GatherSlotsPass(),
         EliminateDeadCodePass(),
         EliminateCommonSubexpressionsPass(),
         FoldBatchNormIntoConvPass(),

@@ -281,6 +281,10 @@ def parse_table(view: memoryview, header: QpcHeader) -> list[SegmentRecord]:
     return records
 
 
+MDP_META = "mdp_meta_info"
+"""The segment naming a multi-device QPC's devices (compiler_core/mdp/build.py)."""
+
+
 class Qpc:
     """A loaded QPC: header, records and zero-copy views of each segment's data.
 
@@ -334,6 +338,45 @@ class Qpc:
                 raise _invalid(f"the QPC has no {segment} segment")
             self._programs[segment] = decode_program(self.segments[segment])
         return self._programs[segment]
+
+    @property
+    def mdp(self) -> dict[str, Any] | None:
+        """A multi-device QPC's `mdp_meta_info` (the partition and each device's segment
+        prefix), or None for a single-device one."""
+        raw = self.segments.get(MDP_META)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(bytes(raw))
+            devices = doc["devices"]
+            assert isinstance(devices, list) and devices
+            for d in devices:
+                assert isinstance(d["prefix"], str) and isinstance(d["numCores"], int)
+                assert isinstance(d["deviceId"], int)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise _invalid(f"{MDP_META} is malformed") from None
+        return dict(doc)
+
+    def device(self, index: int) -> Qpc:
+        """Device `index`'s own QPC inside a multi-device one: its segments, prefix removed
+        (a view: valid while this QPC is open)."""
+        meta = self.mdp
+        if meta is None or not 0 <= index < len(meta["devices"]):
+            raise _invalid(f"the QPC has no device {index}")
+        prefix = meta["devices"][index]["prefix"]
+        sub = object.__new__(Qpc)
+        sub._view, sub._mmap, sub.path, sub.header = memoryview(b""), None, self.path, self.header
+        sub.records = [r for r in self.records if r.name.startswith(prefix)]
+        sub.segments = {
+            n[len(prefix) :]: v for n, v in self.segments.items() if n.startswith(prefix)
+        }
+        sub.segment_offsets = {
+            n[len(prefix) :]: o for n, o in self.segment_offsets.items() if n.startswith(prefix)
+        }
+        sub._programs, sub._network = {}, None
+        if "networkdesc.bin" not in sub.segments:
+            raise _invalid(f"device {index} has no {prefix}networkdesc.bin")
+        return sub
 
     def constants(self) -> list[ConstantEntry]:
         desc = self.segments.get("constantsdesc.bin")

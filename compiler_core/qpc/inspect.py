@@ -82,6 +82,15 @@ def _summarise(qpc: Qpc) -> dict[str, Any]:
             stats=net.stats,
             requirements=net.requirements.to_dict(),
         )
+    try:
+        mdp = qpc.mdp
+    except CompileError as exc:
+        out["mdp_error"] = exc.message
+        return out
+    if mdp is not None:
+        out["mdp"] = _partition_summary(qpc, mdp)
+        qpc = qpc.device(0)  # the constants and program below are device 0's
+        out["constants_size"] = len(qpc.segments.get("constants.bin", b""))
     if "constantsdesc.bin" in qpc.segments:
         out["constants_count"] = len(qpc.constants())
     try:
@@ -89,6 +98,25 @@ def _summarise(qpc: Qpc) -> dict[str, Any]:
     except CompileError as exc:
         out["program_error"] = exc.message
     return out
+
+
+def _partition_summary(qpc: Qpc, mdp: dict[str, Any]) -> dict[str, Any]:
+    """A multi-device QPC: each device's SoC id, cores and program size, and the link."""
+    devices = []
+    for index, d in enumerate(mdp["devices"]):
+        entry: dict[str, Any] = {"device_id": d["deviceId"], "num_cores": d["numCores"]}
+        try:
+            device = qpc.device(index)
+            program = device.program()
+            entry.update(
+                ddr_size=program.ddr_size,
+                constants_size=len(device.segments.get("constants.bin", b"")),
+                kernel_count=len(program.kernels),
+            )
+        except CompileError as exc:
+            entry["error"] = exc.message
+        devices.append(entry)
+    return {"devices": devices, "link": mdp.get("link", {}), "partition": mdp.get("partition")}
 
 
 def inspect_qpc(source: QpcSource | Qpc) -> dict[str, Any]:
@@ -170,6 +198,29 @@ def render_inspect(d: dict[str, Any]) -> str:
             )
         if req.get("retained_state"):
             lines.append(f"  retained state: {', '.join(req['retained_state'])}")
+    if "mdp" in d:
+        mdp = d["mdp"]
+        link = mdp["link"]
+        lines.append(
+            f"Partition: {_count(len(mdp['devices']), 'device')}"
+            + (
+                f", {link['kind']} link {link['bytes_per_s'] / 1e9:.1f} GB/s, "
+                f"{link['latency_s'] * 1e6:.0f} us"
+                if link
+                else ""
+            )
+        )
+        for index, dev in enumerate(mdp["devices"]):
+            detail = (
+                f"DDR {_size(dev['ddr_size'])}, constants {_size(dev['constants_size'])}"
+                if "ddr_size" in dev
+                else f"does not decode: {dev.get('error')}"
+            )
+            lines.append(
+                f"  device {index}: SoC {dev['device_id']}, {_count(dev['num_cores'], 'core')}, "
+                + detail
+            )
+        lines.append("Device 0:")
     count = d.get("constants_count")
     lines.append(
         f"Constants: {_size(d['constants_size'])}"

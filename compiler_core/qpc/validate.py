@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from compiler_core.errors import CompileError
-from compiler_core.qpc.container import CRC_SUFFIX, ConstantEntry, Qpc, QpcSource, load_qpc
+from compiler_core.qpc.container import (
+    CRC_SUFFIX,
+    MDP_META,
+    ConstantEntry,
+    Qpc,
+    QpcSource,
+    load_qpc,
+)
 
 if TYPE_CHECKING:
     from compiler_core.devices import DeviceProfile
@@ -101,6 +108,20 @@ def _checksums(qpc: Qpc) -> str:
 
 def _required_segments(qpc: Qpc) -> str:
     names = set(qpc.segments)
+    mdp = qpc.mdp if qpc.is_qpcfarm else None
+    if mdp is not None:
+        required = ["networkdesc.bin", MDP_META] + [
+            d["prefix"] + name
+            for d in mdp["devices"]
+            for name in ("networkdesc.bin", "program.bin", "constants.bin", "constantsdesc.bin")
+        ]
+        missing = [n for n in required if n not in names]
+        if missing:
+            raise _Fail(f"missing {', '.join(missing)}")
+        return (
+            f"networkdesc.bin, {MDP_META} and every device's networkdesc, program and "
+            f"constants present ({_plural(len(mdp['devices']), 'device')})"
+        )
     required = (
         ["networkdesc.bin", "program.bin"]
         if qpc.is_qpcfarm
@@ -340,15 +361,69 @@ def _validate_loaded(checks: _Checks, qpc: Qpc, profile: DeviceProfile | None) -
         return
     net_ok = checks.run("network-descriptor", lambda: _network_descriptor(qpc))
     net = qpc.network if net_ok else None
-    checks.run("program-decodes", lambda: _program_decodes(qpc, net))
-    checks.run("constants-descriptor", lambda: _constants_descriptor(qpc))
+    if MDP_META in qpc.segments and not checks.run("partition", lambda: _partition(qpc)):
+        return
+    mdp = qpc.mdp
+    if mdp is None:
+        checks.run("program-decodes", lambda: _program_decodes(qpc, net))
+        checks.run("constants-descriptor", lambda: _constants_descriptor(qpc))
+    else:
+        for index in range(len(mdp["devices"])):
+            device = qpc.device(index)
+            checks.run(
+                f"device{index}-program-decodes",
+                lambda d=device: _program_decodes(d, d.network),  # type: ignore[misc]
+            )
+            checks.run(
+                f"device{index}-constants-descriptor",
+                lambda d=device: _constants_descriptor(d),  # type: ignore[misc]
+            )
     if profile is None:
         return
+    if mdp is not None:
+        checks.run("device-socs", lambda: _socs(mdp, profile))
     if net is None:
         for name in DEVICE_CHECKS:
             checks.checks.append(Check(name, False, "not checked: the network descriptor is bad"))
         return
     _device_checks(checks, net, profile)
+
+
+def _partition(qpc: Qpc) -> str:
+    """A multi-device QPC's partition: the devices it needs and their cores."""
+    mdp = qpc.mdp
+    if mdp is None:
+        return "one device"
+    devices = mdp["devices"]
+    for index in range(len(devices)):
+        meta = qpc.device(index).program().meta.get("mdp", {})
+        if meta.get("rank") != index or meta.get("devices") != len(devices):
+            raise _Fail(
+                f"device {index}'s program is not device {index} of {len(devices)} "
+                f"(it says {meta.get('rank')} of {meta.get('devices')})"
+            )
+    listed = ", ".join(f"SoC {d['deviceId']} ({_plural(d['numCores'], 'core')})" for d in devices)
+    return f"{_plural(len(devices), 'device')}: {listed}"
+
+
+def _socs(mdp: dict[str, Any], device: DeviceProfile) -> str:
+    """A partition runs on the SoCs of one card: as many as it has devices, ids below the
+    card's SoC count, each with the cores its program needs."""
+    ids = [int(d["deviceId"]) for d in mdp["devices"]]
+    need = max(ids) + 1
+    text = (
+        f"needs {_plural(len(ids), 'SoC')} (device ids {', '.join(map(str, ids))}), "
+        f"an {device.display_name} card has {device.socs}"
+    )
+    if need > device.socs:
+        raise _Fail(text)
+    short = [d for d in mdp["devices"] if d["numCores"] > device.cores_per_soc]
+    if short:
+        raise _Fail(
+            f"device {short[0]['deviceId']} needs {short[0]['numCores']} cores, a "
+            f"{device.display_name} SoC has {device.cores_per_soc}"
+        )
+    return text
 
 
 def render_validation(report: ValidationReport) -> str:

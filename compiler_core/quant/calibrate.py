@@ -35,6 +35,8 @@ FLOAT_ONLY = (
     "custom_io_list_file",
     "node_precision_info",
     "network_specialization_config",
+    "mdp_load_partition_config",
+    "mdp_dump_partition_config",
     "aic_binary_dir",
     "aic_perf_metrics",
     "aic_perf_warnings",

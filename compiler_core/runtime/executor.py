@@ -25,6 +25,8 @@ from compiler_core.lowering.program import (
     DmaScatter,
     DmaStore,
     KernelDesc,
+    LinkSend,
+    LinkWait,
     NocCopy,
     Operand,
     Program,
@@ -82,6 +84,8 @@ class Traffic:
     """Bytes of loads and copies that fed more than one core (each counted once)."""
     noc: int = 0
     """Bytes moved VTCM to VTCM over the NoC (each transfer counted once)."""
+    link: int = 0
+    """Bytes sent to other devices (and copied to this one) by link transfers."""
 
     def as_row(self) -> list[int]:
         return [self.ddr_read, self.ddr_read_constant, self.ddr_write, self.multicast, self.noc]
@@ -263,7 +267,36 @@ Step = Callable[[Traffic], None]
 """One instruction of a stream, decoded once: its views and checks are worked out when the
 stream is first run, so running it again only moves data and calls kernels."""
 
-_RUN, _WAIT, _POST = 0, 1, 2
+_RUN, _WAIT, _POST, _LINK_WAIT = 0, 1, 2, 3
+
+
+class Links:
+    """The links of a partition: every device's executor by its index in the partition. A
+    transfer lands in the receiver's DDR at once and counts as an arrival there; the receiver
+    may read the bytes only after a LinkWait has seen every arrival it expects."""
+
+    def __init__(self, executors: list[Executor]) -> None:
+        self.executors = executors
+        for index, executor in enumerate(executors):
+            executor.links, executor.device_index = self, index
+
+    def send(self, sender: int, instr: LinkSend, data: np.ndarray, dst_name: str) -> None:
+        if instr.peer >= len(self.executors):
+            raise RuntimeFault(
+                f"device {sender}: link transfer to device {instr.peer}; the partition has "
+                f"{len(self.executors)}"
+            )
+        receiver = self.executors[instr.peer]
+        tensors = receiver.program.tensors
+        t = tensors[instr.dst] if instr.dst < len(tensors) else None
+        if t is None or t.name != dst_name or t.dtype != str(data.dtype):
+            raise RuntimeFault(
+                f"device {sender}: link transfer into {dst_name}, which device {instr.peer}'s "
+                "program does not have"
+            )
+        _check_box(instr.dst_box, t.shape, f"link transfer into {t.name}")
+        receiver.machine.tensor(t, write=True)[_view(instr.dst_box)] = data
+        receiver.arrivals[instr.dst] = receiver.arrivals.get(instr.dst, 0) + 1
 
 
 def _fault(error: Exception) -> Step:
@@ -314,6 +347,23 @@ class Executor:
         self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
         """Retained input name -> (input, output) tensor ids: one device buffer that the
         host neither sends nor receives."""
+        self.links: Links | None = None
+        """The partition's links, for a program of a multi-device QPC (see Links)."""
+        self.device_index = 0
+        self.arrivals: dict[int, int] = {}
+        """Link transfers landed in each tensor in this inference."""
+        self.awaited: set[int] = set()
+        """Tensors whose arrivals a LinkWait has seen in this inference."""
+        self._linked = [
+            program.tensors[i.dst if isinstance(i, LinkSend) else i.tensor]
+            for stream in program.streams
+            for i in stream
+            if isinstance(i, LinkSend | LinkWait)
+        ]
+        """Tensors other devices write (the partition's programs send into the same tensors
+        of each device): reading one before a LinkWait on it is a race."""
+        self._pcs: list[int] = []
+        self._sems: list[int] = []
 
     def bind_state(self, state: dict[str, np.ndarray]) -> None:
         """Use `state`'s arrays (by retained input name) as the retained buffers: runs read
@@ -368,9 +418,20 @@ class Executor:
         return self.program.tensors[tensor].dtype
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.begin(inputs)
+        while True:
+            progressed, done = self.advance()
+            if done:
+                return self.finish()
+            if not progressed:
+                raise RuntimeFault("deadlock: " + "; ".join(self.stuck()))
+
+    def begin(self, inputs: Mapping[str, np.ndarray]) -> None:
+        """Start an inference: fresh VTCM and DDR activations, the inputs written, every
+        core at the start of its stream (then `advance` until done, then `finish`)."""
         program, machine = self.program, self.machine
         self.activate()
-        streams = self._decoded_streams()
+        self._decoded_streams()  # sets how far inferences write VTCM, zeroed next
         machine.dynamic[:] = 0
         for core, core_mem in enumerate(machine.vtcm):
             # an inference writes VTCM below _written_end only, so this restores all zeros
@@ -407,9 +468,18 @@ class Executor:
                     )
             assert t.kind == KIND_INPUT
             machine.tensor(t, write=True)[...] = array
-        self._run_streams(streams)
+        self._pcs = [0] * program.num_cores
+        self._sems = [0] * program.num_semaphores
+        self.arrivals.clear()
+        self.awaited.clear()  # in place: decoded steps hold this set
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """The finished inference's host outputs by name."""
+        program = self.program
+        _, host_outputs = program.host_ports()
         return {
-            program.tensors[t].name: machine.tensor(program.tensors[t]).copy() for t in host_outputs
+            program.tensors[t].name: self.machine.tensor(program.tensors[t]).copy()
+            for t in host_outputs
         }
 
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
@@ -421,6 +491,8 @@ class Executor:
                 for instr in stream:
                     if isinstance(instr, SemWait):
                         steps.append((_WAIT, instr.sem, instr.count))
+                    elif isinstance(instr, LinkWait):
+                        steps.append((_LINK_WAIT, instr.tensor, instr.count))
                     elif isinstance(instr, SemPost):
                         steps.append((_POST, instr.sem))
                     else:
@@ -429,38 +501,52 @@ class Executor:
             self._streams = streams
         return self._streams
 
-    def _run_streams(self, streams: list[list[tuple[Any, ...]]]) -> None:
-        program = self.program
-        sems = [0] * program.num_semaphores
-        pcs = [0] * program.num_cores
-        traffic = self.traffic
-        while True:
-            progressed = False
-            for core, steps in enumerate(streams):
-                pc, end, moved = pcs[core], len(steps), traffic[core]
-                start = pc
-                while pc < end:
-                    step = steps[pc]
-                    kind = step[0]
-                    if kind == _RUN:
-                        step[1](moved)
-                    elif kind == _WAIT:
-                        if sems[step[1]] < step[2]:
-                            break
-                    else:
-                        sems[step[1]] += 1
-                    pc += 1
-                pcs[core] = pc
-                progressed = progressed or pc != start
-            if all(pc == len(s) for pc, s in zip(pcs, streams, strict=True)):
-                return
-            if not progressed:
-                stuck = [
-                    f"core {c} waits on semaphore {s[pcs[c]].sem}"  # type: ignore[union-attr]
-                    for c, s in enumerate(program.streams)
-                    if pcs[c] < len(s)
-                ]
-                raise RuntimeFault("deadlock: " + "; ".join(stuck))
+    def advance(self) -> tuple[bool, bool]:
+        """Run every core until it is blocked (a semaphore or link wait) or done:
+        (whether any instruction ran, whether every core is done)."""
+        streams = self._decoded_streams()
+        sems, pcs, traffic = self._sems, self._pcs, self.traffic
+        arrivals = self.arrivals
+        progressed = False
+        for core, steps in enumerate(streams):
+            pc, end, moved = pcs[core], len(steps), traffic[core]
+            start = pc
+            while pc < end:
+                step = steps[pc]
+                kind = step[0]
+                if kind == _RUN:
+                    step[1](moved)
+                elif kind == _WAIT:
+                    if sems[step[1]] < step[2]:
+                        break
+                elif kind == _LINK_WAIT:
+                    if arrivals.get(step[1], 0) < step[2]:
+                        break
+                    self.awaited.add(step[1])
+                else:
+                    sems[step[1]] += 1
+                pc += 1
+            pcs[core] = pc
+            progressed = progressed or pc != start
+        done = all(pc == len(s) for pc, s in zip(pcs, streams, strict=True))
+        return progressed, done
+
+    def stuck(self) -> list[str]:
+        """What each unfinished core waits for."""
+        out = []
+        for c, stream in enumerate(self.program.streams):
+            if self._pcs[c] >= len(stream):
+                continue
+            instr = stream[self._pcs[c]]
+            if isinstance(instr, LinkWait):
+                name = self.program.tensors[instr.tensor].name
+                out.append(
+                    f"core {c} waits for {instr.count} link transfers into {name} "
+                    f"({self.arrivals.get(instr.tensor, 0)} landed)"
+                )
+            else:
+                out.append(f"core {c} waits on semaphore {instr.sem}")  # type: ignore[union-attr]
+        return out
 
     def _targets(self, core: int, mask: int) -> list[int]:
         cores = cores_in(mask)
@@ -507,6 +593,8 @@ class Executor:
                 return self._scatter(core, instr)
             if isinstance(instr, RunKernel):
                 return self._kernel(core, instr)
+            if isinstance(instr, LinkSend):
+                return self._link_send(core, instr)
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
         except Exception as error:  # noqa: BLE001 - raised when the instruction is reached
             return _fault(error)
@@ -521,6 +609,15 @@ class Executor:
         dsts = self._destinations(self._targets(core, instr.cores), instr, t.dtype)
         nbytes = stored_bytes(t, instr.box)
         constant = nbytes if t.kind == KIND_CONSTANT else 0
+        if self._linked and t.kind != KIND_CONSTANT:
+            guard = self._link_guard(core, t)
+            plain = self._plain_load(core, instr, t, src, dsts, nbytes, constant)
+
+            def guarded(traffic: Traffic) -> None:
+                guard()
+                plain(traffic)
+
+            return guarded
         multicast = nbytes if len(dsts) > 1 else 0
         whole = instr.box == instr.buf_box
         holding = (instr.tensor, instr.box) if t.kind == KIND_CONSTANT and whole else None
@@ -538,6 +635,24 @@ class Executor:
 
             return deferred_step
 
+        return self._plain_load(core, instr, t, src, dsts, nbytes, constant)
+
+    def _plain_load(
+        self,
+        core: int,
+        instr: DmaLoad,
+        t: TensorDesc,
+        src: np.ndarray,
+        dsts: list[tuple[int, np.ndarray, tuple[int, int]]],
+        nbytes: int,
+        constant: int,
+    ) -> Step:
+        """A load that copies at once."""
+        copies, deferred = self.copies, self.deferred
+        multicast = nbytes if len(dsts) > 1 else 0
+        whole = instr.box == instr.buf_box
+        holding = (instr.tensor, instr.box) if t.kind == KIND_CONSTANT and whole else None
+
         def step(traffic: Traffic) -> None:
             for target, dst, (start, end) in dsts:
                 deferred.overwrite(target, start, end, whole=whole)
@@ -548,6 +663,50 @@ class Executor:
             traffic.multicast += multicast
 
         return step
+
+    def _link_send(self, core: int, instr: LinkSend) -> Step:
+        t = self.program.tensors[instr.tensor]
+        _check_box(instr.box, t.shape, f"link transfer of {t.name}")
+        src = self.machine.tensor(t)[_view(instr.box)]
+        guard = self._link_guard(core, t)
+        dst_name = self.program.tensors[instr.dst].name
+        nbytes = _nbytes(instr.box, t.dtype)
+
+        def step(traffic: Traffic) -> None:
+            guard()
+            if self.links is None:
+                raise RuntimeFault(
+                    f"core {core}: a link transfer to device {instr.peer}: this program is one "
+                    "device's of a multi-device QPC; run the QPC, not the program alone"
+                )
+            self.links.send(self.device_index, instr, np.array(src), dst_name)
+            traffic.link += nbytes
+
+        return step
+
+    def _link_guard(self, core: int, t: TensorDesc) -> Callable[[], None]:
+        """A check that a DMA reading `t` does not read bytes other devices write before
+        they were awaited (a missing or misplaced LinkWait)."""
+        lo, hi = t.ddr_offset, t.ddr_offset + t.nbytes
+        targets = [
+            (i, x.name)
+            for i, x in enumerate(self.program.tensors)
+            if x in self._linked and x.ddr_offset < hi and lo < x.ddr_offset + x.nbytes
+        ]
+        if not targets or t.kind == KIND_ONCHIP:
+            return lambda: None
+        awaited = self.awaited
+
+        def guard() -> None:
+            for tid, name in targets:
+                if tid not in awaited:
+                    raise RuntimeFault(
+                        f"device {self.device_index} core {core}: DMA of {t.name} reads "
+                        f"{name}, which other devices write, before a link wait saw their "
+                        "transfers land"
+                    )
+
+        return guard
 
     def _load_blocks(self, core: int, instr: DmaLoad, t: TensorDesc) -> Step:
         """A load of MXINT8-stored state: the blocks cross DDR, VTCM gets the values."""
@@ -642,7 +801,8 @@ class Executor:
             slice(None) if a == instr.axis else slice(lo, hi)
             for a, (lo, hi) in enumerate(instr.box)
         )
-        table = machine.tensor(t)[window]
+        blocks = machine.mx_store(t) if is_encoded_state(t) else None  # an MXINT8 cache
+        table = None if blocks is not None else machine.tensor(t)[window]
         dst = machine.part(core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True)
         start, end = self._will_write(core, instr.vtcm, instr.buf_box, out.dtype)
         covers = instr.out_box == instr.buf_box
@@ -661,7 +821,19 @@ class Executor:
                     f"core {core}: index {bad} is out of range for {t.name} axis "
                     f"{instr.axis} of size {size}"
                 )
-            gathered = np.take(table, rows, axis=instr.axis)
+            if blocks is not None:  # decode only the slices the indices name
+                axis = instr.axis
+                picked = [
+                    blocks.read(
+                        tuple((r, r + 1) if a == axis else span for a, span in enumerate(instr.box))
+                    )
+                    for r in rows.reshape(-1).tolist()
+                ]
+                lead, rest = picked[0].shape[:axis], picked[0].shape[axis + 1 :]
+                gathered = np.concatenate(picked, axis=axis).reshape((*lead, *rows.shape, *rest))
+            else:
+                assert table is not None
+                gathered = np.take(table, rows, axis=instr.axis)
             if gathered.shape != dst.shape:
                 raise RuntimeFault(
                     f"core {core}: gather of {t.name} gives {gathered.shape} for a box of "

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from compiler_core.errors import CompileError
-from compiler_core.runtime.executor import Executor, RuntimeFault
+from compiler_core.runtime.executor import Executor, Links, RuntimeFault
 from compiler_core.runtime.numerics import (
     FiniteProbe,
     NumericsReport,
@@ -38,11 +38,18 @@ QpcSource = str | os.PathLike[str] | bytes | bytearray | memoryview
 class QpcSession:
     """Open a qpcfarm QPC for running; use as a context manager or call `close()`."""
 
-    def __init__(self, qpc: QpcSource) -> None:
-        from compiler_core.qpc.container import load_qpc
+    def __init__(self, qpc: QpcSource | Qpc) -> None:
+        from compiler_core.qpc.container import Qpc, load_qpc
         from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
 
-        self._container: Qpc = load_qpc(qpc)
+        self._container: Qpc = qpc if isinstance(qpc, Qpc) else load_qpc(qpc)
+        self.devices: list[QpcSession] = []
+        """A multi-device QPC's sessions, one per device of its partition (see run)."""
+        meta = self._container.mdp
+        if meta is not None:
+            self.devices = [
+                QpcSession(self._container.device(i)) for i in range(len(meta["devices"]))
+            ]
         network = self._container.network
         if network is None:
             self._container.close()
@@ -66,6 +73,10 @@ class QpcSession:
 
     def reset(self) -> None:
         """Zero the retained state (a new sequence for a KV cache)."""
+        for device in self.devices:
+            device.reset()
+        if self.devices:
+            return
         if self.state:
             for array in self.state.values():
                 array[...] = 0  # in place: the executors hold these buffers
@@ -120,6 +131,14 @@ class QpcSession:
             raise CompileError(
                 "invalid_arguments", f"iterations must be at least 1, not {iterations}"
             )
+        if self.devices:
+            if profiling_out_dir is not None:
+                raise CompileError(
+                    "invalid_arguments", "profiling a multi-device QPC is not supported yet"
+                )
+            for _ in range(iterations - 1):
+                self._run_devices(inputs)
+            return self._run_devices(inputs)
         spec = self.select(inputs)
         executor = self._executor(spec)
         recorder = None
@@ -148,6 +167,34 @@ class QpcSession:
                 write_stats_file(Path(profiling_out_dir), inference, recorder.finish(inference))
         return outputs
 
+    def _run_devices(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One inference of a multi-device QPC: every device gets the host's inputs and runs
+        its program until it waits for a link or a semaphore, device after device, until all
+        are done (a device that never gets what it waits for is a deadlock); the outputs are
+        device 0's (the partition's programs make them whole on every device)."""
+        executors = [d._executor(d.select(inputs)) for d in self.devices]
+        Links(executors)
+        with np.errstate(all="ignore"):
+            for executor in executors:
+                executor.begin(inputs)
+            finished = [False] * len(executors)
+            while not all(finished):
+                moved = False
+                for index, executor in enumerate(executors):
+                    if finished[index]:
+                        continue
+                    progressed, finished[index] = executor.advance()
+                    moved = moved or progressed
+                if not moved and not all(finished):
+                    stuck = [
+                        f"device {i}: {s}"
+                        for i, e in enumerate(executors)
+                        if not finished[i]
+                        for s in e.stuck()
+                    ]
+                    raise RuntimeFault("deadlock: " + "; ".join(stuck))
+            return executors[0].finish()
+
     def _check_numerics(
         self, executor: Executor, feeds: Mapping[str, np.ndarray], outputs: dict[str, np.ndarray]
     ) -> None:
@@ -173,6 +220,8 @@ class QpcSession:
         return self._executor(self.select(inputs))
 
     def close(self) -> None:
+        for device in self.devices:
+            device.close()
         self._executors.clear()
         self._container.close()
 

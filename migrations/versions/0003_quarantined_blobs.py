@@ -5,7 +5,7 @@ Revises: 0002
 Create Date: 2026-12-03
 
 `quarantined_blobs`: a row per blob a store moved aside because its bytes did not hash to its
-name (app.blobs.integrity), so the API answers `blob_corrupt` for it and
+name (app.domain.blobs.integrity), so the API answers `blob_corrupt` for it and
 `qpcfarm admin verify-blobs` can report it.
 """
 

@@ -1,0 +1,118 @@
+"""Model uploads: stream to the blob store, check with the compiler's importer, record."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.domain.blobs import BlobStore, BlobTooLarge, local_path
+from app.domain.blobs.base import Source
+from app.domain.blobs.integrity import spill_verified, verified_path, verify_blob
+from app.domain.db.models import Model, Team
+from app.domain.services.archives import extract_archive
+from app.domain.services.describer import inspect_in_child
+from app.domain.services.errors import ServiceError, not_found
+from app.domain.services.pages import Page, paginate
+from app.domain.services.upload_check import KIND_ARCHIVE
+
+EXTRACT_LIMIT = 1 << 40
+"""Extraction bound when a stored archive is unpacked again for a compile: the upload already
+enforced the real limit, this only keeps a corrupted blob from filling the disk."""
+
+
+def too_large(exc: BlobTooLarge) -> ServiceError:
+    return ServiceError("too_large", str(exc), 413, {"max_bytes": exc.max_bytes})
+
+
+def store_model(
+    session: Session,
+    store: BlobStore,
+    team: Team,
+    stream: Source,
+    filename: str | None = None,
+    *,
+    max_bytes: int,
+) -> Model:
+    """Store an uploaded `.onnx`, or a `.zip`/`.tar`/`.tar.gz` of one `.onnx` with its
+    external data, after checking it with the importer (in a describer process: see
+    `describer`). The caller commits.
+
+    The blob is stored as uploaded (archives too: the worker extracts again), so the bytes
+    the client sent are the bytes the cache key names. The kind is decided by content; a
+    name that says archive over content that is not one is a `bad_archive`.
+    """
+    check_filename(filename)
+    try:
+        ref = store.put(stream, max_bytes=max_bytes)
+    except BlobTooLarge as exc:
+        raise too_large(exc) from None
+    if ref.size == 0:
+        raise ServiceError("empty_upload", "the upload is empty: send an .onnx or an archive", 422)
+    with tempfile.TemporaryDirectory(prefix="qpcfarm-upload-") as tmp:
+        work = Path(tmp)
+        with local_path(store, ref.sha256, work, "upload") as path:
+            # In a describer process: the importer's CPU and crashes stay out of the API's.
+            kind, described = inspect_in_child(path, filename, max_bytes, work)
+    opset, inputs, outputs = described
+    model = Model(
+        team_id=team.id,
+        sha256=ref.sha256,
+        size=ref.size,
+        name=_display_name(filename, ref.sha256),
+        kind=kind,
+        opset=opset,
+        inputs=inputs,
+        outputs=outputs,
+    )
+    session.add(model)
+    session.flush()
+    return model
+
+
+def check_filename(filename: str | None) -> None:
+    """A model's name is shown and stored as text: no NUL or other control characters."""
+    if filename is not None and any(ord(c) < 32 or ord(c) == 127 for c in filename):
+        raise ServiceError(
+            "invalid_filename", "the file name contains a control character (e.g. NUL)", 422
+        )
+
+
+def get_model(session: Session, team: Team, model_id: uuid.UUID) -> Model:
+    model = session.get(Model, model_id)
+    if model is None or model.team_id != team.id:
+        raise not_found("model", model_id)
+    return model
+
+
+def list_models(session: Session, team: Team, *, limit: int = 50, offset: int = 0) -> Page[Model]:
+    query = (
+        select(Model).where(Model.team_id == team.id).order_by(Model.created_at.desc(), Model.id)
+    )
+    return paginate(session, query, limit, offset)
+
+
+def materialize_model(store: BlobStore, model: Model, work: Path) -> Path:
+    """A local path of the model's .onnx for the compiler, inside `work` (a private temp
+    folder) so that external data resolves only against the model's own files. The blob is
+    checked against its sha256 first (BlobCorrupt: quarantined)."""
+    if model.kind == KIND_ARCHIVE:
+        with verified_path(store, model.sha256, work, "archive", found_by="compile") as archive:
+            return extract_archive(archive, work / "model", max_bytes=EXTRACT_LIMIT)
+    hint = store.path_hint(model.sha256)
+    if hint is None:
+        return spill_verified(store, model.sha256, work / "model.onnx", found_by="compile")
+    # Compiled in place: the upload check guarantees a bare .onnx references no external
+    # files, and the compiler maps its weights straight from this file (a hard link would
+    # have two links, which the IR refuses to map).
+    verify_blob(store, model.sha256, found_by="compile")
+    return hint
+
+
+def _display_name(filename: str | None, sha256: str) -> str:
+    name = os.path.basename((filename or "").replace("\\", "/")).strip()
+    return (name or f"model-{sha256[:12]}")[:255]
