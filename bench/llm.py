@@ -1,9 +1,11 @@
 """LLM benchmark: GPT-J-6B's shape compiled as users compile LLMs for the card (prefill and
 decode specializations in one QPC, the KV cache as retained state), in fp16 and with MXFP6
-weights, on the modelled AIC100 Standard; and the fit check of OPT-13B's shape.
+weights, on the modelled AIC100 Standard; the fit check of OPT-13B's shape; and a 7 B decoder's
+decode on 1, 2 and 4 SoCs of an Ultra card (multi-device partitioning, `mdp-7b`).
 
-    python bench/llm.py [--work DIR] [--cases gptj-fp16,gptj-mxfp6,opt13b-fit,cb-fp16,cb-mxint8]
-        [--cores 14] [--keep] [--json OUT]
+    python bench/llm.py [--work DIR]
+        [--cases gptj-fp16,gptj-mxfp6,opt13b-fit,cb-fp16,cb-mxint8,mdp-7b]
+        [--cores 14] [--keep] [--json OUT] [--mdp-layers 32]
 
 Every figure is the compiler's own estimate (`-aic-perf-metrics`, its `llm` section) of the
 program it emitted: decode tokens/s (batch 1, a context of 2048, so attention reads every
@@ -101,17 +103,18 @@ def _flags(work: Path, cores: int, mxfp6: bool, out: Path) -> list[str]:
 
 
 CHILD = """
-import json, sys
+import json, resource, sys
 from compiler_core.compile import compile_model
 model, out, flags = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 result = compile_model(model, flags)
 json.dump(result.metrics, open(out, "w"))
+open(out + ".rss", "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
 """
 
 
 def _compile_in_child(model: Path, flags: list[str], metrics_out: Path) -> tuple[float, float]:
-    """Compile in a child process: (wall seconds, peak RSS MiB of the child)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Compile in a child process: (wall seconds, peak RSS MiB of that child, as it reports
+    its own ru_maxrss: the children's figure is the largest of all children so far)."""
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(metrics_out), json.dumps(flags)],
@@ -119,8 +122,8 @@ def _compile_in_child(model: Path, flags: list[str], metrics_out: Path) -> tuple
         check=True,
     )
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return seconds, max(peak, before) / 1024
+    rss = Path(str(metrics_out) + ".rss")
+    return seconds, int(rss.read_text()) / 1024
 
 
 def run_gptj(work: Path, cores: int, mxfp6: bool, keep: bool) -> Row:
@@ -280,6 +283,78 @@ def run_cb(work: Path, cores: int, mxint8: bool) -> list[Row]:
     return rows
 
 
+ULTRA = "aic100-ultra"
+MDP_SOCS = (4, 2, 1)
+"""Run with the partitioned compiles first (the 4-SoC one is issue 20 item 7's target)."""
+
+
+def llama7b(seq: int | str, layers: int = 32) -> Any:
+    """A 7 B decoder's shape (32 layers, hidden 4096, 32 heads, FFN 16384, vocabulary 32000,
+    context 2048: 7.0 B parameters, 13.4 GB in fp16)."""
+    from transformer_models import DecoderSpec
+
+    return DecoderSpec(
+        layers=layers, hidden=4096, heads=32, ffn=16384, vocab=32000, ctx=CONTEXT, seq=seq
+    )
+
+
+def run_mdp(work: Path, layers: int, keep: bool) -> list[Row]:
+    """The 7 B decode step (batch 1, context 2048) on 1, 2 and 4 SoCs of an Ultra card, 16
+    cores each: 1 SoC is a plain compile; 2 and 4 are one partition over SoCs 0..n-1
+    connected p2p (tensor slicing). Decode only (one specialization): the compile time and
+    peak memory of issue 20's item 7 are of this program."""
+    from transformer_models import write_decoder
+
+    spec = llama7b("seq_len", layers)
+    model = write_decoder(spec, work / "models", "float16")
+    rows = []
+    for socs in MDP_SOCS:
+        case = f"7b-l{layers}-{socs}soc"
+        out = work / f"qpc-{case}"
+        flags = [
+            f"-aic-device={ULTRA}",
+            "-aic-num-cores=16",
+            "-onnx-define-symbol=batch,1",
+            "-onnx-define-symbol=seq_len,1",
+            "-retained-state",
+            "-aic-perf-metrics",
+            f"-aic-binary-dir={out}",
+        ]
+        if socs > 1:
+            partition = work / f"partition-{socs}.json"
+            partition.write_text(
+                json.dumps(
+                    {
+                        "connections": [{"devices": list(range(socs)), "type": "p2p"}],
+                        "partitions": [
+                            {
+                                "name": "Partition0",
+                                "devices": [{"deviceId": d, "numCores": 16} for d in range(socs)],
+                            }
+                        ],
+                    }
+                )
+            )
+            flags.append(f"-mdp-load-partition-config={partition}")
+        row = Row(case=case, weights_gb=round(spec.parameters * 2 / 1e9, 2))
+        metrics_path = work / f"{case}.json"
+        try:
+            row.compile_s, row.peak_rss_mib = _compile_in_child(model, flags, metrics_path)
+            metrics = json.loads(metrics_path.read_text())
+            row.decode_ms = round(metrics["estimated_latency_us"] / 1e3, 3)
+            row.decode_tokens_per_s = round(1e3 / row.decode_ms, 2)
+            row.floor_ddr_ms = round(metrics["floor_ddr_us"] / 1e3, 3)
+            row.fit = {"mdp": metrics.get("mdp")} if metrics.get("mdp") else {}
+        except subprocess.CalledProcessError as exc:
+            row.error = f"compile failed ({exc.returncode})"
+        finally:
+            if not keep:
+                shutil.rmtree(out, ignore_errors=True)
+        rows.append(row)
+        print(json.dumps(asdict(row)), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None)
@@ -287,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", type=int, default=14)
     parser.add_argument("--keep", action="store_true", help="keep the models and QPCs")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--mdp-layers", type=int, default=32, help="layers of the 7 B shape (fewer: a quick run)"
+    )
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="qpcfarm-llm-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -299,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             if case in cases:
                 rows += run_cb(work, args.cores, case.endswith("mxint8"))
                 print(json.dumps([asdict(r) for r in rows[-len(CB_BATCHES) :]]), flush=True)
+        if "mdp-7b" in cases:
+            rows += run_mdp(work, args.mdp_layers, args.keep)
         for case in ("gptj-fp16", "gptj-mxfp6"):
             if case in cases:
                 rows.append(run_gptj(work, args.cores, case.endswith("mxfp6"), args.keep))
@@ -320,7 +400,7 @@ def _print(rows: list[Row]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if r.fit:
+        if r.fit and "mdp" not in r.fit:
             verdict = "fits" if r.fit.get("fits") else "refused"
             print(
                 f"| {r.case} | {verdict}: needs {r.fit.get('needed_bytes', 0) / 1e9:.2f} GB of "

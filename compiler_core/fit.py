@@ -183,9 +183,11 @@ def check_fit_model(
     mx_all = bool(getattr(options, "mxint8_kv_cache", False))
     if precisions is None:
         precisions = _custom_io(options, LOCAL)
-    bindings = [dict(options.onnx_define_symbol) | dict(s) for s in specializations] or [
-        dict(options.onnx_define_symbol)
-    ]
+    defined = dict(options.onnx_define_symbol)
+    slots = getattr(options, "full_batch_size", None)
+    if slots is not None:  # -full-batch-size binds the cache's slots, as the compile does
+        defined.setdefault("full_batch_size", int(slots))
+    bindings = [defined | dict(s) for s in specializations] or [defined]
     kv = 0
     kv_fp16 = 0
     mx_kv_bytes = 0
@@ -298,9 +300,13 @@ def _specializations(options: Any, folder: ModelFolder) -> list[Mapping[str, int
     path = getattr(options, "network_specialization_config", None)
     if not path:
         return []
-    from compiler_core.specializations import load_specializations
+    from compiler_core.specializations import load_specializations, with_full_batch_size
 
-    return [s.symbols for s in load_specializations(path, folder)]
+    specs = load_specializations(path, folder)
+    slots = getattr(options, "full_batch_size", None)
+    if slots is not None:
+        specs = with_full_batch_size(specs, int(slots))
+    return [s.symbols for s in specs]
 
 
 def read_header(source: object) -> Any:
@@ -329,7 +335,7 @@ def _devices(options: Any, folder: ModelFolder, text: str | bytes | None = None)
     """The SoCs of the partition config the options name (1 without one)."""
     path = getattr(options, "mdp_load_partition_config", None)
     if not path:
-        return 1
+        return int(getattr(options, "mdp_devices", None) or 1)
     from compiler_core.mdp.config import FLAG, parse_partition_config
 
     if text is None:

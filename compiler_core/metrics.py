@@ -22,6 +22,7 @@ from compiler_core.lowering.memory import ALIGN, MemoryPlan
 from compiler_core.lowering.program import (
     KIND_ACTIVATION,
     KIND_CONSTANT,
+    DmaGather,
     DmaLoad,
     DmaScatter,
     DmaStore,
@@ -30,6 +31,7 @@ from compiler_core.lowering.program import (
     Program,
     SemWait,
     box_nbytes,
+    gathered_bytes,
     scattered_bytes,
     stored_bytes,
 )
@@ -316,6 +318,7 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
     state = _retained_offsets(program)
     streamed: dict[int, set[Box]] = {}
     state_read: dict[int, set[Box]] = {}
+    state_gathered: dict[int, int] = {}
     written = 0
     for stream in program.streams:
         for instr in stream:
@@ -325,6 +328,11 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
                     streamed.setdefault(instr.tensor, set()).add(instr.box)
                 elif t.ddr_offset in state and t.nbytes == state[t.ddr_offset]:
                     state_read.setdefault(instr.tensor, set()).add(instr.box)
+            elif isinstance(instr, DmaGather) and program.tensors[instr.tensor].ddr_offset in state:
+                t = program.tensors[instr.tensor]  # a cache's slots gathered (by batch_index)
+                state_gathered[instr.tensor] = state_gathered.get(instr.tensor, 0) + (
+                    gathered_bytes(t, instr)
+                )
             elif isinstance(instr, DmaScatter | DmaStore):
                 t = program.tensors[instr.tensor]
                 if t.ddr_offset in state:
@@ -340,6 +348,8 @@ def physical_floors(program: Program, device: DeviceProfile) -> Floors:
     for tid, boxes in state_read.items():
         t = program.tensors[tid]
         constant += min(t.nbytes, sum(stored_bytes(t, b) for b in boxes))
+    for tid, nbytes in state_gathered.items():
+        constant += min(program.tensors[tid].nbytes, nbytes)
     ddr_bytes = io + constant + written
     ddr_cycles = int(ddr_bytes / device.ddr_bandwidth_bytes_per_s * device.clock_hz)
     return Floors(int(compute / max(1, cores)), ddr_bytes, ddr_cycles)

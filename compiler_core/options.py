@@ -218,6 +218,16 @@ class CompileOptions:
         default_text="none",
         local_only=True,
     )
+    mdp_devices: int | None = option(
+        "int",
+        "Slice the network over this many SoCs (qpcfarm addition): one partition over SoCs "
+        "0..N-1 connected peer to peer, -aic-num-cores each, as a -mdp-load-partition-config "
+        "listing them would (what the configurator's devices dimension sets).",
+        minimum=1,
+        maximum=64,
+        group=TARGET,
+        default_text="1",
+    )
     ols: int = option(
         "int",
         "Overlap split factor: a power of two, at most -aic-num-cores.",
@@ -1086,6 +1096,18 @@ def _build(given: Mapping[str, Any]) -> CompileOptions:
 def _check_rules(o: CompileOptions, device: DeviceProfile) -> None:
     """Every rule that involves more than one option, in one place."""
     spec = _BY_ATTR
+    if o.mdp_devices is not None and o.mdp_load_partition_config:
+        raise _invalid(
+            spec["mdp_devices"],
+            o.mdp_devices,
+            "give the devices either as a number or in -mdp-load-partition-config, not both",
+        )
+    if o.mdp_devices is not None and o.mdp_devices > device.max_socs_per_host:
+        raise _invalid(
+            spec["mdp_devices"],
+            o.mdp_devices,
+            f"a host holds at most {device.max_socs_per_host} {device.display_name} SoCs",
+        )
     if o.aic_num_cores > device.cores_per_soc:
         raise _invalid(
             spec["aic_num_cores"],

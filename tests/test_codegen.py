@@ -35,7 +35,7 @@ import onnxruntime as ort
 import pytest
 
 from compiler_core import QpcSession, compile_model, load_qpc, run_qpc
-from compiler_core.compile import CompileResult
+from compiler_core.build import CompileResult
 from compiler_core.devices import get_device
 from compiler_core.lowering.placement import CodegenPolicy
 from compiler_core.lowering.program import (

@@ -22,7 +22,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from compiler_core import compile_model, load_qpc, run_qpc
-from compiler_core.compile import CompileResult
+from compiler_core.build import CompileResult
 from compiler_core.lowering import depth_first
 from compiler_core.lowering.program import KIND_CONSTANT, DmaLoad, Program, RunKernel, stored_bytes
 from compiler_core.runtime.executor import Executor

@@ -191,12 +191,6 @@ def test_the_service_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
     assert not found, f"import cycles in the service:\n{_render(found)}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="compiler_core.compile <-> compiler_core.mdp.build (function-level imports, new "
-    "with multi-device partitioning, issue 20): to be removed by passing the single-device "
-    "compile in, as quant/calibrate.py takes it",
-)
 def test_the_compiler_has_no_import_cycle(graph: dict[str, set[str]]) -> None:
     found = cycles(graph, ("compiler_core",))
     assert not found, f"import cycles in compiler_core:\n{_render(found)}"

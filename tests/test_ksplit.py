@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model, load_qpc
-from compiler_core.compile import CompileResult
+from compiler_core.build import CompileResult
 from compiler_core.devices import get_device
 from compiler_core.lowering.ksplit import slice_counts
 from compiler_core.lowering.placement import CodegenPolicy

@@ -284,3 +284,63 @@ def test_a_farm_sweep_keeps_what_the_llm_scoring_reads(swept: tuple) -> None:
         kept = scoring_metrics(done[r.point.group])
         assert score_point(r.point, kept) == r.score
         assert len(json.dumps(kept)) < len(json.dumps(done[r.point.group])) / 4
+
+
+def test_the_fit_check_counts_the_slots_full_batch_size_sets(tmp_path: Path) -> None:
+    """The fit check reads the cache's slots where the compile does: -full-batch-size."""
+    from compiler_core.fit import check_fit
+    from compiler_core.options import CompileOptions
+
+    model, specs = _model_and_specs(tmp_path)
+    flags = [f"-network-specialization-config={specs}", "-retained-state"]
+    reports = {
+        n: check_fit(str(model), CompileOptions.from_flags([*flags, f"-full-batch-size={n}"]))
+        for n in (1, 4)
+    }
+    assert reports[1].sequences == 1 and reports[4].sequences == 4
+    assert reports[4].kv_cache_bytes == 4 * reports[1].kv_cache_bytes
+
+
+def test_a_farm_sweep_ranks_an_llm_by_tokens_within_its_bounds(tmp_path: Path) -> None:
+    """On an embedded farm: the API takes the LLM objective and its bounds, keeps them with
+    the sweep, scores each compile's tokens from the copy of its report the sweep keeps, and
+    the page shows the best's tokens."""
+    import re
+
+    import httpx
+
+    from tests.api_helpers import zip_bytes
+    from tests.service_helpers import processes
+    from tests.test_sweep_service import create, start_embedded, sweep_api, wait_sweep
+
+    model, specs = _model_and_specs(tmp_path)
+    archive = zip_bytes({"cb.onnx": model.read_bytes(), "specs.json": specs.read_bytes()})
+    with processes(tmp_path) as procs:
+        api = start_embedded(procs, tmp_path)
+        model_id = api.upload(archive, "cb.zip")["id"]
+        body = {
+            "model_id": model_id,
+            "space": {"parameters": {"full-batch-size": [1, 4]}},
+            "base_flags": ["-network-specialization-config=specs.json", "-retained-state"],
+            "objective": "max-tokens-per-s",
+            "max_tpot_ms": 1000.0,
+        }
+        sweep = wait_sweep(api, create(api, body)["id"], timeout=300)
+        assert sweep["status"] == "succeeded", sweep["error"]
+        assert sweep["max_tpot_ms"] == 1000.0 and sweep["max_ttft_ms"] is None
+        rows = sweep["results"]
+        assert all(r["tokens_per_s"] > 0 and r["tpot_ms"] <= 1000.0 for r in rows)
+        assert all(r["meets_objective"] for r in rows)
+        assert sweep["best"]["tokens_per_s"] == max(r["tokens_per_s"] for r in rows)
+        assert sweep["best"]["params"]["full-batch-size"] == 4
+        status, refused = sweep_api(
+            api, "POST", "/v1/sweeps", json={**body, "objective": "min-latency"}
+        )
+        assert status == 422 and refused["code"] == "invalid_objective"
+        with httpx.Client(base_url=api.base_url, follow_redirects=True, timeout=60) as web:
+            csrf = re.search(r'name="csrf" value="([^"]+)"', web.get("/sign-in").text)
+            assert csrf is not None
+            form = {"api_key": api.key, "csrf": csrf.group(1), "next": f"/sweeps/{sweep['id']}"}
+            page = web.post("/sign-in", data=form)
+        assert 'id="sweep-best-tokens"' in page.text
+        assert "time per output token ≤ 1000.0 ms" in page.text

@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
 from compiler_core.lowering.program import DmaScatter, DmaStore, Program, scattered_bytes
 from compiler_core.qpc.container import load_qpc

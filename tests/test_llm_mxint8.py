@@ -17,7 +17,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import DmaScatter, scattered_bytes
 from compiler_core.mxint8 import BLOCK_BYTES, decode_rows, encode_rows, mxint8_nbytes, quantize

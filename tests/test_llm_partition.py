@@ -18,7 +18,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.devices import get_device
 from compiler_core.errors import CompileError
 from compiler_core.lowering.program import LinkSend, LinkWait
@@ -418,3 +419,103 @@ def test_the_kv_cache_is_counted_per_soc_when_sliced(
     )
     assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
     assert two.weights_bytes < one.weights_bytes
+
+
+def test_a_kernel_with_weights_right_after_an_exchange_equals_onnx_runtime(tmp_path: Path) -> None:
+    """LayerNorm over a split axis needs the whole row: an all-gather, then a kernel whose
+    weights load while the parts travel (they are hoisted to the exchange)."""
+    from onnx import TensorProto, numpy_helper
+    from onnx import helper as oh
+
+    rng = np.random.default_rng(1)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((32, 64)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "scale"),
+        numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "bias"),
+    ]
+    graph = oh.make_graph(
+        [
+            oh.make_node("MatMul", ["x", "w"], ["h"]),
+            oh.make_node("LayerNormalization", ["h", "scale", "bias"], ["y"], axis=-1),
+        ],
+        "gathered",
+        [oh.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 32])],
+        [oh.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 64])],
+        inits,
+    )
+    small = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
+    partition = tmp_path / "partition.json"
+    partition.write_text(json.dumps(TWO_DEVICES))
+    result = compile_model(
+        small.SerializeToString(),
+        [f"-mdp-load-partition-config={partition}", f"-aic-binary-dir={tmp_path / 'out'}"],
+    )
+    x = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    with QpcSession(result.qpc_path) as session:
+        got = session.run({"x": x})["y"]
+    expected = ort_runner(small)({"x": x})["y"]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_mdp_devices_is_a_partition_over_the_first_socs(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    """`-mdp-devices=2` compiles what a config listing SoCs 0 and 1 (p2p) compiles."""
+    flags = [f for f in _flags(tmp_path) if not f.startswith("-mdp-load-partition-config")]
+    result = compile_model(model.SerializeToString(), [*flags, "-mdp-devices=2"])
+    with load_qpc(result.qpc_path) as qpc:
+        meta = qpc.mdp
+        assert meta is not None
+        assert meta["partition"]["partitions"][0]["devices"] == [
+            {"deviceId": 0, "numCores": 1},
+            {"deviceId": 1, "numCores": 1},
+        ]
+    with pytest.raises(CompileError, match="not both"):
+        CompileOptions.from_flags(["-mdp-devices=2", "-mdp-load-partition-config=p.json"])
+    with pytest.raises(CompileError, match="at most 32 AIC100 Ultra SoCs"):
+        CompileOptions.from_flags(["-aic-device=aic100-ultra", "-mdp-devices=33"])
+
+
+def test_the_configurator_sweeps_the_number_of_devices(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    """A devices dimension: each point a compile over that many SoCs, scored in tokens/s."""
+    from compiler_core.configurator.local import run_local
+    from compiler_core.configurator.space import parse_mapping
+
+    path = tmp_path / "decoder.onnx"
+    path.write_bytes(model.SerializeToString())
+    base = [
+        f for f in _flags(tmp_path)
+        if not f.startswith(("-mdp-load-partition-config", "-aic-binary-dir"))
+    ]  # fmt: skip
+    space = parse_mapping({"parameters": {"devices": [1, 2], "cores": [2]}}, base)
+    assert len(space.groups) == 2
+    assert "-mdp-devices=2" not in space.valid_points[0].flags()
+    assert "-mdp-devices=2" in space.valid_points[1].flags()
+    sweep = run_local(path, space, objective="max-decode-tokens-per-s")
+    assert sweep.failed == 0 and sweep.compiles == 2
+    by_devices = {r.point.params["devices"]: r for r in sweep.ranked}
+    for devices in (1, 2):
+        assert by_devices[devices].score is not None
+        assert by_devices[devices].score.decode_tokens_per_s > 0
+
+
+def test_each_exchange_is_charged_from_the_link_table(
+    model: onnx.ModelProto, compiled: CompileResult, tmp_path: Path
+) -> None:
+    """Without a p2p connection the parts are relayed through the host (10 us instead of
+    2 us each way, at the same bytes): the decode step waits longer for its 5 exchanges."""
+    from compiler_core.devices import HOST_RELAY_LATENCY_S, P2P_LATENCY_S
+
+    through_host = {"partitions": TWO_DEVICES["partitions"]}
+    relayed = compile_model(model.SerializeToString(), _flags(tmp_path, config=through_host))
+    decode = "batch_size=1,seq_len=1"
+    p2p_metrics = compiled.metrics["specializations"][decode]
+    host_metrics = relayed.metrics["specializations"][decode]
+    assert compiled.metrics["mdp"]["link"]["kind"] == "p2p"
+    assert relayed.metrics["mdp"]["link"]["kind"] == "host"
+    slower_us = host_metrics["estimated_latency_us"] - p2p_metrics["estimated_latency_us"]
+    expected_us = (2 * LAYERS + 1) * (HOST_RELAY_LATENCY_S - P2P_LATENCY_S) * 1e6
+    assert 0.5 * expected_us <= slower_us <= 1.5 * expected_us
+    assert compiled.metrics["mdp"]["link_bytes_per_device"] > 0

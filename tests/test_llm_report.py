@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from compiler_core.build import CompileResult
 from compiler_core.cli import main
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.compile import compile_model
 from compiler_core.devices import get_device
 from tests.decoder_model import kv_decoder
 

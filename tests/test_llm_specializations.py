@@ -29,9 +29,17 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.errors import CompileError
-from compiler_core.lowering.program import DmaScatter, DmaStore, Program, scattered_bytes
+from compiler_core.lowering.program import (
+    DmaGather,
+    DmaScatter,
+    DmaStore,
+    Program,
+    gathered_bytes,
+    scattered_bytes,
+)
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor, QpcSession
 from compiler_core.specializations import parse_specializations
@@ -304,7 +312,8 @@ def test_an_mxint8_cache_written_by_scatter_nd_stays_in_mx_blocks(
     cb_model: onnx.ModelProto, tmp_path: Path
 ) -> None:
     """`-mxint8-kv-cache` with ScatterND slices spanning the last axis: whole MX rows; the
-    prefill's logits stay within the MXINT8 tolerance of test_llm_mxint8 (0.25)."""
+    prefill's and the decodes' logits stay within the MXINT8 tolerance of test_llm_mxint8
+    (0.25) and their tokens equal ONNX Runtime's."""
     flags = [
         _spec_file(tmp_path, [_cb_spec(1, CB_PREFILL), _cb_spec(2, 1)]),
         "-retained-state",
@@ -319,13 +328,32 @@ def test_an_mxint8_cache_written_by_scatter_nd_stays_in_mx_blocks(
         assert [scattered_bytes(program, s) for s in scatters] == [2 * HEADS * blocks * 33] * (
             2 * LAYERS
         )
+        # the decode's slot gather reads the two slots' blocks only
+        gathers = _cache_gathers(program)
+        slot_blocks = HEADS * CB_CTX * blocks * 33
+        read = sum(gathered_bytes(program.tensors[g.tensor], g) for g in gathers)
+        assert read == 2 * slot_blocks * 2 * LAYERS
         reference = FedBack(ort_runner(cb_model), empty_cb_cache(cb_model, SLOTS))
         with QpcSession(str(result.qpc_path)) as session:
-            for slot, prompt in enumerate(PROMPTS[:2]):
+            last = {}
+            for slot, prompt in ((3, PROMPTS[0]), (1, PROMPTS[1])):
                 got = _prefill_cb(session, slot, prompt)
                 want = _prefill_cb(reference, slot, prompt)
                 np.testing.assert_allclose(got, want, atol=0.25, rtol=0)
                 assert int(np.argmax(got)) == int(np.argmax(want))
+                last[slot] = (int(np.argmax(got)), prompt.shape[1])
+            for _ in range(4):  # decodes of both slots: the gather DMA decodes MX blocks
+                feeds = {
+                    "input_ids": np.array([[last[3][0]], [last[1][0]]]),
+                    "position_ids": np.array([[last[3][1]], [last[1][1]]]),
+                    "batch_index": np.array([[3], [1]]),
+                }
+                got = session.run(feeds)["logits"][:, -1]
+                want = reference(feeds)["logits"][:, -1]
+                np.testing.assert_allclose(got, want, atol=0.25, rtol=0)
+                tokens = np.argmax(got, axis=-1)
+                assert tokens.tolist() == np.argmax(want, axis=-1).tolist()
+                last = {3: (int(tokens[0]), last[3][1] + 1), 1: (int(tokens[1]), last[1][1] + 1)}
     finally:
         result.cleanup()
 
@@ -543,3 +571,64 @@ def test_the_slot_gather_of_the_cache_is_a_gather_along_the_slot_axis(
         ops = [k.info.op_type for k in program.kernels]
         assert "GatherND" not in ops
         assert ops.count("ScatterND") == 2 * LAYERS
+
+
+def _cache_gathers(program: Program) -> list[DmaGather]:
+    offsets = {program.tensors[i].ddr_offset for i in program.retained}
+    return [
+        i
+        for s in program.streams
+        for i in s
+        if isinstance(i, DmaGather) and program.tensors[i.tensor].ddr_offset in offsets
+    ]
+
+
+def test_a_decode_of_some_slots_reads_only_their_caches(cb_compiled: CompileResult) -> None:
+    """The slot Gather is a gather DMA of the batch's slots: its bytes are batch x one slot's
+    rows of every cache, not the whole cache."""
+    slot_bytes = HEADS * CB_CTX * HEAD_DIM * 4
+    for batch in (1, 2, SLOTS):
+        program = cb_compiled.programs[_cb_name(batch, 1)]
+        gathers = _cache_gathers(program)
+        read = sum(gathered_bytes(program.tensors[g.tensor], g) for g in gathers)
+        assert read == batch * slot_bytes * 2 * LAYERS
+
+
+def test_reading_a_cache_before_its_scatter_lands_is_caught(
+    cb_compiled: CompileResult, cb_model: onnx.ModelProto
+) -> None:
+    """The slot gather waits for the scatter of the new row: without those waits it reads
+    the row not yet written and the logits differ from ONNX Runtime's."""
+    import dataclasses
+
+    from compiler_core.lowering.program import SemWait
+
+    program = cb_compiled.programs[_cb_name(2, 1)]
+    gathers = {id(g) for g in _cache_gathers(program)}
+    dropped = 0
+    streams = []
+    for stream in program.streams:
+        kept: list = []
+        for instr in stream:
+            while id(instr) in gathers and kept and isinstance(kept[-1], SemWait):
+                kept.pop()
+                dropped += 1
+            kept.append(instr)
+        streams.append(kept)
+    assert dropped > 0
+    tampered = dataclasses.replace(program, streams=streams)
+    feeds = {
+        "input_ids": np.array([[5], [7]]),
+        "position_ids": np.array([[0], [0]]),
+        "batch_index": np.array([[3], [1]]),
+    }
+    want = FedBack(ort_runner(cb_model), empty_cb_cache(cb_model, SLOTS))(feeds)["logits"]
+    qpc = load_qpc(str(cb_compiled.qpc_path))
+    try:
+        constants = qpc.segments["constants.bin"]
+        good = Executor(program, constants, 8_323_072).run(feeds)["logits"]
+        bad = Executor(tampered, constants, 8_323_072).run(feeds)["logits"]
+    finally:
+        qpc.close()
+    np.testing.assert_allclose(good, want, atol=FP32_LOGITS_ATOL, rtol=0)
+    assert not np.allclose(bad, want, atol=1e-2)

@@ -13,7 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler_core.compile import CompileResult, compile_model
+from compiler_core.build import CompileResult
+from compiler_core.compile import compile_model
 from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S, THREADS
 from compiler_core.cost_timeline import Calendar, KernelRun, build_timeline
 from compiler_core.devices import get_device

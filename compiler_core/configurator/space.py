@@ -2,7 +2,8 @@
 parameters to try, read from the vendor's CSV form (one row per combination) or a compact
 mapping (JSON/YAML: a list of values per parameter, constraints, fixed base flags).
 
-A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols`, an LLM's
+A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols`, the
+number of SoCs `devices` the network is sliced over (`-mdp-devices`), an LLM's
 `kv_precision` (fp16 | mxint8) and `weight_precision` (fp16 | mxfp6), and any other compile
 flag, e.g. `full-batch-size`) plus runtime ones (`instances`, `set_size`) that need no
 compile. Points sharing their compile parameters share one compile (a `Group`). Every point
@@ -53,6 +54,9 @@ ALIASES: dict[str, str] = {
     "kv_precision": "kv_precision",
     "weight-precision": "weight_precision",
     "weight_precision": "weight_precision",
+    "devices": "devices",
+    "socs": "devices",
+    "mdp-devices": "devices",
 }
 """Column and key spellings (after lower-casing, stripping dashes, `_` -> `-`)."""
 
@@ -63,7 +67,13 @@ PRECISION_PARAMS: dict[str, tuple[str, dict[str, bool]]] = {
 """An LLM's precisions as a sweep names them, and the compile flag each value sets: the KV
 cache (retained state) as fp16 or MXINT8 blocks, MatMul weights as fp16 or MXFP6."""
 
-COMPILE_FLAG_OF = {"cores": "aic-num-cores", "batchsize": "batchsize", "mos": "mos", "ols": "ols"}
+COMPILE_FLAG_OF = {
+    "cores": "aic-num-cores",
+    "batchsize": "batchsize",
+    "mos": "mos",
+    "ols": "ols",
+    "devices": "mdp-devices",
+}
 """The compile flag behind each short compile parameter name."""
 
 MAX_POINTS = 4096
@@ -91,7 +101,7 @@ def canonical_param(name: str) -> str:
     except CompileError:
         raise SpaceError(
             f"unknown search-space parameter {name!r}: use cores, instances, batchsize, "
-            "mos, ols, set_size, kv_precision, weight_precision or a compile flag name"
+            "mos, ols, set_size, devices, kv_precision, weight_precision or a compile flag name"
         ) from None
     if spec.local_only:  # the model, the output directory, -operators-supported
         raise SpaceError(
@@ -404,7 +414,8 @@ def _check_point(
         )
     known = {"cores": options.aic_num_cores, "batchsize": options.batchsize or 1,
              "instances": instances, "set_size": int(params.get("set_size") or 1),
-             "mos": options.mos or 0, "ols": options.ols}  # fmt: skip
+             "mos": options.mos or 0, "ols": options.ols,
+             "devices": options.mdp_devices or 1}  # fmt: skip
     for constraint in constraints:
         if not constraint.holds({**params, **known}):
             return Point(index, params, reason=f"fails the constraint {constraint.text}")

@@ -356,6 +356,8 @@ class _Builder:
             self.ops.append(
                 Op(core=0, kind=LINK_SEND, kernel=k, tensor=x, box=box, dst_box=dst_box, mask=peer)
             )
+        # the next kernels' weights are hoisted here: they load while the parts travel
+        self.run_start[k] = len(self.ops)
         out_box = full_box(self.graph.tensors[out].shape)
         self.ops.append(Op(core=0, kind=LINK_WAIT, kernel=k, tensor=out, box=out_box, mask=devices))
 
@@ -733,8 +735,10 @@ class _Builder:
         return min(host, k - 1)
 
     def gathers(self, k: int) -> bool:
-        """Whether kernel k is an embedding lookup done by a gather DMA: its table is a weight
-        left in DDR, its indices come whole from DDR, and no epilogue is fused into it."""
+        """Whether kernel k is a lookup done by a gather DMA: its table is a weight left in DDR
+        (an embedding) or a KV cache written in place (continuous batching's slot gather,
+        `lower._gather_rows_by_dma`), its indices come whole from DDR, and no epilogue is
+        fused into it."""
         lk = self.graph.kernels[k]
         request, desc = lk.request, lk.desc
         if request is None or 0 not in request.indexed or desc.epilogue:
@@ -744,11 +748,16 @@ class _Builder:
             return False
         index = desc.inputs[1]
         root = self.graph.root(index)
+        held, seen = self.graph.tensors[root], self.graph.tensors[index]
         return (
             index >= 0
             and root not in self.placement.chip
             and (layer, 1) not in self.resident_refs
-            and self.graph.tensors[index].shape == self.graph.tensors[root].shape
+            and (
+                seen.shape == held.shape
+                # or a reshape of all of it (`batch_index` [B, 1] seen as [B]): same bytes
+                or (self.graph.offset_in_root(index) == 0 and seen.nbytes == held.nbytes)
+            )
         )
 
     def push(
@@ -1154,6 +1163,7 @@ def materialize(
         elif op.kind == GATHER:
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
+            ddr.read(op.tensor, op.box, index, deps)  # a cache written earlier in the run
             vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
             out = desc.outputs[0]
             lo, hi = span(0, op.dst, op.dst_box, out)

@@ -386,6 +386,7 @@ def _retain_state(builder: _Builder, inputs: list[int], outputs: list[int]) -> d
         k = producer.get(out)
         if k is not None and _scatters_in_place(builder, k, source, mx):
             _make_in_place(builder, k, source, out, mx)
+            _gather_rows_by_dma(builder, out)
         elif mx:
             raise CompileError(
                 "unsupported_option",
@@ -467,6 +468,28 @@ def _make_in_place(builder: _Builder, k: int, source: int, out: int, mxint8: boo
     lk.request = dataclasses.replace(lk.request, opdef=opdef)
     if builder.config.device is None:
         lk.tiles = plan_tiles(lk.request)
+
+
+def _gather_rows_by_dma(builder: _Builder, cache: int) -> None:
+    """A Gather of a cache written in place (continuous batching's slot gather) fetches only
+    the rows its indices name, by a gather DMA, as an embedding lookup does from a weight:
+    a decode of some of the slots reads only their caches."""
+    for lk in builder.kernels:
+        request, desc = lk.request, lk.desc
+        if request is None or desc.info.op_type != "Gather" or desc.epilogue:
+            continue
+        if not desc.inputs or desc.inputs[0] != cache or 0 not in request.opdef.indexed_inputs:
+            continue
+        request = dataclasses.replace(request, indexed=request.indexed | {0})
+        if isinstance(builder.tensors[_root(builder.tensors, cache)], Mxint8Tensor):
+            # an MXINT8 cache is fetched in whole MX blocks: never cut the block (last) axis
+            whole = _without_last_axis(request.opdef.split_axes)
+            request = dataclasses.replace(
+                request, opdef=dataclasses.replace(request.opdef, split_axes=whole)
+            )
+        lk.request = request
+        if builder.config.device is None:
+            lk.tiles = plan_tiles(lk.request)
 
 
 def _without_last_axis(

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import compiler_core.build as single
 from compiler_core.cost_timeline import Timeline
 from compiler_core.errors import CompileError
 from compiler_core.importer import ModelSource
@@ -27,6 +29,7 @@ from compiler_core.mdp.config import (
     PartitionConfig,
     PartitionDevice,
     parse_partition_config,
+    tensor_slicing,
 )
 from compiler_core.mdp.shard import shard_model
 from compiler_core.model_folder import ModelFolder
@@ -41,7 +44,10 @@ def device_prefix(index: int) -> str:
 
 
 def load_partition(opts: CompileOptions, folder: ModelFolder) -> PartitionConfig:
-    assert opts.mdp_load_partition_config is not None
+    """The partition file the options name, or the one `-mdp-devices=N` stands for."""
+    if opts.mdp_load_partition_config is None:
+        config = tensor_slicing(opts.mdp_devices or 1, opts.aic_num_cores)
+        return parse_partition_config(config.dumps(), opts.device)
     text = folder.read_text(opts.mdp_load_partition_config, FLAG)
     return parse_partition_config(text, opts.device)
 
@@ -77,71 +83,118 @@ def compile_partitioned(
     policy: CodegenPolicy,
     folder: ModelFolder,
 ) -> Any:
-    """`compile_model` for `-mdp-load-partition-config`: one program per device."""
-    from compiler_core import compile as single
+    """`compile_model` for `-mdp-load-partition-config`: one program per device, each built
+    with the single-device compile's steps (compiler_core/build.py).
 
+    Devices are compiled one after another; each one's constants are written to a spill file
+    beside the QPC as soon as its programs are emitted and its weights let go, so the compile
+    holds one device's share of the weights at a time, not the whole model."""
     config = load_partition(opts, folder)
     devices = config.partitions[0].devices
     n = len(devices)
-    stages = single._Stages(progress)
-    specs = single._specializations(opts, folder)
-    imports = [single._import_spec(source, opts, spec, stages, folder) for spec in specs]
+    stages = single.Stages(progress)
+    specs = single.specializations(opts, folder)
+    imports = [single.import_spec(source, opts, spec, stages, folder) for spec in specs]
     link = link_meta(config, opts)
     segments: list[Segment] = []
     first: tuple[list[Any], list[str], CompileOptions] | None = None
-    for rank, device in enumerate(devices):
-        device_opts = opts.with_(
-            aic_num_cores=device.num_cores,
-            mdp_load_partition_config=None,
-            mdp_dump_partition_config=None,
-        )
-        builds = []
-        for spec, imported in zip(specs, imports, strict=True):
-            share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
-            builds.append(
-                single._lower(source, device_opts, spec, stages, policy, folder, imported=share)
+    out_dir, tmpdir = single.output_dir(opts)
+    spills: list[Path] = []
+    try:
+        for rank, device in enumerate(devices):
+            device_opts = opts.with_(
+                aic_num_cores=device.num_cores,
+                mdp_load_partition_config=None,
+                mdp_dump_partition_config=None,
+                mdp_devices=None,
             )
-        meta = {"mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}}
-        retained = single._retained_state(builds, device_opts)
-        shared, constant_items = single._shared_constants(builds)
-        for build, region in zip(builds, shared, strict=True):
-            single._plan_and_emit(build, region, device_opts, stages, meta)
-        prefix = device_prefix(rank)
-        parts = single._segments(builds, device_opts, retained, constant_items)
-        segments += [dataclasses.replace(seg, name=prefix + seg.name) for seg in parts]
-        if first is None:
-            first = (builds, retained, device_opts)
-        else:  # only device 0's builds are reported on: let the others' go
-            del builds
-    assert first is not None
-    builds, retained, first_opts = first
-    network = single._network_desc(builds, opts, retained)
-    top = [
-        Segment("networkdesc.bin", network.to_bytes()),
-        Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
-    ]
-    out_dir, tmpdir = single._output_dir(opts)
-    with stages.stage("write-qpc"):
-        write_qpc(out_dir / "programqpc.bin", top + segments)
+            builds = []
+            for spec, imported in zip(specs, imports, strict=True):
+                share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
+                builds.append(
+                    single.lower_spec(
+                        source, device_opts, spec, stages, policy, folder, imported=share
+                    )
+                )
+            meta = {
+                "mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}
+            }
+            retained = single.retained_state(builds, device_opts)
+            shared, constant_items = single.shared_constants(builds)
+            for build, region in zip(builds, shared, strict=True):
+                single.plan_and_emit(build, region, device_opts, stages, meta)
+            prefix = device_prefix(rank)
+            for seg in single.qpc_segments(builds, device_opts, retained, constant_items):
+                if seg.name == "constants.bin":
+                    spill = out_dir / f".{prefix.rstrip('/')}.constants.spill"
+                    spills.append(spill)
+                    seg = dataclasses.replace(seg, data=_spilled(seg.data, spill))
+                segments.append(dataclasses.replace(seg, name=prefix + seg.name))
+            _let_weights_go(builds)
+            if first is None:
+                first = (builds, retained, device_opts)
+        assert first is not None
+        builds, retained, first_opts = first
+        network = single.network_desc(builds, opts, retained)
+        top = [
+            Segment("networkdesc.bin", network.to_bytes()),
+            Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
+        ]
+        with stages.stage("write-qpc"):
+            write_qpc(out_dir / "programqpc.bin", top + segments)
+    finally:
+        for spill in spills:
+            spill.unlink(missing_ok=True)
     if opts.mdp_dump_partition_config:
         _dump(opts.mdp_dump_partition_config, config)
-    timelines = single._Timelines(builds, first_opts.device)
+    timelines = single.Timelines(builds, first_opts.device)
 
     def report() -> dict[str, Any]:
-        metrics = single._metrics(builds, first_opts, timelines)
+        metrics = single.build_metrics(builds, first_opts, timelines)
         metrics["mdp"] = mdp_report(config, opts, timelines[0])
         return metrics
 
     return single.CompileResult(
         qpc_path=out_dir / "programqpc.bin",
         _report=report,
-        warnings=single._warnings(builds, first_opts, retained, timelines),
+        warnings=single.build_warnings(builds, first_opts, retained, timelines),
         pass_times=stages.pass_times(),
         options=opts,
         program=builds[0].done()[1],
-        programs={single._spec_name(b.spec): b.done()[1] for b in builds},
+        programs={single.spec_name(b.spec): b.done()[1] for b in builds},
         _tmpdir=tmpdir,
     )
+
+
+SPILL_CHUNK = 8 << 20
+
+
+def _spilled(data: Any, path: Path) -> Iterator[memoryview]:
+    """Write a segment's bytes to `path` now; the returned iterator reads them back (for the
+    QPC writer) and removes the file once read."""
+    from compiler_core.qpc.container import _chunks
+
+    with open(path, "wb") as out:
+        for chunk in _chunks(data):
+            out.write(chunk)
+
+    def read_back() -> Iterator[memoryview]:
+        with open(path, "rb") as spill:
+            while block := spill.read(SPILL_CHUNK):
+                yield memoryview(block)
+        path.unlink(missing_ok=True)
+
+    return read_back()
+
+
+def _let_weights_go(builds: list[Any]) -> None:
+    """A device's constants are in its spill file: drop its lowered graph's and its model's
+    references to them (the metrics and warnings read shapes and programs only)."""
+    for build in builds:
+        for t in build.lowered.tensors:
+            t.data = None
+        for value in build.imported.model.graph.initializers.values():
+            value.const_value = None
 
 
 def mdp_report(config: PartitionConfig, opts: CompileOptions, timeline: Timeline) -> dict[str, Any]:

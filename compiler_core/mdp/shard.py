@@ -33,6 +33,7 @@ import onnx_ir as ir
 from compiler_core.errors import CompileError
 from compiler_core.ops import REGISTRY
 from compiler_core.ops.registry import QPCFARM_DOMAIN as DOMAIN
+from compiler_core.tensors import release_mapping
 
 RETAINED_SUFFIX = "_RetainedState"
 
@@ -110,11 +111,16 @@ class _Sharder:
         return self.rank * step, (self.rank + 1) * step
 
     def sliced_constant(self, value: ir.Value, axis: int) -> ir.Value:
-        array = value.const_value.numpy()  # type: ignore[union-attr]
+        tensor = value.const_value
+        assert tensor is not None
+        array = tensor.numpy()
         lo, hi = self.chunk(array.shape[axis], f"constant {value.name} axis {axis}")
         index = [slice(None)] * array.ndim
         index[axis] = slice(lo, hi)
-        return self.constant(array[tuple(index)], value.name or "weight")
+        sliced = self.constant(array[tuple(index)], value.name or "weight")  # a copy
+        del array
+        release_mapping(tensor)  # a weight mapped from the model's file: its pages go
+        return sliced
 
     def split_shape(self, value: ir.Value, axis: int) -> None:
         dims = _dims(value)

@@ -801,7 +801,8 @@ class Executor:
             slice(None) if a == instr.axis else slice(lo, hi)
             for a, (lo, hi) in enumerate(instr.box)
         )
-        table = machine.tensor(t)[window]
+        blocks = machine.mx_store(t) if is_encoded_state(t) else None  # an MXINT8 cache
+        table = None if blocks is not None else machine.tensor(t)[window]
         dst = machine.part(core, instr.vtcm, instr.buf_box, instr.out_box, out.dtype, write=True)
         start, end = self._will_write(core, instr.vtcm, instr.buf_box, out.dtype)
         covers = instr.out_box == instr.buf_box
@@ -820,7 +821,19 @@ class Executor:
                     f"core {core}: index {bad} is out of range for {t.name} axis "
                     f"{instr.axis} of size {size}"
                 )
-            gathered = np.take(table, rows, axis=instr.axis)
+            if blocks is not None:  # decode only the slices the indices name
+                axis = instr.axis
+                picked = [
+                    blocks.read(
+                        tuple((r, r + 1) if a == axis else span for a, span in enumerate(instr.box))
+                    )
+                    for r in rows.reshape(-1).tolist()
+                ]
+                lead, rest = picked[0].shape[:axis], picked[0].shape[axis + 1 :]
+                gathered = np.concatenate(picked, axis=axis).reshape((*lead, *rows.shape, *rest))
+            else:
+                assert table is not None
+                gathered = np.take(table, rows, axis=instr.axis)
             if gathered.shape != dst.shape:
                 raise RuntimeFault(
                     f"core {core}: gather of {t.name} gives {gathered.shape} for a box of "
