@@ -519,3 +519,21 @@ def test_each_exchange_is_charged_from_the_link_table(
     expected_us = (2 * LAYERS + 1) * (HOST_RELAY_LATENCY_S - P2P_LATENCY_S) * 1e6
     assert 0.5 * expected_us <= slower_us <= 1.5 * expected_us
     assert compiled.metrics["mdp"]["link_bytes_per_device"] > 0
+
+
+def test_weights_in_an_external_file_are_sliced_as_written(tmp_path: Path) -> None:
+    """A model whose weights are external data (d_model 128: its MatMul weights are over the
+    importer's 64 KiB read-at-once size, so they stay mapped): each device's blocks are read
+    from the file when wanted, and the tokens are ONNX Runtime's."""
+    wide = kv_decoder(layers=1, heads=HEADS, d_model=128, ctx_len=CTX)
+    reference = greedy_decode(
+        ort_runner(wide), PROMPT, STEPS, feed_back=True, cache=empty_cache(wide)
+    )
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = folder / "decoder.onnx"
+    onnx.save(wide, path, save_as_external_data=True, location="weights.data", size_threshold=0)
+    result = compile_model(str(path), _flags(tmp_path))
+    got = _decode(result.qpc_path)
+    assert got.tokens == reference.tokens
+    np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
