@@ -562,3 +562,30 @@ def test_heads_the_devices_do_not_divide_stay_whole_and_still_match(
     assert got.tokens == reference.tokens
     np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
     assert cache.shape[1] == cache_heads
+
+
+def test_the_submit_time_fit_check_reads_the_partition_from_the_archive(
+    model: onnx.ModelProto,
+) -> None:
+    """The farm checks the fit at submit from the upload: the partition file travels in the
+    model's archive and the figures are per SoC of it."""
+    import io
+
+    from compiler_core.fit import check_upload_fit
+    from tests.api_helpers import zip_bytes
+
+    upload = zip_bytes(
+        {
+            "decoder.onnx": model.SerializeToString(),
+            "partition.json": json.dumps(TWO_DEVICES).encode(),
+        }
+    )
+    flags = ["-retained-state", "-onnx-define-symbol=batch_size,1", "-onnx-define-symbol=seq_len,1"]
+    one = check_upload_fit(io.BytesIO(upload), CompileOptions.from_flags(flags))
+    two = check_upload_fit(
+        io.BytesIO(upload),
+        CompileOptions.from_flags([*flags, "-mdp-load-partition-config=partition.json"]),
+    )
+    assert one is not None and two is not None
+    assert (one.devices, two.devices) == (1, 2)
+    assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
