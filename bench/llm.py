@@ -298,7 +298,9 @@ def llama7b(seq: int | str, layers: int = 32) -> Any:
     )
 
 
-def run_mdp(work: Path, layers: int, keep: bool) -> list[Row]:
+def run_mdp(
+    work: Path, layers: int, keep: bool, socs_list: tuple[int, ...] = MDP_SOCS
+) -> list[Row]:
     """The 7 B decode step (batch 1, context 2048) on 1, 2 and 4 SoCs of an Ultra card, 16
     cores each: 1 SoC is a plain compile; 2 and 4 are one partition over SoCs 0..n-1
     connected p2p (tensor slicing). Decode only (one specialization): the compile time and
@@ -308,7 +310,7 @@ def run_mdp(work: Path, layers: int, keep: bool) -> list[Row]:
     spec = llama7b("seq_len", layers)
     model = write_decoder(spec, work / "models", "float16")
     rows = []
-    for socs in MDP_SOCS:
+    for socs in socs_list:
         case = f"7b-l{layers}-{socs}soc"
         out = work / f"qpc-{case}"
         flags = [
@@ -363,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the models and QPCs")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
+        "--mdp-socs", default=",".join(map(str, MDP_SOCS)), help="SoC counts of mdp-7b"
+    )
+    parser.add_argument(
         "--mdp-layers", type=int, default=32, help="layers of the 7 B shape (fewer: a quick run)"
     )
     args = parser.parse_args(argv)
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += run_cb(work, args.cores, case.endswith("mxint8"))
                 print(json.dumps([asdict(r) for r in rows[-len(CB_BATCHES) :]]), flush=True)
         if "mdp-7b" in cases:
-            rows += run_mdp(work, args.mdp_layers, args.keep)
+            socs = tuple(int(n) for n in args.mdp_socs.split(","))
+            rows += run_mdp(work, args.mdp_layers, args.keep, socs)
         for case in ("gptj-fp16", "gptj-mxfp6"):
             if case in cases:
                 rows.append(run_gptj(work, args.cores, case.endswith("mxfp6"), args.keep))

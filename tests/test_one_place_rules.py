@@ -80,7 +80,7 @@ def test_the_runner_claims_every_kind_through_the_table(tmp_path: Path) -> None:
         session.commit()
         assert kind_of(session, job.id) == "compile"
         claimed = claims.claim_job(session, "compile", job.id, "w")
-        assert claimed is not None and claimed.status == JobStatus.running
+        assert isinstance(claimed, CompileJob) and claimed.status == JobStatus.running
         assert (claimed.stage, claimed.progress) == (stages.CLAIMED, 0.0)
         assert claims.claim_job(session, "compile", job.id, "other") is None
 
@@ -111,6 +111,22 @@ def test_the_service_stages_have_words_and_end_states_are_named_once() -> None:
         assert stages.STAGE_WORDS[stage]
     assert stages.describe_stage("cancelled", stages.CANCELLED) == "cancelled"
     assert stages.describe_stage("failed", stages.DONE) == "failed"
+
+
+def test_every_stage_a_compile_reports_has_words_on_the_pages(tmp_path: Path) -> None:
+    """The pages and `qpcfarm submit` show `STAGE_WORDS`; a stage the compiler reports that
+    is missing there would show as its raw name."""
+    from compiler_core import compile_model
+    from tests.conftest import tiny_model
+
+    reported: list[str] = []
+    result = compile_model(
+        tiny_model().SerializeToString(),
+        [f"-aic-binary-dir={tmp_path / 'out'}"],
+        progress=lambda stage, _fraction: reported.append(stage),
+    )
+    assert result.qpc_path
+    assert reported and set(reported) <= set(stages.STAGE_WORDS), set(reported)
 
 
 # ----------------------------------------------------------------------- option rules
@@ -192,18 +208,18 @@ def test_every_page_of_a_team_object_gets_it_through_the_ownership_dependency() 
     from app.web import deps
     from app.web import router as web_router
 
-    owners = {
+    owners: dict[str, set[Any]] = {
         "job_id": {deps.page_job, deps.fragment_job},
         "profile_id": {deps.page_profile, deps.fragment_profile},
         "sweep_id": {deps.page_sweep, deps.fragment_sweep},
     }
-    signed_in = {deps.page_team, deps.fragment_team}
+    signed_in: set[Any] = {deps.page_team, deps.fragment_team}
     public = {"/sign-in", "/sign-out", "/web/static/{name}"}
     checked = 0
     for route in _routes(web_router):
         if route.path in public:
             continue
-        calls = {d.call for d in route.dependant.dependencies}
+        calls: set[Any] = {d.call for d in route.dependant.dependencies}
         assert calls & signed_in or any(
             sub.call in signed_in for d in route.dependant.dependencies for sub in d.dependencies
         ), route.path

@@ -458,20 +458,19 @@ def print_keys(rows: list[tuple[Any, Any]]) -> None:
 def verify_blobs_command(as_json: bool) -> int:
     import json
 
-    from app.domain.blobs import blob_store_from_settings
-    from app.domain.db.session import make_engine, make_session_factory, upgrade_database
+    from app.domain.db.session import upgrade_database
+    from app.domain.farm import open_farm
     from app.domain.services.scrub import scrub
     from app.domain.settings import get_settings
 
     settings = get_settings()
     upgrade_database(settings.database_url)
-    engine = make_engine(settings.database_url)
+    farm = open_farm(settings)
     try:
-        sessions = make_session_factory(engine)
-        with sessions() as session:
-            report = scrub(session, blob_store_from_settings(settings, sessions))
+        with farm.sessions() as session:
+            report = scrub(session, farm.store)
     finally:
-        engine.dispose()
+        farm.close()
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from compiler_core.lowering.box_log import BoxLog, intersect
 from compiler_core.lowering.lowered import LoweredGraph, LTensor
 from compiler_core.lowering.memory import MemoryPlan
 from compiler_core.lowering.program import (
@@ -152,24 +153,6 @@ def _tile_out_boxes(graph: LoweredGraph, kernel: int, tile: TileSpec) -> list[Bo
     assert lk.request is not None
     boxes = output_boxes(lk.request.opdef, lk.desc.info, tile.out_box)
     return [None if t < 0 else boxes[o] for o, t in enumerate(outputs)]
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
-        lo = a0 if a0 > b0 else b0
-        hi = a1 if a1 < b1 else b1
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
-
-
-def _meets(a: Box, b: Box) -> bool:
-    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
-        if a1 <= b0 or b1 <= a0:
-            return False
-    return True
 
 
 def consumers_of(graph: LoweredGraph) -> dict[int, list[int]]:
@@ -855,7 +838,7 @@ class _Builder:
             pieces: list[tuple[int, int, _Slot, Box, int]] = []
             for (c, j), (box, _, remote) in sorted(needs.items()):
                 for s in remote:
-                    part = _intersect(s.box, box)
+                    part = intersect(s.box, box)
                     assert part is not None
                     pieces.append((c, j, s, part, layout[c]))
                     layout[c] += align(box_nbytes(part, dtype))
@@ -881,7 +864,7 @@ class _Builder:
             by_box[b].append(c)
         for slot in slots:
             for g_box, all_cores in by_box.items():
-                part = _intersect(slot.box, g_box)
+                part = intersect(slot.box, g_box)
                 if part is None:
                     continue
                 for cores in self.fan(all_cores):
@@ -1018,8 +1001,8 @@ class _DdrHazards:
 
     def __init__(self, graph: LoweredGraph, plan: MemoryPlan) -> None:
         self.graph = graph
-        self.writes: dict[int, list[tuple[Box | None, int]]] = defaultdict(list)
-        self.reads: dict[int, list[tuple[Box | None, int]]] = defaultdict(list)
+        self.writes: dict[int, BoxLog] = {}
+        self.reads: dict[int, BoxLog] = {}
         self.inherited: dict[int, tuple[int, ...]] = {}
         self.core_of: list[int] = []
         """The core of every op, by global index (filled as ops are walked)."""
@@ -1051,42 +1034,44 @@ class _DdrHazards:
             return root, ((box[0][0] + at, box[0][1] + at), *box[1:])
         return root, None
 
-    @staticmethod
-    def _meets(a: Box | None, b: Box | None) -> bool:
-        return a is None or b is None or _intersect(a, b) is not None
+    def _logs(self, root: int) -> tuple[BoxLog, BoxLog]:
+        writes = self.writes.get(root)
+        if writes is None:
+            rank = len(self.graph.tensors[root].shape)
+            writes = self.writes[root] = BoxLog(rank)
+            self.reads[root] = BoxLog(rank)
+        return writes, self.reads[root]
 
     def read(self, tid: int, box: Box, op: int, deps: set[int]) -> None:
         root, key = self._key(tid, box)
-        deps.update(w for b, w in self.writes[root] if self._meets(b, key))
-        self.reads[root].append((key, op))
+        writes, reads = self._logs(root)
+        deps.update(writes.meeting(key))
+        reads.add(key, op)
 
     def write(self, tid: int, box: Box, op: int, deps: set[int]) -> None:
         root, key = self._key(tid, box)
-        deps.update(w for b, w in self.writes[root] if self._meets(b, key))
-        deps.update(r for b, r in self.reads[root] if self._meets(b, key))
+        writes, reads = self._logs(root)
+        deps.update(writes.meeting(key))
+        deps.update(reads.meeting(key))
         if root not in self.inherited:
             # The bytes were another tensor's: every writer of this one waits for all of
             # that tensor's accesses (each core's latest is enough: a post is a fence).
             latest: dict[int, int] = {}
             for other in self.overlaps.get(root, ()):
-                for _, access in (*self.writes.get(other, ()), *self.reads.get(other, ())):
+                if other not in self.writes:
+                    continue
+                for access in (*self.writes[other].all_ops(), *self.reads[other].all_ops()):
                     core = self.core_of[access]
                     latest[core] = max(latest.get(core, -1), access)
             self.inherited[root] = tuple(latest.values())
         deps.update(self.inherited[root])
         if key is None:
-            self.writes[root] = [(None, op)]
-            self.reads[root] = []
+            writes.clear()
+            reads.clear()
         else:
-            self.writes[root] = [(b, w) for b, w in self.writes[root] if not _covers(key, b)]
-            self.reads[root] = [(b, r) for b, r in self.reads[root] if not _covers(key, b)]
-            self.writes[root].append((key, op))
-
-
-def _covers(outer: Box, inner: Box | None) -> bool:
-    return inner is not None and all(
-        o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True)
-    )
+            writes.drop_covered(key)
+            reads.drop_covered(key)
+        writes.add(key, op)
 
 
 def materialize(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +85,9 @@ def compile_partitioned(
     """`compile_model` for `-mdp-load-partition-config`: one program per device, each built
     with the single-device compile's steps (compiler_core/build.py).
 
-    Devices are compiled one after another; each one's constants are written to a spill file
-    beside the QPC as soon as its programs are emitted and its weights let go, so the compile
-    holds one device's share of the weights at a time, not the whole model."""
+    Devices are compiled one after another; weights still in the model's file are sliced
+    lazily (mdp/shard.py), so the compile holds no device's share of them: the QPC writer
+    reads each device's constants when it writes them."""
     config = load_partition(opts, folder)
     devices = config.partitions[0].devices
     n = len(devices)
@@ -99,52 +98,38 @@ def compile_partitioned(
     segments: list[Segment] = []
     first: tuple[list[Any], list[str], CompileOptions] | None = None
     out_dir, tmpdir = single.output_dir(opts)
-    spills: list[Path] = []
-    try:
-        for rank, device in enumerate(devices):
-            device_opts = opts.with_(
-                aic_num_cores=device.num_cores,
-                mdp_load_partition_config=None,
-                mdp_dump_partition_config=None,
-                mdp_devices=None,
+    for rank, device in enumerate(devices):
+        device_opts = opts.with_(
+            aic_num_cores=device.num_cores,
+            mdp_load_partition_config=None,
+            mdp_dump_partition_config=None,
+            mdp_devices=None,
+        )
+        builds = []
+        for spec, imported in zip(specs, imports, strict=True):
+            share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
+            builds.append(
+                single.lower_spec(source, device_opts, spec, stages, policy, folder, imported=share)
             )
-            builds = []
-            for spec, imported in zip(specs, imports, strict=True):
-                share = dataclasses.replace(imported, model=shard_model(imported.model, n, rank))
-                builds.append(
-                    single.lower_spec(
-                        source, device_opts, spec, stages, policy, folder, imported=share
-                    )
-                )
-            meta = {
-                "mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}
-            }
-            retained = single.retained_state(builds, device_opts)
-            shared, constant_items = single.shared_constants(builds)
-            for build, region in zip(builds, shared, strict=True):
-                single.plan_and_emit(build, region, device_opts, stages, meta)
-            prefix = device_prefix(rank)
-            for seg in single.qpc_segments(builds, device_opts, retained, constant_items):
-                if seg.name == "constants.bin":
-                    spill = out_dir / f".{prefix.rstrip('/')}.constants.spill"
-                    spills.append(spill)
-                    seg = dataclasses.replace(seg, data=_spilled(seg.data, spill))
-                segments.append(dataclasses.replace(seg, name=prefix + seg.name))
-            _let_weights_go(builds)
-            if first is None:
-                first = (builds, retained, device_opts)
-        assert first is not None
-        builds, retained, first_opts = first
-        network = single.network_desc(builds, opts, retained)
-        top = [
-            Segment("networkdesc.bin", network.to_bytes()),
-            Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
-        ]
-        with stages.stage("write-qpc"):
-            write_qpc(out_dir / "programqpc.bin", top + segments)
-    finally:
-        for spill in spills:
-            spill.unlink(missing_ok=True)
+        meta = {"mdp": {"devices": n, "rank": rank, "device_id": device.device_id, "link": link}}
+        retained = single.retained_state(builds, device_opts)
+        shared, constant_items = single.shared_constants(builds)
+        for build, region in zip(builds, shared, strict=True):
+            single.plan_and_emit(build, region, device_opts, stages, meta)
+        prefix = device_prefix(rank)
+        for seg in single.qpc_segments(builds, device_opts, retained, constant_items):
+            segments.append(dataclasses.replace(seg, name=prefix + seg.name))
+        if first is None:
+            first = (builds, retained, device_opts)
+    assert first is not None
+    builds, retained, first_opts = first
+    network = single.network_desc(builds, opts, retained)
+    top = [
+        Segment("networkdesc.bin", network.to_bytes()),
+        Segment(MDP_META, json.dumps(meta_info(config, opts), sort_keys=True).encode()),
+    ]
+    with stages.stage("write-qpc"):
+        write_qpc(out_dir / "programqpc.bin", top + segments)
     if opts.mdp_dump_partition_config:
         _dump(opts.mdp_dump_partition_config, config)
     timelines = single.Timelines(builds, first_opts.device)
@@ -164,37 +149,6 @@ def compile_partitioned(
         programs={single.spec_name(b.spec): b.done()[1] for b in builds},
         _tmpdir=tmpdir,
     )
-
-
-SPILL_CHUNK = 8 << 20
-
-
-def _spilled(data: Any, path: Path) -> Iterator[memoryview]:
-    """Write a segment's bytes to `path` now; the returned iterator reads them back (for the
-    QPC writer) and removes the file once read."""
-    from compiler_core.qpc.container import _chunks
-
-    with open(path, "wb") as out:
-        for chunk in _chunks(data):
-            out.write(chunk)
-
-    def read_back() -> Iterator[memoryview]:
-        with open(path, "rb") as spill:
-            while block := spill.read(SPILL_CHUNK):
-                yield memoryview(block)
-        path.unlink(missing_ok=True)
-
-    return read_back()
-
-
-def _let_weights_go(builds: list[Any]) -> None:
-    """A device's constants are in its spill file: drop its lowered graph's and its model's
-    references to them (the metrics and warnings read shapes and programs only)."""
-    for build in builds:
-        for t in build.lowered.tensors:
-            t.data = None
-        for value in build.imported.model.graph.initializers.values():
-            value.const_value = None
 
 
 def mdp_report(config: PartitionConfig, opts: CompileOptions, timeline: Timeline) -> dict[str, Any]:

@@ -92,8 +92,9 @@ class _Sharder:
         self.count += 1
         return f"mdp_{hint}_{self.count}"
 
-    def constant(self, array: np.ndarray, hint: str) -> ir.Value:
-        name = self.fresh(hint)
+    def constant(self, array: np.ndarray, hint: str, *, named: bool = False) -> ir.Value:
+        """A new initializer; `named`: `hint` is already its (fresh) name."""
+        name = hint if named else self.fresh(hint)
         tensor = ir.tensor(np.ascontiguousarray(array), name=name)
         value = ir.Value(
             name=name,
@@ -111,15 +112,29 @@ class _Sharder:
         return self.rank * step, (self.rank + 1) * step
 
     def sliced_constant(self, value: ir.Value, axis: int) -> ir.Value:
+        """The device's block of a constant along `axis`. A weight still in the model's file
+        is sliced lazily, when its bytes are wanted (lowering, the QPC writer), and its pages
+        let go after: a compile holds no device's share of the weights in memory."""
         tensor = value.const_value
         assert tensor is not None
-        array = tensor.numpy()
-        lo, hi = self.chunk(array.shape[axis], f"constant {value.name} axis {axis}")
-        index = [slice(None)] * array.ndim
-        index[axis] = slice(lo, hi)
-        sliced = self.constant(array[tuple(index)], value.name or "weight")  # a copy
-        del array
-        release_mapping(tensor)  # a weight mapped from the model's file: its pages go
+        shape = [int(d) for d in tensor.shape.numpy()]
+        lo, hi = self.chunk(shape[axis], f"constant {value.name} axis {axis}")
+        index = tuple(slice(lo, hi) if a == axis else slice(None) for a in range(len(shape)))
+        name = self.fresh(value.name or "weight")
+        if not isinstance(tensor, ir.ExternalTensor):
+            return self.constant(tensor.numpy()[index], name, named=True)
+        shape[axis] = hi - lo
+
+        def block() -> ir.TensorProtocol:
+            part = np.ascontiguousarray(tensor.numpy()[index])
+            release_mapping(tensor)
+            return ir.tensor(part, name=name)
+
+        lazy = ir.LazyTensor(block, dtype=tensor.dtype, shape=ir.Shape(shape), name=name)
+        sliced = ir.Value(
+            name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype), const_value=lazy
+        )
+        self.graph.register_initializer(sliced)
         return sliced
 
     def split_shape(self, value: ir.Value, axis: int) -> None:
