@@ -60,6 +60,49 @@ def cnn(seed: int = 0, classes: int = 10) -> onnx.ModelProto:
     return _model(nodes, [("x", [1, 3, 16, 16])], [("y", [1, classes])], inits, "cnn")
 
 
+def cnn_bn(seed: int = 4, classes: int = 10) -> onnx.ModelProto:
+    """A ResNet-style block as exported before any pre-processing: Conv-BatchNormalization-
+    Relu, Conv-BatchNormalization, the residual Add, Relu, a Clip (Relu6) after a 1x1 Conv,
+    MaxPool, GlobalAveragePool, Flatten, Gemm."""
+    rng = np.random.default_rng(seed)
+    inits: dict[str, np.ndarray] = {
+        "w1": rng.normal(0, 0.3, (8, 3, 3, 3)).astype(np.float32),
+        "w2": rng.normal(0, 0.2, (8, 8, 3, 3)).astype(np.float32),
+        "w3": rng.normal(0, 0.3, (16, 8, 1, 1)).astype(np.float32),
+        "b3": rng.normal(0, 0.1, (16,)).astype(np.float32),
+        "lo": np.array(0.0, np.float32),
+        "hi": np.array(6.0, np.float32),
+        "fw": rng.normal(0, 0.3, (classes, 16)).astype(np.float32),
+        "fb": rng.normal(0, 0.1, (classes,)).astype(np.float32),
+    }
+    for bn in ("bn1", "bn2"):
+        inits[f"{bn}.s"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+        inits[f"{bn}.b"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
+        inits[f"{bn}.m"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
+        inits[f"{bn}.v"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+
+    def bn(name: str, x: str, y: str) -> onnx.NodeProto:
+        operands = [x, f"{name}.s", f"{name}.b", f"{name}.m", f"{name}.v"]
+        return oh.make_node("BatchNormalization", operands, [y], name=name)
+
+    nodes = [
+        oh.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        bn("bn1", "c1", "n1"),
+        oh.make_node("Relu", ["n1"], ["r1"]),
+        oh.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        bn("bn2", "c2", "n2"),
+        oh.make_node("Add", ["n2", "r1"], ["a"]),
+        oh.make_node("Relu", ["a"], ["r2"]),
+        oh.make_node("Conv", ["r2", "w3", "b3"], ["c3"]),
+        oh.make_node("Clip", ["c3", "lo", "hi"], ["r3"]),
+        oh.make_node("MaxPool", ["r3"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        oh.make_node("GlobalAveragePool", ["p"], ["g"]),
+        oh.make_node("Flatten", ["g"], ["f"]),
+        oh.make_node("Gemm", ["f", "fw", "fb"], ["y"], transB=1),
+    ]
+    return _model(nodes, [("x", [1, 3, 16, 16])], [("y", [1, classes])], inits, "cnn_bn")
+
+
 def pooled(seed: int = 2, **pool: Any) -> onnx.ModelProto:
     """Conv-Relu then a windowed AveragePool (attributes `pool`) as the output, so its own
     quantization step is the tolerance."""

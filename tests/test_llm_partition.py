@@ -537,3 +537,55 @@ def test_weights_in_an_external_file_are_sliced_as_written(tmp_path: Path) -> No
     got = _decode(result.qpc_path)
     assert got.tokens == reference.tokens
     np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
+
+
+@pytest.mark.parametrize(
+    ("heads", "d_model", "devices", "cache_heads"),
+    [(3, 48, 2, 3), (4, 64, 4, 1)],
+    ids=["3-heads-on-2-devices-keep-the-cache-whole", "4-heads-on-4-devices"],
+)
+def test_heads_the_devices_do_not_divide_stay_whole_and_still_match(
+    tmp_path: Path, heads: int, d_model: int, devices: int, cache_heads: int
+) -> None:
+    """3 heads over 2 devices: the attention runs whole on each (its inputs gathered), the
+    MLP is still sliced; the devices' programs then differ in their constants (a slice's
+    start), so transfers find their tensor by name. 4 over 4: one head each."""
+    small = kv_decoder(layers=2, heads=heads, d_model=d_model, ctx_len=40)
+    reference = greedy_decode(
+        ort_runner(small), PROMPT, 16, feed_back=True, cache=empty_cache(small)
+    )
+    flags = [f for f in _flags(tmp_path) if not f.startswith("-mdp-load-partition-config")]
+    result = compile_model(small.SerializeToString(), [*flags, f"-mdp-devices={devices}"])
+    with QpcSession(result.qpc_path) as session:
+        got = greedy_decode(session.run, PROMPT, 16, feed_back=False)
+        cache = next(iter(session.devices[devices - 1].state.values()))
+    assert got.tokens == reference.tokens
+    np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
+    assert cache.shape[1] == cache_heads
+
+
+def test_the_submit_time_fit_check_reads_the_partition_from_the_archive(
+    model: onnx.ModelProto,
+) -> None:
+    """The farm checks the fit at submit from the upload: the partition file travels in the
+    model's archive and the figures are per SoC of it."""
+    import io
+
+    from compiler_core.fit import check_upload_fit
+    from tests.api_helpers import zip_bytes
+
+    upload = zip_bytes(
+        {
+            "decoder.onnx": model.SerializeToString(),
+            "partition.json": json.dumps(TWO_DEVICES).encode(),
+        }
+    )
+    flags = ["-retained-state", "-onnx-define-symbol=batch_size,1", "-onnx-define-symbol=seq_len,1"]
+    one = check_upload_fit(io.BytesIO(upload), CompileOptions.from_flags(flags))
+    two = check_upload_fit(
+        io.BytesIO(upload),
+        CompileOptions.from_flags([*flags, "-mdp-load-partition-config=partition.json"]),
+    )
+    assert one is not None and two is not None
+    assert (one.devices, two.devices) == (1, 2)
+    assert two.kv_cache_bytes * 2 == one.kv_cache_bytes

@@ -113,6 +113,22 @@ def test_the_service_stages_have_words_and_end_states_are_named_once() -> None:
     assert stages.describe_stage("failed", stages.DONE) == "failed"
 
 
+def test_every_stage_a_compile_reports_has_words_on_the_pages(tmp_path: Path) -> None:
+    """The pages and `qpcfarm submit` show `STAGE_WORDS`; a stage the compiler reports that
+    is missing there would show as its raw name."""
+    from compiler_core import compile_model
+    from tests.conftest import tiny_model
+
+    reported: list[str] = []
+    result = compile_model(
+        tiny_model().SerializeToString(),
+        [f"-aic-binary-dir={tmp_path / 'out'}"],
+        progress=lambda stage, _fraction: reported.append(stage),
+    )
+    assert result.qpc_path
+    assert reported and set(reported) <= set(stages.STAGE_WORDS), set(reported)
+
+
 # ----------------------------------------------------------------------- option rules
 
 

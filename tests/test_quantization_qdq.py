@@ -17,6 +17,7 @@ from tests.ort_int8 import ort_int8_saturates
 from tests.quant_models import (
     calibration,
     cnn,
+    cnn_bn,
     mlp,
     ort_qdq,
     output_scales,
@@ -125,6 +126,35 @@ def test_a_kept_relu_narrows_the_producer_instead_of_a_table():
     result, _ = check_against_ort(qdq, calibration(model, 2, seed=8))
     ops = [op for _, op, _ in kernels(result)]
     assert "Relu" not in ops and ops.count("QLut") == 1, ops  # the Sigmoid's table only
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_batchnorm_relu_and_clip_after_an_integer_kernel_fold_into_its_epilogue(symmetric):
+    """quantize_static without pre-processing leaves each BatchNormalization between Q/DQ
+    pairs, and with symmetric activations each Relu gets a scale of its own: both become the
+    producing kernel's requantization (gain and new scale in its multiplier, offset in its
+    bias, the Relu/Clip in its saturation), so activations stay int8 from the input's
+    QuantizeLinear to the output's DequantizeLinear. Fusing drops the producer's own rounding
+    to its old scale: within one step of each output of ONNX Runtime's QDQ graph here."""
+    from onnxruntime.quantization import QuantType
+
+    model = cnn_bn()
+    options = {"ActivationSymmetric": True} if symmetric else {}
+    qdq = ort_qdq(
+        model,
+        calibration(model),
+        per_channel=True,
+        activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+        extra_options=options,
+    )
+    kept = {"BatchNormalization", "Relu", "Clip"} if symmetric else {"BatchNormalization"}
+    assert kept <= {n.op_type for n in qdq.graph.node}  # asymmetric: ORT drops the Relus
+    result, _ = check_against_ort(qdq, calibration(model, 4, seed=21), cores=2)
+    ops = [(op, dtype) for _, op, dtype in kernels(result)]
+    floats = [op for op, dtype in ops if dtype == "float32"]
+    assert floats == ["QuantizeLinear"], ops  # the input's quantize only
+    assert [op for op, _ in ops].count("QConv") == 3 and ("QLut", "int8") not in ops, ops
+    assert result.metrics["precision"]["fp32"]["kernels"] == 1
 
 
 def test_float_ops_between_qdq_stay_float_and_correct():

@@ -28,6 +28,7 @@ from app.api.uploads import Upload, receive_upload
 from app.domain.blobs.orphans import discarded_on_refusal
 from app.domain.db.models import JobStatus, ProfileJob, Qpc, Team
 from app.domain.db.session import unit_of_work
+from app.domain.queue import commit_then_enqueue
 from app.domain.services import profiles
 
 router = APIRouter(tags=["profiles"])
@@ -131,7 +132,8 @@ async def submit_profile(
             f"send application/json or multipart/form-data, not {media_type}",
             415,
         )
-    queue.enqueue(job.id, "profile")
+    # committed above (in the thread that wrote it); the helper keeps the order in one place
+    await run_in_threadpool(commit_then_enqueue, session, queue, [job.id], "profile")
     response.headers["Location"] = f"/v1/profiles/{job.id}"
     return ProfileOut.of(job)
 

@@ -270,9 +270,9 @@ class SemWait:
 @dataclass(frozen=True)
 class LinkSend:
     """DDR -> another device's DDR over the partition's link (multi-device partitioning): the
-    `box` of `tensor` lands at `dst_box` of tensor `dst` of device `peer` (its index in the
-    partition; its own index is a copy inside this device's DDR). The receiver counts the
-    arrival on `dst` (see LinkWait)."""
+    `box` of `tensor` lands at `dst_box` of device `peer`'s tensor of the name this program's
+    tensor `dst` has (`peer` is its index in the partition; its own index is a copy inside this
+    device's DDR). The receiver counts the arrival on that tensor (see LinkWait)."""
 
     tensor: int
     box: Box

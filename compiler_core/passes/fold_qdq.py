@@ -43,6 +43,7 @@ from compiler_core.passes.base import (
     replace_value,
     static_dims,
 )
+from compiler_core.passes.qdq_epilogue import Affine, Codes, fold_into_producer, note_fused
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,12 @@ class _Folder:
         if len(node.outputs) != 1 or op == "DequantizeLinear":
             return False
         reasons: list[str] = []
+        if op in STEPS:
+            why = self._step_into_producer(node)
+            if why is None:
+                return True
+            if op == "BatchNormalization":
+                reasons.append(f"into its producer's epilogue: {why}")
         groups = list(self._groups(node))
         for group in groups:
             if isinstance(group, str):
@@ -606,10 +613,6 @@ class _Folder:
             if value is not None and (array is None or array.size != 1):
                 raise _NoFold(f"input {index} is not a constant scalar")
             extras.append(array)
-        if node.op_type in ("Relu", "Clip") and self._narrow_producer(node, x, extras, out):
-            self._route(g.quantizers, x.value)
-            self.graph.remove(node, safe=True)
-            return
         table = self._table(node, x, extras, out)
         if table is None:
             raise _NoFold(f"{node.op_type} cannot be tabulated over the input's codes")
@@ -647,43 +650,6 @@ class _Folder:
             log.debug("fold-qdq: no table for %s", node.name, exc_info=True)
             return None
         return _quantize(np.asarray(y), out.s, out.z, out.dtype)
-
-    def _narrow_producer(
-        self, node: ir.Node, x: QParams, extras: list[np.ndarray | None], out: QParams
-    ) -> bool:
-        """A Relu/Clip on the output of our own kernel, at that kernel's scale: the kernel
-        saturates to the narrower range instead (no extra pass over the tensor)."""
-        producer = x.value.producer()
-        if producer is None or producer.domain != DOMAIN or producer.op_type == "QLut":
-            return False
-        if not x.same(out) or len(x.value.uses()) != 1:
-            return False
-        dq = node.inputs[0].producer() if node.inputs[0] is not None else None
-        if dq is None or len(dq.outputs[0].uses()) != 1:
-            return False
-        info = np.iinfo(np.dtype(out.dtype))
-        lo, hi = 0.0, float("inf")
-        if node.op_type == "Clip":
-            lo = float(extras[0]) if len(extras) > 0 and extras[0] is not None else -np.inf
-            hi = float(extras[1]) if len(extras) > 1 and extras[1] is not None else np.inf
-        code_lo = (
-            int(info.min)
-            if lo == -np.inf
-            else int(_quantize(np.array([lo]), out.s, out.z, out.dtype)[0])
-        )
-        code_hi = (
-            int(info.max)
-            if hi == np.inf
-            else int(_quantize(np.array([hi]), out.s, out.z, out.dtype)[0])
-        )
-        attrs = producer.attributes
-        old_lo = attrs["y_min"].as_int() if "y_min" in attrs else int(info.min)
-        old_hi = attrs["y_max"].as_int() if "y_max" in attrs else int(info.max)
-        producer.meta[FUSED_NODES_KEY] = [*fused_node_names(producer), *fused_node_names(node)]
-        attrs["y_min"] = ir.AttrInt64("y_min", max(old_lo, code_lo))
-        attrs["y_max"] = ir.AttrInt64("y_max", min(old_hi, code_hi))
-        self.folded.setdefault(producer.op_type, []).append(node.name or node.op_type)
-        return True
 
     def _route(self, quantizers: list[ir.Node], value: ir.Value) -> None:
         """Every quantizer's readers read `value` instead; the quantizers go."""
@@ -741,14 +707,63 @@ class _Folder:
         return result
 
     def _requantize_pair(self, node: ir.Node) -> bool:
-        """Q(DQ(x)) with the same parameters is x itself."""
+        """Q(DQ(x)) with the same parameters is x itself; with other parameters, after an
+        integer kernel, that kernel requantizes to them."""
         x = dequantized(node.inputs[0])
         out = _params(node, node.outputs[0])
-        if x is None or out is None or not x.same(out) or node.outputs[0].is_graph_output():
+        if x is None or out is None or node.outputs[0].is_graph_output():
             return False
+        if not x.same(out):
+            return self._step_into_producer(node) is None
         node.outputs[0].replace_all_uses_with(x.value)
         self.graph.remove(node, safe=True)
         return True
+
+    def _step_into_producer(self, node: ir.Node) -> str | None:
+        """A Relu, Clip, BatchNormalization or requantizing QuantizeLinear that alone reads
+        the DequantizeLinear of an integer kernel's output becomes part of that kernel's
+        epilogue (compiler_core/passes/qdq_epilogue.py); None when done, else why not."""
+        x = dequantized(node.inputs[0])
+        if x is None or not x.per_tensor:
+            return "the input is not a per-tensor DequantizeLinear output"
+        producer = x.value.producer()
+        if producer is None or producer.domain != DOMAIN:
+            return "the input is not an integer kernel's output"
+        dq = node.inputs[0].producer() if node.inputs[0] is not None else None
+        if len(x.value.uses()) != 1 or x.value.is_graph_output():
+            return "the integer kernel's output has other readers"
+        if dq is None or len(dq.outputs[0].uses()) != 1 or dq.outputs[0].is_graph_output():
+            return "the DequantizeLinear output has other readers"
+        if node.op_type == "QuantizeLinear":
+            out: QParams | None = _params(node, node.outputs[0])
+            quantizers = [node]
+        else:
+            found = quantized(node.outputs[0])
+            out, quantizers = found if found is not None else (None, [])
+        if out is None or not out.per_tensor:
+            return "the output is not quantized to one per-tensor form"
+        step = _step(node, x)
+        if isinstance(step, str):
+            return step
+        old = Codes(float(x.s), x.z, x.dtype)
+        why = fold_into_producer(
+            producer, old, Codes(float(out.s), out.z, out.dtype), step, self._const_value
+        )
+        if why is not None:
+            return why
+        chain = [node] if node.op_type != "QuantizeLinear" else []
+        note_fused(producer, chain)
+        for extra in chain:
+            self.folded.setdefault(producer.op_type, []).append(extra.name or extra.op_type)
+        name = quantizers[0].outputs[0].name
+        self._route(quantizers, x.value)
+        if not x.value.is_graph_output() and name is not None and chain:
+            x.value.name = name
+        if chain:
+            self.graph.remove(node, safe=True)
+        if not dq.outputs[0].uses():  # the next step may fold into the same kernel
+            self.graph.remove(dq, safe=True)
+        return None
 
     # -- clean-up -------------------------------------------------------------------------
 
@@ -832,6 +847,69 @@ def _group(
     return f"{whose} is not quantized to one per-tensor form by its QuantizeLinear nodes"
 
 
+STEPS = frozenset({"Relu", "Clip", "BatchNormalization"})
+"""Float steps that fold into the epilogue of the integer kernel before them."""
+
+
+def _real_const(value: ir.Value | None) -> np.ndarray | None:
+    """A float constant, or the real values of a DequantizeLinear of a constant."""
+    array = _const(value)
+    if array is not None:
+        return array.astype(np.float64) if array.dtype.kind == "f" else None
+    q = dequantized(value, int32=True)
+    if q is None or q.value.const_value is None:
+        return None
+    codes = np.asarray(q.value.const_value.numpy()).astype(np.int64)
+    if q.per_tensor:
+        return (codes - q.z).astype(np.float64) * float(q.s)
+    if codes.ndim != 1 or codes.size != q.scale.size:
+        return None
+    return (codes - q.zero.reshape(-1)) * q.scale.reshape(-1).astype(np.float64)
+
+
+def _step(node: ir.Node, x: QParams) -> Affine | str:
+    """The affine map and clip a Relu, Clip, BatchNormalization or QuantizeLinear applies."""
+    one, zero = np.ones(1), np.zeros(1)
+    op = node.op_type
+    if op == "QuantizeLinear":
+        return Affine(one, zero)
+    if op in ("Relu", "Clip"):
+        tail = _activation_tail_of(node)
+        if tail is None:
+            return f"{op}'s bounds are not constants"
+        return Affine(one, zero, tail[0], tail[1])
+    mode = node.attributes.get("training_mode")
+    if len(node.outputs) != 1 or (mode is not None and mode.as_int()):
+        return "BatchNormalization in training mode"
+    params = [_real_const(v) for v in node.inputs[1:5]]
+    if len(params) != 4 or any(p is None for p in params):
+        return "BatchNormalization's scale, bias, mean and variance are not constants"
+    scale, bias, mean, var = (np.asarray(p).reshape(-1) for p in params)  # type: ignore[arg-type]
+    eps = node.attributes["epsilon"].as_float() if "epsilon" in node.attributes else 1e-5
+    gain = scale / np.sqrt(var + eps)
+    return Affine(gain, bias - mean * gain)
+
+
+def _activation_tail_of(node: ir.Node) -> tuple[float, float] | None:
+    """A Relu's or Clip's range (Clip's bounds constant inputs or, at opset 6, attributes)."""
+    if node.op_type == "Relu":
+        return 0.0, float("inf")
+    bounds = []
+    for index in (1, 2):
+        given = node.inputs[index] if len(node.inputs) > index else None
+        array = _const(given) if given is not None else None
+        if given is not None and array is None:
+            return None
+        bounds.append(None if array is None else float(array.reshape(-1)[0]))
+    lo = bounds[0] if bounds[0] is not None else float("-inf")
+    hi = bounds[1] if bounds[1] is not None else float("inf")
+    if "min" in node.attributes:
+        lo = node.attributes["min"].as_float()
+    if "max" in node.attributes:
+        hi = node.attributes["max"].as_float()
+    return lo, hi
+
+
 def _spatial_mean(node: ir.Node, rank: int) -> bool:
     """A ReduceMean over every axis after the channels (a global average pool)."""
     if "axes" in node.attributes:
@@ -881,22 +959,8 @@ def _activation_tail(node: ir.Node) -> tuple[ir.Node, float, float] | None:
     tail = uses[0].node
     if tail.domain not in ("", "ai.onnx") or tail.op_type not in ("Relu", "Clip"):
         return None
-    if tail.op_type == "Relu":
-        return tail, 0.0, float("inf")
-    bounds = []
-    for index in (1, 2):
-        given = tail.inputs[index] if len(tail.inputs) > index else None
-        array = _const(given) if given is not None else None
-        if given is not None and array is None:
-            return None
-        bounds.append(None if array is None else float(array.reshape(-1)[0]))
-    lo = bounds[0] if bounds[0] is not None else float("-inf")
-    hi = bounds[1] if bounds[1] is not None else float("inf")
-    if "min" in tail.attributes:  # Clip-6
-        lo = tail.attributes["min"].as_float()
-    if "max" in tail.attributes:
-        hi = tail.attributes["max"].as_float()
-    return tail, lo, hi
+    bounds = _activation_tail_of(tail)
+    return None if bounds is None else (tail, *bounds)
 
 
 def _fixed(multiplier: float | np.floating) -> tuple[int, int]:

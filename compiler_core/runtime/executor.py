@@ -287,16 +287,16 @@ class Links:
                 f"{len(self.executors)}"
             )
         receiver = self.executors[instr.peer]
-        tensors = receiver.program.tensors
-        t = tensors[instr.dst] if instr.dst < len(tensors) else None
-        if t is None or t.name != dst_name or t.dtype != str(data.dtype):
+        tid = receiver.tensor_ids.get(dst_name)
+        t = None if tid is None else receiver.program.tensors[tid]
+        if t is None or tid is None or t.dtype != str(data.dtype):
             raise RuntimeFault(
                 f"device {sender}: link transfer into {dst_name}, which device {instr.peer}'s "
                 "program does not have"
             )
         _check_box(instr.dst_box, t.shape, f"link transfer into {t.name}")
         receiver.machine.tensor(t, write=True)[_view(instr.dst_box)] = data
-        receiver.arrivals[instr.dst] = receiver.arrivals.get(instr.dst, 0) + 1
+        receiver.arrivals[tid] = receiver.arrivals.get(tid, 0) + 1
 
 
 def _fault(error: Exception) -> Step:
@@ -347,6 +347,9 @@ class Executor:
         self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
         """Retained input name -> (input, output) tensor ids: one device buffer that the
         host neither sends nor receives."""
+        self.tensor_ids = {t.name: t.id for t in program.tensors}
+        """A peer's link transfer names the tensor it writes (the devices' programs have the
+        same tensors by name, not always the same ids: their constants differ)."""
         self.links: Links | None = None
         """The partition's links, for a program of a multi-device QPC (see Links)."""
         self.device_index = 0
