@@ -265,6 +265,7 @@ class _Builder:
                 attrs=dict(s.attrs),
                 opset=self.opset,
                 out_dtype=out_dtype,
+                domain=s.domain,
             )
             for s in steps
         )

@@ -61,6 +61,9 @@ class EpilogueDesc:
     attrs: dict[str, Any]
     opset: int
     out_dtype: str
+    domain: str = ""
+    """The step's op domain: "" for ONNX ops, the compiler's own for an integer step (a QAdd
+    after a QConv)."""
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,7 @@ def _tables_json(program: Program) -> bytes:
                         "attrs": _jsonable(e.attrs),
                         "opset": e.opset,
                         "out_dtype": e.out_dtype,
+                        **({"domain": e.domain} if e.domain else {}),
                     }
                     for e in k.epilogue
                 ],
@@ -719,6 +723,7 @@ def decode_program(data: bytes | memoryview) -> Program:
                         attrs=_unjson(e["attrs"]),
                         opset=e["opset"],
                         out_dtype=e["out_dtype"],
+                        domain=e.get("domain", ""),
                     )
                     for e in k["epilogue"]
                 ),

@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from compiler_core.fusion import BASE_INPUTS_KEY, EPILOGUE_KEY, FUSED_NODES_KEY, EpilogueStep
 from compiler_core.nodeinfo import attribute_value
-from compiler_core.ops.registry import REGISTRY
+from compiler_core.ops.registry import QPCFARM_DOMAIN, REGISTRY
 from compiler_core.passes.base import (
     GraphPass,
     has_subgraph,
@@ -152,9 +152,16 @@ def check_epilogue(producer: ir.Node, opset: int) -> tuple[ir.Node | None, list[
     return consumer, reasons
 
 
+INTEGER_STEPS = frozenset({"QAdd", "QMul"})
+"""The compiler's own int8 elementwise kernels that run as a step of the kernel before them
+(a residual QAdd after a QConv: the sum is formed while the QConv's codes are in VTCM)."""
+
+
 def _elementwise(node: ir.Node, opset: int) -> bool:
-    """Only default-domain ops become epilogue steps: a step is read at the network's ai.onnx
-    opset (an ai.onnx.ml Binarizer stays a kernel of its own)."""
+    """Default-domain elementwise ops become epilogue steps (a step is read at the network's
+    ai.onnx opset: an ai.onnx.ml Binarizer stays a kernel of its own), and the integer steps."""
+    if node.domain == QPCFARM_DOMAIN:
+        return node.op_type in INTEGER_STEPS
     if node.domain not in ("", "ai.onnx"):
         return False
     opdef = REGISTRY.lookup(node.op_type, node.domain, opset)

@@ -322,7 +322,7 @@ class Executor:
             _Kernel(
                 desc=k,
                 opdef=_lookup(k.info.op_type, k.info.domain, k.info.opset),
-                steps=[(_lookup(e.op_type, "", e.opset), e) for e in k.epilogue],
+                steps=[(_lookup(e.op_type, e.domain, e.opset), e) for e in k.epilogue],
             )
             for k in program.kernels
         ]
