@@ -1,11 +1,14 @@
 """LLM benchmark: GPT-J-6B's shape compiled as users compile LLMs for the card (prefill and
 decode specializations in one QPC, the KV cache as retained state), in fp16 and with MXFP6
 weights, on the modelled AIC100 Standard; the fit check of OPT-13B's shape; and a 7 B decoder's
-decode on 1, 2 and 4 SoCs of an Ultra card (multi-device partitioning, `mdp-7b`).
+decode on 1, 2 and 4 SoCs of an Ultra card (multi-device partitioning, `mdp-7b`); and what
+compiling that 7 B decoder with prefill and decode specializations takes (`7b-compile`: wall
+time, CPU time, peak RSS, optionally beside another checkout of the compiler).
 
     python bench/llm.py [--work DIR]
-        [--cases gptj-fp16,gptj-mxfp6,opt13b-fit,cb-fp16,cb-mxint8,mdp-7b]
-        [--cores 14] [--keep] [--json OUT] [--mdp-layers 32]
+        [--cases gptj-fp16,gptj-mxfp6,opt13b-fit,cb-fp16,cb-mxint8,mdp-7b,7b-compile]
+        [--cores 14] [--keep] [--json OUT] [--mdp-layers 32] [--compile-socs 1,4]
+        [--before DIR]
 
 Every figure is the compiler's own estimate (`-aic-perf-metrics`, its `llm` section) of the
 program it emitted: decode tokens/s (batch 1, a context of 2048, so attention reads every
@@ -108,7 +111,9 @@ from compiler_core.compile import compile_model
 model, out, flags = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 result = compile_model(model, flags)
 json.dump(result.metrics, open(out, "w"))
-open(out + ".rss", "w").write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+usage = resource.getrusage(resource.RUSAGE_SELF)
+open(out + ".rss", "w").write(str(usage.ru_maxrss))
+open(out + ".cpu", "w").write(str(usage.ru_utime + usage.ru_stime))
 """
 
 
@@ -357,6 +362,124 @@ def run_mdp(
     return rows
 
 
+@dataclass
+class CompileRow:
+    """One compile of the 7 B decoder (`7b-compile`): what it took, by this tree or another."""
+
+    case: str
+    tree: str
+    """"this" or the other checkout's path (`--before`)."""
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss_mib: float = 0.0
+    qpc_gb: float = 0.0
+    error: str = ""
+
+
+def run_compile_7b(
+    work: Path, layers: int, keep: bool, socs: tuple[int, ...], before: Path | None
+) -> list[CompileRow]:
+    """Issue 20 item 7: the 7 B decoder compiled as users compile it (prefill of 1024 tokens
+    and decode specializations in one QPC, `-retained-state`, perf metrics computed), on one
+    SoC of an Ultra card (16 cores) and partitioned over `socs` SoCs; wall time, CPU time and
+    peak RSS of the compiling process. With `--before DIR` each compile is repeated by that
+    checkout of the compiler (e.g. a `git worktree` of main before a change), side by side."""
+    from transformer_models import write_decoder
+
+    spec = llama7b("seq_len", layers)
+    model = write_decoder(spec, work / "models", "float16")
+    specs = work / "specializations-7b.json"
+    specs.write_text(
+        json.dumps(
+            {
+                "specializations": [
+                    {"batch": "1", "seq_len": str(PROMPT)},
+                    {"batch": "1", "seq_len": "1"},
+                ]
+            }
+        )
+    )
+    trees: list[tuple[str, Path | None]] = [("this", None)]
+    if before is not None:
+        trees.append((str(before), before))
+    rows: list[CompileRow] = []
+    for n in socs:
+        case = f"7b-l{layers}-prefill+decode-{n}soc"
+        flags = [
+            f"-aic-device={ULTRA}",
+            "-aic-num-cores=16",
+            f"-network-specialization-config={specs}",
+            "-retained-state",
+            "-aic-perf-metrics",
+        ]
+        if n > 1:
+            flags.append(f"-mdp-load-partition-config={_partition_file(work, n)}")
+        for tree, checkout in trees:
+            row = CompileRow(case=case, tree=tree)
+            out = work / f"qpc-{case}-{len(rows)}"
+            metrics = work / f"{case}-{len(rows)}.json"
+            env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
+            try:
+                start = time.perf_counter()
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        CHILD,
+                        str(model),
+                        str(metrics),
+                        json.dumps([*flags, f"-aic-binary-dir={out}"]),
+                    ],
+                    cwd=ROOT if checkout is None else checkout,
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                row.wall_s = round(time.perf_counter() - start, 1)
+                row.cpu_s = round(float(Path(str(metrics) + ".cpu").read_text()), 1)
+                row.peak_rss_mib = round(int(Path(str(metrics) + ".rss").read_text()) / 1024)
+                row.qpc_gb = round(sum(f.stat().st_size for f in out.iterdir()) / 1e9, 2)
+            except subprocess.CalledProcessError as exc:
+                lines = (exc.stderr or "").strip().splitlines()
+                row.error = lines[-1] if lines else f"compile failed ({exc.returncode})"
+            finally:
+                if not keep:
+                    shutil.rmtree(out, ignore_errors=True)
+            rows.append(row)
+            print(json.dumps(asdict(row)), flush=True)
+    return rows
+
+
+def _partition_file(work: Path, socs: int) -> Path:
+    """One partition over SoCs 0..socs-1 of the card, connected p2p (tensor slicing)."""
+    path = work / f"partition-{socs}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "connections": [{"devices": list(range(socs)), "type": "p2p"}],
+                "partitions": [
+                    {
+                        "name": "Partition0",
+                        "devices": [{"deviceId": d, "numCores": 16} for d in range(socs)],
+                    }
+                ],
+            }
+        )
+    )
+    return path
+
+
+def _print_compiles(rows: list[CompileRow]) -> None:
+    print("| case | compiled by | wall s | CPU s | peak RSS MiB | QPC GB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.case} | {r.tree} | {r.wall_s} | {r.cpu_s} | {r.peak_rss_mib} | {r.qpc_gb} |"
+            + (f" {r.error}" if r.error else "")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=None)
@@ -370,10 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mdp-layers", type=int, default=32, help="layers of the 7 B shape (fewer: a quick run)"
     )
+    parser.add_argument(
+        "--compile-socs", default="1,4", help="SoC counts of 7b-compile (prefill + decode)"
+    )
+    parser.add_argument(
+        "--before", type=Path, default=None, help="7b-compile: also compile with this checkout"
+    )
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="qpcfarm-llm-"))
     work.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
+    compiles: list[CompileRow] = []
     cases = args.cases.split(",")
     try:
         if "opt13b-fit" in cases:
@@ -385,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         if "mdp-7b" in cases:
             socs = tuple(int(n) for n in args.mdp_socs.split(","))
             rows += run_mdp(work, args.mdp_layers, args.keep, socs)
+        if "7b-compile" in cases:
+            socs = tuple(int(n) for n in args.compile_socs.split(","))
+            compiles = run_compile_7b(work, args.mdp_layers, args.keep, socs, args.before)
         for case in ("gptj-fp16", "gptj-mxfp6"):
             if case in cases:
                 rows.append(run_gptj(work, args.cores, case.endswith("mxfp6"), args.keep))
@@ -393,9 +526,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work / "models", ignore_errors=True)
             shutil.rmtree(work / "opt13b", ignore_errors=True)
-    _print(rows)
+    if rows:
+        _print(rows)
+    if compiles:
+        _print_compiles(compiles)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        records = [asdict(r) for r in rows] + [asdict(r) for r in compiles]
+        args.json.write_text(json.dumps(records, indent=2))
     return 0
 
 

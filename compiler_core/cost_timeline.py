@@ -327,7 +327,8 @@ class Calendar:
         # whole buckets from here on: each moves min(what it has left, the engine's share)
         engine = max_rate * BUCKET_CYCLES
         b += 1
-        width = self.FIRST_WINDOW
+        # as many buckets as the engine alone needs (more windows when others booked them)
+        width = max(self.FIRST_WINDOW, int(remaining / engine) + 2)
         while True:
             window = self._reach(b + width)[b : b + width]
             takes = np.minimum(window, engine)

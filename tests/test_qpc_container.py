@@ -437,6 +437,7 @@ def test_a_well_formed_qpc_passes_every_check() -> None:
         "container",
         "checksums",
         "required-segments",
+        "container-fields",
         "network-descriptor",
         "program-decodes",
         "constants-descriptor",
@@ -448,6 +449,24 @@ def test_a_well_formed_qpc_passes_every_check() -> None:
     ]
     assert report.device == "aic100-standard"
     assert json.loads(json.dumps(report.to_dict()))["ok"] is True
+
+
+def test_every_byte_of_our_qpc_no_checksum_covers_is_checked_by_validation() -> None:
+    """The header's base, each record's per-segment value and the zero padding are outside
+    every CRC: a change to any of them is a failing check, not a valid QPC."""
+    good = qpc_bytes(our_segments())
+    assert validate_qpc(good).ok
+    accepted = []
+    for offset in range(len(good)):
+        damaged = bytearray(good)
+        damaged[offset] ^= 0x5A
+        if validate_qpc(bytes(damaged)).ok:
+            accepted.append(offset)
+    assert accepted == []
+    base = bytearray(good)
+    struct.pack_into("<Q", base, 16, 7)
+    check = validate_qpc(bytes(base)).check("container-fields")
+    assert not check.ok and "header base is 7" in check.message
 
 
 def test_validate_reads_a_path_and_loaded_qpcs(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ its two output axes, honouring transA/transB and the broadcast of C. Einsum runs
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import DTypeLike
 
@@ -113,7 +115,7 @@ def matmul_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
     rows = shape[-2] if len(a) >= 2 else 1
     cols = shape[-1] if len(b) >= 2 else 1
     n_batch = len(shape) - (len(a) >= 2) - (len(b) >= 2)
-    batch = int(np.prod(shape[:n_batch], dtype=np.int64))
+    batch = math.prod(shape[:n_batch])  # per tile in the timeline: math, not numpy
     if len(b) <= 2:  # one weight matrix for every batch entry: the batch is more rows
         return HmxShape(rows * batch, int(a[-1]), cols)
     return HmxShape(rows, int(a[-1]), cols, batch)

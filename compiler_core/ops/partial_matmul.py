@@ -17,6 +17,7 @@ Inputs are the original A and B (B 2-D), so weights keep their layout in `consta
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -110,7 +111,7 @@ def partial_hmx(node: NodeInfo, out_box: Box) -> HmxShape:
     bounds = slice_bounds(_depth(node), int(node.attr("slices")))
     p0, p1 = out_box[0]
     depth = max(bounds[p + 1] - bounds[p] for p in range(p0, p1))
-    rows = int(np.prod(shape[1:-1], dtype=np.int64))
+    rows = math.prod(shape[1:-1])
     return HmxShape(rows, depth, shape[-1], p1 - p0)
 
 

@@ -402,6 +402,11 @@ class Qpc:
                     )
         return problems
 
+    @property
+    def file_view(self) -> memoryview:
+        """The whole file's bytes (valid until `close()`)."""
+        return self._view
+
     def close(self) -> None:
         for view in (*self.segments.values(), self._view):
             try:

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 from compiler_core.errors import CompileError
 from compiler_core.qpc.container import (
     CRC_SUFFIX,
+    HEADER_SIZE,
     MDP_META,
+    RECORD_SIZE,
     ConstantEntry,
     Qpc,
     QpcSource,
@@ -104,6 +106,49 @@ def _checksums(qpc: Qpc) -> str:
     if not crcs:
         return "no checksum segments (optional in vendor QPCs)"
     return f"{_plural(len(crcs), 'checksum')} match"
+
+
+def _container_fields(qpc: Qpc) -> str:
+    """The header and record fields no checksum covers hold what qpcfarm writes (a QPC whose
+    `base` or a record's per-segment value was changed is tampered, not valid)."""
+    problems = []
+    if qpc.header.base != 0:
+        problems.append(f"header base is {qpc.header.base}, qpcfarm writes 0")
+    for record in qpc.records:
+        constants = record.name.rsplit("/", 1)[-1] == "constants.bin"
+        expected = record.size if constants else 0
+        if record.offset_field != expected:
+            problems.append(
+                f"segment {record.name!r}: per-segment value {record.offset_field}, qpcfarm "
+                f"writes {expected}"
+                + (" (its size: all constants are static)" if constants else "")
+            )
+    problems += _nonzero_padding(qpc)
+    if problems:
+        raise _Fail("; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else ""))
+    return (
+        f"header, {_plural(len(qpc.records), 'segment record')} and padding as qpcfarm writes them"
+    )
+
+
+def _nonzero_padding(qpc: Qpc) -> list[str]:
+    """Bytes outside the header, table, names and data are padding, written as zeros."""
+    view = qpc.file_view
+    regions = [
+        (0, HEADER_SIZE),
+        (qpc.header.table_offset, qpc.header.table_offset + RECORD_SIZE * len(qpc.records)),
+    ]
+    for record in qpc.records:
+        regions.append((record.name_offset, record.name_offset + len(record.name.encode()) + 1))
+        regions.append((record.data_offset, record.data_offset + record.size))
+    regions.sort()
+    problems = []
+    position = 0
+    for start, end in [*regions, (len(view), len(view))]:
+        if start > position and any(view[position:start]):
+            problems.append(f"non-zero padding in bytes [{position}, {start})")
+        position = max(position, end)
+    return problems
 
 
 def _required_segments(qpc: Qpc) -> str:
@@ -356,9 +401,11 @@ def _validate_loaded(checks: _Checks, qpc: Qpc, profile: DeviceProfile | None) -
     checks.run("checksums", lambda: _checksums(qpc))
     checks.run("required-segments", lambda: _required_segments(qpc))
     if not qpc.is_qpcfarm:
+        checks.skip("container-fields", SKIPPED_VENDOR)
         for name in OUR_CHECKS + (DEVICE_CHECKS if profile else ()):
             checks.skip(name, SKIPPED_VENDOR)
         return
+    checks.run("container-fields", lambda: _container_fields(qpc))
     net_ok = checks.run("network-descriptor", lambda: _network_descriptor(qpc))
     net = qpc.network if net_ok else None
     if MDP_META in qpc.segments and not checks.run("partition", lambda: _partition(qpc)):
