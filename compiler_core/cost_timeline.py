@@ -432,8 +432,9 @@ class _Scheduler:
         self.ring: list[int] = []
         landed = 0.0
         retained = program.retained  # on the device already: never crosses the host link
+        linked = program.linked_ports  # from another device, over a link
         for t in program.inputs:
-            landed += 0 if t in retained else tensors[t].nbytes
+            landed += 0 if t in retained or tensors[t].name in linked else tensors[t].nbytes
             ring = 0 if inputs_ready else landed / HOST_LINK_BYTES_PER_S * device.clock_hz
             self.ring.append(int(np.ceil(ring)))
         self.input_ranges = [

@@ -75,11 +75,11 @@ def cnn_bn(seed: int = 4, classes: int = 10) -> onnx.ModelProto:
         "fw": rng.normal(0, 0.3, (classes, 16)).astype(np.float32),
         "fb": rng.normal(0, 0.1, (classes,)).astype(np.float32),
     }
-    for bn in ("bn1", "bn2"):
-        inits[f"{bn}.s"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
-        inits[f"{bn}.b"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
-        inits[f"{bn}.m"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
-        inits[f"{bn}.v"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+    for norm in ("bn1", "bn2"):
+        inits[f"{norm}.s"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+        inits[f"{norm}.b"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
+        inits[f"{norm}.m"] = rng.uniform(-0.2, 0.2, 8).astype(np.float32)
+        inits[f"{norm}.v"] = rng.uniform(0.5, 1.5, 8).astype(np.float32)
 
     def bn(name: str, x: str, y: str) -> onnx.NodeProto:
         operands = [x, f"{name}.s", f"{name}.b", f"{name}.m", f"{name}.v"]

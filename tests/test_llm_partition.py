@@ -589,3 +589,67 @@ def test_the_submit_time_fit_check_reads_the_partition_from_the_archive(
     assert one is not None and two is not None
     assert (one.devices, two.devices) == (1, 2)
     assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
+
+
+def _stages(*parts: list[int], cores: int = 2) -> dict:
+    return {
+        "connections": [{"devices": [d for p in parts for d in p], "type": "p2p"}],
+        "partitions": [
+            {"name": f"Stage{i}", "devices": [{"deviceId": d, "numCores": cores} for d in p]}
+            for i, p in enumerate(parts)
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "parts", [([0], [1]), ([0, 1], [2, 3])], ids=["2-stages", "2-stages-of-2-devices"]
+)
+def test_pipeline_stages_decode_equals_onnx_runtime(
+    model: onnx.ModelProto, reference: Generation, tmp_path: Path, parts: tuple[list[int], ...]
+) -> None:
+    """Several partitions are pipeline stages: each runs its layers (its own devices slicing
+    them), the stage before sends the hidden state, mask and write index to the next."""
+    result = compile_model(model.SerializeToString(), _flags(tmp_path, config=_stages(*parts)))
+    got = _decode(result.qpc_path)
+    assert got.tokens == reference.tokens
+    np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
+    with QpcSession(result.qpc_path) as session:
+        caches = [set(d.state) for d in session.devices]
+    first, last = caches[0], caches[-1]
+    assert first and last and not first & last  # each stage keeps its own layers' caches
+    assert first | last == set(past_names(LAYERS))
+
+
+def test_a_stage_that_reads_its_inputs_before_they_land_is_caught(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    result = compile_model(model.SerializeToString(), _flags(tmp_path, config=_stages([0], [1])))
+    with QpcSession(result.qpc_path) as session:
+        device = session.devices[1]
+        program = device._container.program(device.specializations[0].program)
+        assert isinstance(program.streams[0][0], LinkWait)
+        del program.streams[0][0]
+        with pytest.raises(RuntimeFault, match="before a link wait saw their transfers land"):
+            session.run({"input_ids": PROMPT, "position_ids": np.arange(8)[None]})
+
+
+def test_a_pipeline_step_is_its_stages_one_after_another(
+    model: onnx.ModelProto, tmp_path: Path
+) -> None:
+    from compiler_core.devices import P2P_LATENCY_S
+
+    result = compile_model(model.SerializeToString(), _flags(tmp_path, config=_stages([0], [1])))
+    metrics = result.metrics
+    decode = "batch_size=1,seq_len=1"
+    stages = metrics["pipeline_stage_latency_us"][decode]
+    assert len(stages) == 2 and all(s > 0 for s in stages)
+    total = metrics["specializations"][decode]["estimated_latency_us"]
+    assert total == pytest.approx(sum(stages) + P2P_LATENCY_S * 1e6, abs=1e-3)
+    tokens = next(d for d in metrics["llm"]["decode"] if d["specialization"] == decode)
+    assert tokens["tokens_per_s"] == pytest.approx(1e6 / total, rel=1e-3)
+    with load_qpc(result.qpc_path) as qpc:
+        meta = qpc.mdp
+        assert meta is not None
+        assert [d["stage"] for d in meta["devices"]] == [0, 1]
+        assert meta["devices"][1]["receives"]  # what stage 0 sends it
+    assert validate_qpc(result.qpc_path, "aic100-ultra").ok

@@ -307,3 +307,58 @@ def test_aic_perf_warnings_name_the_nodes_left_float_and_why() -> None:
     finally:
         quiet.cleanup()
         loud.cleanup()
+
+
+def _boundary_params(qdq: onnx.ModelProto, op: str, name: str) -> tuple[float, int]:
+    """The scale and zero point of the QuantizeLinear reading input `name` (op
+    QuantizeLinear) or of the DequantizeLinear writing output `name`."""
+    from onnx import numpy_helper
+
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    for node in qdq.graph.node:
+        if node.op_type == op and name in (node.input[0], node.output[0]):
+            return float(inits[node.input[1]]), int(inits[node.input[2]])
+    raise AssertionError(f"no {op} at {name}")
+
+
+def test_integer_custom_io_moves_the_boundary_quantize_and_dequantize_to_the_host(tmp_path):
+    """`-custom-IO-list-file` with int8 for the input and the output: the host sends the
+    input's codes (quantized with the model's own QuantizeLinear parameters) and receives the
+    output's codes; the program has no float kernel left, a quarter of the input bytes cross
+    the host link, and the codes dequantized are ONNX Runtime's result within one step."""
+    model = cnn_bn()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    listing = tmp_path / "io.yaml"
+    listing.write_text("- IOName: x\n  Precision: int8\n- IOName: y\n  Precision: int8\n")
+    floats = compile_model(qdq, ["-aic-num-cores=2"])
+    ints = compile_model(qdq, ["-aic-num-cores=2", f"-custom-IO-list-file={listing}"])
+    try:
+        ops = [(op, dtype) for _, op, dtype in kernels(ints)]
+        assert all(dtype == "int8" for _, dtype in ops), ops
+        assert ints.metrics["host_transfer_us"] < floats.metrics["host_transfer_us"]
+        xs, xz = _boundary_params(qdq, "QuantizeLinear", "x")
+        ys, yz = _boundary_params(qdq, "DequantizeLinear", "y")
+        for feeds in calibration(model, 3, seed=5):
+            codes = np.clip(np.rint(feeds["x"] / np.float32(xs)) + xz, -128, 127).astype(np.int8)
+            y = run_qpc(ints.qpc_path, {"x": codes})["y"]
+            assert y.dtype == np.int8
+            ref = run_ort(qdq, feeds, optimize=False)[0]
+            real = (y.astype(np.float32) - yz) * np.float32(ys)
+            assert np.abs(real - ref).max() <= ys * (1 + 1e-5)
+    finally:
+        floats.cleanup()
+        ints.cleanup()
+
+
+def test_integer_custom_io_on_a_float_boundary_names_the_entry(tmp_path):
+    from compiler_core.errors import CompileError
+
+    model = cnn_bn()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    listing = tmp_path / "io.yaml"
+    listing.write_text("- IOName: x\n  Precision: uint8\n")  # its QuantizeLinear writes int8
+    with pytest.raises(CompileError, match=r"'x' \(uint8\).*QuantizeLinear"):
+        compile_model(qdq, ["-aic-num-cores=1", f"-custom-IO-list-file={listing}"])
+    listing.write_text("- IOName: x\n  Precision: int8\n")
+    with pytest.raises(CompileError, match=r"'x' \(int8\) must be read only by QuantizeLinear"):
+        compile_model(model, ["-aic-num-cores=1", f"-custom-IO-list-file={listing}"])

@@ -334,8 +334,9 @@ class _Builder:
         dst_box = tuple(
             (rank * part, (rank + 1) * part) if a == axis else rng for a, rng in enumerate(box)
         )
+        first = int(info.attr("first", 0))  # the partition's devices among all (pipelines)
         order = [rank, *(p for p in range(devices) if p != rank)]  # own copy first
-        for peer in order:
+        for peer in (first + p for p in order):
             self.ops.append(
                 Op(core=0, kind=LINK_SEND, kernel=k, tensor=x, box=box, dst_box=dst_box, mask=peer)
             )

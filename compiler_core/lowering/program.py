@@ -338,13 +338,22 @@ class Program:
         one device buffer that never crosses the host link."""
         return {int(i): int(o) for i, o in self.meta.get("retained_state", [])}
 
+    @property
+    def linked_ports(self) -> set[str]:
+        """A pipeline stage's inputs other stages send it and outputs it sends them (by
+        name): they cross a link between devices, not the host's."""
+        mdp = self.meta.get("mdp", {})
+        return {*mdp.get("receives", ()), *mdp.get("sends", ())}
+
     def host_ports(self) -> tuple[list[int], list[int]]:
-        """The inputs the host sends and the outputs it receives (retained state excluded)."""
+        """The inputs the host sends and the outputs it receives (retained state and a
+        pipeline stage's linked ports excluded)."""
         retained = self.retained
         kept = set(retained.values())
+        linked = self.linked_ports
         return (
-            [t for t in self.inputs if t not in retained],
-            [t for t in self.outputs if t not in kept],
+            [t for t in self.inputs if t not in retained and self.tensors[t].name not in linked],
+            [t for t in self.outputs if t not in kept and self.tensors[t].name not in linked],
         )
 
 

@@ -5,7 +5,8 @@
                      "devices": [{"deviceId": 0, "numCores": 16}, {"deviceId": 1, ...}]}]}
 
 A partition over several devices is tensor slicing (every device holds a slice of every
-layer); devices listed in a `connections` entry of type `p2p` exchange data peer to peer
+layer); several partitions are pipeline stages (each runs its share of the layers); devices
+listed in a `connections` entry of type `p2p` exchange data peer to peer
 through their card's PCIe switch, any other pair through the host. Device ids number the SoCs
 of the host card after card (compiler_core.devices). Every mistake is a CompileError
 `invalid_partition_config` naming the field.
@@ -62,9 +63,9 @@ class PartitionConfig:
         return link_between(kind, device.card_of(a) == device.card_of(b))
 
     def slowest_link(self, device: DeviceProfile) -> Link | None:
-        """The link an exchange among all devices of the first partition waits for (the
-        slowest pair: an all-gather ends when its last part lands), or None for one device."""
-        ids = [d.device_id for d in self.partitions[0].devices]
+        """The link an exchange among the devices waits for (the slowest pair: an all-gather
+        ends when its last part lands), or None for one device."""
+        ids = [d.device_id for d in self.devices]
         links = [self.link(device, a, b) for i, a in enumerate(ids) for b in ids[i + 1 :]]
         return max(links, key=lambda k: k.seconds(1 << 16), default=None)
 
@@ -182,13 +183,7 @@ def parse_partition_config(text: str | bytes, device: DeviceProfile) -> Partitio
                 devices=strangers,
             )
         connections.append((str(kind), frozenset(members)))
-    config = PartitionConfig(tuple(partitions), tuple(connections))
-    if len(config.partitions) > 1:
-        raise _bad(
-            f"{len(config.partitions)} partitions: pipeline stages across partitions are not "
-            "supported yet; give one partition whose devices share every layer (tensor slicing)"
-        )
-    return config
+    return PartitionConfig(tuple(partitions), tuple(connections))
 
 
 def single_device(cores: int) -> PartitionConfig:

@@ -66,11 +66,13 @@ def _dims(value: ir.Value) -> list[int]:
 
 
 class _Sharder:
-    def __init__(self, model: ir.Model, devices: int, rank: int) -> None:
+    def __init__(self, model: ir.Model, devices: int, rank: int, first: int = 0) -> None:
         self.model = model
         self.graph = model.graph
         self.n = devices
         self.rank = rank
+        self.first = first
+        """The partition's first device among all of the config's (pipeline stages)."""
         self.opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 13))
         self.state: dict[ir.Value, Placement] = {}
         self.whole: dict[ir.Value, ir.Value] = {}
@@ -175,6 +177,7 @@ class _Sharder:
                 axis=place.axis,
                 devices=self.n,
                 rank=self.rank,
+                first=self.first,
             )
             full = list(dims)
             full[place.axis] *= self.n
@@ -184,7 +187,14 @@ class _Sharder:
             stacked = self.node("Reshape", [value, shape], before)
             stacked.shape, stacked.type = ir.Shape([1, *dims]), ir.TensorType(dtype)  # type: ignore[arg-type]
             parts = self.node(
-                "AllGather", [stacked], before, DOMAIN, axis=0, devices=self.n, rank=self.rank
+                "AllGather",
+                [stacked],
+                before,
+                DOMAIN,
+                axis=0,
+                devices=self.n,
+                rank=self.rank,
+                first=self.first,
             )
             parts.shape, parts.type = ir.Shape([self.n, *dims]), ir.TensorType(dtype)  # type: ignore[arg-type]
             if self.opset >= 13:
@@ -430,13 +440,14 @@ class _Sharder:
         self.graph.sort()
 
 
-def shard_model(model: ir.Model, devices: int, rank: int) -> ir.Model:
+def shard_model(model: ir.Model, devices: int, rank: int, first: int = 0) -> ir.Model:
     """Device `rank`'s graph of `model` sliced over `devices` devices (a new model; the
-    original's tensors are shared, not copied)."""
+    original's tensors are shared, not copied); `first`: the index of the partition's first
+    device among the config's, which link transfers name."""
     if devices == 1:
         return model
     clone = model.clone()
     if DOMAIN not in clone.opset_imports:
         clone.opset_imports[DOMAIN] = 1
-    _Sharder(clone, devices, rank).run()
+    _Sharder(clone, devices, rank, first).run()
     return clone

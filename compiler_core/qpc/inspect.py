@@ -104,7 +104,11 @@ def _partition_summary(qpc: Qpc, mdp: dict[str, Any]) -> dict[str, Any]:
     """A multi-device QPC: each device's SoC id, cores and program size, and the link."""
     devices = []
     for index, d in enumerate(mdp["devices"]):
-        entry: dict[str, Any] = {"device_id": d["deviceId"], "num_cores": d["numCores"]}
+        entry: dict[str, Any] = {
+            "device_id": d["deviceId"],
+            "num_cores": d["numCores"],
+            "stage": d.get("stage", 0),
+        }
         try:
             device = qpc.device(index)
             program = device.program()
@@ -216,9 +220,10 @@ def render_inspect(d: dict[str, Any]) -> str:
                 if "ddr_size" in dev
                 else f"does not decode: {dev.get('error')}"
             )
+            stage = f"stage {dev['stage']}, " if any(x["stage"] for x in mdp["devices"]) else ""
             lines.append(
-                f"  device {index}: SoC {dev['device_id']}, {_count(dev['num_cores'], 'core')}, "
-                + detail
+                f"  device {index}: {stage}SoC {dev['device_id']}, "
+                f"{_count(dev['num_cores'], 'core')}, " + detail
             )
         lines.append("Device 0:")
     count = d.get("constants_count")

@@ -361,7 +361,9 @@ class Executor:
             program.tensors[i.dst if isinstance(i, LinkSend) else i.tensor]
             for stream in program.streams
             for i in stream
-            if isinstance(i, LinkSend | LinkWait)
+            if isinstance(i, LinkWait) or (isinstance(i, LinkSend) and i.kernel >= 0)
+        ] + [  # a pipeline stage's inputs from the stage before
+            t for t in program.tensors if t.name in program.meta.get("mdp", {}).get("receives", ())
         ]
         """Tensors other devices write (the partition's programs send into the same tensors
         of each device): reading one before a LinkWait on it is a race."""

@@ -229,9 +229,7 @@ def warn(report: NumericsReport) -> None:
     warnings.warn(NonFiniteWarning(report), stacklevel=3)
 
 
-def diagnose(
-    program: Program, outputs: Mapping[str, Counts], probe: FiniteProbe
-) -> NumericsReport:
+def diagnose(program: Program, outputs: Mapping[str, Counts], probe: FiniteProbe) -> NumericsReport:
     """Follow the non-finite outputs back through the kernels the probe saw."""
     tensors = program.tensors
     producers: dict[int, list[int]] = {}

@@ -45,11 +45,15 @@ class QpcSession:
         self._container: Qpc = qpc if isinstance(qpc, Qpc) else load_qpc(qpc)
         self.devices: list[QpcSession] = []
         """A multi-device QPC's sessions, one per device of its partition (see run)."""
+        self.linked: set[str] = set()
+        """A pipeline stage's ports other stages feed or read (not the host's)."""
         meta = self._container.mdp
         if meta is not None:
             self.devices = [
                 QpcSession(self._container.device(i)) for i in range(len(meta["devices"]))
             ]
+            for device, entry in zip(self.devices, meta["devices"], strict=True):
+                device.linked = {*entry.get("receives", ()), *entry.get("sends", ())}
         network = self._container.network
         if network is None:
             self._container.close()
@@ -172,11 +176,13 @@ class QpcSession:
         its program until it waits for a link or a semaphore, device after device, until all
         are done (a device that never gets what it waits for is a deadlock); the outputs are
         device 0's (the partition's programs make them whole on every device)."""
-        executors = [d._executor(d.select(inputs)) for d in self.devices]
+        spec = self.specializations.index(self.select(inputs))  # the same on every device
+        feeds = [self._device_inputs(d, inputs) for d in self.devices]
+        executors = [d._executor(d.specializations[spec]) for d in self.devices]
         Links(executors)
         with np.errstate(all="ignore"):
-            for executor in executors:
-                executor.begin(inputs)
+            for executor, feed in zip(executors, feeds, strict=True):
+                executor.begin(feed)
             finished = [False] * len(executors)
             while not all(finished):
                 moved = False
@@ -193,7 +199,25 @@ class QpcSession:
                         for s in e.stuck()
                     ]
                     raise RuntimeFault("deadlock: " + "; ".join(stuck))
-            return executors[0].finish()
+            outputs: dict[str, np.ndarray] = {}
+            for executor in executors:  # pipeline stages: each its own outputs
+                for name, value in executor.finish().items():
+                    outputs.setdefault(name, value)
+            return outputs
+
+    def _device_inputs(
+        self, device: QpcSession, inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """The host inputs a device's program takes (a pipeline stage takes its own)."""
+        wanted = {io.name for s in device.specializations for io in device._host_inputs(s)}
+        unknown = sorted(set(inputs) - {io.name for io in self.network.inputs})
+        if unknown:
+            raise CompileError(
+                "bad_inputs",
+                f"unknown inputs {unknown}; the network takes "
+                f"{sorted(io.name for io in self.network.inputs if io.name not in self.retained)}",
+            )
+        return {name: value for name, value in inputs.items() if name in wanted}
 
     def _check_numerics(
         self, executor: Executor, feeds: Mapping[str, np.ndarray], outputs: dict[str, np.ndarray]
@@ -232,7 +256,9 @@ class QpcSession:
         self.close()
 
     def _host_inputs(self, spec: SpecializationDesc) -> list[IODesc]:
-        return [io for io in spec.inputs if io.name not in self.retained]
+        return [
+            io for io in spec.inputs if io.name not in self.retained and io.name not in self.linked
+        ]
 
     def _executor(self, spec: SpecializationDesc) -> Executor:
         if spec.program not in self._executors:
