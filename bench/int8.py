@@ -4,6 +4,7 @@ quantization of the same models as the accuracy peer.
     python bench/int8.py                  # ResNet-50, a MobileNet-style CNN, a BERT-style encoder
     python bench/int8.py --quick          # small versions of the three (smoke test)
     python bench/int8.py --json bench/out/int8.json
+    python bench/int8.py --deployed --cores 16   # ORT's QDQ ResNet-50 as deployed
 
 Per model: a synthetic calibration set (seeded normal inputs; the last quarter held back) and,
 against ONNX Runtime's fp32 outputs on the held-back samples, the error of
@@ -284,6 +285,45 @@ def bench_model(
     }
 
 
+# --- the deployed QDQ program -----------------------------------------------------------------
+
+
+def deployed(path: Path, cores: int, work: Path) -> list[dict[str, Any]]:
+    """ONNX Runtime's quantize_static QDQ form of the model (symmetric int8, per-channel, no
+    pre-processing: BatchNormalization stays between its pairs) compiled as a user would, then
+    with its input and output as int8 codes (-custom-IO-list-file): device time, its ratio to
+    the compute floor, HMX busy, kernels and float kernels, host transfer."""
+    from compiler_core import compile_model
+
+    qdq = work / f"{path.stem}.ort-int8.onnx"
+    if not qdq.exists():
+        ort_int8(path, samples_for(path, 4), work)
+    model = onnx.load(qdq, load_external_data=False)
+    listing = work / f"{path.stem}.int8-io.yaml"
+    boundary = [model.graph.input[0].name, model.graph.output[0].name]
+    listing.write_text("".join(f"- IOName: {n}\n  Precision: int8\n" for n in boundary))
+    rows = []
+    for label, extra in (("float I/O", []), ("int8 I/O", [f"-custom-IO-list-file={listing}"])):
+        result = compile_model(qdq, [f"-aic-num-cores={cores}", *extra])
+        m = result.metrics
+        rows.append(
+            {
+                "io": label,
+                "device_us": m["estimated_device_latency_us"],
+                "floor_compute_us": m["floor_compute_us"],
+                "over_floor": round(m["estimated_device_latency_us"] / m["floor_compute_us"], 2),
+                "hmx_busy_%": m["unit_busy_percent"]["hmx"],
+                "kernels": m["kernels"],
+                "fp32_kernels": m["precision"].get("fp32", {}).get("kernels", 0),
+                "host_transfer_us": m["host_transfer_us"],
+                "inferences_per_second": m["estimated_inferences_per_second"],
+            }
+        )
+        result.cleanup()
+        _progress(f"  deployed {label}: {rows[-1]}")
+    return rows
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -339,8 +379,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out", help="model folder")
     parser.add_argument("--only", help="run only the models whose name contains this")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--deployed",
+        action="store_true",
+        help="only ResNet-50's quantize_static QDQ program as deployed (float and int8 I/O)",
+    )
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.deployed:
+        spec: ResNetSpec = RESNET_QUICK if args.quick else RESNET50
+        path = args.work / f"{spec.name}.onnx"
+        if not path.exists():
+            onnx.save(resnet(spec), path)
+        rows = deployed(path, args.cores, args.work)
+        keys = list(rows[0])
+        print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+        print("\n".join("| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="qpcfarm-int8-") as tmp:
         for name, path, flags in models(args.quick, args.work):

@@ -23,6 +23,10 @@ FLAG = "-custom-IO-list-file"
 
 PRECISIONS = ("float32", "float16", "bfloat16")
 """Boundary precisions this compiler converts to and from (the model side must be a float)."""
+INTEGERS = ("int8", "uint8")
+"""Boundary types of a quantized network: an input read only by QuantizeLinear nodes to this
+type, an output written by a DequantizeLinear from it, crosses the host link as its integer
+codes (the host quantizes and dequantizes with the model's own scale and zero point)."""
 MXINT8 = "mxint8"
 """Not a boundary type but a storage format: a retained-state tensor (a KV cache, listed by
 its input or its `_RetainedState` output name) kept on the device as MXINT8 blocks
@@ -68,10 +72,10 @@ def _entry(item: Any, index: int) -> CustomIO:
     name, precision = item["IOName"], item["Precision"]
     if not isinstance(name, str) or not name:
         raise _invalid(f"{where}: IOName must be a non-empty string")
-    if precision not in (*PRECISIONS, MXINT8):
+    if precision not in (*PRECISIONS, *INTEGERS, MXINT8):
         raise _invalid(
             f"{where} ({name}): Precision {precision!r} is not one of "
-            f"{', '.join((*PRECISIONS, MXINT8))}"
+            f"{', '.join((*PRECISIONS, *INTEGERS, MXINT8))}"
         )
     return CustomIO(name, precision)
 

@@ -160,6 +160,26 @@ def test_batchnorm_relu_and_clip_after_an_integer_kernel_fold_into_its_epilogue(
     assert result.metrics["precision"]["fp32"]["kernels"] == 1
 
 
+def test_a_batchnorm_with_a_negative_gain_stays_float_and_says_why():
+    """A fixed-point multiplier is never negative: a channel whose BatchNormalization gain is
+    negative keeps the BatchNormalization a float kernel between its pairs (correct, and named
+    in the refusals with the reason)."""
+    from onnx import numpy_helper
+
+    model = cnn_bn()
+    for init in model.graph.initializer:
+        if init.name == "bn2.s":
+            scale = numpy_helper.to_array(init).copy()
+            scale[3] = -scale[3]
+            init.CopyFrom(numpy_helper.from_array(scale, "bn2.s"))
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    _, fold = _fold(qdq)
+    (refusal,) = [r for r in fold.refusals if r.op_type == "BatchNormalization"]
+    assert "gain is not positive" in " ".join(refusal.reasons), refusal
+    result, _ = check_against_ort(qdq, calibration(model, 3, seed=21), cores=2)
+    assert "BatchNormalization" in [op for _, op, _ in kernels(result)]
+
+
 def test_float_ops_between_qdq_stay_float_and_correct():
     """Softmax has no int8 kernel: it runs in float between its DQ and Q."""
     import onnx.helper as oh
@@ -307,3 +327,58 @@ def test_aic_perf_warnings_name_the_nodes_left_float_and_why() -> None:
     finally:
         quiet.cleanup()
         loud.cleanup()
+
+
+def _boundary_params(qdq: onnx.ModelProto, op: str, name: str) -> tuple[float, int]:
+    """The scale and zero point of the QuantizeLinear reading input `name` (op
+    QuantizeLinear) or of the DequantizeLinear writing output `name`."""
+    from onnx import numpy_helper
+
+    inits = {i.name: numpy_helper.to_array(i) for i in qdq.graph.initializer}
+    for node in qdq.graph.node:
+        if node.op_type == op and name in (node.input[0], node.output[0]):
+            return float(inits[node.input[1]]), int(inits[node.input[2]])
+    raise AssertionError(f"no {op} at {name}")
+
+
+def test_integer_custom_io_moves_the_boundary_quantize_and_dequantize_to_the_host(tmp_path):
+    """`-custom-IO-list-file` with int8 for the input and the output: the host sends the
+    input's codes (quantized with the model's own QuantizeLinear parameters) and receives the
+    output's codes; the program has no float kernel left, a quarter of the input bytes cross
+    the host link, and the codes dequantized are ONNX Runtime's result within one step."""
+    model = cnn_bn()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    listing = tmp_path / "io.yaml"
+    listing.write_text("- IOName: x\n  Precision: int8\n- IOName: y\n  Precision: int8\n")
+    floats = compile_model(qdq, ["-aic-num-cores=2"])
+    ints = compile_model(qdq, ["-aic-num-cores=2", f"-custom-IO-list-file={listing}"])
+    try:
+        ops = [(op, dtype) for _, op, dtype in kernels(ints)]
+        assert all(dtype == "int8" for _, dtype in ops), ops
+        assert ints.metrics["host_transfer_us"] < floats.metrics["host_transfer_us"]
+        xs, xz = _boundary_params(qdq, "QuantizeLinear", "x")
+        ys, yz = _boundary_params(qdq, "DequantizeLinear", "y")
+        for feeds in calibration(model, 3, seed=5):
+            codes = np.clip(np.rint(feeds["x"] / np.float32(xs)) + xz, -128, 127).astype(np.int8)
+            y = run_qpc(ints.qpc_path, {"x": codes})["y"]
+            assert y.dtype == np.int8
+            ref = run_ort(qdq, feeds, optimize=False)[0]
+            real = (y.astype(np.float32) - yz) * np.float32(ys)
+            assert np.abs(real - ref).max() <= ys * (1 + 1e-5)
+    finally:
+        floats.cleanup()
+        ints.cleanup()
+
+
+def test_integer_custom_io_on_a_float_boundary_names_the_entry(tmp_path):
+    from compiler_core.errors import CompileError
+
+    model = cnn_bn()
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    listing = tmp_path / "io.yaml"
+    listing.write_text("- IOName: x\n  Precision: uint8\n")  # its QuantizeLinear writes int8
+    with pytest.raises(CompileError, match=r"'x' \(uint8\).*QuantizeLinear"):
+        compile_model(qdq, ["-aic-num-cores=1", f"-custom-IO-list-file={listing}"])
+    listing.write_text("- IOName: x\n  Precision: int8\n")
+    with pytest.raises(CompileError, match=r"'x' \(int8\) must be read only by QuantizeLinear"):
+        compile_model(model, ["-aic-num-cores=1", f"-custom-IO-list-file={listing}"])

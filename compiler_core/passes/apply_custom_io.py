@@ -12,7 +12,7 @@ import logging
 
 import onnx_ir as ir
 
-from compiler_core.custom_io import FLAG, MXINT8, CustomIO
+from compiler_core.custom_io import FLAG, INTEGERS, MXINT8, CustomIO
 from compiler_core.errors import CompileError
 from compiler_core.passes.base import GraphPass, NameScope, cast_node, is_cast_to, prepend
 from compiler_core.qpc.networkdesc import RETAINED_SUFFIX
@@ -50,6 +50,9 @@ class ApplyCustomIOPass(GraphPass):
         for entry in entries:
             if entry.precision == MXINT8:  # a storage format of retained state (lowering)
                 changed += _mxint8_boundary(graph, entry.name, inputs, outputs, names)
+                continue
+            if entry.precision in INTEGERS:  # the boundary QuantizeLinear moves to the host
+                changed += _integer_boundary(graph, entry, inputs, outputs)
                 continue
             target = (
                 ir.DataType[entry.precision.upper()]
@@ -104,6 +107,72 @@ def _mxint8_boundary(
         f"{FLAG}: {name!r} (mxint8) is neither a graph input nor a graph output",
         flag=FLAG,
     )
+
+
+def _integer_boundary(
+    graph: ir.Graph, entry: CustomIO, inputs: dict[str, ir.Value], outputs: dict[str, int]
+) -> int:
+    """An input read only by QuantizeLinear nodes to `entry.precision` with one per-tensor
+    scale and zero point becomes their integer output (the host sends the codes); an output
+    written by a per-tensor DequantizeLinear from that type becomes its integer input (the
+    host receives the codes). Anything else is an error naming the entry and why."""
+    want = ir.DataType[entry.precision.upper()]
+    where = f"{FLAG}: {entry.name!r} ({entry.precision})"
+    if entry.name in inputs:
+        value = inputs[entry.name]
+        uses = list(value.uses())
+        quantizers = [u.node for u in uses if u.node.op_type == "QuantizeLinear" and u.idx == 0]
+        if not uses or len(quantizers) != len(uses):
+            raise _invalid(f"{where} must be read only by QuantizeLinear nodes")
+        params = {_per_tensor(q) for q in quantizers}
+        if len(params) != 1 or None in params or quantizers[0].outputs[0].dtype != want:
+            raise _invalid(
+                f"{where}: its QuantizeLinear nodes must quantize it to {entry.precision} "
+                "with one per-tensor scale and zero point"
+            )
+        value.type = ir.TensorType(want)
+        for q in quantizers:
+            ir.convenience.replace_all_uses_with(q.outputs[0], value)
+            graph.remove(q, safe=True)
+        return 1
+    if entry.name in outputs:
+        position = outputs[entry.name]
+        value = graph.outputs[position]
+        dq = value.producer()
+        source = dq.inputs[0] if dq is not None and dq.inputs else None
+        if dq is None or dq.op_type != "DequantizeLinear" or source is None:
+            raise _invalid(f"{where} must be written by a DequantizeLinear")
+        if source.dtype != want or _per_tensor(dq) is None:
+            raise _invalid(
+                f"{where}: its DequantizeLinear must read {entry.precision} codes with one "
+                "per-tensor scale and zero point"
+            )
+        if source.is_graph_input() or source.is_graph_output() or value.uses():
+            raise _invalid(f"{where}: the codes are also another boundary value or read inside")
+        graph.outputs[position] = source
+        graph.remove(dq, safe=True)
+        source.name = entry.name
+        return 1
+    raise _invalid(f"{where} is neither a graph input nor a graph output")
+
+
+def _per_tensor(node: ir.Node) -> tuple[float, int] | None:
+    """A Q/DQ node's (scale, zero point) when both are per-tensor constants."""
+    scale = node.inputs[1] if len(node.inputs) > 1 else None
+    zero = node.inputs[2] if len(node.inputs) > 2 else None
+    if scale is None or scale.const_value is None:
+        return None
+    if zero is not None and zero.const_value is None:
+        return None
+    s = scale.const_value.numpy().reshape(-1)
+    z = zero.const_value.numpy().reshape(-1) if zero is not None else [0]  # type: ignore[union-attr]
+    if s.size != 1 or len(z) != 1:
+        return None
+    return float(s[0]), int(z[0])
+
+
+def _invalid(message: str) -> CompileError:
+    return CompileError("invalid_option", message, flag=FLAG)
 
 
 def _check_float(value: ir.Value, target: ir.DataType) -> None:
