@@ -38,6 +38,21 @@ DMA_ENGINE_BYTES_PER_CYCLE = 64
 """The most one core's DMA engine moves per cycle, however idle the rest of the SoC is
 (modelled: no figure is published)."""
 
+INFERENCE_SUBMIT_S = 9e-6
+"""Host overhead of one inference submit (one batch of one instance), an assumption built
+from its steps: the runtime's enqueue call on the host (~2 us of CPU), the descriptor ring
+entry and the doorbell's posted MMIO write landing on the device (~1 us), the device's fetch
+of the descriptors from host memory (a PCIe read round trip, ~1 us), and the completion's
+MSI interrupt waking the waiting host thread (~5 us on Linux). No figure is published."""
+DMA_DESCRIPTOR_S = 0.25e-6
+"""Host setup of one DMA descriptor (one per input or output buffer of an inference):
+writing its 32-byte entry and the device's DMA engine reading it behind the others of the
+submit, pipelined (an assumption: a quarter of a PCIe read round trip)."""
+HOST_LINK_LANES = 8
+"""PCIe Gen4 lanes of a single-SoC card's host link (the Standard and Pro cards are x8)."""
+CARD_HOST_LANES = 16
+"""An Ultra card's host link: Gen4 x16 from its PCIe switch, shared by its 4 SoCs."""
+
 AI100_DTYPES = frozenset(
     {"float32", "float16", "int8", "uint8", "int16", "int32", "int64", "bool", "mxfp6", "mxint8"}
 )
@@ -97,6 +112,17 @@ class DeviceProfile:
     noc_bandwidth_bytes_per_s: float = NOC_BYTES_PER_S
     """Per SoC: core-to-core VTCM transfers and multicast fan-out share it."""
     pci_vendor_id: int = 0x17CB
+    host_link_lanes: int = HOST_LINK_LANES
+    """Lanes of the card's one host link, shared by all its SoCs (an Ultra card's switch: x16)."""
+    inference_submit_s: float = INFERENCE_SUBMIT_S
+    """Host overhead of one inference submit (doorbell, descriptor fetch, completion)."""
+    dma_descriptor_s: float = DMA_DESCRIPTOR_S
+    """Host setup of one DMA descriptor (one per host input or output buffer)."""
+
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """Payload rate of the card's host link, one direction (shared by its SoCs)."""
+        return pcie_bytes_per_s(self.host_link_lanes)
 
     @property
     def cores_per_soc(self) -> int:
@@ -146,6 +172,7 @@ def _profile(
     int8_tops: float,
     pci_device_id: int | None,
     bandwidth_per_soc: float = 137e9,
+    host_link_lanes: int = HOST_LINK_LANES,
     modelled: bool = False,
 ) -> DeviceProfile:
     clock = clock_from_tflops(fp16_tflops, num_cores)
@@ -163,6 +190,7 @@ def _profile(
         fp16_tflops=fp16_tflops,
         int8_tops=int8_tops,
         hmx_int8_macs_per_cycle=int8_rate_from_tops(int8_tops, num_cores, clock),
+        host_link_lanes=host_link_lanes,
         modelled=modelled,
     )
 
@@ -203,6 +231,7 @@ _PROFILES: tuple[DeviceProfile, ...] = (
         fp16_tflops=290.0,
         int8_tops=870.0,
         pci_device_id=0xA100,
+        host_link_lanes=CARD_HOST_LANES,
     ),
     # Published only as "fewer NSPs, lower clocks": 8 NSPs and ~0.8x the Standard clock
     # (8 x 4096 x 2 x 767 MHz = 50.3 TFLOPS) are our model; int8 at the Pro's 3x fp16 ratio.
@@ -242,8 +271,6 @@ sequence number and CRC plus DLLP flow-control traffic (the usual Gen4 figure, ~
 SOC_PORT_LANES = 8
 """Each SoC's PCIe port (the Standard and Pro cards are Gen4 x8; an Ultra card's SoCs are
 modelled with the same x8 port each, to the card's switch)."""
-CARD_HOST_LANES = 16
-"""An Ultra card's host link: Gen4 x16 from its PCIe switch (the Standard/Pro cards: x8)."""
 P2P_LATENCY_S = 2e-6
 """One peer-to-peer DMA between two SoCs behind one switch, issue to landing (an assumption:
 DMA descriptor fetch, two switch hops and the doorbell write, a few round trips of ~0.5 us)."""

@@ -235,6 +235,8 @@ def perf_metrics(
         "estimated_latency_us": round(latency * 1e6, 3),
         "estimated_device_latency_us": round(device_latency * 1e6, 3),
         "host_transfer_us": round(host * 1e6, 3),
+        "host_bytes": sum(program.tensors[t].nbytes for t in (*host_in, *host_out)),
+        "host_buffers": len(host_in) + len(host_out),
         "estimated_inferences_per_second": (
             round(_batch(program) / max(device_latency, host), 2) if latency else None
         ),

@@ -7,13 +7,18 @@ Per instance (one QPC loaded on `cores` cores), from the compile's perf metrics:
 - `t_host`: the batch's inputs and outputs crossing the host link (`host_transfer_us`);
 - `ddr`: DDR bytes the batch reads and writes (`memory_traffic.total`).
 
+Each batch also pays the runtime's host overhead `t_over`: the device table's per-submit
+overhead (doorbell, descriptor fetch, completion interrupt) plus its per-DMA-descriptor setup
+for each host input and output buffer (`host_buffers`).
+
 With `instances` copies running at once they share the SoC's DDR bandwidth and the host link:
 - `t_run = max(t_dev, instances * ddr / bandwidth)`: a batch's device time when every
   instance streams at once;
 - set size 1: the host waits for each result before sending the next batch, so a batch
-  occupies its instance for `t_run + t_host`; set size s > 1 keeps s batches queued per
-  instance, their transfers overlap the run and the period is `max(t_run, instances * t_host)`
-  (the host link is shared);
+  occupies its instance for `t_run + t_host + t_over`; set size s > 1 keeps s batches queued
+  per instance, their transfers and submits overlap the run and the period is
+  `max(t_run, instances * t_host, t_over)` (the host link is shared; an instance's submits
+  follow one another);
 - throughput = instances x batch / period; latency = set size x period (Little's law: s
   batches in flight per instance), so a deeper queue buys throughput with latency.
 
@@ -125,6 +130,8 @@ class Score:
     host_transfer_us: float
     ddr_bound: bool
     """Whether the instances' shared DDR bandwidth, not compute, sets `t_run`."""
+    host_overhead_us: float = 0.0
+    """The runtime's host overhead of one batch (submit and DMA descriptors)."""
     estimated: bool = True
     tokens_per_s: float | None = None
     """An LLM QPC: decode tokens/s of every sequence of every instance at the full batch."""
@@ -141,6 +148,7 @@ class Score:
             "device_latency_us": round(self.device_latency_us, 3),
             "host_transfer_us": round(self.host_transfer_us, 3),
             "ddr_bound": self.ddr_bound,
+            "host_overhead_us": round(self.host_overhead_us, 3),
             "estimated": True,
         }
         for name in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "tpot_ms"):
@@ -159,9 +167,20 @@ def device_of(metrics: Mapping[str, Any]) -> DeviceProfile:
     return get_device(str(metrics["device"]))
 
 
-def score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_size: int) -> Score:
-    """The combination's estimate from its compile's perf metrics (see the module doc)."""
-    base = _score(metrics, instances=instances, batchsize=batchsize, set_size=set_size)
+def score(
+    metrics: Mapping[str, Any],
+    *,
+    instances: int,
+    batchsize: int,
+    set_size: int,
+    device: DeviceProfile | None = None,
+) -> Score:
+    """The combination's estimate from its compile's perf metrics (see the module doc);
+    `device` overrides the profile the metrics name (its table's parameters)."""
+    device = device or device_of(metrics)
+    base = _score(
+        metrics, instances=instances, batchsize=batchsize, set_size=set_size, device=device
+    )
     llm = metrics.get("llm")
     if not isinstance(llm, Mapping) or "full_batch" not in llm:
         return base
@@ -175,11 +194,14 @@ def score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_siz
         instances=instances,
         batchsize=int(full["batch"]),
         set_size=1,
+        device=device,
     )
     ttft_ms = None
     prefill = llm.get("prefill_specialization")
     if prefill is not None and prefill in each:
-        ttft_ms = _score(each[prefill], instances=instances, batchsize=1, set_size=1).period_us
+        ttft_ms = _score(
+            each[prefill], instances=instances, batchsize=1, set_size=1, device=device
+        ).period_us
         ttft_ms /= 1e3
     return dataclasses.replace(
         base,
@@ -190,16 +212,36 @@ def score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_siz
     )
 
 
-def _score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_size: int) -> Score:
+DEFAULT_HOST_BUFFERS = 2
+"""Host buffers of a report that does not count them (older reports): one input, one output."""
+
+
+def host_overhead_us(metrics: Mapping[str, Any], device: DeviceProfile) -> float:
+    """The runtime's host overhead of one batch: the submit plus a DMA descriptor per host
+    input and output buffer (the device table's figures)."""
+    buffers = metrics.get("host_buffers")
+    count = DEFAULT_HOST_BUFFERS if buffers is None else int(buffers)
+    return (device.inference_submit_s + count * device.dma_descriptor_s) * 1e6
+
+
+def _score(
+    metrics: Mapping[str, Any],
+    *,
+    instances: int,
+    batchsize: int,
+    set_size: int,
+    device: DeviceProfile | None = None,
+) -> Score:
+    device = device or device_of(metrics)
     t_dev = float(metrics["estimated_device_latency_us"])
     t_host = float(metrics.get("host_transfer_us") or 0.0)
-    bandwidth = device_of(metrics).ddr_bandwidth_bytes_per_s
-    t_ddr = instances * _ddr_bytes(metrics) / bandwidth * 1e6
+    t_over = host_overhead_us(metrics, device)
+    t_ddr = instances * _ddr_bytes(metrics) / device.ddr_bandwidth_bytes_per_s * 1e6
     t_run = max(t_dev, t_ddr)
     if set_size <= 1:
-        period = max(t_run + t_host, instances * t_host)
+        period = max(t_run + t_host + t_over, instances * t_host)
     else:
-        period = max(t_run, instances * t_host)
+        period = max(t_run, instances * t_host, t_over)
     period = max(period, 1e-6)
     return Score(
         latency_us=set_size * period,
@@ -208,6 +250,7 @@ def _score(metrics: Mapping[str, Any], *, instances: int, batchsize: int, set_si
         device_latency_us=t_dev,
         host_transfer_us=t_host,
         ddr_bound=t_ddr > t_dev,
+        host_overhead_us=t_over,
     )
 
 

@@ -46,7 +46,7 @@ from compiler_core.options import CompileOptions
 log = logging.getLogger(__name__)
 
 SCORING_FIELDS = ("device", "estimated_device_latency_us", "estimated_latency_us",
-                  "host_transfer_us", "num_cores")  # fmt: skip
+                  "host_transfer_us", "host_bytes", "host_buffers", "num_cores")  # fmt: skip
 """What scoring reads of a compile's metrics (plus the DDR totals, below)."""
 
 Enqueue = Callable[[uuid.UUID], None]
@@ -406,6 +406,7 @@ def _result_json(r: Result, state: SweepState, sweep: Sweep, rank: int | None) -
         "throughput": figures.get("throughput"),
         "device_latency_us": figures.get("device_latency_us"),
         "host_transfer_us": figures.get("host_transfer_us"),
+        "host_overhead_us": figures.get("host_overhead_us"),
         "ddr_bound": figures.get("ddr_bound"),
         **{
             k: figures[k]
