@@ -304,19 +304,24 @@ def llama7b(seq: int | str, layers: int = 32) -> Any:
 
 
 def run_mdp(
-    work: Path, layers: int, keep: bool, socs_list: tuple[int, ...] = MDP_SOCS
+    work: Path,
+    layers: int,
+    keep: bool,
+    socs_list: tuple[int, ...] = MDP_SOCS,
+    stages: int = 1,
 ) -> list[Row]:
     """The 7 B decode step (batch 1, context 2048) on 1, 2 and 4 SoCs of an Ultra card, 16
     cores each: 1 SoC is a plain compile; 2 and 4 are one partition over SoCs 0..n-1
-    connected p2p (tensor slicing). Decode only (one specialization): the compile time and
-    peak memory of issue 20's item 7 are of this program."""
+    connected p2p (tensor slicing); with `stages`, that many partitions of socs/stages SoCs
+    each (pipeline stages, each sliced over its SoCs). Decode only (one specialization): the
+    compile time and peak memory of issue 20's item 7 are of this program."""
     from transformer_models import write_decoder
 
     spec = llama7b("seq_len", layers)
     model = write_decoder(spec, work / "models", "float16")
     rows = []
     for socs in socs_list:
-        case = f"7b-l{layers}-{socs}soc"
+        case = f"7b-l{layers}-{socs}soc" + (f"-{stages}stages" if stages > 1 else "")
         out = work / f"qpc-{case}"
         flags = [
             f"-aic-device={ULTRA}",
@@ -328,20 +333,19 @@ def run_mdp(
             f"-aic-binary-dir={out}",
         ]
         if socs > 1:
-            partition = work / f"partition-{socs}.json"
-            partition.write_text(
-                json.dumps(
-                    {
-                        "connections": [{"devices": list(range(socs)), "type": "p2p"}],
-                        "partitions": [
-                            {
-                                "name": "Partition0",
-                                "devices": [{"deviceId": d, "numCores": 16} for d in range(socs)],
-                            }
-                        ],
-                    }
-                )
-            )
+            partition = work / f"partition-{socs}x{stages}.json"
+            per = socs // stages
+            parts = [
+                {
+                    "name": f"Partition{s}",
+                    "devices": [
+                        {"deviceId": d, "numCores": 16} for d in range(s * per, (s + 1) * per)
+                    ],
+                }
+                for s in range(stages)
+            ]
+            connections = [{"devices": list(range(socs)), "type": "p2p"}]
+            partition.write_text(json.dumps({"connections": connections, "partitions": parts}))
             flags.append(f"-mdp-load-partition-config={partition}")
         row = Row(case=case, weights_gb=round(spec.parameters * 2 / 1e9, 2))
         metrics_path = work / f"{case}.json"
@@ -491,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mdp-socs", default=",".join(map(str, MDP_SOCS)), help="SoC counts of mdp-7b"
     )
     parser.add_argument(
+        "--mdp-stages", type=int, default=1, help="pipeline stages of mdp-7b (partitions)"
+    )
+    parser.add_argument(
         "--mdp-layers", type=int, default=32, help="layers of the 7 B shape (fewer: a quick run)"
     )
     parser.add_argument(
@@ -514,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps([asdict(r) for r in rows[-len(CB_BATCHES) :]]), flush=True)
         if "mdp-7b" in cases:
             socs = tuple(int(n) for n in args.mdp_socs.split(","))
-            rows += run_mdp(work, args.mdp_layers, args.keep, socs)
+            rows += run_mdp(work, args.mdp_layers, args.keep, socs, args.mdp_stages)
         if "7b-compile" in cases:
             socs = tuple(int(n) for n in args.compile_socs.split(","))
             compiles = run_compile_7b(work, args.mdp_layers, args.keep, socs, args.before)

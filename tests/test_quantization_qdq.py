@@ -160,6 +160,26 @@ def test_batchnorm_relu_and_clip_after_an_integer_kernel_fold_into_its_epilogue(
     assert result.metrics["precision"]["fp32"]["kernels"] == 1
 
 
+def test_a_batchnorm_with_a_negative_gain_stays_float_and_says_why():
+    """A fixed-point multiplier is never negative: a channel whose BatchNormalization gain is
+    negative keeps the BatchNormalization a float kernel between its pairs (correct, and named
+    in the refusals with the reason)."""
+    from onnx import numpy_helper
+
+    model = cnn_bn()
+    for init in model.graph.initializer:
+        if init.name == "bn2.s":
+            scale = numpy_helper.to_array(init).copy()
+            scale[3] = -scale[3]
+            init.CopyFrom(numpy_helper.from_array(scale, "bn2.s"))
+    qdq = ort_qdq(model, calibration(model), per_channel=True)
+    _, fold = _fold(qdq)
+    (refusal,) = [r for r in fold.refusals if r.op_type == "BatchNormalization"]
+    assert "gain is not positive" in " ".join(refusal.reasons), refusal
+    result, _ = check_against_ort(qdq, calibration(model, 3, seed=21), cores=2)
+    assert "BatchNormalization" in [op for _, op, _ in kernels(result)]
+
+
 def test_float_ops_between_qdq_stay_float_and_correct():
     """Softmax has no int8 kernel: it runs in float between its DQ and Q."""
     import onnx.helper as oh

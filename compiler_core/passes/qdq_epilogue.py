@@ -103,14 +103,17 @@ def fold_into_producer(
     ratio = step.gain.astype(np.float64) * old.scale / new.scale
     if np.any(ratio > MAX_GAIN):
         return "the new scale is too fine for a fixed-point multiplier"
-    if op == "QLut":
-        why = _compose_table(producer, old, new, step, const)
-    elif op in PER_CHANNEL:
-        why = _rescale_hmx(producer, old, new, step, ratio, const)
-    else:
-        if np.any(step.offset != 0):
-            return f"{op} has no bias to take an offset"
-        why = _rescale_scalar(producer, float(ratio.reshape(-1)[0]))
+    if op not in PER_CHANNEL and op != "QLut" and np.any(step.offset != 0):
+        return f"{op} has no bias to take an offset"
+    try:
+        if op == "QLut":
+            why = _compose_table(producer, old, new, step, const)
+        elif op in PER_CHANNEL:
+            why = _rescale_hmx(producer, old, new, step, ratio, const)
+        else:
+            why = _rescale_scalar(producer, float(ratio.reshape(-1)[0]))
+    except ValueError as exc:  # a multiplier fixed point cannot hold (checked before writing)
+        return str(exc)
     if why is not None:
         return why
     out_info = np.iinfo(np.dtype(new.dtype))
