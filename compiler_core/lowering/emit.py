@@ -61,7 +61,6 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
-from compiler_core.ops.in_place_scatter import dma_axis, operands
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
@@ -1266,6 +1265,9 @@ def _instr(
     if op.kind == SCATTER:
         assert graph is not None
         desc = graph.kernels[op.kernel].desc
+        # imported here: importing the compiler loads no op module (ops load on lookup)
+        from compiler_core.ops.in_place_scatter import dma_axis, operands
+
         u, i = operands(desc.info.op_type)
         update, indices = ins[u], ins[i]
         assert update is not None and indices is not None

@@ -91,7 +91,13 @@ Mask = int
 
 
 def box_nbytes(box: Box, dtype: str) -> int:
-    return box_elements(box) * (1 if dtype == "bool" else np.dtype(dtype).itemsize)
+    return box_elements(box) * _itemsize(dtype)
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    """Bytes per element (asked for every transfer and tile: numpy's dtype lookup is not free)."""
+    return 1 if dtype == "bool" else np.dtype(dtype).itemsize
 
 
 def stored_bytes(t: TensorDesc, box: Box) -> int:
