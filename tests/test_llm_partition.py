@@ -71,13 +71,15 @@ def reference(model: onnx.ModelProto) -> Generation:
     return greedy_decode(ort_runner(model), PROMPT, STEPS, feed_back=True, cache=empty_cache(model))
 
 
-def _flags(tmp: Path, precision: str = "fp32", config: dict | None = None) -> list[str]:
+def _flags(
+    tmp: Path, precision: str = "fp32", config: dict | None = None, prefill: int = PROMPT.shape[1]
+) -> list[str]:
     spec = tmp / "spec.json"
     spec.write_text(
         json.dumps(
             {
                 "specializations": [
-                    {"batch_size": "1", "seq_len": str(PROMPT.shape[1])},
+                    {"batch_size": "1", "seq_len": str(prefill)},
                     {"batch_size": "1", "seq_len": "1"},
                 ]
             }
@@ -140,6 +142,32 @@ def test_two_device_decode_with_an_mxint8_cache(tmp_path: Path) -> None:
     got = _decode(result.qpc_path)
     assert got.tokens == reference.tokens
     np.testing.assert_allclose(got.logits, reference.logits, atol=MXINT8_LOGITS_ATOL)
+
+
+def test_a_prefill_exchange_larger_than_vtcm_goes_ddr_to_ddr_and_equals_onnx_runtime(
+    tmp_path: Path,
+) -> None:
+    """A 64-token prefill under an 8 KB VTCM budget: every exchange of the prefill (the
+    all-reduces' parts, the vocab-split logits) is larger than the budget, as a 1024-token
+    prefill's are for a 7 B decoder. Link transfers move DDR to DDR, so it compiles, and the
+    tokens equal ONNX Runtime's."""
+    prefill, steps, ratio = 64, 8, 0.001
+    prompt = np.random.default_rng(1).integers(0, 48, (1, prefill))
+    model = kv_decoder(layers=LAYERS, heads=HEADS, d_model=D_MODEL, ctx_len=prefill + steps + 8)
+    reference = greedy_decode(
+        ort_runner(model), prompt, steps, feed_back=True, cache=empty_cache(model)
+    )
+    flags = [*_flags(tmp_path, prefill=prefill), f"-vtcm-working-set-limit-ratio={ratio}"]
+    result = compile_model(model.SerializeToString(), flags)
+    budget = int(ULTRA.vtcm_bytes_per_core * ratio)
+    program = result.programs[f"batch_size=1,seq_len={prefill}"]
+    waits = [i for s in program.streams for i in s if isinstance(i, LinkWait)]
+    assert len(waits) == 2 * LAYERS + 1
+    assert all(program.tensors[w.tensor].nbytes > budget for w in waits)
+    with QpcSession(result.qpc_path) as session:
+        got = greedy_decode(session.run, prompt, steps, feed_back=False)
+    assert got.tokens == reference.tokens
+    np.testing.assert_allclose(got.logits, reference.logits, atol=FP32_LOGITS_ATOL)
 
 
 def test_each_device_keeps_its_heads_of_the_cache(compiled: CompileResult) -> None:

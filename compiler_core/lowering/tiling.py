@@ -75,6 +75,8 @@ def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
     # the split chooser asks for thousands of tiles: one loop, no generator per sum
     info = req.info
     in_boxes = tuple(req.opdef.input_boxes(info, out_box))
+    if req.opdef.ddr_to_ddr:  # DMA between DDR regions: no VTCM working set
+        return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=0)
     if req.extra_shapes:
         out_shape = info.out_shapes[0]
         in_boxes += tuple(broadcast_input_box(s, out_shape, out_box) for s in req.extra_shapes)

@@ -4,7 +4,9 @@ concatenated along `axis` in device order, on every device.
 Inserted by multi-device partitioning (compiler_core/mdp/shard.py), never written by users.
 It is not a kernel: lowering makes it link transfers (`LINK_KERNEL`): the device sends its
 part to every peer (and to itself) over the partition's links and waits until all `devices`
-parts have landed. An all-reduce is an AllGather along a new leading axis followed by a
+parts have landed. The transfers read and write DDR only (`ddr_to_ddr`): no VTCM budget
+bounds them, so a 1024-token prefill's gather of a 7 B decoder fits as well as one token's.
+An all-reduce is an AllGather along a new leading axis followed by a
 ReduceSum over it, summed in device order, so every device computes bit-identical sums.
 """
 
@@ -38,6 +40,7 @@ register(
     dtypes=ALL,
     kernel=LINK_KERNEL,
     unit="link",
+    ddr_to_ddr=True,
     macs=lambda node: 0,
     doc="Internal (multi-device partitioning): every device's part, concatenated in device "
     "order, on every device; runs as link transfers.",

@@ -191,6 +191,10 @@ class OpDef:
     output_in_ddr: bool = False
     """The output is written to DDR by a DMA straight from the input tiles (a scatter into
     retained state done in place, see ops/in_place_scatter.py): it takes no VTCM."""
+    ddr_to_ddr: bool = False
+    """The op moves its input's bytes DDR to DDR by DMA (link transfers between devices, see
+    ops/collective.py): nothing passes through VTCM, so it fits at any size and is never
+    cut into tiles for the VTCM budget."""
     alias: bool = False
     """The output is the input's bytes reinterpreted (Reshape, Squeeze...): no kernel runs."""
     elementwise: bool = False
