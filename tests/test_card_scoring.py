@@ -221,3 +221,37 @@ def build_space_of(body: dict[str, Any]):
     from compiler_core.configurator.space import parse_csv
 
     return parse_csv(body["space_csv"], ["-aic-device=aic100-ultra"])
+
+
+# ------------------------------------------------------------------------------ qpc validate
+
+
+def _qpc(num_cores: int, ddr_bytes: int | None = None) -> bytes:
+    from compiler_core.qpc import Requirements, qpc_bytes
+    from tests.test_qpc_container import network_for, our_segments, relu_program
+
+    program = relu_program(num_cores=num_cores)
+    req = Requirements.from_program(program)
+    if ddr_bytes is not None:
+        req = dataclasses.replace(req, ddr_bytes=ddr_bytes)
+    return qpc_bytes(our_segments(program, network_for(program, requirements=req)))
+
+
+def test_validate_says_how_many_instances_a_card_holds_by_cores() -> None:
+    from compiler_core.qpc import validate_qpc
+
+    check = validate_qpc(_qpc(4), device="aic100-ultra").check("device-instances")
+    assert check.ok
+    assert "holds 16 instances: 4 per SoC (by cores 4," in check.message
+    assert "x 4 SoCs" in check.message
+    pro = validate_qpc(_qpc(4), device="aic100-standard").check("device-instances")
+    assert "holds 3 instances: 3 per SoC" in pro.message  # 14 cores hold three 4-core copies
+
+
+def test_validate_counts_the_instances_each_socs_ddr_holds() -> None:
+    from compiler_core.qpc import validate_qpc
+
+    check = validate_qpc(_qpc(1, ddr_bytes=12 << 30), device="aic100-pro").check("device-instances")
+    assert check.ok and "holds 2 instances: 2 per SoC (by cores 16, by DDR 2)" in check.message
+    too_big = validate_qpc(_qpc(1, ddr_bytes=40 << 30), device="aic100-pro")
+    assert not too_big.check("device-instances").ok and not too_big.ok
