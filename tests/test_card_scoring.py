@@ -11,10 +11,15 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from app.console.configure import _space_body
 from compiler_core.compile import compile_model
 from compiler_core.configurator.scoring import host_overhead_us, score
+from compiler_core.configurator.search import results
+from compiler_core.configurator.space import build_space, with_cards
+from compiler_core.configurator.table import render, rows_of
 from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
-from compiler_core.devices import get_device, list_devices, pcie_bytes_per_s
+from compiler_core.devices import MAX_CARDS_PER_HOST, get_device, list_devices, pcie_bytes_per_s
+from compiler_core.errors import CompileError
 
 PRO = get_device("aic100-pro")
 
@@ -101,3 +106,152 @@ def test_a_compile_report_counts_the_host_buffers_and_bytes_scoring_reads() -> N
     )
     s = score(perf, instances=1, batchsize=1, set_size=1)
     assert s.host_overhead_us == pytest.approx(host_overhead_us(perf, PRO))
+
+
+# ------------------------------------------------------------------------------ whole cards
+
+ULTRA = get_device("aic100-ultra")
+
+
+def ultra(device_us: float, host_us: float) -> dict[str, Any]:
+    return {**metrics(device_us, host_us), "device": ULTRA.name}
+
+
+def test_an_ultra_card_runs_the_instances_on_each_of_its_four_socs() -> None:
+    m = ultra(100.0, 1.0)
+    s = score(m, instances=2, batchsize=4, set_size=2)
+    assert (s.instances_per_soc, s.socs, s.cards) == (2, 4, 1)
+    assert s.period_us == pytest.approx(100.0)  # each SoC has its own DDR and port
+    assert s.throughput == pytest.approx(4 * 2 * 4 / 100e-6)
+    assert not s.card_link_bound
+
+
+def test_the_socs_of_a_card_share_its_one_host_link() -> None:
+    """Transfers longer than a run: the x16 host link of the card carries four SoCs' worth
+    of the x8 ports' traffic, so the card runs twice one SoC's throughput, not four times."""
+    m = ultra(10.0, 40.0)
+    s = score(m, instances=1, batchsize=1, set_size=2)
+    lanes = ULTRA.host_link_lanes
+    assert s.period_us == pytest.approx(4 * 40.0 * 8 / lanes)
+    assert s.card_link_bound
+    one_soc_rate = 1e6 / 40.0  # a lone SoC: its own port bounds it
+    assert s.throughput == pytest.approx(one_soc_rate * 4 * 8 / lanes)
+
+
+def test_each_card_has_a_host_link_of_its_own() -> None:
+    m = ultra(10.0, 40.0)
+    one = score(m, instances=1, batchsize=1, set_size=2, cards=1)
+    three = score(m, instances=1, batchsize=1, set_size=2, cards=3)
+    assert (three.socs, three.cards) == (12, 3)
+    assert three.period_us == pytest.approx(one.period_us)
+    assert three.throughput == pytest.approx(3 * one.throughput)
+
+
+def test_a_single_soc_card_is_scored_as_before_and_cards_multiply_it() -> None:
+    m = metrics(50.0, 5.0)
+    one = score(m, instances=4, batchsize=1, set_size=2)
+    assert (one.socs, one.cards) == (1, 1) and not one.card_link_bound
+    assert one.throughput == pytest.approx(4 / 50e-6)
+    two = score(m, instances=4, batchsize=1, set_size=2, cards=2)
+    assert two.throughput == pytest.approx(2 * one.throughput)
+
+
+def test_a_partitioned_qpc_runs_once_per_group_of_socs() -> None:
+    m = ultra(100.0, 1.0)
+    pairs = score(m, instances=1, batchsize=1, set_size=2, socs_per_instance=2)
+    assert pairs.socs == 4 and pairs.throughput == pytest.approx(2 / 100e-6)
+    across = score(m, instances=1, batchsize=1, set_size=2, socs_per_instance=8, cards=2)
+    assert (across.socs, across.cards) == (8, 2)
+    assert across.throughput == pytest.approx(1 / 100e-6)
+    with pytest.raises(CompileError, match="does not fit"):
+        score(m, instances=1, batchsize=1, set_size=2, socs_per_instance=8)
+
+
+def test_cards_are_a_runtime_parameter_of_the_space_checked_against_the_host() -> None:
+    space = build_space(
+        [{"cores": 4, "instances": 4, "cards": 1}, {"cores": 4, "instances": 4, "cards": 2},
+         {"cores": 4, "instances": 4, "cards": MAX_CARDS_PER_HOST + 1},
+         {"cores": 16, "devices": 8, "cards": 1}, {"cores": 16, "devices": 8, "num-cards": 2}],
+        ["-aic-device=aic100-ultra"],
+    )  # fmt: skip
+    valid = [p.index for p in space.valid_points]
+    assert valid == [0, 1, 4]
+    assert space.points[0].group == space.points[1].group  # no compile of its own
+    assert "a host takes at most" in space.points[2].reason
+    assert "more than the 4 SoCs" in space.points[3].reason
+    assert "cards=2" in space.points[1].flags()
+    done = {g.index: ultra(100.0, 1.0) for g in space.groups}
+    by_index = {r.point.index: r.score for r in results(space, done)}
+    assert by_index[0] and by_index[1] and by_index[4]
+    assert (by_index[1].socs, by_index[1].cards) == (8, 2)
+    assert by_index[1].throughput == pytest.approx(2 * by_index[0].throughput)
+    assert (by_index[4].socs, by_index[4].cards) == (8, 2)
+
+
+def test_with_cards_fills_the_combinations_that_name_none() -> None:
+    space = build_space([{"cores": 4}, {"cores": 4, "cards": 3}], ["-aic-device=aic100-ultra"])
+    filled = with_cards(space, 2)
+    assert [p.cards for p in filled.points] == [2, 3]
+    assert filled.points[0].group == filled.points[1].group
+
+
+def test_the_table_shows_socs_and_cards_when_a_row_uses_more_than_one_soc() -> None:
+    space = with_cards(build_space([{"cores": 8, "instances": 2}], ["-aic-device=aic100-ultra"]), 2)
+    rows = rows_of(results(space, {0: ultra(100.0, 1.0)}))
+    assert (rows[0]["instances_per_soc"], rows[0]["socs"], rows[0]["cards"]) == (2, 8, 2)
+    head = render(rows).splitlines()[0].split()
+    assert "SoCs" in head and "cards" in head
+    single = rows_of(results(build_space([{"cores": 8}]), {0: metrics(100.0, 1.0)}))
+    assert "SoCs" not in render(single).splitlines()[0].split()
+
+
+def test_configure_cards_reaches_a_farm_sweeps_space(tmp_path) -> None:
+    csv_path = tmp_path / "s.csv"
+    csv_path.write_text("# a comment\ncores,instances\n4,2\n8,1\n")
+    body = _space_body(csv_path, 2)
+    assert [p.cards for p in build_space_of(body).points] == [2, 2]
+    yaml_path = tmp_path / "s.yaml"
+    yaml_path.write_text("parameters:\n  cores: [4, 8]\n  cards: [1]\n")
+    assert _space_body(yaml_path, 3)["space"]["parameters"]["cards"] == [1]  # the file's wins
+    yaml_path.write_text("parameters:\n  cores: [4, 8]\n")
+    assert _space_body(yaml_path, 3)["space"]["parameters"]["cards"] == [3]
+
+
+def build_space_of(body: dict[str, Any]):
+    from compiler_core.configurator.space import parse_csv
+
+    return parse_csv(body["space_csv"], ["-aic-device=aic100-ultra"])
+
+
+# ------------------------------------------------------------------------------ qpc validate
+
+
+def _qpc(num_cores: int, ddr_bytes: int | None = None) -> bytes:
+    from compiler_core.qpc import Requirements, qpc_bytes
+    from tests.test_qpc_container import network_for, our_segments, relu_program
+
+    program = relu_program(num_cores=num_cores)
+    req = Requirements.from_program(program)
+    if ddr_bytes is not None:
+        req = dataclasses.replace(req, ddr_bytes=ddr_bytes)
+    return qpc_bytes(our_segments(program, network_for(program, requirements=req)))
+
+
+def test_validate_says_how_many_instances_a_card_holds_by_cores() -> None:
+    from compiler_core.qpc import validate_qpc
+
+    check = validate_qpc(_qpc(4), device="aic100-ultra").check("device-instances")
+    assert check.ok
+    assert "holds 16 instances: 4 per SoC (by cores 4," in check.message
+    assert "x 4 SoCs" in check.message
+    pro = validate_qpc(_qpc(4), device="aic100-standard").check("device-instances")
+    assert "holds 3 instances: 3 per SoC" in pro.message  # 14 cores hold three 4-core copies
+
+
+def test_validate_counts_the_instances_each_socs_ddr_holds() -> None:
+    from compiler_core.qpc import validate_qpc
+
+    check = validate_qpc(_qpc(1, ddr_bytes=12 << 30), device="aic100-pro").check("device-instances")
+    assert check.ok and "holds 2 instances: 2 per SoC (by cores 16, by DDR 2)" in check.message
+    too_big = validate_qpc(_qpc(1, ddr_bytes=40 << 30), device="aic100-pro")
+    assert not too_big.check("device-instances").ok and not too_big.ok

@@ -280,13 +280,14 @@ def test_inspect_and_validate_name_the_devices_and_cores(compiled: CompileResult
     assert checks["partition"].message == "2 devices: SoC 0 (2 cores), SoC 1 (2 cores)"
     assert checks["device1-program-decodes"].ok
     assert checks["device-socs"].message.startswith("needs 2 SoCs (device ids 0, 1)")
+    assert checks["device-instances"].message == "an AIC100 Ultra card holds 2 copies over 2 SoCs"
 
 
 def test_validate_against_a_card_with_fewer_socs_says_so(compiled: CompileResult) -> None:
     report = validate_qpc(compiled.qpc_path, "aic100-standard")
     assert not report.ok
     failed = [c for c in report.checks if not c.ok]
-    assert [c.name for c in failed] == ["device-socs"]
+    assert [c.name for c in failed] == ["device-socs", "device-instances"]
     assert failed[0].message == ("needs 2 SoCs (device ids 0, 1), an AIC100 Standard card has 1")
 
 

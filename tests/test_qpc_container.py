@@ -446,6 +446,7 @@ def test_a_well_formed_qpc_passes_every_check() -> None:
         "device-vtcm",
         "device-ddr",
         "device-dtypes",
+        "device-instances",
     ]
     assert report.device == "aic100-standard"
     assert json.loads(json.dumps(report.to_dict()))["ok"] is True
@@ -579,7 +580,7 @@ def test_vtcm_ddr_and_hardware_version_are_compared_with_the_device() -> None:
     net = network_for(program, requirements=huge, hw_version="ai200")
     report = validate_qpc(qpc_bytes(our_segments(program, net)), device="aic100-pro")
     failed = {c.name for c in report.checks if not c.ok}
-    assert failed == {"device-hw-version", "device-vtcm", "device-ddr"}
+    assert failed == {"device-hw-version", "device-vtcm", "device-ddr", "device-instances"}
 
 
 def test_an_unknown_device_is_an_error_not_a_failed_check() -> None:

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server", default=None, metavar="URL",
                         help="run the sweep on this farm instead of locally")  # fmt: skip
     parser.add_argument("--api-key", default=None, help="the team's key (farm mode)")
+    parser.add_argument("--cards", type=int, default=None, metavar="N",
+                        help="cards in the host for every combination that names none "
+                             "(default 1; every SoC of each card runs the instances)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="local compile processes (default: the CPUs)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
@@ -115,7 +118,7 @@ def _configure(argv: list[str]) -> int:
     own, flags = split_flags(argv)
     args = build_parser().parse_args(own)
     from compiler_core.configurator.scoring import parse_llm_bounds, parse_objective
-    from compiler_core.configurator.space import load_space
+    from compiler_core.configurator.space import load_space, with_cards
     from compiler_core.errors import CompileError
     from compiler_core.options import CompileOptions
 
@@ -125,6 +128,10 @@ def _configure(argv: list[str]) -> int:
         llm_bounds = parse_llm_bounds(objective, args.max_ttft_ms, args.max_tpot_ms)
         base = options.with_(model=None, aic_binary_dir=None).to_flags()
         space = load_space(args.search_space, base)
+        if args.cards is not None:
+            if args.cards < 1:
+                raise ConfigureError(f"--cards must be a positive integer, not {args.cards}")
+            space = with_cards(space, args.cards)
     except CompileError as exc:
         raise ConfigureError(exc.message) from None
     if options.model is None:
@@ -200,15 +207,41 @@ def _locally(
             "compiles": run.compiles, "seconds": run.seconds, "line": line}  # fmt: skip
 
 
-def _space_body(path: Path) -> dict[str, Any]:
+def _space_body(path: Path, cards: int | None = None) -> dict[str, Any]:
+    """The request's space: the file's text, with `cards` for the rows that name none."""
     text = path.read_text()
     if path.suffix.lower() == ".csv":
-        return {"space_csv": text}
+        return {"space_csv": _csv_with_cards(text, cards) if cards is not None else text}
     if path.suffix.lower() == ".json":
-        return {"space": json.loads(text)}
-    import yaml
+        data = json.loads(text)
+    else:
+        import yaml
 
-    return {"space": yaml.safe_load(text)}
+        data = yaml.safe_load(text)
+    if cards is not None and isinstance(data, dict):
+        params = data.get("parameters", data)
+        if isinstance(params, dict) and not any(k.lower() in _CARD_KEYS for k in params):
+            params["cards"] = [cards]
+    return {"space": data}
+
+
+_CARD_KEYS = ("cards", "num-cards", "num_cards")
+
+
+def _csv_with_cards(text: str, cards: int) -> str:
+    """A `cards` column filled with `cards` where the CSV has none (comments dropped)."""
+    import csv
+    import io
+
+    rows = [r for r in csv.reader(io.StringIO(text)) if r and not r[0].lstrip().startswith("#")]
+    if not rows or any(h.strip().lower() in _CARD_KEYS for h in rows[0]):
+        return text
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([*rows[0], "cards"])
+    for row in rows[1:]:
+        writer.writerow([*row, cards])
+    return out.getvalue()
 
 
 def _on_farm(
@@ -232,7 +265,7 @@ def _on_farm(
             "latency_bound_us": bound,
             "max_ttft_ms": args.max_ttft_ms,
             "max_tpot_ms": args.max_tpot_ms,
-            **_space_body(args.search_space),
+            **_space_body(args.search_space, args.cards),
         }
         sweep = client.create_sweep(body)
         _say(f"sweep {sweep['id']} on {server}")

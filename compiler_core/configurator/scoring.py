@@ -22,6 +22,14 @@ With `instances` copies running at once they share the SoC's DDR bandwidth and t
 - throughput = instances x batch / period; latency = set size x period (Little's law: s
   batches in flight per instance), so a deeper queue buys throughput with latency.
 
+Whole cards: `instances` counts the copies on one SoC. The same placement runs on every SoC
+of the card (a QPC partitioned over `socs_per_instance` SoCs: on each group of that many)
+and on every one of `cards` cards. Each SoC has its own DDR and its own port to the card's
+switch (the terms above); the SoCs of one card share its one host link, `host_link_lanes`
+wide against a SoC port's `SOC_PORT_LANES`, so the period is also at least
+`copies on the card x instances x t_host x SOC_PORT_LANES / host_link_lanes`; each card has a
+host link of its own. Throughput counts every instance of every SoC and card.
+
 An LLM QPC (prefill and decode specializations, the KV cache as retained state: its perf
 metrics carry an `llm` section) is also scored in tokens: its full-batch decode
 specialization's step scored as above with set size 1 (a step needs the last token) gives
@@ -43,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from compiler_core.devices import DeviceProfile, get_device
+from compiler_core.devices import SOC_PORT_LANES, DeviceProfile, get_device
 from compiler_core.errors import CompileError
 
 
@@ -130,6 +138,12 @@ class Score:
     host_transfer_us: float
     ddr_bound: bool
     """Whether the instances' shared DDR bandwidth, not compute, sets `t_run`."""
+    instances_per_soc: int = 1
+    socs: int = 1
+    """SoCs in use on all cards."""
+    cards: int = 1
+    card_link_bound: bool = False
+    """Whether the card's host link, shared by its SoCs, sets the period."""
     host_overhead_us: float = 0.0
     """The runtime's host overhead of one batch (submit and DMA descriptors)."""
     estimated: bool = True
@@ -149,6 +163,10 @@ class Score:
             "host_transfer_us": round(self.host_transfer_us, 3),
             "ddr_bound": self.ddr_bound,
             "host_overhead_us": round(self.host_overhead_us, 3),
+            "instances_per_soc": self.instances_per_soc,
+            "socs": self.socs,
+            "cards": self.cards,
+            "card_link_bound": self.card_link_bound,
             "estimated": True,
         }
         for name in ("tokens_per_s", "decode_tokens_per_s", "ttft_ms", "tpot_ms"):
@@ -173,14 +191,18 @@ def score(
     instances: int,
     batchsize: int,
     set_size: int,
+    cards: int = 1,
+    socs_per_instance: int = 1,
     device: DeviceProfile | None = None,
 ) -> Score:
     """The combination's estimate from its compile's perf metrics (see the module doc);
     `device` overrides the profile the metrics name (its table's parameters)."""
     device = device or device_of(metrics)
+    place = _Placement.of(device, cards, socs_per_instance)
     base = _score(
-        metrics, instances=instances, batchsize=batchsize, set_size=set_size, device=device
-    )
+        metrics, instances=instances, batchsize=batchsize, set_size=set_size, device=device,
+        place=place,
+    )  # fmt: skip
     llm = metrics.get("llm")
     if not isinstance(llm, Mapping) or "full_batch" not in llm:
         return base
@@ -195,12 +217,13 @@ def score(
         batchsize=int(full["batch"]),
         set_size=1,
         device=device,
+        place=place,
     )
     ttft_ms = None
     prefill = llm.get("prefill_specialization")
     if prefill is not None and prefill in each:
         ttft_ms = _score(
-            each[prefill], instances=instances, batchsize=1, set_size=1, device=device
+            each[prefill], instances=instances, batchsize=1, set_size=1, device=device, place=place
         ).period_us
         ttft_ms /= 1e3
     return dataclasses.replace(
@@ -224,32 +247,61 @@ def host_overhead_us(metrics: Mapping[str, Any], device: DeviceProfile) -> float
     return (device.inference_submit_s + count * device.dma_descriptor_s) * 1e6
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where the copies of a QPC run: `copies` groups of SoCs on all cards, `per_card` of
+    them behind one card's host link."""
+
+    copies: int
+    per_card: int
+    socs_per_instance: int
+    cards: int
+
+    @classmethod
+    def of(cls, device: DeviceProfile, cards: int, socs_per_instance: int) -> _Placement:
+        if cards < 1 or socs_per_instance < 1:
+            raise CompileError("invalid_search_space", "cards and SoCs must be positive")
+        copies = device.socs * cards // socs_per_instance
+        if copies < 1:
+            raise CompileError(
+                "invalid_search_space",
+                f"a QPC over {socs_per_instance} SoCs does not fit {cards} "
+                f"{device.name} card(s) of {device.socs} SoCs",
+            )
+        return cls(copies, max(1, device.socs // socs_per_instance), socs_per_instance, cards)
+
+
 def _score(
     metrics: Mapping[str, Any],
     *,
     instances: int,
     batchsize: int,
     set_size: int,
-    device: DeviceProfile | None = None,
+    device: DeviceProfile,
+    place: _Placement,
 ) -> Score:
-    device = device or device_of(metrics)
     t_dev = float(metrics["estimated_device_latency_us"])
     t_host = float(metrics.get("host_transfer_us") or 0.0)
     t_over = host_overhead_us(metrics, device)
     t_ddr = instances * _ddr_bytes(metrics) / device.ddr_bandwidth_bytes_per_s * 1e6
     t_run = max(t_dev, t_ddr)
+    t_card = place.per_card * instances * t_host * SOC_PORT_LANES / device.host_link_lanes
     if set_size <= 1:
-        period = max(t_run + t_host + t_over, instances * t_host)
+        period = max(t_run + t_host + t_over, instances * t_host, t_card)
     else:
-        period = max(t_run, instances * t_host, t_over)
+        period = max(t_run, instances * t_host, t_over, t_card)
     period = max(period, 1e-6)
     return Score(
         latency_us=set_size * period,
-        throughput=instances * batchsize * 1e6 / period,
+        throughput=place.copies * instances * batchsize * 1e6 / period,
         period_us=period,
         device_latency_us=t_dev,
         host_transfer_us=t_host,
         ddr_bound=t_ddr > t_dev,
+        instances_per_soc=instances,
+        socs=place.copies * place.socs_per_instance,
+        cards=place.cards,
+        card_link_bound=t_card >= period * (1 - 1e-9) and t_card > instances * t_host,
         host_overhead_us=t_over,
     )
 

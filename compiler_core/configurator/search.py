@@ -40,7 +40,12 @@ class Result:
 
 def score_point(point: Point, metrics: Metrics) -> Score:
     return score(
-        metrics, instances=point.instances, batchsize=point.batchsize, set_size=point.set_size
+        metrics,
+        instances=point.instances,
+        batchsize=point.batchsize,
+        set_size=point.set_size,
+        cards=point.cards,
+        socs_per_instance=point.socs_per_instance,
     )
 
 

@@ -5,11 +5,12 @@ mapping (JSON/YAML: a list of values per parameter, constraints, fixed base flag
 A combination is a `Point`: compile parameters (`cores`, `batchsize`, `mos`, `ols`, the
 number of SoCs `devices` the network is sliced over (`-mdp-devices`), an LLM's
 `kv_precision` (fp16 | mxint8) and `weight_precision` (fp16 | mxfp6), and any other compile
-flag, e.g. `full-batch-size`) plus runtime ones (`instances`, `set_size`) that need no
-compile. Points sharing their compile parameters share one compile (a `Group`). Every point
-is checked before anything runs: the compile options through the option schema (`-ols` a
-power of two no larger than the cores, ...), the instances against the device's cores, and
-the space's constraints; an invalid point is reported with its reason, never compiled.
+flag, e.g. `full-batch-size`) plus runtime ones (`instances` per SoC, `set_size`, `cards`)
+that need no compile. Points sharing their compile parameters share one compile (a
+`Group`). Every point is checked before anything runs: the compile options through the
+option schema (`-ols` a power of two no larger than the cores, ...), the instances against
+the cores of one SoC, the cards against a host, and the space's constraints; an invalid
+point is reported with its reason, never compiled.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compiler_core.devices import MAX_CARDS_PER_HOST
 from compiler_core.errors import CompileError
 from compiler_core.options import CompileOptions, spec_for
 
-RUNTIME_PARAMS = ("instances", "set_size")
-"""Parameters of the run, not of the compile: free to vary once a group is compiled."""
+RUNTIME_PARAMS = ("instances", "set_size", "cards")
+"""Parameters of the run, not of the compile: free to vary once a group is compiled
+(`instances` per SoC; the scoring fills every SoC of every card)."""
 
 ALIASES: dict[str, str] = {
     "cores": "cores",
@@ -54,6 +57,8 @@ ALIASES: dict[str, str] = {
     "kv_precision": "kv_precision",
     "weight-precision": "weight_precision",
     "weight_precision": "weight_precision",
+    "cards": "cards",
+    "num-cards": "cards",
     "devices": "devices",
     "socs": "devices",
     "mdp-devices": "devices",
@@ -101,7 +106,8 @@ def canonical_param(name: str) -> str:
     except CompileError:
         raise SpaceError(
             f"unknown search-space parameter {name!r}: use cores, instances, batchsize, "
-            "mos, ols, set_size, devices, kv_precision, weight_precision or a compile flag name"
+            "mos, ols, set_size, cards, devices, kv_precision, weight_precision or a compile "
+            "flag name"
         ) from None
     if spec.local_only:  # the model, the output directory, -operators-supported
         raise SpaceError(
@@ -236,6 +242,15 @@ class Point:
         return int(self.params.get("set_size") or 1)
 
     @property
+    def cards(self) -> int:
+        return int(self.params.get("cards") or 1)
+
+    @property
+    def socs_per_instance(self) -> int:
+        """SoCs one copy of the QPC spans (`-mdp-devices`; 1 unpartitioned)."""
+        return int(self.options.mdp_devices or 1) if self.options else 1
+
+    @property
     def batchsize(self) -> int:
         return int(self.options.batchsize or 1) if self.options else 1
 
@@ -248,6 +263,8 @@ class Point:
         if self.options is None:
             return [f"{k}={v}" for k, v in self.params.items()]
         runtime = [f"instances={self.instances}", f"set-size={self.set_size}"]
+        if "cards" in self.params:
+            runtime.append(f"cards={self.cards}")
         return [*self.options.to_flags(), *runtime]
 
     def to_json(self) -> dict[str, Any]:
@@ -412,10 +429,18 @@ def _check_point(
             reason=f"cores x instances = {options.aic_num_cores * instances} is more than the "
             f"{cores} cores of {options.device.name}",
         )
+    cards = int(params.get("cards") or 1)
+    if cards > MAX_CARDS_PER_HOST:
+        return Point(index, params, reason=f"cards = {cards}: a host takes at most "
+                     f"{MAX_CARDS_PER_HOST}")  # fmt: skip
+    socs = options.device.socs * cards
+    if (options.mdp_devices or 1) > socs:
+        return Point(index, params, reason=f"devices = {options.mdp_devices} is more than "
+                     f"the {socs} SoCs of {cards} {options.device.name} card(s)")  # fmt: skip
     known = {"cores": options.aic_num_cores, "batchsize": options.batchsize or 1,
              "instances": instances, "set_size": int(params.get("set_size") or 1),
              "mos": options.mos or 0, "ols": options.ols,
-             "devices": options.mdp_devices or 1}  # fmt: skip
+             "devices": options.mdp_devices or 1, "cards": cards}  # fmt: skip
     for constraint in constraints:
         if not constraint.holds({**params, **known}):
             return Point(index, params, reason=f"fails the constraint {constraint.text}")
@@ -525,3 +550,10 @@ def load_space(path: str | Path, base: Mapping[str, Any] | Sequence[str] = ()) -
     if suffix not in ("csv", "json", "yaml", "yml"):
         raise SpaceError(f"{path}: a search space is a .csv, .json or .yaml file")
     return parse_text(text, suffix, base)
+
+
+def with_cards(space: SearchSpace, cards: int) -> SearchSpace:
+    """The space with `cards` cards for every combination that does not name its own
+    (`qpcfarm configure --cards N`)."""
+    rows = [{**p.params, "cards": p.params.get("cards", cards)} for p in space.points]
+    return build_space(rows, space.base, [c.text for c in space.constraints])

@@ -17,6 +17,8 @@ LLM_COLUMNS = (
     ("ttft_ms", "ttft_ms", 9), ("tpot_ms", "tpot_ms", 9),
 )  # fmt: skip
 """An LLM QPC's figures (`scoring.Score`), shown when a row has them."""
+CARD_COLUMNS = (("socs", "SoCs", 4), ("cards", "cards", 5))
+"""Where the instances run (`inst` is per SoC), shown when a row uses more than one SoC."""
 
 
 def rows_of(items: Sequence[Result]) -> list[dict[str, Any]]:
@@ -40,6 +42,9 @@ def rows_of(items: Sequence[Result]) -> list[dict[str, Any]]:
                 "throughput": round(r.score.throughput, 2) if r.score else None,
                 "device_latency_us": round(r.score.device_latency_us, 3) if r.score else None,
                 "ddr_bound": r.score.ddr_bound if r.score else None,
+                "instances_per_soc": r.point.instances,
+                "socs": r.score.socs if r.score else None,
+                "cards": r.score.cards if r.score else None,
                 **{
                     key: (round(v, 3) if (v := getattr(r.score, key)) is not None else None)
                     for key, _, _ in LLM_COLUMNS
@@ -63,7 +68,9 @@ def _cell(value: Any) -> str:
 def render(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> str:
     """Fixed-width text: one line per result, best first, failed ones with their error."""
     llm = [c for c in LLM_COLUMNS if any(row.get(c[0]) is not None for row in rows)]
-    widths = [*COLUMNS, *((label, width) for _, label, width in llm)]
+    many = any((row.get("socs") or 1) > 1 or (row.get("cards") or 1) > 1 for row in rows)
+    extra = [*(CARD_COLUMNS if many else ()), *llm]
+    widths = [*COLUMNS, *((label, width) for _, label, width in extra)]
     head = "  ".join(f"{name:>{width}}" for name, width in widths) + "  other flags"
     lines = [head, "-" * len(head)]
     shown = rows if limit is None else rows[:limit]
@@ -72,10 +79,10 @@ def render(rows: Sequence[Mapping[str, Any]], limit: int | None = None) -> str:
         values = (
             row.get("rank"), row.get("cores"), row.get("instances"), row.get("batchsize"),
             params.get("mos"), params.get("ols"), row.get("set_size"),
-            row.get("latency_us"), row.get("throughput"), *(row.get(c[0]) for c in llm),
+            row.get("latency_us"), row.get("throughput"), *(row.get(c[0]) for c in extra),
         )  # fmt: skip
         cells = "  ".join(f"{_cell(v):>{w}}" for v, (_, w) in zip(values, widths, strict=True))
-        known = {"cores", "instances", "batchsize", "mos", "ols", "set_size"}
+        known = {"cores", "instances", "batchsize", "mos", "ols", "set_size", "cards"}
         other = " ".join(f"{k}={v}" for k, v in params.items() if k not in known)
         if row.get("error"):
             other = (other + " " if other else "") + f"error: {row['error']}"

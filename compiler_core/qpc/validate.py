@@ -307,7 +307,9 @@ def _encoded_constant(entry: ConstantEntry) -> None:
 # ------------------------------------------------------------------------------ device checks
 
 
-def _device_checks(checks: _Checks, net: NetworkDesc, device: DeviceProfile) -> None:
+def _device_checks(
+    checks: _Checks, net: NetworkDesc, device: DeviceProfile, mdp: dict[str, Any] | None = None
+) -> None:
     from compiler_core.devices import canonical_hw_version
 
     req = net.requirements
@@ -344,9 +346,38 @@ def _device_checks(checks: _Checks, net: NetworkDesc, device: DeviceProfile) -> 
     )
     checks.run("device-ddr", within(req.ddr_bytes, ddr, "bytes of DDR"))
     checks.run("device-dtypes", dtypes)
+    checks.run("device-instances", lambda: _instances(req.num_cores, req.ddr_bytes, device, mdp))
 
 
-DEVICE_CHECKS = ("device-hw-version", "device-cores", "device-vtcm", "device-ddr", "device-dtypes")
+def _instances(
+    num_cores: int, ddr_bytes: int, device: DeviceProfile, mdp: dict[str, Any] | None
+) -> str:
+    """How many copies of the QPC one card runs at once: on each SoC as many as its cores
+    and its DDR both hold (a partitioned QPC: one per group of its SoCs)."""
+    if mdp is not None:
+        width = len(mdp["devices"])
+        copies = device.socs // width
+        noun = "copy" if copies == 1 else "copies"
+        text = f"an {device.display_name} card holds {copies} {noun} over {width} SoCs"
+        if copies < 1:
+            raise _Fail(text)
+        return text
+    by_cores = device.cores_per_soc // max(1, num_cores)
+    by_ddr = device.ddr_bytes_per_soc // max(1, ddr_bytes)
+    per_soc = min(by_cores, by_ddr)
+    text = (
+        f"an {device.display_name} card holds {_plural(per_soc * device.socs, 'instance')}: "
+        f"{per_soc} per SoC (by cores {by_cores}, by DDR {by_ddr}) x {_plural(device.socs, 'SoC')}"
+    )
+    if per_soc < 1:
+        raise _Fail(text)
+    return text
+
+
+DEVICE_CHECKS = (
+    "device-hw-version", "device-cores", "device-vtcm", "device-ddr", "device-dtypes",
+    "device-instances",
+)  # fmt: skip
 OUR_CHECKS = ("network-descriptor", "program-decodes", "constants-descriptor")
 
 
@@ -433,7 +464,7 @@ def _validate_loaded(checks: _Checks, qpc: Qpc, profile: DeviceProfile | None) -
         for name in DEVICE_CHECKS:
             checks.checks.append(Check(name, False, "not checked: the network descriptor is bad"))
         return
-    _device_checks(checks, net, profile)
+    _device_checks(checks, net, profile, mdp)
 
 
 def _partition(qpc: Qpc) -> str:

@@ -407,6 +407,9 @@ def _result_json(r: Result, state: SweepState, sweep: Sweep, rank: int | None) -
         "device_latency_us": figures.get("device_latency_us"),
         "host_transfer_us": figures.get("host_transfer_us"),
         "host_overhead_us": figures.get("host_overhead_us"),
+        "instances_per_soc": point.instances,
+        "socs": figures.get("socs"),
+        "cards": figures.get("cards"),
         "ddr_bound": figures.get("ddr_bound"),
         **{
             k: figures[k]
