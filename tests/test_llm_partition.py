@@ -526,8 +526,9 @@ def test_the_configurator_sweeps_the_number_of_devices(
     assert sweep.failed == 0 and sweep.compiles == 2
     by_devices = {r.point.params["devices"]: r for r in sweep.ranked}
     for devices in (1, 2):
-        assert by_devices[devices].score is not None
-        assert by_devices[devices].score.decode_tokens_per_s > 0
+        score = by_devices[devices].score
+        assert score is not None and score.decode_tokens_per_s is not None
+        assert score.decode_tokens_per_s > 0
 
 
 def test_each_exchange_is_charged_from_the_link_table(
