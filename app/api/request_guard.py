@@ -26,6 +26,7 @@ parser made of the failure) is replaced by the coded error.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -39,9 +40,18 @@ from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import deps
-from app.api.errors import ApiError, error_response, unauthorized, upload_too_large
+from app.api.errors import (
+    DATABASE_FAULTS,
+    ApiError,
+    error_response,
+    unauthorized,
+    unavailable,
+    upload_too_large,
+)
 from app.api.uploads import MULTIPART_OVERHEAD
 from app.domain.settings import Settings
+
+log = logging.getLogger(__name__)
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 UPLOAD_MEDIA = frozenset({"multipart/form-data", "application/octet-stream", ""})
@@ -191,6 +201,14 @@ class RequestGuard:
             who = await self._authenticate(scope, app, settings)
         except ApiError as exc:
             await error_response(exc)(scope, receive, send)
+            return
+        except DATABASE_FAULTS as exc:
+            # The key lookup runs before any route, outside the app's exception handlers:
+            # answer the same 503 a route would (a database restart is transient).
+            log.error("database unavailable: %s", type(exc).__name__, exc_info=exc)
+            await error_response(unavailable("database_unavailable", "database"))(
+                scope, receive, send
+            )
             return
         if isinstance(who, Response):
             await who(scope, receive, send)
