@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -154,3 +155,26 @@ def overflowing_model(with_mask_branch: bool = False) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model
+
+
+def sparse_matmul_header(folder: Path, k: int, n: int) -> Path:
+    """y = x @ w with w [k, n] fp16 as external data in a sparse file (its bytes were never
+    written: a check that reads only headers can size a model of any size)."""
+    w = TensorProto(name="w", data_type=TensorProto.FLOAT16, dims=[k, n])
+    w.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", "weights.data"), ("offset", "0"), ("length", str(k * n * 2))):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, n])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = folder / "big.onnx"
+    path.write_bytes(model.SerializeToString())
+    with open(folder / "weights.data", "wb") as data:
+        data.truncate(k * n * 2)
+    return path

@@ -21,32 +21,10 @@ from compiler_core.errors import CompileError
 from compiler_core.fit import check_fit
 from compiler_core.options import CompileOptions
 from tests.api_helpers import LiveServer, Servers, zip_bytes
+from tests.models import sparse_matmul_header
 
 GIB = 1 << 30
 STANDARD_DDR = 16 * GIB
-
-
-def _matmul_header(folder: Path, k: int, n: int) -> Path:
-    """y = x @ w with w [k, n] fp16 as external data in a sparse file (its bytes were never
-    written: the check must not read weights)."""
-    w = TensorProto(name="w", data_type=TensorProto.FLOAT16, dims=[k, n])
-    w.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", "weights.data"), ("offset", "0"), ("length", str(k * n * 2))):
-        entry = w.external_data.add()
-        entry.key, entry.value = key, value
-    graph = oh.make_graph(
-        [oh.make_node("MatMul", ["x", "w"], ["y"])],
-        "big",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT16, [1, k])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT16, [1, n])],
-        [w],
-    )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)])
-    path = folder / "big.onnx"
-    path.write_bytes(model.SerializeToString())
-    with open(folder / "weights.data", "wb") as data:
-        data.truncate(k * n * 2)
-    return path
 
 
 def _state_model(rows: int, cols: int) -> onnx.ModelProto:
@@ -64,7 +42,7 @@ def _state_model(rows: int, cols: int) -> onnx.ModelProto:
 def test_weights_larger_than_the_ddr_are_refused_from_the_header_with_what_would_fit(
     tmp_path: Path,
 ) -> None:
-    path = _matmul_header(tmp_path, 96 * 1024, 96 * 1024)  # 18.0 GiB of fp16 weights
+    path = sparse_matmul_header(tmp_path, 96 * 1024, 96 * 1024)  # 18.0 GiB of fp16 weights
     with pytest.raises(CompileError) as info:
         compile_model(str(path), ["-aic-device=aic100-standard"])
     error = info.value
@@ -77,7 +55,7 @@ def test_weights_larger_than_the_ddr_are_refused_from_the_header_with_what_would
 
 
 def test_the_same_weights_as_mxfp6_fit(tmp_path: Path) -> None:
-    path = _matmul_header(tmp_path, 96 * 1024, 96 * 1024)
+    path = sparse_matmul_header(tmp_path, 96 * 1024, 96 * 1024)
     report = check_fit(path, CompileOptions.from_flags(["-mxfp6-matmul"]))
     assert report.fits
     assert report.weights_bytes == 96 * 1024 * 3 * 1024 * 25  # 25 bytes per 32 weights
@@ -87,7 +65,7 @@ def test_the_same_weights_as_mxfp6_fit(tmp_path: Path) -> None:
 def test_the_cli_exits_non_zero_naming_the_bytes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _matmul_header(tmp_path, 96 * 1024, 96 * 1024)
+    path = sparse_matmul_header(tmp_path, 96 * 1024, 96 * 1024)
     out = tmp_path / "out"
     status = main(
         ["compile", f"-m={path}", f"-aic-binary-dir={out}", "-aic-device=aic100-standard"]
@@ -159,7 +137,7 @@ def test_the_fit_check_reads_option_files_only_inside_the_jobs_model_folder(
 
     folder = tmp_path / "job"
     folder.mkdir()
-    path = _matmul_header(folder, 64, 64)
+    path = sparse_matmul_header(folder, 64, 64)
     outside = tmp_path / "secret.json"
     outside.write_text('{"specializations": [{"batch": "1"}]}')
     options = CompileOptions.from_flags([f"-network-specialization-config={outside}"])

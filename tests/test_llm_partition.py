@@ -40,6 +40,7 @@ from tests.decoder_model import (
     past_names,
     retained_name,
 )
+from tests.models import sparse_matmul_header
 
 PROMPT = np.array([[3, 17, 5, 40, 22, 9, 11, 30]], np.int64)
 STEPS = 64
@@ -380,40 +381,13 @@ def test_options_parse_both_flags() -> None:
     assert opts.to_flags() == ["-mdp-load-partition-config=p.json"]
 
 
-def _weight_header(folder: Path, k: int, n: int) -> Path:
-    """y = x @ w, w [k, n] fp16 in a sparse external-data file (never written: the fit check
-    reads headers only)."""
-    from onnx import TensorProto
-    from onnx import helper as oh
-
-    w = TensorProto(name="w", data_type=TensorProto.FLOAT16, dims=[k, n])
-    w.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", "w.data"), ("offset", "0"), ("length", str(k * n * 2))):
-        entry = w.external_data.add()
-        entry.key, entry.value = key, value
-    graph = oh.make_graph(
-        [oh.make_node("MatMul", ["x", "w"], ["y"])],
-        "big",
-        [oh.make_tensor_value_info("x", TensorProto.FLOAT16, [1, k])],
-        [oh.make_tensor_value_info("y", TensorProto.FLOAT16, [1, n])],
-        [w],
-    )
-    path = folder / "big.onnx"
-    path.write_bytes(
-        oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]).SerializeToString()
-    )
-    with open(folder / "w.data", "wb") as data:
-        data.truncate(k * n * 2)
-    return path
-
-
 def test_the_fit_check_suggests_the_devices_that_make_it_fit_and_they_do(tmp_path: Path) -> None:
     """40.5 GiB of fp16 weights: one Ultra SoC (32 GiB) is too small; sliced over 2 SoCs
     each keeps 20.25 GiB."""
     from compiler_core.fit import check_fit
 
     k = n = 144 * 1024
-    path = _weight_header(tmp_path, k, n)
+    path = sparse_matmul_header(tmp_path, k, n)
     alone = check_fit(path, CompileOptions.from_flags(["-aic-device=aic100-ultra"]))
     assert not alone.fits and alone.devices == 1
     suggestion = next(s for s in alone.suggestions if s.startswith("-mdp-load-partition-config"))
