@@ -200,6 +200,29 @@ def test_float_ops_between_qdq_stay_float_and_correct():
     result.cleanup()
 
 
+def test_float_ops_between_qdq_compute_in_fp16_under_convert_to_fp16():
+    """An int8 network as deployed: the ops with no integer kernel (Softmax) compute in fp16,
+    half the bytes of fp32 and on the fp16 rates, while the MatMuls stay int8."""
+    import onnx.helper as oh
+
+    model = mlp()
+    graph = model.graph
+    graph.node[-1].output[0] = "logits"
+    graph.node.append(oh.make_node("Softmax", ["logits"], ["y"], axis=-1))
+    qdq = ort_qdq(model, calibration(model), op_types_to_quantize=["MatMul", "Add", "Mul"])
+    result = compile_model(qdq, ["-convert-to-fp16"])
+    try:
+        precisions = {op: dtype for _, op, dtype in kernels(result)}
+        assert precisions["Softmax"] == "float16" and precisions["QMatMul"] == "int8"
+        assert "float32" not in precisions.values()
+        for feeds in calibration(model, 2, seed=3):
+            ours = run_qpc(result.qpc_path, feeds)["y"]
+            ref = run_ort(qdq, feeds)[0]
+            assert np.abs(ours - ref).max() < 0.02
+    finally:
+        result.cleanup()
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_torch_fake_quant_export_folds_into_int8_kernels(tmp_path):
     torch = pytest.importorskip("torch")
@@ -341,17 +364,21 @@ def _boundary_params(qdq: onnx.ModelProto, op: str, name: str) -> tuple[float, i
     raise AssertionError(f"no {op} at {name}")
 
 
-def test_integer_custom_io_moves_the_boundary_quantize_and_dequantize_to_the_host(tmp_path):
+@pytest.mark.parametrize("fp16", [False, True], ids=["float32-islands", "convert-to-fp16"])
+def test_integer_custom_io_moves_the_boundary_quantize_and_dequantize_to_the_host(tmp_path, fp16):
     """`-custom-IO-list-file` with int8 for the input and the output: the host sends the
     input's codes (quantized with the model's own QuantizeLinear parameters) and receives the
     output's codes; the program has no float kernel left, a quarter of the input bytes cross
-    the host link, and the codes dequantized are ONNX Runtime's result within one step."""
+    the host link, and the codes dequantized are ONNX Runtime's result within one step. With
+    -convert-to-fp16 (float islands in fp16, as int8 networks are deployed) the entries look
+    through the boundary Casts the conversion put beside the quantize and the dequantize."""
     model = cnn_bn()
     qdq = ort_qdq(model, calibration(model), per_channel=True)
     listing = tmp_path / "io.yaml"
     listing.write_text("- IOName: x\n  Precision: int8\n- IOName: y\n  Precision: int8\n")
-    floats = compile_model(qdq, ["-aic-num-cores=2"])
-    ints = compile_model(qdq, ["-aic-num-cores=2", f"-custom-IO-list-file={listing}"])
+    flags = ["-aic-num-cores=2", *(["-convert-to-fp16"] if fp16 else [])]
+    floats = compile_model(qdq, flags)
+    ints = compile_model(qdq, [*flags, f"-custom-IO-list-file={listing}"])
     try:
         ops = [(op, dtype) for _, op, dtype in kernels(ints)]
         assert all(dtype == "int8" for _, dtype in ops), ops

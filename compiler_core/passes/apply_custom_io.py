@@ -121,6 +121,9 @@ def _integer_boundary(
     if entry.name in inputs:
         value = inputs[entry.name]
         uses = list(value.uses())
+        casts = _boundary_casts(value)  # -convert-to-fp16's Cast in front of the quantizers
+        if casts:
+            uses = [u for c in casts for u in c.outputs[0].uses()]
         quantizers = [u.node for u in uses if u.node.op_type == "QuantizeLinear" and u.idx == 0]
         if not uses or len(quantizers) != len(uses):
             raise _invalid(f"{where} must be read only by QuantizeLinear nodes")
@@ -134,11 +137,19 @@ def _integer_boundary(
         for q in quantizers:
             ir.convenience.replace_all_uses_with(q.outputs[0], value)
             graph.remove(q, safe=True)
+        for cast in casts:
+            graph.remove(cast, safe=True)
         return 1
     if entry.name in outputs:
         position = outputs[entry.name]
         value = graph.outputs[position]
         dq = value.producer()
+        cast = None
+        if dq is not None and dq.op_type == "Cast" and dq.inputs and dq.inputs[0] is not None:
+            # -convert-to-fp16's Cast back to the model's float type after the dequantize
+            inner = dq.inputs[0]
+            if inner.producer() is not None and len(list(inner.uses())) == 1:
+                cast, dq = dq, inner.producer()
         source = dq.inputs[0] if dq is not None and dq.inputs else None
         if dq is None or dq.op_type != "DequantizeLinear" or source is None:
             raise _invalid(f"{where} must be written by a DequantizeLinear")
@@ -150,10 +161,23 @@ def _integer_boundary(
         if source.is_graph_input() or source.is_graph_output() or value.uses():
             raise _invalid(f"{where}: the codes are also another boundary value or read inside")
         graph.outputs[position] = source
+        if cast is not None:
+            graph.remove(cast, safe=True)
         graph.remove(dq, safe=True)
         source.name = entry.name
         return 1
     raise _invalid(f"{where} is neither a graph input nor a graph output")
+
+
+def _boundary_casts(value: ir.Value) -> list[ir.Node]:
+    """The Casts to float16 that read a float32 input, when they are all its uses (the
+    boundary `-convert-to-fp16` adds; an integer entry looks through them)."""
+    uses = list(value.uses())
+    if value.dtype != ir.DataType.FLOAT or not uses:
+        return []
+    if all(is_cast_to(u.node, ir.DataType.FLOAT16) for u in uses):
+        return [u.node for u in uses]
+    return []
 
 
 def _per_tensor(node: ir.Node) -> tuple[float, int] | None:
