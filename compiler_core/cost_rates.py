@@ -1,6 +1,6 @@
 """The cost model's rates: what one tile of a kernel costs on a modelled device's units.
 
-The physical parameters (HMX block, HVX vector width, DMA and launch overheads, the host link,
+The physical parameters (HMX block, HVX vector width, DMA and launch overheads,
 MXFP6 decode work) and the cycles of one kernel tile from its shape alone: HMX time is the
 tile's MACs padded to the array's blocks (32 output channels x 32 reduction elements, 64 for
 int8, x 4 output positions), at the precision's rate; a fused epilogue runs on HVX alongside
@@ -38,8 +38,6 @@ ACTIVATION_BASE_CYCLES = 4096
 ACTIVATION_CYCLES_PER_INSTR = 2
 """Pre-inference activation (setup) of a core: a fixed part plus its stream length, modelled;
 the resident-constant loads come on top."""
-HOST_LINK_BYTES_PER_S = 16e9
-"""Host-to-device input transfer (PCIe Gen4 x8, modelled): input doorbells ring as inputs land."""
 MXFP6_DECODE_VECTOR_OPS = 16
 """HVX vector instructions to turn 64 MXFP6 weights into fp16 (one 1024-bit vector of output):
 unpacking 48 bytes of 6-bit codes into 16-bit lanes (byte shuffles, shifts and masks: 6), the

@@ -40,7 +40,6 @@ from compiler_core.cost_rates import (
     ACTIVATION_BASE_CYCLES,
     ACTIVATION_CYCLES_PER_INSTR,
     DMA_DESCRIPTOR_CYCLES,
-    HOST_LINK_BYTES_PER_S,
     HVX_THREADS,
     KERNEL_LAUNCH_CYCLES,
     MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE,
@@ -435,7 +434,7 @@ class _Scheduler:
         linked = program.linked_ports  # from another device, over a link
         for t in program.inputs:
             landed += 0 if t in retained or tensors[t].name in linked else tensors[t].nbytes
-            ring = 0 if inputs_ready else landed / HOST_LINK_BYTES_PER_S * device.clock_hz
+            ring = 0 if inputs_ready else landed / device.soc_link_bytes_per_s * device.clock_hz
             self.ring.append(int(np.ceil(ring)))
         self.input_ranges = [
             (tensors[t].ddr_offset, tensors[t].ddr_offset + tensors[t].nbytes)

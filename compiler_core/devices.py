@@ -125,6 +125,14 @@ class DeviceProfile:
         return pcie_bytes_per_s(self.host_link_lanes)
 
     @property
+    def soc_link_bytes_per_s(self) -> float:
+        """Payload rate one SoC's inputs and outputs cross to or from the host at, one direction:
+        its own PCIe port (Gen4 x8), at most the card's host link. The one host-link rate of
+        the cost model (a program's input doorbells, `host_transfer_us`); the scoring shares
+        the card's link between its SoCs on top."""
+        return pcie_bytes_per_s(min(SOC_PORT_LANES, self.host_link_lanes))
+
+    @property
     def cores_per_soc(self) -> int:
         return self.num_cores // self.socs
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S, THREADS
+from compiler_core.cost_rates import THREADS
 from compiler_core.cost_timeline import Timeline, build_timeline
 from compiler_core.devices import DeviceProfile
 from compiler_core.lowering.lowered import LoweredGraph
@@ -170,7 +170,9 @@ def perf_metrics(
     # crosses PCIe while this inference runs, so the device's own time or the transfers bound it.
     device_latency = build_timeline(program, device, inputs_ready=True).latency_seconds
     host_in, host_out = program.host_ports()  # retained state stays on the device
-    host = sum(program.tensors[t].nbytes for t in (*host_in, *host_out)) / HOST_LINK_BYTES_PER_S
+    host = (
+        sum(program.tensors[t].nbytes for t in (*host_in, *host_out)) / device.soc_link_bytes_per_s
+    )
     useful = sum(r.hmx_macs for r in timeline.runs)
     padded = sum(r.hmx_padded_macs for r in timeline.runs)
     peak_cycles = device.hmx_fp16_macs_per_cycle * cores * total

@@ -17,8 +17,13 @@ from compiler_core.configurator.scoring import host_overhead_us, score
 from compiler_core.configurator.search import results
 from compiler_core.configurator.space import build_space, with_cards
 from compiler_core.configurator.table import render, rows_of
-from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
-from compiler_core.devices import MAX_CARDS_PER_HOST, get_device, list_devices, pcie_bytes_per_s
+from compiler_core.devices import (
+    MAX_CARDS_PER_HOST,
+    get_device,
+    link_between,
+    list_devices,
+    pcie_bytes_per_s,
+)
 from compiler_core.errors import CompileError
 
 PRO = get_device("aic100-pro")
@@ -40,6 +45,15 @@ def test_every_device_states_its_host_overheads_and_host_link() -> None:
         assert device.host_link_bytes_per_s == pcie_bytes_per_s(device.host_link_lanes)
     ultra = get_device("aic100-ultra")
     assert ultra.host_link_lanes == 2 * PRO.host_link_lanes  # x16 behind the switch, x8
+
+
+def test_one_host_link_rate_a_socs_port_in_the_cost_model_and_the_link_table() -> None:
+    # the rate a program's inputs land at (doorbells, host_transfer_us) is the SoC port of
+    # the multi-device link table: Gen4 x8 after encoding and packet overhead, 13.5 GB/s
+    for device in list_devices():
+        assert device.soc_link_bytes_per_s == link_between("p2p", same_card=True).bytes_per_s
+        assert device.soc_link_bytes_per_s <= device.host_link_bytes_per_s
+    assert PRO.soc_link_bytes_per_s == pytest.approx(13.55e9, rel=1e-3)
 
 
 def test_the_overhead_is_the_submit_plus_a_descriptor_per_host_buffer() -> None:
@@ -102,7 +116,7 @@ def test_a_compile_report_counts_the_host_buffers_and_bytes_scoring_reads() -> N
     assert perf["host_buffers"] == 3  # two inputs, one output
     assert perf["host_bytes"] == 3 * 64 * 4
     assert perf["host_transfer_us"] == pytest.approx(
-        perf["host_bytes"] / HOST_LINK_BYTES_PER_S * 1e6, abs=1e-3
+        perf["host_bytes"] / PRO.soc_link_bytes_per_s * 1e6, abs=1e-3
     )
     s = score(perf, instances=1, batchsize=1, set_size=1)
     assert s.host_overhead_us == pytest.approx(host_overhead_us(perf, PRO))

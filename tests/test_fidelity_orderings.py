@@ -16,7 +16,6 @@ import pytest
 from bench.models import ResNetSpec, resnet
 from compiler_core.compile import compile_model
 from compiler_core.configurator.scoring import score
-from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
 from compiler_core.devices import get_device
 from tests.quant_models import calibration, ort_qdq
 
@@ -110,7 +109,7 @@ def _floors_hold(metrics: dict[str, Any], device_name: str) -> None:
             assert s.latency_us >= device_us * (1 - 1e-6)
     # the host link's own floor: the input and output bytes at its rate
     assert float(metrics["host_transfer_us"]) > 0
-    assert HOST_LINK_BYTES_PER_S > 0 and device.ddr_bandwidth_bytes_per_s > 0
+    assert device.soc_link_bytes_per_s > 0 and device.ddr_bandwidth_bytes_per_s > 0
 
 
 @pytest.mark.parametrize(

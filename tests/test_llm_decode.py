@@ -20,7 +20,7 @@ import pytest
 
 from compiler_core.build import CompileResult
 from compiler_core.compile import compile_model
-from compiler_core.cost_rates import HOST_LINK_BYTES_PER_S
+from compiler_core.devices import get_device
 from compiler_core.lowering.program import DmaScatter, DmaStore, Program, scattered_bytes
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor, QpcSession
@@ -143,7 +143,7 @@ def test_retained_ports_carry_no_host_bytes_and_the_host_time_counts_real_io_onl
     real = sum(p["host_bytes"] for n, p in ports.items() if n not in retained)
     assert real == 8 + 8 + 48 * 4  # input_ids, position_ids, logits (fp32 at the boundary)
     assert metrics["host_transfer_us"] == pytest.approx(
-        real / HOST_LINK_BYTES_PER_S * 1e6, abs=1e-3
+        real / get_device(metrics["device"]).soc_link_bytes_per_s * 1e6, abs=1e-3
     )
 
 
