@@ -144,7 +144,7 @@ def _integer_boundary(
         position = outputs[entry.name]
         value = graph.outputs[position]
         dq = value.producer()
-        cast = None
+        cast: ir.Node | None = None
         if dq is not None and dq.op_type == "Cast" and dq.inputs and dq.inputs[0] is not None:
             # -convert-to-fp16's Cast back to the model's float type after the dequantize
             inner = dq.inputs[0]
