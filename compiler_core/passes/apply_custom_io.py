@@ -137,14 +137,14 @@ def _integer_boundary(
         for q in quantizers:
             ir.convenience.replace_all_uses_with(q.outputs[0], value)
             graph.remove(q, safe=True)
-        for cast in casts:
-            graph.remove(cast, safe=True)
+        for boundary in casts:
+            graph.remove(boundary, safe=True)
         return 1
     if entry.name in outputs:
         position = outputs[entry.name]
         value = graph.outputs[position]
         dq = value.producer()
-        cast: ir.Node | None = None
+        cast = None
         if dq is not None and dq.op_type == "Cast" and dq.inputs and dq.inputs[0] is not None:
             # -convert-to-fp16's Cast back to the model's float type after the dequantize
             inner = dq.inputs[0]
