@@ -4,7 +4,9 @@ The physical parameters (HMX block, HVX vector width, DMA and launch overheads,
 MXFP6 decode work) and the cycles of one kernel tile from its shape alone: HMX time is the
 tile's MACs padded to the array's blocks (32 output channels x 32 reduction elements, 64 for
 int8, x 4 output positions), at the precision's rate; a fused epilogue runs on HVX alongside
-(the tile takes the longer of the two). fp32 has no HMX path: 1/16 of fp16.
+(the tile takes the longer of the two): a float step one vector instruction per vector, an
+integer (requantizing) step the instructions its fixed-point arithmetic takes. fp32 has no
+HMX path: 1/16 of fp16.
 
 These are what the lowering's split and tiling searches price candidates with; the timeline
 (`cost_timeline.py`) schedules a whole emitted program with the same rates.
@@ -47,6 +49,22 @@ so a core decodes 4 x 64 / 16 = 16 weights a cycle. The decoded weight feeds HMX
 decodes its streamed MXFP6 weights before its HMX work starts (resident weights stay decoded
 in VTCM: no per-inference decode)."""
 MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE = 64 / MXFP6_DECODE_VECTOR_OPS
+
+INT8_STEP_VECTOR_OPS = 18
+"""HVX instructions that requantize one vector of 128 int8 outputs in an integer epilogue
+step (a QAdd or QMul after an integer kernel) reading the running value and at most a
+constant: the codes widened int8 -> int16 -> int32 (3 instructions, each writing a vector
+pair), a 32-bit fixed-point multiply-high with rounding per 32-lane vector (vmpye + vmpyo:
+2 x 4 = 8; the programs' multipliers carry 24-bit mantissas, too wide for the one-instruction
+16-bit multiply), the constant's term (scaled once at load) and the zero point added in int32
+(4), the rounding shift narrowing to int16 with saturation (2) and the saturating narrowing to
+int8 (1). Our count of the arithmetic the program specifies (no figure is published). A float
+step is one instruction per vector."""
+INT8_STEP_OPERAND_VECTOR_OPS = 13
+"""What each further activation operand of an integer step adds (a residual QAdd reads two
+activations): its widening (3), its own multiply-high (8) and the add of the two products
+(2), so a residual QAdd is 31 instructions per 128 outputs."""
+INT8_VECTOR_LANES = 128
 
 HVX_THREADS = ("hvx0", "hvx1", "hvx2", "hvx3")
 THREADS = (*HVX_THREADS, "hmx", "dma")
@@ -108,6 +126,37 @@ def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
     return first or (out[0] if out else "float32")
 
 
+def integer_step(dtype: str) -> bool:
+    """An epilogue step writing int8/uint8 codes requantizes (QAdd, QMul after an integer
+    kernel): integer multiply, shift and saturation on HVX, not one vector instruction."""
+    return dtype in ("int8", "uint8")
+
+
+def epilogue_hvx_cycles(
+    tile_elems: int,
+    epilogue: tuple[str, ...],
+    operands: Sequence[int],
+    device: DeviceProfile,
+) -> int:
+    """HVX cycles of a tile's epilogue steps: a float step one vector instruction per
+    vector of its output type; an integer step `INT8_STEP_VECTOR_OPS` per 128 codes plus
+    `INT8_STEP_OPERAND_VECTOR_OPS` per activation operand it reads besides the running value
+    (`operands`, per step; missing entries count 0); the instructions spread over the HVX
+    threads."""
+    if not any(integer_step(d) for d in epilogue):
+        epi_dtype = epilogue[-1] if epilogue else "float32"
+        return math.ceil(tile_elems * len(epilogue) / _hvx_rate(device, epi_dtype))
+    instructions = 0.0
+    for i, dtype in enumerate(epilogue):
+        if integer_step(dtype):
+            extra = operands[i] if i < len(operands) else 0
+            ops = INT8_STEP_VECTOR_OPS + INT8_STEP_OPERAND_VECTOR_OPS * extra
+            instructions += tile_elems * ops / INT8_VECTOR_LANES
+        else:
+            instructions += tile_elems / (HVX_BYTES_PER_THREAD_CYCLE // _itemsize(dtype))
+    return math.ceil(instructions / max(1, device.hvx_threads))
+
+
 def tile_cost(
     info: NodeInfo,
     unit: str,
@@ -117,9 +166,11 @@ def tile_cost(
     in_boxes: Sequence[Box | None],
     opdef: OpDef | None,
     device: DeviceProfile,
+    epilogue_operands: Sequence[int] = (),
 ) -> TileCompute:
     """Compute cycles of one tile of a kernel (`macs`: the kernel's, epilogue steps
-    included; `epilogue`: each step's output dtype)."""
+    included; `epilogue`: each step's output dtype; `epilogue_operands`: per step, the
+    activation operands it reads besides the running value)."""
     out_shape = info.out_shapes[0] if info.out_shapes else ()
     out_total = max(1, math.prod(out_shape))
     tile_elems = box_elements(out_box)
@@ -127,7 +178,6 @@ def tile_cost(
     dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
     base_macs = max(0, macs - out_total * len(epilogue))
     epi_tile = tile_elems * len(epilogue)
-    epi_dtype = epilogue[-1] if epilogue else dtype
     if unit == "hmx":
         precision = compute_dtype(info.in_dtypes, info.out_dtypes)
         if opdef is not None and opdef.hmx_shape is not None:
@@ -138,7 +188,7 @@ def tile_cost(
         return TileCompute(
             unit="hmx",
             main_cycles=math.ceil(padded / hmx_rate(device, precision)),
-            epilogue_cycles=math.ceil(epi_tile / _hvx_rate(device, epi_dtype)),
+            epilogue_cycles=epilogue_hvx_cycles(tile_elems, epilogue, epilogue_operands, device),
             hmx_macs=useful,
             hmx_padded_macs=padded,
             hvx_work=epi_tile,

@@ -45,6 +45,7 @@ from compiler_core.cost_rates import (
     MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE,
     THREADS,
     TileCompute,
+    integer_step,
     tile_cost,
 )
 from compiler_core.devices import DeviceProfile, link_between
@@ -55,6 +56,7 @@ from compiler_core.lowering.program import (
     DmaLoad,
     DmaScatter,
     DmaStore,
+    EpilogueDesc,
     Instr,
     LinkSend,
     LinkWait,
@@ -243,6 +245,7 @@ def tile_compute(
         [o.box if o is not None else None for o in instr.inputs],
         opdef,
         device,
+        epilogue_operands(program, kernel.inputs, kernel.epilogue),
     )
     decoded = _mxfp6_streamed_elements(program, kernel.inputs, instr)
     if not decoded:
@@ -252,6 +255,26 @@ def tile_compute(
         cost,
         decode_cycles=math.ceil(decoded / rate),
         hvx_work=cost.hvx_work + decoded,
+    )
+
+
+def epilogue_operands(
+    program: Program, inputs: Sequence[int], epilogue: Sequence[EpilogueDesc]
+) -> tuple[int, ...]:
+    """Per epilogue step: the activation operands it reads besides the running value (a
+    constant operand is scaled once at load, not per element)."""
+    if not any(integer_step(e.out_dtype) for e in epilogue):
+        return ()
+    return tuple(
+        sum(
+            1
+            for k in step.inputs
+            if k is not None
+            and 0 <= k < len(inputs)
+            and inputs[k] >= 0
+            and program.tensors[inputs[k]].kind != KIND_CONSTANT
+        )
+        for step in epilogue
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from compiler_core.cost_rates import integer_step
 from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.fusion import base_input_count, epilogue, fused_node_names
@@ -561,6 +562,12 @@ def choose_splits(
                 slots=tuple(slots),
                 reshaped=tuple(reshaped),
                 nbytes=tuple(sizes),
+                epilogue_operands=tuple(
+                    sum(1 for k in e.inputs if k is not None and k >= 0 and kinds[k] != "constant")
+                    for e in lk.desc.epilogue
+                )
+                if any(integer_step(e.out_dtype) for e in lk.desc.epilogue)
+                else (),
             )
         )
     chooser = SplitChooser(items, device, int(budget * RESIDENT_SHARE), active, k_splits)

@@ -108,6 +108,9 @@ class KernelSplit:
     """Per operand: read through a reshape of the producer's output (needs all of it)."""
     nbytes: tuple[int, ...]
     """Per operand: the whole tensor's bytes."""
+    epilogue_operands: tuple[int, ...] = ()
+    """Per epilogue step: the activation operands it reads besides the running value
+    (`cost_timeline.epilogue_operands`; empty when no step is an integer one)."""
 
 
 @dataclass
@@ -287,6 +290,7 @@ class SplitChooser:
             in_boxes,
             req.opdef,
             self.device,
+            ks.epilogue_operands,
         )
         return per_core * (cost.cycles + LAUNCH)
 
@@ -317,6 +321,7 @@ class SplitChooser:
                         t.in_boxes,
                         req.opdef,
                         self.device,
+                        ks.epilogue_operands,
                     ).cycles
                     + LAUNCH
                 )
@@ -717,6 +722,7 @@ def _signature(ks: KernelSplit) -> Hashable:
         ks.unit,
         ks.macs,
         ks.epilogue,
+        ks.epilogue_operands,
         ks.kinds,
     )
     try:
