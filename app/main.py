@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.api import (
+    compare,
     compile_jobs,
     keys,
     meta,
@@ -96,6 +97,7 @@ def create_app(
         models.router,
         compile_jobs.router,
         qpcs.router,
+        compare.router,
         profiles.router,
         validations.router,
         sweeps.router,

@@ -8,6 +8,7 @@ Service commands (each parses its own arguments, so clients may take qaic-compil
   admin    create-team | create-key | list-keys | revoke-key | verify-blobs | set-limits |
            show-team | gc
   db       upgrade
+  compare  two compiles on a farm side by side (`GET /v1/compare`)
   submit   (slot) the HTTP client: add `"submit": (help, handler)` to SERVICE_COMMANDS
 
 Only argparse is imported at start: fastapi, celery, sqlalchemy and the compiler are imported
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from app.console.compare import compare_command
 from app.console.configure import configure_command
 from app.console.submit import submit_command
 from compiler_core.blas_core import set_openblas_core
@@ -654,6 +656,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, Handler]] = {
     "db": ("apply database migrations", db_command),
     "submit": ("compile on a farm, like compile (the same flags)", submit_command),
     "configure": ("sweep a search space of compile/runtime parameters", configure_command),
+    "compare": ("compare two compiles on a farm (QPC or job ids)", compare_command),
 }
 """Service commands: name -> (help, handler(argv) -> exit code)."""
 

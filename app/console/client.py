@@ -194,6 +194,10 @@ class FarmClient:
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/compile-jobs/{job_id}")
 
+    def compare(self, a: str, b: str) -> dict[str, Any]:
+        """GET /v1/compare: two QPCs (or compile jobs) side by side."""
+        return self._json("GET", "/v1/compare", params={"a": a, "b": b})
+
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._json("POST", f"/v1/compile-jobs/{job_id}/cancel")
 

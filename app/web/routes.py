@@ -27,6 +27,7 @@ from app.domain.db.models import CompileJob, ProfileJob, Team
 from app.domain.db.session import unit_of_work
 from app.domain.queue import commit_then_enqueue
 from app.domain.services import (
+    compare,
     job_origins,
     jobs,
     models,
@@ -478,6 +479,25 @@ def profile_context(
         "chart": profile_views.operator_chart(profile.summary),
         "timeline": profile_views.timeline(trace),
     }
+
+
+@router.get("/compare", response_model=None)
+def compare_page(
+    request: Request, session: SessionDep, team: PageTeam, a: str = "", b: str = ""
+) -> Response:
+    """Two compiles side by side (`a` before, `b` after: QPC or compile job ids)."""
+    context: dict[str, Any] = {"team": team, "a": a, "b": b, "result": None}
+    if not (a or b):
+        return render(request, "compare.html", context)
+    ids = [parse_uuid(a), parse_uuid(b)]
+    if ids[0] is None or ids[1] is None:
+        error = problem("invalid_request", "give two ids: a QPC id or a compile job id each")
+        return render(request, "compare.html", {**context, "error": error}, 422)
+    try:
+        context["result"] = compare.compare(session, team, ids[0], ids[1])
+    except ServiceError as exc:
+        return render(request, "compare.html", {**context, "error": exc.to_dict()}, exc.status)
+    return render(request, "compare.html", context)
 
 
 @router.get("/profiles/{profile_id}", response_model=None)
