@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.domain.blobs import guard as blob_guard
 from app.domain.db.base import utcnow
 from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from app.domain.db.ops import insert_or_ignore
@@ -347,6 +348,11 @@ def run_compile(
             progress.check()
             with open(result.qpc_path, "rb") as qpc_file:
                 ref = store.put(qpc_file)
+            # Held until `succeed` commits the row naming it: retention cannot collect it now.
+            blob_guard.lock_for_write(session, ref.sha256)
+            if not store.exists(ref.sha256):  # collected between the put and the lock
+                with open(result.qpc_path, "rb") as qpc_file:
+                    ref = store.put(qpc_file)
             progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
             metrics = dict(result.metrics)
             if farm_options.dump_profile:
