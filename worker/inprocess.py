@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -60,7 +61,11 @@ class InProcessQueue:
         job_process: JobProcessConfig | None = None,
         compile_limits: Limits | None = None,
         work_root: Path | None = None,
+        collector: Callable[[], object] | None = None,
+        collect_interval_s: float = 0.0,
     ) -> None:
+        self._collector = collector
+        self._collect_interval_s = collect_interval_s
         self._sessions = session_factory
         self._store = store
         self._concurrency = max(1, concurrency)
@@ -115,6 +120,8 @@ class InProcessQueue:
                 stale_after_s=self._stale_after_s,
                 requeue_after_s=self._requeue_after_s,
                 work_root=self._work_root,
+                collector=self._collector,
+                collect_interval_s=self._collect_interval_s,
             ).start()
         return self
 

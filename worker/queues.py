@@ -89,7 +89,7 @@ def queue_from_settings(
     from app.domain.services.limits import compile_limits
     from worker.inprocess import InProcessQueue
     from worker.job_process import config_for
-    from worker.reaper import reap_interval
+    from worker.reaper import collector_for, reap_interval
 
     return InProcessQueue(
         session_factory,
@@ -102,4 +102,6 @@ def queue_from_settings(
         job_process=config_for(settings, store),
         compile_limits=compile_limits(settings),
         work_root=settings.work_dir,
+        collector=collector_for(settings, session_factory, store),
+        collect_interval_s=settings.gc_interval_s,
     ).start()

@@ -57,7 +57,10 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
         200: {"model": JobOut, "description": "Cache hit: the QPC exists (`cache_hit: true`)."},
         202: {"description": "Queued, or attached to the identical job already queued/running."},
         404: {"description": "`not_found`: no such model for this team"},
+        413: {"description": "`storage_quota`: the team's stored bytes are at its limit"},
         422: {"description": "`invalid_option`, `unknown_option` (with `flag`), ..."},
+        429: {"description": "`queue_quota`: the team's queued jobs are at its limit "
+              "(`Retry-After`)"},
     },
 )
 def submit_job(
@@ -70,8 +73,9 @@ def submit_job(
 ) -> Response:
     options = parse_options(body)
     job, created = jobs.submit(
-        session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope
-    )
+        session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope,
+        retry_after_s=settings.quota_retry_after_s,
+    )  # fmt: skip
     commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))
     report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None
     # The answer serialised by its model at once (what `response_model` declares): FastAPI
