@@ -37,6 +37,7 @@ from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.model_files import check_files_travel
 from app.domain.services.pages import Page, paginate
 from compiler_core import CompileOptions
+from compiler_core.convert import FORMAT_KEYS, converter_of
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
 from compiler_core.version import COMPILER_VERSION
@@ -47,14 +48,19 @@ CacheScope = Literal["team", "farm"]
 
 
 def options_key(
-    model_sha256: str, options: CompileOptions, canonical: dict[str, Any] | None = None
+    model_sha256: str,
+    options: CompileOptions,
+    canonical: dict[str, Any] | None = None,
+    converter: str = "",
 ) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler version. `canonical`:
+    """The QPC cache key: model bytes + canonical options + compiler version, and for a
+    TensorFlow or PyTorch model the converter's versions (`converter_of`). `canonical`:
     `options.to_json()` if the caller has it already."""
     if canonical is None:
         canonical = options.to_json()
     canonical_text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))  # to_json_str
-    text = "\n".join((model_sha256, canonical_text, COMPILER_VERSION))
+    parts = (model_sha256, canonical_text, COMPILER_VERSION)
+    text = "\n".join((*parts, converter) if converter else parts)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -181,7 +187,7 @@ def submit(
             raise not_found("model", model_id)  # collected by retention meanwhile
     check_files_travel(options, kind)
     canonical = options.to_json()
-    key = options_key(sha256, options, canonical)
+    key = options_key(sha256, options, canonical, converter_of(kind))
     common: dict[str, Any] = {
         "team_id": team.id,
         "model_id": model_id,
@@ -195,7 +201,8 @@ def submit(
         values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
         return connection.execute(plain, values).one(), True
 
-    if store is not None and upload_worth_checking(options, store.size(sha256)):
+    converted = kind in FORMAT_KEYS  # the fit of its ONNX is checked in the worker
+    if store is not None and not converted and upload_worth_checking(options, store.size(sha256)):
         with store.open(sha256) as stream:  # the model's header only: refused in seconds
             fit = check_upload_fit(stream, options)
         if fit is not None and not fit.fits:
