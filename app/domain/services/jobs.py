@@ -19,6 +19,8 @@ from sqlalchemy.orm import Session
 from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
 from app.domain.blobs.integrity import verify_blob
+from app.domain.compilers import DEFAULT as DEFAULT_COMPILER
+from app.domain.compilers import QAIC, QPCFARM, Compiler
 from app.domain.db.base import utcnow
 from app.domain.db.models import (
     ACTIVE_JOB_PREDICATE,
@@ -37,7 +39,7 @@ from app.domain.services.pages import Page, paginate
 from compiler_core import CompileOptions
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
-from compiler_core.version import COMPILER_VERSION
+from compiler_core.options import vendor_flags
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +47,24 @@ CacheScope = Literal["team", "farm"]
 
 
 def options_key(
-    model_sha256: str, options: CompileOptions, canonical: dict[str, Any] | None = None
+    model_sha256: str,
+    options: CompileOptions,
+    canonical: dict[str, Any] | None = None,
+    compiler: Compiler | None = None,
 ) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler version. `canonical`:
-    `options.to_json()` if the caller has it already."""
+    """The QPC cache key: model bytes + canonical options + compiler backend and version.
+    `canonical`: `options.to_json()` if the caller has it already. `compiler` None is the
+    default, this package's compiler at its version; so is `qpcfarm@<that version>` named,
+    and both keep the key they had before backends could be named (the version alone)."""
     if canonical is None:
         canonical = options.to_json()
     canonical_text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))  # to_json_str
-    text = "\n".join((model_sha256, canonical_text, COMPILER_VERSION))
-    return hashlib.sha256(text.encode()).hexdigest()
+    compiler = compiler or DEFAULT_COMPILER
+    if compiler.backend == QPCFARM:
+        parts: tuple[str, ...] = (model_sha256, canonical_text, compiler.version)
+    else:
+        parts = (model_sha256, canonical_text, compiler.backend, compiler.version)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 JobRow = Row[Any]
@@ -105,6 +116,7 @@ def submit_job(
     *,
     store: BlobStore | None = None,
     cache_scope: CacheScope = "team",
+    compiler: Compiler | None = None,
 ) -> tuple[CompileJob, bool]:
     """`submit` for callers that work with ORM objects (the web form, sweeps): the job as a
     `CompileJob` of the session."""
@@ -112,8 +124,9 @@ def submit_job(
         raise not_found("model", model.id)
     session.flush()  # the caller's pending rows first: `submit` runs on the connection
     row, created = submit(
-        session, team, model.id, options, store=store, cache_scope=cache_scope, model=model
-    )
+        session, team, model.id, options, store=store, cache_scope=cache_scope, model=model,
+        compiler=compiler,
+    )  # fmt: skip
     job = session.get(CompileJob, row.id, populate_existing=True)
     assert job is not None
     return job, created
@@ -128,9 +141,11 @@ def submit(
     store: BlobStore | None = None,
     cache_scope: CacheScope = "team",
     model: Model | None = None,
+    compiler: Compiler | None = None,
 ) -> tuple[JobRow, bool]:
     """Ask for a compile of the team's model `model_id` with `options` (404 `not_found` for
-    a model of another team). Returns (job, created).
+    a model of another team), by `compiler` (None: the default; the caller checked that a
+    worker has it, `services.compilers.resolve`). Returns (job, created).
 
     - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
       a corrupt one is quarantined and compiled again): a new job, already succeeded,
@@ -158,14 +173,17 @@ def submit(
     else:
         sha256, kind = model.sha256, model.kind
     check_files_travel(options, kind)
+    if compiler is not None and compiler.backend == QAIC:
+        vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
     canonical = options.to_json()
-    key = options_key(sha256, options, canonical)
+    key = options_key(sha256, options, canonical, compiler)
     common: dict[str, Any] = {
         "team_id": team.id,
         "model_id": model_id,
         "options": canonical,
         "options_key": key,
         "device": options.device.name,
+        "compiler": str(compiler) if compiler else None,
     }
     plain, guarded = _INSERTS[connection.dialect.name]
     qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
