@@ -327,6 +327,14 @@ class CompileOptions:
         metavar="<name>,<value>",
         default_text="none",
     )
+    input_shapes: str | None = option(
+        "str",
+        "Input shapes of a TorchScript (or TensorFlow) model, whose file leaves them open: "
+        "<name>:<d0>x<d1>...[,<name>:...] (qpcfarm addition).",
+        group=PRECISION,
+        metavar="<name>:<d0>x<d1>...",
+        default_text="the model's",
+    )
     network_specialization_config: str | None = option(
         "path",
         "JSON file of shape specializations sharing weights in one QPC.",

@@ -353,3 +353,31 @@ def test_submit_takes_compiler_as_a_client_option() -> None:
     args = parse_args(["-m=x.onnx", "--compiler", "qaic@1.18.2.0", "-aic-num-cores=2"], env={})
     assert args.compiler == "qaic@1.18.2.0" and args.flags == ["-m=x.onnx", "-aic-num-cores=2"]
     assert parse_args(["-m=x.onnx"], env={}).compiler is None
+
+
+def test_a_message_claims_only_a_queued_compile_of_its_own_jobs_compiler(
+    farm: Farm, session: Session, team: Team
+) -> None:
+    from app.domain.services import models
+    from worker import fair_share
+
+    def queued(scale: float, compiler: Compiler | None) -> CompileJob:
+        data = _bytes_io(tiny_model_bytes(scale))
+        model = models.store_model(session, farm.store, team, data, "m.onnx", max_bytes=1 << 30)
+        job, _ = jobs.submit_job(session, team, model, CompileOptions(), compiler=compiler)
+        session.commit()
+        return job
+
+    vendor = queued(0.11, QAIC)  # the oldest: fair share alone would pick it first
+    plain = queued(0.12, None)
+    old = queued(0.13, OLD)
+
+    by_plain = fair_share.claim_next(session, plain.id, "w-default")
+    by_old = fair_share.claim_next(session, old.id, "w-old")
+    again = fair_share.claim_next(session, plain.id, "w-default")
+    by_vendor = fair_share.claim_next(session, vendor.id, "w-qaic")
+
+    assert by_plain is not None and by_plain.id == plain.id
+    assert by_old is not None and by_old.id == old.id
+    assert again is None  # the vendor job waits for a worker with the SDK
+    assert by_vendor is not None and by_vendor.id == vendor.id

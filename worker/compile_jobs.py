@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
+from app.domain.blobs import guard as blob_guard
 from app.domain.compilers import QAIC, QPCFARM, local_compilers
 from app.domain.compilers import parse as parse_compiler
 from app.domain.db.base import utcnow
@@ -346,8 +347,9 @@ def run_compile(
             folder = ModelFolder.at(model_dir) if model_dir else ModelFolder.bare()
             if compiler_spec.backend == QAIC:
                 ref, outcome = _vendor_compile(
-                    store, model_path, options, work, model_dir, progress, compiler_spec.sdk
-                )
+                    session, store, model_path, options, work, model_dir, progress,
+                    compiler_spec.sdk,
+                )  # fmt: skip
             else:
                 farm_options = options.with_(
                     aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
@@ -357,6 +359,11 @@ def run_compile(
                 progress.check()
                 with open(result.qpc_path, "rb") as qpc_file:
                     ref = store.put(qpc_file)
+                # Held until `succeed` commits the row naming it: retention cannot collect it now.
+                blob_guard.lock_for_write(session, ref.sha256)
+                if not store.exists(ref.sha256):  # collected between the put and the lock
+                    with open(result.qpc_path, "rb") as qpc_file:
+                        ref = store.put(qpc_file)
                 progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
                 metrics = dict(result.metrics)
                 if farm_options.dump_profile:
@@ -419,6 +426,7 @@ def check_compiler(named: str | None) -> CompilerChoice:
 
 
 def _vendor_compile(
+    session: Session,
     store: BlobStore,
     model_path: Path,
     options: CompileOptions,
@@ -439,6 +447,10 @@ def _vendor_compile(
     progress.note("ran: " + " ".join(result.command))
     with open(result.qpc_path, "rb") as qpc_file:
         ref = store.put(qpc_file)
+    blob_guard.lock_for_write(session, ref.sha256)  # as for the farm's own QPCs
+    if not store.exists(ref.sha256):
+        with open(result.qpc_path, "rb") as qpc_file:
+            ref = store.put(qpc_file)
     progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
     log = "\n".join(progress.lines) + "\n"
     log += f"--- qaic-compile stdout ---\n{result.stdout}\n"

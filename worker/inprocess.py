@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -64,7 +64,11 @@ class InProcessQueue:
         compile_limits: Limits | None = None,
         work_root: Path | None = None,
         compilers: Sequence[Compiler] | None = None,
+        collector: Callable[[], object] | None = None,
+        collect_interval_s: float = 0.0,
     ) -> None:
+        self._collector = collector
+        self._collect_interval_s = collect_interval_s
         self._sessions = session_factory
         self._compilers = list(compilers or [])
         """Advertised while the queue runs (`worker.advertise`): what a job may name here."""
@@ -122,6 +126,8 @@ class InProcessQueue:
                 stale_after_s=self._stale_after_s,
                 requeue_after_s=self._requeue_after_s,
                 work_root=self._work_root,
+                collector=self._collector,
+                collect_interval_s=self._collect_interval_s,
             ).start()
         if self._compilers:
             self._advertiser = Advertiser(

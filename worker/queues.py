@@ -118,7 +118,7 @@ def queue_from_settings(
     from app.domain.services.limits import compile_limits
     from worker.inprocess import InProcessQueue
     from worker.job_process import config_for
-    from worker.reaper import reap_interval
+    from worker.reaper import collector_for, reap_interval
 
     return InProcessQueue(
         session_factory,
@@ -132,4 +132,6 @@ def queue_from_settings(
         compile_limits=compile_limits(settings),
         work_root=settings.work_dir,
         compilers=local_compilers(settings),
+        collector=collector_for(settings, session_factory, store),
+        collect_interval_s=settings.gc_interval_s,
     ).start()

@@ -18,7 +18,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ from worker.claims import queued_ids, stale_ids
 from worker.workdirs import remove_abandoned
 
 if TYPE_CHECKING:
+    from app.domain.blobs import BlobStore
     from app.domain.queue import JobQueue
     from app.domain.settings import Settings
 
@@ -133,7 +136,14 @@ class Reaper:
         stale_after_s: float = STALE_AFTER_S,
         requeue_after_s: float = REQUEUE_AFTER_S,
         work_root: Path | None = None,
+        collector: Callable[[], object] | None = None,
+        collect_interval_s: float = 0.0,
     ) -> None:
+        self._collector = collector
+        """Retention's collector (`services.retention.collect` bound to the farm), run every
+        `collect_interval_s` (0: never) by this reaper."""
+        self._collect_interval_s = collect_interval_s
+        self._last_collect = time.monotonic()
         self._sessions = session_factory
         self._work_root = work_root
         self._queue = queue
@@ -173,7 +183,19 @@ class Reaper:
                 advance_sweeps(self._sessions, self._queue)
             except Exception:  # the database or broker is away: try at the next interval
                 log.warning("reaping failed; retrying in %.0f s", self._interval, exc_info=True)
+            self._maybe_collect()
             self.rounds += 1
+
+    def _maybe_collect(self) -> None:
+        if self._collector is None or self._collect_interval_s <= 0:
+            return
+        if time.monotonic() - self._last_collect < self._collect_interval_s:
+            return
+        self._last_collect = time.monotonic()
+        try:
+            self._collector()
+        except Exception:  # the database or store is away: at the next interval
+            log.warning("retention's collector failed", exc_info=True)
 
 
 def start_reaper(
@@ -190,4 +212,21 @@ def start_reaper(
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
         work_root=settings.work_dir,
+        collector=collector_for(settings, session_factory),
+        collect_interval_s=settings.gc_interval_s,
     ).start()
+
+
+def collector_for(
+    settings: Settings, session_factory: sessionmaker[Session], store: BlobStore | None = None
+) -> Callable[[], object]:
+    """Retention's collector over the farm's database and blob store (built on first use)."""
+    from app.domain.blobs import blob_store_from_settings
+    from app.domain.services import retention
+
+    def run() -> object:
+        blobs = store if store is not None else blob_store_from_settings(settings, session_factory)
+        with session_factory() as session:
+            return retention.collect(session, blobs, default_days=settings.retention_days)
+
+    return run

@@ -61,10 +61,13 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
             "description": "`compiler_unavailable`: no live worker has the `compiler` "
             "named (`available` lists those that do)"
         },
+        413: {"description": "`storage_quota`: the team's stored bytes are at its limit"},
         422: {
             "description": "`invalid_option`, `unknown_option` (with `flag`), "
-            "`invalid_compiler`, ..."
+            "`invalid_compiler`, `option_not_for_backend`, ..."
         },
+        429: {"description": "`queue_quota`: the team's queued jobs are at its limit "
+              "(`Retry-After`)"},
     },
 )
 def submit_job(
@@ -81,7 +84,7 @@ def submit_job(
     )
     job, created = jobs.submit(
         session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope,
-        compiler=compiler,
+        retry_after_s=settings.quota_retry_after_s, compiler=compiler,
     )  # fmt: skip
     commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))
     report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None

@@ -29,6 +29,22 @@ def read_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
     return QpcOut.of(qpc, qpcs.get_report(session, qpc))
 
 
+@router.put("/{qpc_id}/pin", response_model=QpcOut)
+def pin_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
+    """Keep the QPC: retention never collects a pinned QPC (again is a no-op)."""
+    qpcs.set_pinned(session, qpc, True)
+    session.commit()
+    return QpcOut.of(qpc, qpcs.get_report(session, qpc))
+
+
+@router.delete("/{qpc_id}/pin", response_model=QpcOut)
+def unpin_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
+    """Let retention collect the QPC again once nothing references it and it is old."""
+    qpcs.set_pinned(session, qpc, False)
+    session.commit()
+    return QpcOut.of(qpc, qpcs.get_report(session, qpc))
+
+
 @router.get(
     "/{qpc_id}/download",
     response_class=StreamingResponse,

@@ -180,6 +180,8 @@ class QpcOut(BaseModel):
     created_at: dt.datetime
     report: ReportOut | None
     download_url: str
+    pinned: bool = False
+    """A pinned QPC is never collected by retention (`PUT`/`DELETE /v1/qpcs/{id}/pin`)."""
 
     @classmethod
     def of(cls, qpc: Qpc, report: CompileReport | None) -> QpcOut:
@@ -193,6 +195,7 @@ class QpcOut(BaseModel):
             created_at=qpc.created_at,
             report=ReportOut.model_validate(report) if report else None,
             download_url=f"/v1/qpcs/{qpc.id}/download",
+            pinned=qpc.pinned_at is not None,
         )
 
 
@@ -201,6 +204,28 @@ class CompilerOut(BaseModel):
     backend: str = Field(description="`qpcfarm` or `qaic` (the vendor's qaic-compile).")
     version: str
     workers: int = Field(description="Live workers that have it.")
+
+
+class TeamUsage(BaseModel):
+    queued_jobs: int
+    running_jobs: int
+    stored_bytes: int
+
+
+class TeamLimitsOut(BaseModel):
+    max_queued_jobs: int | None = Field(description="None: no limit")
+    max_running_jobs: int | None = Field(description="None: no limit")
+    max_stored_bytes: int | None = Field(description="None: no limit")
+    retention_days: float | None = Field(
+        description="Unreferenced models and QPCs older than this are collected; None: the "
+        "farm's default"
+    )
+
+
+class TeamOut(BaseModel):
+    team: str
+    usage: TeamUsage
+    limits: TeamLimitsOut
 
 
 class ValidateRequest(BaseModel):

@@ -90,6 +90,16 @@ class Settings(BaseSettings):
     max_team_sweep_compiles: int = 64
     """Compiles a team's sweeps may have queued or running at once; the sweeps submit the
     rest as those finish (`services.sweeps.sweep_compile_allowance`, the quota hook)."""
+    retention_days: float | None = None
+    """Unreferenced models and QPCs older than this many days are collected (`qpcfarm admin
+    gc`, and every `gc_interval_s` in the reaper); a team's own `retention_days` overrides
+    it. None: nothing is collected unless the team sets a period."""
+    gc_interval_s: float = 3600.0
+    """How often a reaper runs the collector (0: only `qpcfarm admin gc`)."""
+    quota_retry_after_s: int = 30
+    """The `Retry-After` of a 429 for a full queue quota: about one compile's time."""
+    fair_share_window_s: float = 600.0
+    """Fair share: a team's recent worker time is what its compiles used in this window."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

@@ -34,6 +34,7 @@ from app.domain.services import (
     models,
     profiles,
     qpcs,
+    quotas,
     teams,
     validations,
     web_sessions,
@@ -270,15 +271,27 @@ def submit(
             job, created = jobs.submit_job(
                 session, team, row, options, store=store, cache_scope=settings.cache_scope,
                 compiler=chosen,
+                retry_after_s=settings.quota_retry_after_s,
             )  # fmt: skip
     except (CompileError, ServiceError) as exc:
         session.rollback()
         status = exc.status if isinstance(exc, ServiceError) else 422
         context = dashboard_context(session, team, form=form, error=exc.to_dict())
-        return render(request, "dashboard.html", context, status)
+        page = render(request, "dashboard.html", context, status)
+        if isinstance(exc, ServiceError):
+            page.headers.update(exc.headers)  # a quota's Retry-After, as the API says it
+        return page
     commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))  # committed above
     attached = "" if created else "&attached=1"  # joined an identical job in flight
     return RedirectResponse(f"/?submitted={job.id}{attached}", status_code=303)
+
+
+@router.get("/team", response_model=None)
+def team_page(request: Request, session: SessionDep, team: PageTeam) -> Response:
+    """The team's usage against its quotas (what `GET /v1/team` answers)."""
+    described = quotas.describe(session, team)
+    context = {"team": team, "usage": described["usage"], "limits": described["limits"]}
+    return render(request, "team.html", context)
 
 
 # ------------------------------------------------------------------------------ a job
@@ -454,7 +467,7 @@ def recompile_with(
         options = CompileOptions.from_json(job.options)
         new, created = jobs.submit_job(
             session, team, job.model, options, store=store, cache_scope=settings.cache_scope,
-            compiler=chosen,
+            compiler=chosen, retry_after_s=settings.quota_retry_after_s,
         )  # fmt: skip
         commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
         return f"/jobs/{new.id}?compare_with={job.id}"

@@ -1,7 +1,7 @@
 """compiler backends and versions
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0008
 Create Date: 2026-12-04
 
 `worker_compilers`: the compilers (backend, version) each live worker has, with when it last
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0009"
-down_revision: str | None = "0007"
+down_revision: str | None = "0008"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -8,6 +8,7 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.domain.db.base import utcnow
 from app.domain.db.models import CompileReport, Qpc, Team
 from app.domain.services.errors import not_found
 
@@ -34,3 +35,13 @@ def get_report(session: Session, qpc: Qpc) -> CompileReport | None:
     return session.execute(
         select(CompileReport).where(CompileReport.qpc_id == qpc.id)
     ).scalar_one_or_none()
+
+
+def set_pinned(session: Session, qpc: Qpc, pinned: bool) -> Qpc:
+    """Pin (retention never collects it) or unpin a QPC of the team's. The caller commits."""
+    if pinned and qpc.pinned_at is None:
+        qpc.pinned_at = utcnow()
+    elif not pinned:
+        qpc.pinned_at = None
+    session.flush()
+    return qpc
