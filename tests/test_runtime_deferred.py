@@ -122,3 +122,52 @@ def test_a_store_of_a_deferred_buffer_stores_the_constant() -> None:
     tampered = dataclasses.replace(program, streams=[stream])
     got = Executor(tampered, constants, VTCM).run(feeds)["y"]
     np.testing.assert_array_equal(got, weight)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_aliased_noc_copies_give_every_read_the_bytes_an_eager_copy_leaves(seed: int) -> None:
+    """Whole-buffer NoC copies recorded as aliases of the sender's VTCM (`alias`), mixed
+    with deferred constant loads, whole and partial writes and reads on two cores, applied
+    to eagerly copied memories and to deferred ones: a write to an alias's source (or to
+    the alias itself) comes after the alias took its bytes, and every read agrees."""
+    rng = np.random.default_rng(100 + seed)
+    size = 300
+    for _ in range(200):
+        eager = [np.zeros(size, np.uint8) for _ in range(2)]
+        lazy = [np.zeros(size, np.uint8) for _ in range(2)]
+        deferred = DeferredLoads(2)
+        for kind, start, end, row in _random_ops(rng, size):
+            core = int(rng.integers(2))
+            n = end - start
+            value = rng.integers(1, 255, n, dtype=np.uint8)
+            if kind == "defer" and rng.integers(2):  # a NoC copy from a random source range
+                source = int(rng.integers(2))
+                lo = int(rng.integers(0, size - n + 1))
+                if source == core and lo < end and start < lo + n:
+                    continue  # a copy onto its own source is never aliased
+                eager[core][start:end] = eager[source][lo : lo + n]
+                deferred.settle(source, lo, lo + n)
+                src = lazy[source][lo : lo + n].reshape(n // row, row)
+                dst = lazy[core][start:end].reshape(n // row, row)
+                deferred.alias(core, start, end, dst, src, (source, lo, lo + n))
+            elif kind == "defer":
+                src = value.reshape(n // row, row)
+                src.flags.writeable = False
+                eager[core][start:end] = value
+                deferred.defer(core, start, end, lazy[core][start:end].reshape(n // row, row), src)
+            elif kind == "write":
+                eager[core][start:end] = value
+                deferred.overwrite(core, start, end, whole=True)
+                lazy[core][start:end] = value
+            elif kind == "write-some":
+                eager[core][start:end:2] = value[::2]
+                deferred.overwrite(core, start, end, whole=False)
+                lazy[core][start:end:2] = value[::2]
+            else:
+                deferred.settle(core, start, end)
+                np.testing.assert_array_equal(lazy[core][start:end], eager[core][start:end])
+        for core in range(2):
+            deferred.settle(core, 0, size)
+        for core in range(2):
+            np.testing.assert_array_equal(lazy[core], eager[core])
+        assert deferred.pending == [[], []]

@@ -36,10 +36,11 @@ from app.domain.db.ops import insert_or_ignore
 from app.domain.services.errors import ServiceError, internal_error_message
 from app.domain.services.model_files import check_model_files
 from app.domain.services.models import materialize_model
-from app.domain.services.qpcs import PROFILE_METRIC
+from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
 from app.domain.services.upload_check import KIND_ARCHIVE
 from app.domain.settings import get_settings
 from compiler_core import CompileError, CompileOptions
+from compiler_core.convert import CONVERTED_FILE
 from compiler_core.model_folder import ModelFolder
 from compiler_core.version import COMPILER_VERSION
 from worker import claims
@@ -371,6 +372,18 @@ def run_compile(
                         profile = store.put(profile_file)
                     metrics[PROFILE_METRIC] = {"sha256": profile.sha256, "size": profile.size}
                     progress.note(f"stored quantization profile {profile.sha256}")
+                conversion = metrics.get(CONVERSION_METRIC)
+                converted = work / "out" / CONVERTED_FILE
+                if isinstance(conversion, dict) and converted.is_file():
+                    with open(converted, "rb") as onnx_file:
+                        onnx_ref = store.put(onnx_file)
+                    metrics[CONVERSION_METRIC] = {
+                        **conversion,
+                        "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
+                    }
+                    progress.note(
+                        f"stored the ONNX {conversion.get('converter')} made: {onnx_ref.sha256}"
+                    )
                 outcome = CompileOutcome(
                     metrics=metrics,
                     warnings=result.warnings,

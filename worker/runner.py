@@ -29,7 +29,7 @@ from app.domain.db.models import CompileJob, JobStatus, ProfileJob
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import JobKind
 from app.domain.timing import HEARTBEAT_S, MAX_ATTEMPTS, STALE_AFTER_S
-from worker import claims, compile_jobs, fair_share, profile_jobs
+from worker import claims, compile_jobs, fair_share, model_cache, profile_jobs
 from worker.compile_process import CompileProcess
 from worker.heartbeat import HeartbeatThread, JobHeartbeat
 
@@ -77,7 +77,7 @@ def _run_compile(run: JobRun) -> None:
     assert isinstance(run.job, CompileJob)
     compile_jobs.run_compile(
         run.session,
-        run.store,
+        model_cache.for_worker(run.store, run.work_root),
         run.job,
         run.progress_cb,
         run.beat.stop_requested,

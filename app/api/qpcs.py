@@ -17,7 +17,7 @@ from app.api.downloads import blob_response
 from app.api.schemas import QpcOut, ValidateRequest, ValidationOut
 from app.domain.services import qpcs, validations
 from app.domain.services.errors import ServiceError
-from app.domain.services.qpcs import PROFILE_METRIC
+from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
 
 router = APIRouter(prefix="/v1/qpcs", tags=["qpcs"])
 
@@ -107,6 +107,44 @@ def download_profile(
         filename="profile.json",
         media_type="application/json",
         found_by="profile download",
+        range_header=None,
+        if_none_match=if_none_match,
+        if_range=None,
+    )
+
+
+@router.get(
+    "/{qpc_id}/converted.onnx",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The ONNX model."},
+        404: {"description": "`converted_model_not_found`: the model was ONNX already"},
+    },
+)
+def download_converted(
+    qpc: TeamQpc,
+    session: SessionDep,
+    store: StoreDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The ONNX model a TensorFlow or PyTorch upload was converted to before this QPC was
+    compiled from it (the report's `conversion` names the converter and its version)."""
+    report = qpcs.get_report(session, qpc)
+    metrics = getattr(report, "metrics", None) or {}
+    entry = metrics.get(CONVERSION_METRIC) if isinstance(metrics, dict) else None
+    onnx_entry = entry.get("onnx") if isinstance(entry, dict) else None
+    if not isinstance(onnx_entry, dict) or "sha256" not in onnx_entry:
+        raise ServiceError(
+            "converted_model_not_found",
+            "this QPC was compiled from an ONNX model as uploaded: nothing was converted",
+            status=404,
+        )
+    return blob_response(
+        store,
+        onnx_entry["sha256"],
+        filename="converted.onnx",
+        media_type="application/octet-stream",
+        found_by="converted model download",
         range_header=None,
         if_none_match=if_none_match,
         if_range=None,

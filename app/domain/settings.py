@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     """How often a reaper runs the collector (0: only `qpcfarm admin gc`)."""
     quota_retry_after_s: int = 30
     """The `Retry-After` of a 429 for a full queue quota: about one compile's time."""
+    model_cache_bytes: int = 20 * GiB
+    """A worker keeps models it read from the database blob store on its local disk, by
+    sha256, up to this many bytes (`worker.model_cache`; 0: off)."""
     fair_share_window_s: float = 600.0
     """Fair share: a team's recent worker time is what its compiles used in this window."""
 

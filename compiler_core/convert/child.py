@@ -77,6 +77,8 @@ def _torch(request: dict[str, Any]) -> dict[str, Any]:
         raise Failed("invalid_model", f"torch.jit.load cannot read it: {_one_line(exc)}") from None
     shapes = _shapes(request)
     arg_names = [i.debugName().split(".")[0] for i in list(module.graph.inputs())[1:]]
+    if not shapes and request.get("check_only"):
+        return {"converter": "", "version": torch.__version__, "inputs": arg_names}
     if not shapes:
         raise Failed(
             "input_shape_required",

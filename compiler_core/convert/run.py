@@ -45,6 +45,8 @@ class Converted:
     format: str
     converter: str
     converter_version: str
+    checked_inputs: tuple[str, ...] = ()
+    """`check_only` of a TorchScript module: its forward's argument names (no ONNX written)."""
 
     def describe(self) -> dict[str, str]:
         return {
@@ -56,11 +58,19 @@ class Converted:
 
 
 def _limits(memory_bytes: int) -> None:  # runs in the child before exec
+    """Cap the child; never above a cap the caller has (a farm compile process's own)."""
     os.setsid()
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (CPU_S, CPU_S))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for limit, value in (
+        (resource.RLIMIT_AS, memory_bytes),
+        (resource.RLIMIT_CPU, CPU_S),
+        (resource.RLIMIT_FSIZE, FILE_BYTES),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        soft, hard = resource.getrlimit(limit)
+        capped = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        if soft != resource.RLIM_INFINITY:
+            capped = min(capped, soft)
+        resource.setrlimit(limit, (capped, capped))
 
 
 def convert(
@@ -68,10 +78,13 @@ def convert(
     output: Path,
     input_shapes: list[tuple[str, list[int]]],
     *,
+    check_only: bool = False,
     memory_bytes: int = MEMORY_BYTES,
     time_s: float = TIME_S,
 ) -> Converted:
-    """Write the ONNX conversion of `recognised` to `output`, or raise a coded CompileError."""
+    """Write the ONNX conversion of `recognised` to `output`, or raise a coded CompileError.
+    `check_only`: a TorchScript module, whose input shapes come with the compile, is only
+    loaded (no ONNX is written when no shapes are given)."""
     fmt = recognised.format
     assert fmt is not None
     with tempfile.TemporaryDirectory(prefix="qpcfarm-convert-") as work:
@@ -84,6 +97,7 @@ def convert(
             "opset": OPSET,
             "input_shapes": input_shapes,
             "work": work,
+            "check_only": check_only,
         }
         request_path, result_path = Path(work, "request.json"), Path(work, "result.json")
         request_path.write_text(json.dumps(request))
@@ -139,7 +153,13 @@ def convert(
             node=result.get("node"),
             details=details or None,
         )
-    return Converted(output, fmt.key, result["converter"], result["version"])
+    return Converted(
+        output,
+        fmt.key,
+        result["converter"],
+        result["version"],
+        tuple(result.get("inputs", ())),
+    )
 
 
 def parse_input_shapes(text: str | None) -> list[tuple[str, list[int]]]:

@@ -39,6 +39,7 @@ from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.model_files import check_files_travel
 from app.domain.services.pages import Page, paginate
 from compiler_core import CompileOptions
+from compiler_core.convert import FORMAT_KEYS, converter_of
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
 from compiler_core.options import vendor_flags
@@ -52,9 +53,11 @@ def options_key(
     model_sha256: str,
     options: CompileOptions,
     canonical: dict[str, Any] | None = None,
+    converter: str = "",
     compiler: Compiler | None = None,
 ) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler backend and version.
+    """The QPC cache key: model bytes + canonical options + compiler backend and version,
+    and for a TensorFlow or PyTorch model the converter's versions (`converter_of`).
     `canonical`: `options.to_json()` if the caller has it already. `compiler` None is the
     default, this package's compiler at its version; so is `qpcfarm@<that version>` named,
     and both keep the key they had before backends could be named (the version alone)."""
@@ -66,7 +69,8 @@ def options_key(
         parts: tuple[str, ...] = (model_sha256, canonical_text, compiler.version)
     else:
         parts = (model_sha256, canonical_text, compiler.backend, compiler.version)
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    text = "\n".join((*parts, converter) if converter else parts)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 JobRow = Row[Any]
@@ -197,8 +201,15 @@ def submit(
     check_files_travel(options, kind)
     if compiler is not None and compiler.backend == QAIC:
         vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
+        if converter_of(kind):
+            raise ServiceError(
+                "model_not_for_backend",
+                f"the qaic backend compiles ONNX models; this one is {kind} (compile it with "
+                "qpcfarm, which converts it, or upload its ONNX)",
+                422,
+            )
     canonical = options.to_json()
-    key = options_key(sha256, options, canonical, compiler)
+    key = options_key(sha256, options, canonical, converter_of(kind), compiler=compiler)
     common: dict[str, Any] = {
         "team_id": team.id,
         "model_id": model_id,
@@ -213,7 +224,8 @@ def submit(
         values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
         return connection.execute(plain, values).one(), True
 
-    if store is not None and upload_worth_checking(options, store.size(sha256)):
+    converted = kind in FORMAT_KEYS  # the fit of its ONNX is checked in the worker
+    if store is not None and not converted and upload_worth_checking(options, store.size(sha256)):
         with store.open(sha256) as stream:  # the model's header only: refused in seconds
             fit = check_upload_fit(stream, options)
         if fit is not None and not fit.fits:

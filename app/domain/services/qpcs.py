@@ -29,6 +29,10 @@ def get_qpc(session: Session, team: Team, qpc_id: uuid.UUID) -> Qpc:
 PROFILE_METRIC = "quantization_profile"
 """The report entry naming the blob of the quantization profile a `-dump-profile` compile
 wrote: {"sha256", "size"} (stored by the worker, downloaded from `/v1/qpcs/{id}/profile`)."""
+CONVERSION_METRIC = "conversion"
+"""The report entry of a TensorFlow or PyTorch model's compile: its format, the converter and
+its version (compiler_core/convert), and `onnx`: {"sha256", "size"} of the ONNX it made
+(stored by the worker, downloaded from `/v1/qpcs/{id}/converted.onnx`)."""
 
 
 def get_report(session: Session, qpc: Qpc) -> CompileReport | None:
