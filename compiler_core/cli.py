@@ -66,7 +66,12 @@ def compile_command(argv: Sequence[str]) -> int:
         return 0
     options = CompileOptions.from_flags(argv)
     if options.operators_supported is not None:
-        sys.stdout.write(render_operators())
+        if options.operators_supported == "onnx":
+            sys.stdout.write(render_operators())
+        else:
+            from compiler_core.convert.operators import render, supported_rows
+
+            sys.stdout.write(render(supported_rows(options.operators_supported)))
         return 0
     for message in options.warnings:
         print(f"warning: {message}", file=sys.stderr)

@@ -166,8 +166,9 @@ class CompileOptions:
     )
     operators_supported: str | None = option(
         "enum",
-        "Print the supported operators of a framework and exit.",
-        choices=("onnx",),
+        "Print the supported operators of a framework and exit (tensorflow and pytorch: "
+        "each framework operator with the ONNX operators its converter makes of it).",
+        choices=("onnx", "tensorflow", "pytorch"),
         affects_qpc=False,
         group=IO,
         default_text="none",

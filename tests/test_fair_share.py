@@ -165,3 +165,23 @@ def test_the_workers_run_path_runs_the_fairest_compile(farm: Farm, session: Sess
     done, waiting = session.get(CompileJob, b_job), session.get(CompileJob, a_job)
     assert done is not None and done.status == JobStatus.succeeded
     assert waiting is not None and waiting.status == JobStatus.queued
+
+
+def test_the_reaper_sends_again_what_a_running_quota_held_back_once_there_is_room(
+    farm: Farm, session: Session
+) -> None:
+    a, model_a, _b, _model_b = two_teams(farm, session)
+    a.max_running_jobs = 1
+    session.commit()
+    a_jobs = [queue(session, a, model_a, cores) for cores in (1, 2, 3)]
+    running = fair_share.claim_next(session, a_jobs[0], "w1")
+    assert running is not None
+    assert fair_share.claim_next(session, a_jobs[1], "w2") is None  # that message ran nothing
+    assert fair_share.held_back_ids(session) == []  # no room: nothing to send
+    session.execute(
+        update(CompileJob).where(CompileJob.id == a_jobs[0]).values(status="succeeded")
+    )
+    session.commit()
+    assert fair_share.held_back_ids(session, quiet_s=0) == [a_jobs[1]]  # room for one
+    session.commit()
+    assert fair_share.held_back_ids(session, quiet_s=30) == []  # just sent: left alone

@@ -274,3 +274,52 @@ def test_a_missing_converter_names_the_extra_to_install() -> None:
         _need("qpcfarm_no_such_converter", "tensorflow")
     assert info.value.code == MISSING
     assert "pip install 'qpcfarm[tensorflow]'" in info.value.message
+
+
+# --- -operators-supported=tensorflow|pytorch -------------------------------------------------
+
+
+def _operator_rows(capsys: pytest.CaptureFixture[str], framework: str) -> dict[str, tuple]:
+    code, out, err = _cli(capsys, "compile", f"-operators-supported={framework}")
+    assert code == 0, err
+    rows = {}
+    for line in out.splitlines():
+        name, rest = line.split(maxsplit=1)
+        status, onnx_ops = rest.rsplit(maxsplit=1)
+        rows[name] = (status, set(onnx_ops.split(",")))
+    return rows
+
+
+def _check_against_the_registry(rows: dict[str, tuple]) -> None:
+    from compiler_core.convert import OPSET
+    from compiler_core.ops import REGISTRY
+
+    def supported(op: str) -> bool:
+        return REGISTRY.lookup(op, "", OPSET) is not None
+
+    for name, (status, onnx_ops) in rows.items():
+        assert any(supported(op) for op in onnx_ops), name
+        missing = sorted(op for op in onnx_ops if not supported(op))
+        assert status == ("yes" if not missing else f"partly (no {', '.join(missing)})"), name
+
+
+@needs_torch
+def test_operators_supported_pytorch_lists_aten_ops_and_the_onnx_ops_they_become(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = _operator_rows(capsys, "pytorch")
+    assert rows["aten::relu"] == ("yes", {"Relu"})
+    assert "Conv" in rows["aten::convolution"][1]
+    assert "Gemm" in rows["aten::addmm"][1]
+    _check_against_the_registry(rows)
+
+
+@needs_tf
+def test_operators_supported_tensorflow_lists_tf_ops_and_the_onnx_ops_they_become(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rows = _operator_rows(capsys, "tensorflow")
+    assert rows["Relu"] == ("yes", {"Relu"})
+    assert rows["AddV2"] == ("yes", {"Add"})
+    assert "Conv" in rows["Conv2D"][1]
+    _check_against_the_registry(rows)

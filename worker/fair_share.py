@@ -26,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.domain.db.base import utcnow
@@ -174,3 +174,48 @@ def _claim(
     job = claims.claim_job(session, "compile", job_id, worker, now=now, stale_after_s=stale_after_s)
     assert job is None or isinstance(job, CompileJob)
     return job
+
+
+def held_back_ids(
+    session: Session, now: dt.datetime | None = None, *, quiet_s: float = 0.0
+) -> list[uuid.UUID]:
+    """Compiles that a running quota held back and that may start now: for each team with
+    `max_running_jobs` below its limit and queued compiles, as many of its oldest queued
+    jobs as it has room for, not enqueued in the last `quiet_s` seconds. A message that
+    found its team at its quota ran nothing; the reaper sends these again (stamped
+    enqueued now; the caller commits, then enqueues)."""
+    now = now or utcnow()
+    quiet = now - dt.timedelta(seconds=quiet_s)
+    limited = session.execute(
+        select(Team.id, Team.max_running_jobs).where(Team.max_running_jobs.is_not(None))
+    ).all()
+    found: list[uuid.UUID] = []
+    for team_id, limit in limited:
+        if limit is None:
+            continue
+        running = session.execute(
+            select(func.count())
+            .select_from(CompileJob)
+            .where(CompileJob.team_id == team_id, CompileJob.status == JobStatus.running)
+        ).scalar_one()
+        room = int(limit) - int(running)
+        if room <= 0:
+            continue
+        last_enqueue = func.coalesce(CompileJob.enqueued_at, CompileJob.created_at)
+        found += session.execute(
+            select(CompileJob.id)
+            .where(
+                CompileJob.team_id == team_id,
+                CompileJob.status == JobStatus.queued,
+                CompileJob.cancel_requested.is_(False),
+                last_enqueue < quiet,
+            )
+            .order_by(CompileJob.created_at)
+            .limit(room)
+        ).scalars()
+    if found:
+        session.execute(
+            update(CompileJob).where(CompileJob.id.in_(found)).values(enqueued_at=now),
+            execution_options={"synchronize_session": False},
+        )
+    return found

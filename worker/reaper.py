@@ -33,6 +33,7 @@ from app.domain.db.session import session_scope
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import BrokerWatch, JobKind, commit_then_enqueue
 from app.domain.timing import REQUEUE_AFTER_S, STALE_AFTER_S
+from worker import fair_share
 from worker.claims import queued_ids, stale_ids
 from worker.workdirs import remove_abandoned
 
@@ -57,7 +58,8 @@ def reap_once(
     stale_after_s: float = STALE_AFTER_S,
     requeue_after_s: float = REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
-    """Enqueue the stale jobs of every kind again, committed first, then enqueued; returns
+    """Enqueue the stale jobs of every kind again, and the compiles a running quota held back
+    that may start now (`fair_share.held_back_ids`), committed first, then enqueued; returns
     their ids."""
     found: list[tuple[JobKind, uuid.UUID]] = []
     with session_scope(session_factory) as session:
@@ -70,12 +72,15 @@ def reap_once(
                 requeue_after_s=requeue_after_s,
             )
             found += [(kind, job_id) for job_id in ids]
+        held = fair_share.held_back_ids(session, now, quiet_s=timing.reap_interval(stale_after_s))
     for kind, job_id in found:
         log.warning(
             "reaper: %s %s looks lost or its worker died; enqueueing it again", kind, job_id
         )
         queue.enqueue(job_id, kind)
-    return [job_id for _, job_id in found]
+    for job_id in held:  # its team's running quota has room again
+        queue.enqueue(job_id, "compile")
+    return [job_id for _, job_id in found] + held
 
 
 def requeue_if_broker_lost(
