@@ -14,12 +14,6 @@ copied:
   overwritten); a write over part of it first writes the constant (`overwrite`);
 - an inference starts with no record (its VTCM is zeroed).
 
-A whole-buffer NoC copy is recorded the same way (`alias`), its source being the sending
-core's VTCM instead of a constant: the receiving buffer stands for the sender's bytes. The
-sender's bytes can change, so the record also watches its source: any write that meets
-those bytes first writes the aliased buffer from them (`_release`), and the receiver ends up
-with the bytes the copy took when it ran.
-
 The source is a constant, which nothing can change, so settling late gives the bytes an
 early copy would have: what a core reads, and so every race a missing semaphore wait
 exposes, is unchanged. Byte counts are the instruction's, as before.
@@ -31,9 +25,6 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-Origin = tuple[int, int, int]
-"""(core, start, end): the VTCM bytes an aliased buffer's source view lies in."""
-
 
 class DeferredLoads:
     """Per core, the deferred buffers: disjoint byte ranges [start, end) of its VTCM, each
@@ -42,35 +33,16 @@ class DeferredLoads:
     def __init__(self, num_cores: int) -> None:
         self.pending: list[list[int]] = [[] for _ in range(num_cores)]
         """Per core, the starts of its deferred buffers, sorted (empty: nothing deferred)."""
-        self._entries: list[dict[int, tuple[int, np.ndarray, np.ndarray, Origin | None]]] = [
+        self._entries: list[dict[int, tuple[int, np.ndarray, np.ndarray]]] = [
             {} for _ in range(num_cores)
         ]
-        """Per core, by start: (end, VTCM view, source view, where the source lies in VTCM:
-        None for a constant)."""
-        self.watched: list[list[int]] = [[] for _ in range(num_cores)]
-        """Per core, the sorted starts of its byte ranges that aliased buffers read."""
-        self._watch: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in range(num_cores)]
-        """Per core, by start: (end, receiving core, receiving buffer's start) per alias."""
-        self._span = [0] * num_cores
-        """Per core, the longest watched range (how far back a meeting one may start)."""
+        """Per core, by start: (end, VTCM view, constant view)."""
 
     def clear(self) -> None:
         """The inference VTCM was zeroed: nothing is deferred."""
         for starts, entries in zip(self.pending, self._entries, strict=True):
             starts.clear()
             entries.clear()
-        for starts, watch in zip(self.watched, self._watch, strict=True):
-            starts.clear()
-            watch.clear()
-        self._span = [0] * len(self._span)
-
-    def alias(
-        self, core: int, start: int, end: int, dst: np.ndarray, src: np.ndarray, origin: Origin
-    ) -> None:
-        """The whole buffer `dst` ([start, end) of `core`'s VTCM) now holds what `src` (a
-        view of VTCM bytes `origin`, none of them deferred) holds now."""
-        self.overwrite(core, start, end, whole=True)
-        self._add(core, start, end, dst, src, origin)
 
     def defer(self, core: int, start: int, end: int, dst: np.ndarray, src: np.ndarray) -> None:
         """The whole buffer `dst` ([start, end) of `core`'s VTCM) now holds `src`."""
@@ -82,7 +54,7 @@ class DeferredLoads:
         deferred bytes inside it are settled, and the buffer itself is read)."""
         found = self._entries[core].get(start)
         if found is not None and found[0] == end:
-            return found[2]  # its source is unchanged: any write to it released the alias
+            return found[2]
         if self._meets(core, start, end):
             self._cut(core, start, end, whole=False)
         return None
@@ -98,39 +70,14 @@ class DeferredLoads:
         """Bytes [start, end) of `core`'s VTCM are about to be written: every byte of that
         range (`whole`: the deferred bytes there are dropped) or only some of them (a box
         inside a buffer: they are written first, as a read would)."""
-        if self.watched[core]:
-            self._release(core, start, end)
         if self._meets(core, start, end):
             self._cut(core, start, end, whole=whole)
 
     def overwrite_many(self, cores: list[int], start: int, end: int, *, whole: bool) -> None:
         """`overwrite` on each of `cores` (a multicast's targets: one range on each)."""
         for core in cores:
-            if self.watched[core]:
-                self._release(core, start, end)
             if self._meets(core, start, end):
                 self._cut(core, start, end, whole=whole)
-
-    def _release(self, core: int, start: int, end: int) -> None:
-        """Bytes [start, end) of `core` are about to change: every aliased buffer whose
-        source meets them gets its bytes now."""
-        starts, watch = self.watched[core], self._watch[core]
-        lo = bisect_left(starts, start - self._span[core])
-        hi = bisect_left(starts, end)
-        hits: list[tuple[int, int, int]] = []
-        for key in starts[lo:hi]:
-            kept: list[tuple[int, int, int]] = []
-            for record in watch[key]:
-                (hits if record[0] > start else kept).append(record)
-            if kept:
-                watch[key] = kept
-            else:
-                del watch[key]
-                starts.remove(key)
-        for _, target, at in hits:
-            found = self._entries[target].get(at)
-            if found is not None and found[3] is not None and found[3][0] == core:
-                self._cut(target, at, found[0], whole=False)
 
     def _meets(self, core: int, start: int, end: int) -> bool:
         """Whether a deferred buffer of `core` overlaps [start, end): the last one starting
@@ -146,7 +93,7 @@ class DeferredLoads:
         rows wholly outside stay deferred; rows inside are written, except those `whole`
         says the caller overwrites entirely."""
         for key in self._overlapping(core, start, end):
-            found_end, dst, src, origin = self._entries[core].pop(key)
+            found_end, dst, src = self._entries[core].pop(key)
             self.pending[core].remove(key)
             if dst.ndim == 0 or dst.shape[0] == 0 or dst.nbytes == 0:
                 if not (whole and start <= key and found_end <= end):
@@ -157,9 +104,9 @@ class DeferredLoads:
             head = max(0, (start - key) // row)  # rows [0, head) end at or before start
             tail = min(rows, -(-(end - key) // row))  # rows [tail, rows) begin at or after end
             if head > 0:
-                self._add(core, key, key + head * row, dst[:head], src[:head], origin)
+                self._add(core, key, key + head * row, dst[:head], src[:head])
             if tail < rows:
-                self._add(core, key + tail * row, found_end, dst[tail:], src[tail:], origin)
+                self._add(core, key + tail * row, found_end, dst[tail:], src[tail:])
             if not whole:
                 dst[head:tail] = src[head:tail]
                 continue
@@ -169,25 +116,9 @@ class DeferredLoads:
             if key + tail * row > end and not (first and tail - 1 == head):  # the last, end
                 dst[tail - 1] = src[tail - 1]
 
-    def _add(
-        self,
-        core: int,
-        start: int,
-        end: int,
-        dst: np.ndarray,
-        src: np.ndarray,
-        origin: Origin | None = None,
-    ) -> None:
+    def _add(self, core: int, start: int, end: int, dst: np.ndarray, src: np.ndarray) -> None:
         insort(self.pending[core], start)
-        self._entries[core][start] = (end, dst, src, origin)
-        if origin is not None:  # watch the whole source range, whatever part this piece reads
-            source, lo, hi = origin
-            records = self._watch[source].get(lo)
-            if records is None:
-                records = self._watch[source][lo] = []
-                insort(self.watched[source], lo)
-            records.append((hi, core, start))
-            self._span[source] = max(self._span[source], hi - lo)
+        self._entries[core][start] = (end, dst, src)
 
     def _overlapping(self, core: int, start: int, end: int) -> list[int]:
         starts = self.pending[core]

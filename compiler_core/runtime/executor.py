@@ -769,25 +769,6 @@ class Executor:
         )
         every = spread([dst for _, dst, _ in dsts])
         dst_start, dst_end = dsts[0][2] if dsts else (0, 0)
-        if (
-            covers
-            and not snapshot
-            and nbytes > 0
-            and all(dst.shape == src.shape for _, dst, _ in dsts)
-        ):
-            origin = (core, src_start, src_end)
-
-            def aliased(traffic: Traffic) -> None:
-                """Each receiving buffer stands for the source until either changes."""
-                deferred.settle(core, src_start, src_end)
-                holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-                for target, dst, (start, end) in dsts:
-                    deferred.alias(target, start, end, dst, src, origin)
-                    copies.wrote(target, start, end, holding)
-                traffic.noc += nbytes
-                traffic.multicast += multicast
-
-            return aliased
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, src_start, src_end)
