@@ -75,7 +75,14 @@ def compile_model(
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
     with _as_onnx(source, opts) as (onnx_source, conversion):
-        result = _compile_onnx(onnx_source, opts, progress, policy, model_folder)
+        try:
+            result = _compile_onnx(onnx_source, opts, progress, policy, model_folder)
+        except CompileError as exc:
+            if conversion is not None:  # name the node the user wrote, not only its ONNX
+                from compiler_core.convert.origin import name_framework_node
+
+                name_framework_node(exc, Path(str(onnx_source)))
+            raise
     result.conversion = conversion
     return result
 

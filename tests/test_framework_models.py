@@ -323,3 +323,34 @@ def test_operators_supported_tensorflow_lists_tf_ops_and_the_onnx_ops_they_becom
     assert rows["AddV2"] == ("yes", {"Add"})
     assert "Conv" in rows["Conv2D"][1]
     _check_against_the_registry(rows)
+
+
+# --- errors name the framework's node ---------------------------------------------------------
+
+
+@needs_torch
+def test_a_compile_error_at_a_converted_node_names_the_torch_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the compiler refuses at an ONNX node of a converted model, the error also
+    names the PyTorch node it came from (its module path and ATen op)."""
+    import torch
+
+    import compiler_core.compile as compile_module
+
+    net, x = _torch_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(net, (x,)), tmp_path / "net.pt2")
+
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:  # the compiler refusing the conv node
+        raise CompileError("unsupported_operator", "Conv is refused here", node="node_conv2d")
+
+    monkeypatch.setattr(compile_module, "_compile_onnx", refuse)
+    with pytest.raises(CompileError) as info:
+        compile_model(tmp_path / "net.pt2", [f"-aic-binary-dir={tmp_path / 'o'}"])
+    assert info.value.node == "node_conv2d"
+    assert info.value.details["framework_node"] == "0.conv2d"
+    op = info.value.details["framework_op"]
+    assert op == "aten.conv2d.default in torch.nn.modules.conv.Conv2d"
+    assert "framework node 0.conv2d" in info.value.message
