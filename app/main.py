@@ -29,6 +29,7 @@ from app.api import (
     profiles,
     qpcs,
     sweeps,
+    team,
     validations,
 )
 from app.api.errors import install_error_handlers
@@ -101,6 +102,7 @@ def create_app(
         validations.router,
         sweeps.router,
         keys.router,
+        team.router,
         meta.router,
         meta.health_router,
         web_router,

@@ -11,7 +11,11 @@ each precision:
 - run once through a `QpcSession` and compared with ONNX Runtime's output on the same inputs:
   "max err" is max |ours - ORT| over max |ORT| (of all outputs); fp32 matches within 1e-4,
   fp16 within 2e-2;
-- the run is timed against ORT's (median of 3 after a warm-up).
+- the run is timed against ORT's (median of 3 after a warm-up);
+- "direct .pt2": the same module saved with `torch.export.save` and compiled as a user hands it
+  to the farm (`-m=model.pt2`: converted by `torch.onnx.export`'s dynamo exporter at opset 18 in
+  the conversion child, compiler_core/convert), run, and compared with torch's own output; the
+  cell is the verdict, that error, and the compile time with the conversion.
 
 A failure is reported with its error code (`invalid_model`, `vtcm_overflow`, `runtime_fault`...)
 and never stops the table. Needs `pip install -e '.[bench]'` and, for timm, `pip install
@@ -53,6 +57,11 @@ class Exported:
     error: str | None = None
     torch_err: float | None = None
     """max |ORT - torch| / max |torch|: whether the exporter kept the model's meaning."""
+    expected: Any = None
+    """torch's own output on `feeds`."""
+    program: Path | None = None
+    """The same module as a `torch.export` program (`.pt2`), for the direct PyTorch path."""
+    program_error: str | None = None
 
 
 @dataclass
@@ -70,6 +79,9 @@ class Row:
     ort_session_s: float | None = None
     run_s: float | None = None
     ort_run_s: float | None = None
+    direct: str = "-"
+    """The direct PyTorch path: the `.pt2` compiled as is (converted by the farm), its max err
+    against torch's own output, and its compile time (conversion included)."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -87,6 +99,7 @@ class Row:
             "-" if self.max_err is None else f"{self.max_err:.1e}",
             _ratio(self.compile_s, self.ort_session_s),
             _ratio(self.run_s, self.ort_run_s),
+            self.direct,
         ]
 
 
@@ -151,6 +164,15 @@ def export(arch: Arch, folder: Path) -> Exported:
             )
         feeds = {name: tensor.numpy() for name, tensor in inputs.items()}
         result = Exported(arch, path, feeds, sum(p.numel() for p in module.parameters()))
+        result.expected = expected
+        try:
+            program = folder / f"{arch.name}.pt2"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.export.save(torch.export.export(wrapped, args), program)
+            result.program = program
+        except Exception as exc:  # noqa: BLE001 - the ONNX columns go on without it
+            result.program_error = f"{type(exc).__name__}: {_first_line(exc)}"
         got = _ort_session(path).run(None, feeds)[0]
         result.torch_err = float(
             np.max(np.abs(got - expected)) / max(np.max(np.abs(expected)), 1e-30)
@@ -242,7 +264,41 @@ def measure(exported: Exported, precision: str, cores: int, work: Path) -> Row:
         worst = max(worst, float(np.max(diff)) / scale if np.all(np.isfinite(diff)) else np.inf)
     row.max_err = worst
     row.match = "yes" if worst <= TOLERANCE[precision] else "no"
+    row.direct = direct(exported, flags, work / f"{arch.name}-{precision}-pt2", precision, row)
     return row
+
+
+def direct(exported: Exported, flags: list[str], out_dir: Path, precision: str, row: Row) -> str:
+    """Compile the `.pt2` as the farm takes it (converted by torch.onnx.export in the
+    conversion child), run it, compare with torch's own output: "yes 3e-07, 12.1s"."""
+    import numpy as np
+    import onnx
+
+    from compiler_core import CompileOptions, QpcSession, compile_model
+
+    if exported.program is None:
+        row.notes.append(f"torch.export: {exported.program_error}")
+        return "export"
+    options = CompileOptions.from_flags([*flags[1:], f"-aic-binary-dir={out_dir}"])
+    try:
+        start = time.perf_counter()
+        result = compile_model(exported.program, options)
+        seconds = time.perf_counter() - start
+        graph = onnx.load(out_dir / "converted.onnx", load_external_data=False).graph
+        initializers = {t.name for t in graph.initializer}
+        names = [i.name for i in graph.input if i.name not in initializers]
+        feeds = dict(zip(names, exported.feeds.values(), strict=True))
+        (got,) = QpcSession(result.qpc_path).run(feeds).values()
+    except Exception as exc:  # noqa: BLE001 - a failure is the cell, with its code
+        row.notes.append(f"direct .pt2: {_first_line(exc)}")
+        return _error_code(exc)
+    want = np.asarray(exported.expected, dtype=np.float64)
+    if np.shape(got) != want.shape:
+        return "shape"
+    err = float(np.max(np.abs(np.asarray(got, dtype=np.float64) - want)))
+    err /= max(float(np.max(np.abs(want))), 1e-30)
+    verdict = "yes" if err <= TOLERANCE[precision] else "no"
+    return f"{verdict} {err:.0e}, {seconds:.1f}s"
 
 
 # ------------------------------------------------------------------------------------ table
@@ -258,6 +314,7 @@ HEADER = [
     "max err",
     "compile vs ORT session",
     "run vs ORT",
+    "direct .pt2 (vs torch)",
 ]
 
 

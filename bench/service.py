@@ -25,6 +25,12 @@ in-process worker; with `--farm` also a PostgreSQL database of its own, Redis an
   stored QPC (`cache_hit: true`). p50 of one client on an idle farm (the target, < 20 ms), and
   with 50 concurrent clients; the peer is a compile of a new job, submit to `succeeded`.
 
+`--overhead` measures only the farm mode's per-job overhead (issue 23): ResNet-50 (98 MiB)
+compiled with 4 different options one at a time; each job's worker time minus its compile
+time (its report's stage times), as a ratio to the compile time. The first job reads the
+model from the database blob store; the later ones find it in the worker's model cache
+(`worker/model_cache.py`). Target: below 0.3x for those.
+
 Loops are bounded; the farm is stopped (and the database dropped) at the end, also on failure.
 Nothing asserts on time: the script prints figures and says which targets are met.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import shutil
@@ -781,6 +788,88 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------ per-job overhead
+
+OVERHEAD_TARGET = 0.3
+OVERHEAD_CORES = (1, 2, 4, 8)
+
+
+def _finished_job(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + DRAIN_LIMIT_S
+    while time.monotonic() < deadline:
+        job: dict[str, Any] = client.get(f"/v1/compile-jobs/{job_id}").json()
+        if job["finished_at"]:
+            return job
+        time.sleep(0.05)
+    raise RuntimeError(f"job {job_id} did not finish")
+
+
+def measure_overhead(farm: Farm, work: Path, runs: int) -> dict[str, Any]:
+    """ResNet-50 (98 MiB, generated: bench/models.py) compiled `runs` times with different
+    options, one at a time: each job's worker time (`finished_at - started_at`) minus its
+    compile (the sum of its report's stage times) is the farm's overhead: reading the model,
+    checking it, storing the QPC and report, the job's database writes. The first job reads
+    the model from the store (cold); the later ones find it in the worker's model cache."""
+    from models import RESNET50, write_resnet
+
+    path = write_resnet(RESNET50, work)
+    headers = {"Authorization": f"Bearer {farm.api_key}"}
+    with httpx.Client(base_url=farm.url, headers=headers, timeout=600) as client:
+        with open(path, "rb") as body:
+            made = client.post("/v1/models", params={"filename": path.name}, content=body)
+        made.raise_for_status()
+        model_id = made.json()["id"]
+        rows: list[dict[str, float]] = []
+        for cores in OVERHEAD_CORES[:runs]:
+            body_json = {"model_id": model_id, "options": {"aic-num-cores": cores}}
+            submitted = client.post("/v1/compile-jobs", json=body_json)
+            submitted.raise_for_status()
+            job = _finished_job(client, submitted.json()["id"])
+            if job["status"] != "succeeded":
+                raise RuntimeError(f"the ResNet-50 compile failed: {job.get('error')}")
+            started = dt.datetime.fromisoformat(job["started_at"])
+            finished = dt.datetime.fromisoformat(job["finished_at"])
+            job_s = (finished - started).total_seconds()
+            compile_s = sum(v for k, v in job["pass_times"].items() if "/" not in k)
+            rows.append({"cores": cores, "job_s": job_s, "compile_s": compile_s,
+                         "overhead_s": job_s - compile_s,
+                         "ratio": (job_s - compile_s) / compile_s})  # fmt: skip
+    warm = rows[1:] or rows
+    return {
+        "model_bytes": path.stat().st_size,
+        "runs": rows,
+        "cold_ratio": rows[0]["ratio"],
+        "warm_ratio": statistics.median(r["ratio"] for r in warm),
+        "target": OVERHEAD_TARGET,
+        "met": statistics.median(r["ratio"] for r in warm) < OVERHEAD_TARGET,
+    }
+
+
+def render_overhead(result: dict[str, Any]) -> str:
+    lines = [
+        f"== per-job overhead, ResNet-50 ({result['model_bytes'] / MIB:.0f} MiB), farm mode ==",
+        *(
+            f"  -aic-num-cores={r['cores']}: job {r['job_s']:.2f} s, compile "
+            f"{r['compile_s']:.2f} s, overhead {r['overhead_s']:.2f} s = {r['ratio']:.2f}x"
+            for r in result["runs"]
+        ),
+        f"  first job (model read from the store): {result['cold_ratio']:.2f}x; later jobs "
+        f"(model in the worker's cache), median {result['warm_ratio']:.2f}x",
+        f"  [{'MET' if result['met'] else 'NOT MET'}] job time - compile time < "
+        f"{OVERHEAD_TARGET}x the compile time (the cached runs)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="qpcfarm-bench-", dir=args.work_dir) as tmp:
+        work = Path(tmp)
+        with farm_running(work, True, args) as farm:
+            result = measure_overhead(farm, work, args.overhead_runs)
+    sys.stdout.write(render_overhead(result))
+    return result
+
+
 def run(mode_farm: bool, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="qpcfarm-bench-", dir=args.work_dir) as tmp:
         work = Path(tmp)
@@ -823,7 +912,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="API processes (`serve --workers`)")
     p.add_argument("--work-dir", default=None, help="temporary files go here (default: $TMPDIR)")
     p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="only the per-job overhead of ResNet-50 compiles in farm mode (issue 23)",
+    )
+    p.add_argument("--overhead-runs", type=int, default=4, help="ResNet-50 compiles (<= 4)")
     args = p.parse_args(argv)
+    if args.overhead:
+        result = run_overhead(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     plan = QUICK if args.quick else FULL
     modes = [True] if args.only_farm else ([False, True] if args.farm else [False])
     results: list[dict[str, Any]] = []

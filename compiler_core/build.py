@@ -108,6 +108,9 @@ class CompileResult:
     accuracy: dict[str, Any] | None = None
     """A quantized compile with calibration inputs: its outputs against the float model's
     (compiler_core/quant/accuracy.py), also in `metrics` as `quantization_accuracy`."""
+    conversion: dict[str, str] | None = None
+    """A TensorFlow or PyTorch model converted to ONNX first: its format, the converter and
+    its version (compiler_core/convert), also in `metrics` as `conversion`."""
     _report: Callable[[], dict[str, Any]] = field(repr=False, default=dict)
     _tmpdir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
     _metrics: dict[str, Any] | None = field(default=None, repr=False)
@@ -120,6 +123,8 @@ class CompileResult:
             self._metrics = self._report()
             if self.accuracy is not None:
                 self._metrics["quantization_accuracy"] = self.accuracy
+            if self.conversion is not None:
+                self._metrics["conversion"] = self.conversion
         return self._metrics
 
     @property

@@ -66,7 +66,12 @@ def compile_command(argv: Sequence[str]) -> int:
         return 0
     options = CompileOptions.from_flags(argv)
     if options.operators_supported is not None:
-        sys.stdout.write(render_operators())
+        if options.operators_supported == "onnx":
+            sys.stdout.write(render_operators())
+        else:
+            from compiler_core.convert.operators import render, supported_rows
+
+            sys.stdout.write(render(supported_rows(options.operators_supported)))
         return 0
     for message in options.warnings:
         print(f"warning: {message}", file=sys.stderr)
@@ -99,9 +104,21 @@ def model_path(options: CompileOptions) -> Path:
         raise CompileError(
             "model_not_found", f"model file not found: {options.model} (-m)", flag="-m"
         )
+    from compiler_core.convert import recognise
+
+    recognised = recognise(path)
+    if recognised is not None and recognised.format is not None:
+        return path  # a TensorFlow or PyTorch model: converted to ONNX by the compile
+    if recognised is not None:
+        raise CompileError(
+            "invalid_model", f"{options.model} is {recognised.looks_like}", flag="-m"
+        )
     if not path.is_file():
         raise CompileError(
-            "model_not_found", f"model path is not a file: {options.model} (-m)", flag="-m"
+            "model_not_found",
+            f"model path is not a file: {options.model} (-m; a directory is taken only when "
+            "it is a TensorFlow SavedModel, holding saved_model.pb)",
+            flag="-m",
         )
     from compiler_core.file_kinds import model_problem, sniff_file
 

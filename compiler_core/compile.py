@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from compiler_core.build import (
@@ -58,7 +61,8 @@ def compile_model(
     policy: CodegenPolicy | None = None,
     model_folder: ModelFolder = LOCAL,
 ) -> CompileResult:
-    """Compile an ONNX model (path, bytes or ModelProto) into a QPC.
+    """Compile an ONNX model (path, bytes or ModelProto) into a QPC; a path may also name a
+    TensorFlow or PyTorch model, converted to ONNX first (compiler_core/convert).
 
     Writes `<-aic-binary-dir>/programqpc.bin`, or a temporary directory's when no directory is
     named (kept until `result.cleanup()` or garbage collection). `policy` switches code
@@ -70,6 +74,40 @@ def compile_model(
     source = model if model is not None else opts.model
     if source is None:
         raise CompileError("missing_model", "no model given (-m=<path>)", flag="-m")
+    with _as_onnx(source, opts) as (onnx_source, conversion):
+        result = _compile_onnx(onnx_source, opts, progress, policy, model_folder)
+    result.conversion = conversion
+    return result
+
+
+@contextmanager
+def _as_onnx(
+    source: ModelSource, opts: CompileOptions
+) -> Iterator[tuple[ModelSource, dict[str, str] | None]]:
+    """The model as ONNX: a TensorFlow or PyTorch model file is converted first
+    (compiler_core/convert), into `-aic-binary-dir` (kept beside the QPC) or a temporary
+    folder (removed after the compile); with what converted it."""
+    if not isinstance(source, str | os.PathLike):
+        yield source, None
+        return
+    from compiler_core.convert import convert_if_framework
+
+    with tempfile.TemporaryDirectory(prefix="qpcfarm-onnx-") as scratch:
+        out = Path(opts.aic_binary_dir) if opts.aic_binary_dir else Path(scratch)
+        converted = convert_if_framework(source, out, opts.input_shapes)
+        if converted is None:
+            yield source, None
+        else:
+            yield str(converted.onnx_path), converted.describe()
+
+
+def _compile_onnx(
+    source: ModelSource,
+    opts: CompileOptions,
+    progress: Progress | None,
+    policy: CodegenPolicy | None,
+    model_folder: ModelFolder,
+) -> CompileResult:
     if worth_checking(source, opts):  # refused in a moment, not after minutes of compiling
         require_fit(check_fit(source, opts, model_folder))
     reference = None

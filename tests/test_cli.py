@@ -84,9 +84,9 @@ def test_operators_supported_prints_the_registry_one_op_per_line(
 def test_operators_supported_for_another_framework_is_an_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, _, err = run_cli(capsys, "compile", "-operators-supported=tensorflow")
+    code, _, err = run_cli(capsys, "compile", "-operators-supported=caffe2")
     assert code == 1
-    assert "supported: onnx" in assert_one_error_line(err)
+    assert "supported: onnx, tensorflow, pytorch" in assert_one_error_line(err)
 
 
 def test_unknown_flag_exits_1_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:

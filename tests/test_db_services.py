@@ -15,6 +15,8 @@ import uuid
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -88,6 +90,21 @@ def compiled_job(farm: Farm, session: Session, team: Team) -> CompileJob:
 def qpc_id_of(job: CompileJob) -> uuid.UUID:
     assert job.qpc_id is not None, "the job has no QPC"
     return job.qpc_id
+
+
+def old_schema_team(session: Session, name: str | None = None) -> Any:
+    """A team row written with the columns every revision has (a migration test's database
+    is at an older revision than the models)."""
+    from sqlalchemy import Table, insert
+
+    team_id = uuid.uuid4()
+    table: Table = Team.__table__  # type: ignore[assignment]
+    session.execute(
+        insert(table).values(
+            id=team_id, name=name or f"team-{team_id.hex[:8]}", created_at=utcnow()
+        )
+    )
+    return SimpleNamespace(id=team_id)
 
 
 def count(session: Session, entity: type[Base]) -> int:
@@ -896,7 +913,7 @@ def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
     with empty_database(kind, tmp_path) as db:
         upgrade_database(db.engine, "0003")
         with db.sessions() as session:
-            team = make_team(session)
+            team = old_schema_team(session)
             model = Model(team_id=team.id, sha256="a" * 64, size=1, name="m", opset=17,
                           inputs=[], outputs=[])  # fmt: skip
             session.add(model)
@@ -949,7 +966,7 @@ def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothin
     with empty_database(kind, tmp_path) as db:
         upgrade_database(db.engine, "0005")
         with db.sessions() as session:
-            a, b = make_team(session, "a"), make_team(session, "b")
+            a, b = old_schema_team(session, "a"), old_schema_team(session, "b")
             model = Model(team_id=a.id, sha256="a" * 64, size=1, name="m", opset=17,
                           inputs=[], outputs=[])  # fmt: skip
             session.add(model)

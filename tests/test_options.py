@@ -256,8 +256,8 @@ def test_ddr_stats_is_accepted_at_the_default_stats_level() -> None:
 
 def test_operators_supported_names_the_supported_frameworks() -> None:
     assert CompileOptions.from_flags(["-operators-supported=onnx"]).operators_supported == "onnx"
-    err = rejected(["-operators-supported=tensorflow"])
-    assert_names(err, "-operators-supported", "tensorflow", "supported: onnx")
+    err = rejected(["-operators-supported=caffe2"])
+    assert_names(err, "-operators-supported", "caffe2", "supported: onnx, tensorflow, pytorch")
 
 
 def test_define_symbol_is_repeatable_and_collects_a_mapping() -> None:

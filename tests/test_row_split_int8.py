@@ -9,10 +9,12 @@ int8 outputs."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from onnxruntime.quantization import QuantType
 
 from compiler_core import compile_model
 from compiler_core.lowering import splits
@@ -31,8 +33,6 @@ STEPS = 4
 def _qdq_resnet() -> onnx.ModelProto:
     """ONNX Runtime's quantize_static QDQ form (symmetric int8, per channel) of a two-stage
     bottleneck ResNet on a 112x112 image: 56x56 after the stem, 28x28 after the pool."""
-    from onnxruntime.quantization import QuantType
-
     models, _ = bench_models()
     spec = models.ResNetSpec(blocks=(1, 1), width=32, image=112, classes=10)
     model = models.resnet(spec)
@@ -101,3 +101,41 @@ def test_pricing_the_row_cuts_makes_the_program_faster(monkeypatch: pytest.Monke
         result.cleanup()
     with_rows, without = estimates
     assert with_rows < 0.8 * without, estimates
+
+
+def test_a_stem_reading_int8_input_from_ddr_keeps_its_channels_on_every_core(
+    tmp_path: Path,
+) -> None:
+    """With int8 codes as the graph input (custom IO), the stem conv reads the same bytes
+    from DDR and computes as long under a row cut as under a channel cut: the tie goes to the
+    row cut, which the pool and the convs after it read in place, and the program is no
+    slower than the one with a float input (whose first kernel quantizes it)."""
+    models, _ = bench_models()
+    model = models.resnet(models.ResNetSpec(blocks=(1,), width=64, image=224, classes=10))
+    qdq = ort_qdq(
+        model,
+        calibration(model, 2),
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
+    path = tmp_path / "qdq.onnx"
+    onnx.save(qdq, path)
+    listing = tmp_path / "io.yaml"
+    boundary = [qdq.graph.input[0].name, qdq.graph.output[0].name]
+    listing.write_text("".join(f"- IOName: {n}\n  Precision: int8\n" for n in boundary))
+    estimates = []
+    for extra in ([f"-custom-IO-list-file={listing}"], []):
+        result = compile_model(path, [f"-aic-num-cores={CORES}", *extra])
+        try:
+            stem = next(k for k in result.program.kernels if k.info.op_type == "QConv")
+            tiles = _tiles(result.program, stem.id)
+            channels = stem.info.out_shapes[0][1]
+            assert all(box[1] == (0, channels) for _, box in tiles), tiles
+            assert len({core for core, _ in tiles}) == CORES, tiles
+            estimates.append(result.metrics["estimated_device_latency_us"])
+        finally:
+            result.cleanup()
+    integer_io, float_io = estimates
+    assert integer_io <= float_io, estimates

@@ -58,7 +58,8 @@ def _fresh_pick(chooser: splits.SplitChooser, price: float) -> list[splits._Cand
                 transfer, descriptors = chooser._operand_move(ks, c, i, producer)
                 move += transfer
                 move += descriptors
-            return (c.busiest + move + min(price * c.resident, c.stream), c.resident)
+            stem = chooser._stem[k] and 1 in c.parts  # a stem's tie: channels whole first
+            return (c.busiest + move + min(price * c.resident, c.stream), stem, c.resident)
 
         chosen[k] = min(cands, key=cost)
     return [c for c in chosen if c is not None]

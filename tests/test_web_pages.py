@@ -390,3 +390,29 @@ def test_the_api_docs_and_their_assets_are_served_by_the_farm(site: Site) -> Non
         asset = site.client.get(f"/docs/assets/{name}")
         assert asset.status_code == 200 and len(asset.content) > 100_000, name
     assert site.client.get("/docs/assets/core.py").status_code == 404
+
+
+def test_a_quota_refusal_is_shown_as_the_api_says_it_and_the_team_page_shows_usage(
+    site: Site,
+) -> None:
+    from sqlalchemy import update
+
+    from app.domain.db.models import Team
+
+    with site.app.state.session_factory() as session:
+        session.execute(
+            update(Team).where(Team.name == "alpha").values(max_stored_bytes=10, max_queued_jobs=4)
+        )
+        session.commit()
+    csrf = signed_in(site)
+    answer = submit(site, csrf, tiny_model_bytes())
+    assert answer.status_code == 413
+    code, message = error_of(answer.text)
+    assert code == "storage_quota"
+    assert "limit is 10" in message
+    assert job_count(site) == 0
+    page = site.client.get("/team")
+    assert page.status_code == 200
+    assert re.search(r'id="usage-stored"><td>[^<]*</td><td>0</td><td>10</td>', page.text)
+    assert re.search(r'id="usage-queued"><td>[^<]*</td><td>0</td><td>4</td>', page.text)
+    assert "no limit" in page.text  # running jobs

@@ -600,3 +600,32 @@ def test_compiler_commands_and_help_go_to_the_compiler_cli(
         assert command in help_text
     assert main(["compile", "-m=missing.onnx", f"-aic-binary-dir={out}"]) == 1
     assert capsys.readouterr().err.startswith("qpcfarm: error: model file not found")
+
+
+def test_admin_sets_a_teams_limits_shows_its_usage_and_runs_the_collector(
+    embedded_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from app.console.cli import main
+
+    assert main(["admin", "create-team", "vision", "--init"]) == 0
+    argv = ["admin", "set-limits", "--team", "vision", "--max-queued", "20"]
+    assert main([*argv, "--max-stored", "2G", "--retention-days", "30"]) == 0
+    assert "queued jobs   0 of 20" in capsys.readouterr().out
+    assert main(["admin", "show-team", "--team", "vision", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["limits"] == {
+        "max_queued_jobs": 20,
+        "max_running_jobs": None,
+        "max_stored_bytes": 2 << 30,
+        "retention_days": 30.0,
+    }
+    assert shown["usage"] == {"queued_jobs": 0, "running_jobs": 0, "stored_bytes": 0}
+    assert main(["admin", "set-limits", "--team", "vision", "--max-stored", "none"]) == 0
+    capsys.readouterr()
+    assert main(["admin", "gc", "--dry-run", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [t["team"] for t in report["teams"]] == ["vision"]
+    assert report["teams"][0]["models"] == [] and report["blobs"] == []
+    assert main(["admin", "set-limits", "--team", "vision", "--max-queued", "-3"]) == 1

@@ -18,7 +18,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +33,12 @@ from app.domain.db.session import session_scope
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import BrokerWatch, JobKind, commit_then_enqueue
 from app.domain.timing import REQUEUE_AFTER_S, STALE_AFTER_S
+from worker import fair_share
 from worker.claims import queued_ids, stale_ids
 from worker.workdirs import remove_abandoned
 
 if TYPE_CHECKING:
+    from app.domain.blobs import BlobStore
     from app.domain.queue import JobQueue
     from app.domain.settings import Settings
 
@@ -54,7 +58,8 @@ def reap_once(
     stale_after_s: float = STALE_AFTER_S,
     requeue_after_s: float = REQUEUE_AFTER_S,
 ) -> list[uuid.UUID]:
-    """Enqueue the stale jobs of every kind again, committed first, then enqueued; returns
+    """Enqueue the stale jobs of every kind again, and the compiles a running quota held back
+    that may start now (`fair_share.held_back_ids`), committed first, then enqueued; returns
     their ids."""
     found: list[tuple[JobKind, uuid.UUID]] = []
     with session_scope(session_factory) as session:
@@ -67,12 +72,15 @@ def reap_once(
                 requeue_after_s=requeue_after_s,
             )
             found += [(kind, job_id) for job_id in ids]
+        held = fair_share.held_back_ids(session, now, quiet_s=timing.reap_interval(stale_after_s))
     for kind, job_id in found:
         log.warning(
             "reaper: %s %s looks lost or its worker died; enqueueing it again", kind, job_id
         )
         queue.enqueue(job_id, kind)
-    return [job_id for _, job_id in found]
+    for job_id in held:  # its team's running quota has room again
+        queue.enqueue(job_id, "compile")
+    return [job_id for _, job_id in found] + held
 
 
 def requeue_if_broker_lost(
@@ -133,7 +141,14 @@ class Reaper:
         stale_after_s: float = STALE_AFTER_S,
         requeue_after_s: float = REQUEUE_AFTER_S,
         work_root: Path | None = None,
+        collector: Callable[[], object] | None = None,
+        collect_interval_s: float = 0.0,
     ) -> None:
+        self._collector = collector
+        """Retention's collector (`services.retention.collect` bound to the farm), run every
+        `collect_interval_s` (0: never) by this reaper."""
+        self._collect_interval_s = collect_interval_s
+        self._last_collect = time.monotonic()
         self._sessions = session_factory
         self._work_root = work_root
         self._queue = queue
@@ -173,7 +188,19 @@ class Reaper:
                 advance_sweeps(self._sessions, self._queue)
             except Exception:  # the database or broker is away: try at the next interval
                 log.warning("reaping failed; retrying in %.0f s", self._interval, exc_info=True)
+            self._maybe_collect()
             self.rounds += 1
+
+    def _maybe_collect(self) -> None:
+        if self._collector is None or self._collect_interval_s <= 0:
+            return
+        if time.monotonic() - self._last_collect < self._collect_interval_s:
+            return
+        self._last_collect = time.monotonic()
+        try:
+            self._collector()
+        except Exception:  # the database or store is away: at the next interval
+            log.warning("retention's collector failed", exc_info=True)
 
 
 def start_reaper(
@@ -190,4 +217,21 @@ def start_reaper(
         stale_after_s=settings.stale_after_s,
         requeue_after_s=settings.requeue_after_s,
         work_root=settings.work_dir,
+        collector=collector_for(settings, session_factory),
+        collect_interval_s=settings.gc_interval_s,
     ).start()
+
+
+def collector_for(
+    settings: Settings, session_factory: sessionmaker[Session], store: BlobStore | None = None
+) -> Callable[[], object]:
+    """Retention's collector over the farm's database and blob store (built on first use)."""
+    from app.domain.blobs import blob_store_from_settings
+    from app.domain.services import retention
+
+    def run() -> object:
+        blobs = store if store is not None else blob_store_from_settings(settings, session_factory)
+        with session_factory() as session:
+            return retention.collect(session, blobs, default_days=settings.retention_days)
+
+    return run

@@ -29,7 +29,7 @@ from app.domain.db.models import CompileJob, JobStatus, ProfileJob
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import JobKind
 from app.domain.timing import HEARTBEAT_S, MAX_ATTEMPTS, STALE_AFTER_S
-from worker import claims, compile_jobs, profile_jobs
+from worker import claims, compile_jobs, fair_share, model_cache, profile_jobs
 from worker.compile_process import CompileProcess
 from worker.heartbeat import HeartbeatThread, JobHeartbeat
 
@@ -77,7 +77,7 @@ def _run_compile(run: JobRun) -> None:
     assert isinstance(run.job, CompileJob)
     compile_jobs.run_compile(
         run.session,
-        run.store,
+        model_cache.for_worker(run.store, run.work_root),
         run.job,
         run.progress_cb,
         run.beat.stop_requested,
@@ -110,10 +110,15 @@ def process_job(
     progress_cb: compile_jobs.ProgressCallback | None = None,
     compiler: CompileProcess | None = None,
     work_root: Path | None = None,
+    fair_share_window_s: float = fair_share.WINDOW_S,
 ) -> JobStatus | None:
     """Claim and run job `job_id` of `kind` (None: looked up); returns its final status, or
     None when this call did not get the job (unknown, finished, cancelled, or running on a
     live worker).
+
+    A compile message is a doorbell (`worker.fair_share`): the call runs the fairest queued
+    compile, which may be another than `job_id` (whose own message then runs another in
+    turn), or re-takes `job_id` when its worker died.
 
     With `compiler`, a compile runs in that child process, under its limits, instead of
     this one (every worker passes one; tests may compile in process). The job's files live
@@ -126,7 +131,14 @@ def process_job(
         if kind is None:
             kind = kind_of(session, job_id)
         spec = JOB_KINDS[kind]
-        job = claims.claim_job(session, kind, job_id, worker_name, stale_after_s=stale_after_s)
+        job: CompileJob | ProfileJob | None
+        if kind == "compile":  # the message is a doorbell: the fairest compile runs
+            job = fair_share.claim_next(
+                session, job_id, worker_name, stale_after_s=stale_after_s,
+                window_s=fair_share_window_s,
+            )  # fmt: skip
+        else:
+            job = claims.claim_job(session, kind, job_id, worker_name, stale_after_s=stale_after_s)
         if job is None:
             log.info("%s %s: not claimable (finished, cancelled or taken); skipped", kind, job_id)
             return None
@@ -139,7 +151,7 @@ def process_job(
             table: Any = spec.table
             claims.fail(session, table, job, "worker_lost", message, detail)
             return job.status
-        log.info("%s %s: claimed by %s (attempt %d)", kind, job_id, worker_name, job.attempts)
+        log.info("%s %s: claimed by %s (attempt %d)", kind, job.id, worker_name, job.attempts)
         assert job.worker is not None
         with JobHeartbeat(session_factory, spec.table, job.id, job.worker, heartbeat_s) as beat:
             RUNS[kind](
@@ -147,7 +159,7 @@ def process_job(
                     session, store, job, beat, compiler, work_root, progress_cb, progress_interval_s
                 )  # fmt: skip
             )
-        log.info("%s %s: %s", kind, job_id, job.status.value)
+        log.info("%s %s: %s", kind, job.id, job.status.value)
         return job.status
     finally:
         session.close()

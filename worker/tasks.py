@@ -128,6 +128,7 @@ def register_tasks(app: Celery, settings: Settings) -> dict[str, Any]:
                 stale_after_s=settings.stale_after_s,
                 compiler=current.compiler,
                 work_root=settings.work_dir,
+                fair_share_window_s=settings.fair_share_window_s,
             )
             return None if status is None else status.value
 

@@ -28,7 +28,10 @@ Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET)]
     response_model=ModelOut,
     openapi_extra={"requestBody": UPLOAD_BODY_DOC},
     responses={
-        413: {"description": "`upload_too_large`: over `QPCFARM_MAX_UPLOAD_BYTES`"},
+        413: {
+            "description": "`upload_too_large`: over `QPCFARM_MAX_UPLOAD_BYTES`; "
+            "`storage_quota`: over the team's stored-bytes limit (with the numbers)"
+        },
         422: {"description": "`invalid_model`, `unsupported_operator`, `bad_archive`, ..."},
     },
 )

@@ -17,7 +17,7 @@ from app.api.downloads import blob_response
 from app.api.schemas import QpcOut, ValidateRequest, ValidationOut
 from app.domain.services import qpcs, validations
 from app.domain.services.errors import ServiceError
-from app.domain.services.qpcs import PROFILE_METRIC
+from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
 
 router = APIRouter(prefix="/v1/qpcs", tags=["qpcs"])
 
@@ -26,6 +26,22 @@ QPC_FILE_NAME = "programqpc.bin"
 
 @router.get("/{qpc_id}", response_model=QpcOut)
 def read_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
+    return QpcOut.of(qpc, qpcs.get_report(session, qpc))
+
+
+@router.put("/{qpc_id}/pin", response_model=QpcOut)
+def pin_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
+    """Keep the QPC: retention never collects a pinned QPC (again is a no-op)."""
+    qpcs.set_pinned(session, qpc, True)
+    session.commit()
+    return QpcOut.of(qpc, qpcs.get_report(session, qpc))
+
+
+@router.delete("/{qpc_id}/pin", response_model=QpcOut)
+def unpin_qpc(qpc: TeamQpc, session: SessionDep) -> QpcOut:
+    """Let retention collect the QPC again once nothing references it and it is old."""
+    qpcs.set_pinned(session, qpc, False)
+    session.commit()
     return QpcOut.of(qpc, qpcs.get_report(session, qpc))
 
 
@@ -97,11 +113,55 @@ def download_profile(
     )
 
 
+@router.get(
+    "/{qpc_id}/converted.onnx",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The ONNX model."},
+        404: {"description": "`converted_model_not_found`: the model was ONNX already"},
+    },
+)
+def download_converted(
+    qpc: TeamQpc,
+    session: SessionDep,
+    store: StoreDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The ONNX model a TensorFlow or PyTorch upload was converted to before this QPC was
+    compiled from it (the report's `conversion` names the converter and its version)."""
+    report = qpcs.get_report(session, qpc)
+    metrics = getattr(report, "metrics", None) or {}
+    entry = metrics.get(CONVERSION_METRIC) if isinstance(metrics, dict) else None
+    onnx_entry = entry.get("onnx") if isinstance(entry, dict) else None
+    if not isinstance(onnx_entry, dict) or "sha256" not in onnx_entry:
+        raise ServiceError(
+            "converted_model_not_found",
+            "this QPC was compiled from an ONNX model as uploaded: nothing was converted",
+            status=404,
+        )
+    return blob_response(
+        store,
+        onnx_entry["sha256"],
+        filename="converted.onnx",
+        media_type="application/octet-stream",
+        found_by="converted model download",
+        range_header=None,
+        if_none_match=if_none_match,
+        if_range=None,
+    )
+
+
 @router.post(
     "/{qpc_id}/validate",
     status_code=201,
     response_model=ValidationOut,
-    responses={422: {"description": "`unknown_device`"}},
+    responses={
+        409: {
+            "description": "`validator_unavailable`: a QPC of the vendor's compiler and no "
+            "qaic-qpc on this server"
+        },
+        422: {"description": "`unknown_device`"},
+    },
 )
 def validate_qpc(
     qpc: TeamQpc,

@@ -5,7 +5,8 @@ Service commands (each parses its own arguments, so clients may take qaic-compil
   serve    the HTTP API; with no configuration the embedded mode (SQLite and blobs under
            `./qpcfarm-data`, in-process worker), creating team `local` and its key on first start
   worker   a Celery worker for `QPCFARM_BROKER_URL` (farm mode)
-  admin    create-team | create-key | list-keys | revoke-key | verify-blobs
+  admin    create-team | create-key | list-keys | revoke-key | verify-blobs | set-limits |
+           show-team | gc
   db       upgrade
   compare  two compiles on a farm side by side (`GET /v1/compare`)
   submit   (slot) the HTTP client: add `"submit": (help, handler)` to SERVICE_COMMANDS
@@ -266,13 +267,24 @@ def worker_command(argv: list[str]) -> int:
     wait_for_database(settings.database_url, timeout=60.0)
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
+    from app.domain.compilers import local_compilers, queue_name
+    from worker.advertise import Advertiser
+    from worker.celery_app import QUEUE_NAME
+    from worker.runner import default_worker_name
+
+    # In the main process, before the pool forks: children build their own engines.
+    sessions = make_session_factory(make_engine(settings.database_url))
     if not args.no_reap:
         from worker.queues import CeleryQueue
         from worker.reaper import start_reaper
 
-        # In the main process, before the pool forks: children build their own engines.
-        sessions = make_session_factory(make_engine(settings.database_url))
-        start_reaper(sessions, CeleryQueue(settings), settings)
+        start_reaper(sessions, CeleryQueue(settings, sessions), settings)
+    # The default queue (jobs naming no compiler, profiles) and one per compiler it has.
+    have = local_compilers(settings)
+    queues = ",".join([QUEUE_NAME, *(queue_name(c) for c in have)])
+    advertiser = Advertiser(
+        sessions, default_worker_name("celery"), have, stale_after_s=settings.stale_after_s
+    ).start()
     try:
         celery.worker_main(
             [
@@ -280,12 +292,15 @@ def worker_command(argv: list[str]) -> int:
                 f"--concurrency={args.concurrency}",
                 f"--loglevel={args.loglevel}",
                 f"--hostname=qpcfarm-{os.getpid()}@%h",
+                f"--queues={queues}",
                 "--without-gossip",
                 "--without-mingle",
             ]
         )
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
+    finally:
+        advertiser.stop()
     return 0
 
 
@@ -364,7 +379,9 @@ def database_initialized(url: str) -> bool:
 
 
 def admin_command(argv: list[str]) -> int:
-    parser = _Parser(prog=f"{PROG} admin", description="Manage teams and API keys.")
+    parser = _Parser(
+        prog=f"{PROG} admin", description="Manage teams, API keys, quotas and retention."
+    )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     common = _init_option()
     team = actions.add_parser("create-team", help="create a team", parents=[common])
@@ -395,6 +412,33 @@ def admin_command(argv: list[str]) -> int:
         parents=[common],
     )
     scrub.add_argument("--json", action="store_true", help="print the report as JSON")
+    limits = actions.add_parser(
+        "set-limits",
+        help="set a team's quotas and retention (0 or 'none': no limit; omitted: unchanged)",
+        parents=[common],
+    )
+    limits.add_argument("--team", required=True, metavar="NAME")
+    limits.add_argument("--max-queued", type=_limit, metavar="N", help="compile jobs queued")
+    limits.add_argument("--max-running", type=_limit, metavar="N", help="compile jobs running")
+    limits.add_argument(
+        "--max-stored", type=_size_limit, metavar="SIZE", help="bytes stored (e.g. 500G, 2T)"
+    )
+    limits.add_argument(
+        "--retention-days", type=_days, metavar="DAYS", help="collect unreferenced older data"
+    )
+    show = actions.add_parser(
+        "show-team", help="a team's usage against its limits", parents=[common]
+    )
+    show.add_argument("--team", required=True, metavar="NAME")
+    show.add_argument("--json", action="store_true", help="print it as JSON")
+    gc = actions.add_parser(
+        "gc",
+        help="collect models and QPCs that nothing references and that are older than their "
+        "team's retention period",
+        parents=[common],
+    )
+    gc.add_argument("--dry-run", action="store_true", help="list what would go, delete nothing")
+    gc.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     from app.domain.settings import get_settings
 
@@ -419,7 +463,14 @@ def admin_command(argv: list[str]) -> int:
                 made = teams.create_team(session, args.name)
                 print(f"{PROG}: created team {made.name!r}", file=sys.stderr)
                 return 0
+            if args.action == "gc":
+                store = store_of(settings, make_session_factory(engine))
+                return gc_command(session, store, settings, args.dry_run, args.json)
             found = _team_arg(session, args.team) if args.team else None
+            if args.action == "set-limits":
+                return set_limits_command(session, found, args)
+            if args.action == "show-team":
+                return show_team_command(session, found, args.json)
             if args.action == "list-keys":
                 print_keys(teams.list_keys(session, found))
                 return 0
@@ -434,6 +485,109 @@ def admin_command(argv: list[str]) -> int:
         return 0
     finally:
         engine.dispose()
+
+
+UNSET = None
+NO_LIMIT = -1
+"""`set-limits`' value for "no limit" (the column becomes NULL)."""
+
+
+def _limit(text: str) -> int:
+    if text.strip().lower() in ("none", "0"):
+        return NO_LIMIT
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count is 0 (no limit) or more, not {value}")
+    return value
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size_limit(text: str) -> int:
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    if raw.lower() in ("none", "0"):
+        return NO_LIMIT
+    unit = raw[-1:] if raw[-1:] in _UNITS and raw[-1:] else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a size is 0 (no limit) or more, not {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _days(text: str) -> float:
+    if text.strip().lower() == "none":
+        return float(NO_LIMIT)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of days: {text!r}") from None
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"days are 0 or more, not {text!r}")
+    return value
+
+
+def set_limits_command(session: Any, team: Any, args: argparse.Namespace) -> int:
+    for column, value in (
+        ("max_queued_jobs", args.max_queued),
+        ("max_running_jobs", args.max_running),
+        ("max_stored_bytes", args.max_stored),
+        ("retention_days", args.retention_days),
+    ):
+        if value is not UNSET:
+            setattr(team, column, None if value == NO_LIMIT else value)
+    session.flush()
+    return show_team_command(session, team, False)
+
+
+def show_team_command(session: Any, team: Any, as_json: bool) -> int:
+    import json
+
+    from app.domain.services import quotas
+
+    described = quotas.describe(session, team)
+    if as_json:
+        print(json.dumps(described, indent=2))
+        return 0
+    usage, limits = described["usage"], described["limits"]
+
+    def of(value: Any) -> str:
+        return "no limit" if value is None else f"{value:,}"
+
+    print(f"team {team.name}")
+    print(f"  queued jobs   {usage['queued_jobs']:,} of {of(limits['max_queued_jobs'])}")
+    print(f"  running jobs  {usage['running_jobs']:,} of {of(limits['max_running_jobs'])}")
+    print(f"  stored bytes  {usage['stored_bytes']:,} of {of(limits['max_stored_bytes'])}")
+    days = limits["retention_days"]
+    print(f"  retention     {'farm default' if days is None else f'{days:g} days'}")
+    return 0
+
+
+def store_of(settings: Settings, sessions: Any) -> Any:
+    from app.domain.blobs.factory import blob_store_from_settings
+
+    return blob_store_from_settings(settings, sessions)
+
+
+def gc_command(session: Any, store: Any, settings: Settings, dry_run: bool, as_json: bool) -> int:
+    import json
+
+    from app.domain.services import retention
+
+    report = retention.collect(
+        session, store, dry_run=dry_run, default_days=settings.retention_days
+    )
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.summary(dry_run))
+    return 0
 
 
 def _team_arg(session: Any, name: str) -> Any:

@@ -52,6 +52,15 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str | None = None
     """The TLS-terminating reverse proxy's address(es) (comma-separated, `*` for any): its
     `X-Forwarded-Proto`/`-For` are believed, so the farm knows a request came over HTTPS."""
+    qaic_sdk: Path = Path("/opt/qti-aic")
+    """The vendor SDK's home: a worker whose `exec/qaic-compile` exists there offers the
+    `qaic` backend (`app.domain.compilers`)."""
+    qaic_devices: str = "/dev/accel/accel*"
+    """Where the host's Cloud AI cards appear (the Linux `accel/qaic` driver's device nodes, a
+    glob): a profile of a QPC the vendor compiler made runs on the first one there."""
+    qaic_version: str | None = None
+    """The SDK's version as workers advertise it; None reads it from the SDK's `versions/`
+    files (`app.domain.compilers.sdk_version`)."""
     cache_scope: Literal["team", "farm"] = "team"
     """Whose QPCs a submit may reuse: the team's own (default), or any team's (`farm`)."""
 
@@ -81,6 +90,19 @@ class Settings(BaseSettings):
     max_team_sweep_compiles: int = 64
     """Compiles a team's sweeps may have queued or running at once; the sweeps submit the
     rest as those finish (`services.sweeps.sweep_compile_allowance`, the quota hook)."""
+    retention_days: float | None = None
+    """Unreferenced models and QPCs older than this many days are collected (`qpcfarm admin
+    gc`, and every `gc_interval_s` in the reaper); a team's own `retention_days` overrides
+    it. None: nothing is collected unless the team sets a period."""
+    gc_interval_s: float = 3600.0
+    """How often a reaper runs the collector (0: only `qpcfarm admin gc`)."""
+    quota_retry_after_s: int = 30
+    """The `Retry-After` of a 429 for a full queue quota: about one compile's time."""
+    model_cache_bytes: int = 20 * GiB
+    """A worker keeps models it read from the database blob store on its local disk, by
+    sha256, up to this many bytes (`worker.model_cache`; 0: off)."""
+    fair_share_window_s: float = 600.0
+    """Fair share: a team's recent worker time is what its compiles used in this window."""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:

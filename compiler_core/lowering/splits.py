@@ -196,6 +196,12 @@ class SplitChooser:
         ]
         """Per kernel: the operands that may have to move, and their producers."""
         self.candidates = [self._candidates(k) for k in kernels]
+        self._stem = [
+            "ddr" in ks.kinds and "constant" in ks.kinds and len(ks.request.info.out_shapes[0]) == 4
+            for ks in kernels
+        ]
+        """Per kernel: a network's stem (a conv reading the graph input from DDR into a
+        4-D map); its ties go to the cut that keeps axis 1 whole (see `_pick`)."""
         self._times: list[dict[tuple[int, ...], list[float]]] = [{} for _ in kernels]
         """Per kernel: its candidates' times by the ids of its operands' producers' cuts."""
 
@@ -658,9 +664,12 @@ class SplitChooser:
                 times = self._times[k].get(producers)
                 if times is None:
                     times = self._times[k][producers] = [self._time(k, c, chosen) for c in cands]
-                lowest: tuple[float, int] | None = None
+                lowest: tuple[float, bool, int] | None = None
+                # a stem's tie goes to the cut that keeps its channels whole: its consumers
+                # (a pool, convs cut by rows) read that in place, a channel cut they gather
+                stem = self._stem[k]
                 for c, t in zip(cands, times, strict=True):
-                    key = (t + min(price * c.resident, c.stream), c.resident)
+                    key = (t + min(price * c.resident, c.stream), stem and 1 in c.parts, c.resident)
                     if lowest is None or key < lowest:
                         best, lowest = c, key
             chosen[k] = best

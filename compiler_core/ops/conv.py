@@ -154,6 +154,11 @@ def gather_windows(
         start = in_box[first + i][0]
         ranges[first + i] = (lo - start, hi - start)
     x = crop_or_pad_all(x, ranges, fill)
+    if all(w.span == 1 for w in wins):  # 1x1 windows: the input itself, strided
+        strided = x[(*[slice(None)] * first, *(slice(None, None, w.stride) for w in wins))]
+        view = strided.reshape((*strided.shape, *(1,) * len(wins)))
+        view.flags.writeable = False  # read-only, as sliding_window_view's
+        return view
     spatial = tuple(range(first, x.ndim))
     view = sliding_window_view(x, [w.span for w in wins], axis=spatial)
     index = (

@@ -65,6 +65,15 @@ class Team(Base):
     id: Mapped[uuid.UUID] = _uuid_pk()
     name: Mapped[str] = mapped_column(String(100), unique=True)
     created_at: Mapped[dt.datetime] = _created()
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)
+    """Quota: compile jobs queued at once (None: no limit; a submit beyond it answers 429)."""
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer)
+    """Quota: compile jobs running at once (None: no limit; workers leave the rest queued)."""
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """Quota: bytes of models and QPCs in the team's records (None: no limit; 413 beyond)."""
+    retention_days: Mapped[float | None] = mapped_column(Float)
+    """Unreferenced models and QPCs older than this are collected (None: the farm's
+    `retention_days` setting)."""
 
 
 class ApiKey(Base):
@@ -145,6 +154,8 @@ class Qpc(Base):
     requirements: Mapped[dict[str, Any]] = mapped_column(JSON)
     """What the QPC needs from a device (cores, VTCM, DDR, dtypes), from its network desc."""
     created_at: Mapped[dt.datetime] = _created()
+    pinned_at: Mapped[dt.datetime | None] = mapped_column()
+    """Set while a user keeps the QPC: retention never collects a pinned QPC."""
 
     report: Mapped[CompileReport | None] = relationship(back_populates="qpc", uselist=False)
 
@@ -194,6 +205,11 @@ class CompileJob(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    compiler: Mapped[str | None] = mapped_column(String(64))
+    """The compiler the job asked for, `backend@version` (`app.domain.compilers`); None: the
+    farm's default, any worker's `qpcfarm`."""
+    batch: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    """A sweep's compile: workers run the interactive compiles queued before any batch one."""
     qpc_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("qpcs.id"), index=True)
     created_at: Mapped[dt.datetime] = _created()
     enqueued_at: Mapped[dt.datetime | None] = mapped_column()
@@ -204,6 +220,18 @@ class CompileJob(Base):
 
     model: Mapped[Model] = relationship()
     qpc: Mapped[Qpc | None] = relationship()
+
+
+class WorkerCompiler(Base):
+    """A compiler a live worker has: one row per worker and compiler, its `seen_at` refreshed
+    while the worker runs (a row not seen for a while is a worker gone)."""
+
+    __tablename__ = "worker_compilers"
+
+    worker: Mapped[str] = mapped_column(String(255), primary_key=True)
+    backend: Mapped[str] = mapped_column(String(16), primary_key=True)
+    version: Mapped[str] = mapped_column(String(48), primary_key=True)
+    seen_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
 
 
 class CompileReport(Base):

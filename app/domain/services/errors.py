@@ -16,6 +16,8 @@ class ServiceError(Exception):
         self.message = message
         self.status = status
         self.detail = detail or {}
+        self.headers: dict[str, str] = {}
+        """Response headers the HTTP layer adds (`Retry-After` of a quota)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"code": self.code, "message": self.message}

@@ -18,7 +18,10 @@ from sqlalchemy.orm import Session
 
 from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
+from app.domain.blobs import guard as blob_guard
 from app.domain.blobs.integrity import verify_blob
+from app.domain.compilers import DEFAULT as DEFAULT_COMPILER
+from app.domain.compilers import QAIC, QPCFARM, Compiler
 from app.domain.db.base import utcnow
 from app.domain.db.models import (
     ACTIVE_JOB_PREDICATE,
@@ -31,13 +34,15 @@ from app.domain.db.models import (
     Team,
 )
 from app.domain.db.ops import insert_or_ignore, rowcount
+from app.domain.services import quotas
 from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.model_files import check_files_travel
 from app.domain.services.pages import Page, paginate
 from compiler_core import CompileOptions
+from compiler_core.convert import FORMAT_KEYS, converter_of
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
-from compiler_core.version import COMPILER_VERSION
+from compiler_core.options import vendor_flags
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +50,26 @@ CacheScope = Literal["team", "farm"]
 
 
 def options_key(
-    model_sha256: str, options: CompileOptions, canonical: dict[str, Any] | None = None
+    model_sha256: str,
+    options: CompileOptions,
+    canonical: dict[str, Any] | None = None,
+    converter: str = "",
+    compiler: Compiler | None = None,
 ) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler version. `canonical`:
-    `options.to_json()` if the caller has it already."""
+    """The QPC cache key: model bytes + canonical options + compiler backend and version,
+    and for a TensorFlow or PyTorch model the converter's versions (`converter_of`).
+    `canonical`: `options.to_json()` if the caller has it already. `compiler` None is the
+    default, this package's compiler at its version; so is `qpcfarm@<that version>` named,
+    and both keep the key they had before backends could be named (the version alone)."""
     if canonical is None:
         canonical = options.to_json()
     canonical_text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))  # to_json_str
-    text = "\n".join((model_sha256, canonical_text, COMPILER_VERSION))
+    compiler = compiler or DEFAULT_COMPILER
+    if compiler.backend == QPCFARM:
+        parts: tuple[str, ...] = (model_sha256, canonical_text, compiler.version)
+    else:
+        parts = (model_sha256, canonical_text, compiler.backend, compiler.version)
+    text = "\n".join((*parts, converter) if converter else parts)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -62,8 +79,14 @@ JobRow = Row[Any]
 
 _JOBS = cast(Table, CompileJob.__table__)
 _JOB_COLUMNS = tuple(_JOBS.c)
-_MODEL_OF = select(Model.team_id, Model.sha256, Model.kind).where(
-    Model.id == bindparam("model_id")
+_MODEL_OF = (
+    select(Model.team_id, Model.sha256, Model.kind)
+    .where(Model.id == bindparam("model_id"))
+    .with_for_update(key_share=True)  # the collector cannot delete it under this submit
+)
+_HOLD_QPC = select(Qpc.id).where(Qpc.id == bindparam("qpc_id")).with_for_update(key_share=True)
+_HOLD_MODEL = select(Model.id).where(Model.id == bindparam("model_id")).with_for_update(
+    key_share=True
 )
 _ACTIVE_JOB = (
     select(*_JOB_COLUMNS)
@@ -105,6 +128,9 @@ def submit_job(
     *,
     store: BlobStore | None = None,
     cache_scope: CacheScope = "team",
+    batch: bool = False,
+    retry_after_s: int = 30,
+    compiler: Compiler | None = None,
 ) -> tuple[CompileJob, bool]:
     """`submit` for callers that work with ORM objects (the web form, sweeps): the job as a
     `CompileJob` of the session."""
@@ -112,8 +138,10 @@ def submit_job(
         raise not_found("model", model.id)
     session.flush()  # the caller's pending rows first: `submit` runs on the connection
     row, created = submit(
-        session, team, model.id, options, store=store, cache_scope=cache_scope, model=model
-    )
+        session, team, model.id, options, store=store, cache_scope=cache_scope, model=model,
+        batch=batch, retry_after_s=retry_after_s,
+        compiler=compiler,
+    )  # fmt: skip
     job = session.get(CompileJob, row.id, populate_existing=True)
     assert job is not None
     return job, created
@@ -128,9 +156,13 @@ def submit(
     store: BlobStore | None = None,
     cache_scope: CacheScope = "team",
     model: Model | None = None,
+    batch: bool = False,
+    retry_after_s: int = 30,
+    compiler: Compiler | None = None,
 ) -> tuple[JobRow, bool]:
     """Ask for a compile of the team's model `model_id` with `options` (404 `not_found` for
-    a model of another team). Returns (job, created).
+    a model of another team), by `compiler` (None: the default; the caller checked that a
+    worker has it, `services.compilers.resolve`). Returns (job, created).
 
     - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
       a corrupt one is quarantined and compiled again): a new job, already succeeded,
@@ -138,7 +170,13 @@ def submit(
       (`cache_scope` "team": a QPC of the team's; "farm": of any team, copied into the
       team's records);
     - the team already has a queued/running job for the key: that job, created=False;
-    - otherwise a new queued job. The caller commits, then enqueues a created queued job.
+    - otherwise a new queued job (`batch`: a sweep's, which yields to interactive compiles;
+      an interactive submit that attaches to a batch job makes it interactive). The caller
+      commits, then enqueues a created queued job.
+
+    The team's quotas (`quotas`): a new queued job beyond its queue limit is 429
+    `queue_quota` (`Retry-After: retry_after_s`); a compile when its stored bytes are at
+    their limit is 413 `storage_quota`. Attaching and cache hits queue and store nothing.
 
     "Already has" is the database's word, not a check-then-insert: a partial unique index
     allows one active job per (team, key), so of identical submits racing in any number of
@@ -149,6 +187,7 @@ def submit(
     Core statements built once on the session's connection, no ORM objects: the API's
     submit is its busiest write, and the ORM's unit of work cost several times the SQL.
     """
+    blob_guard.hold_writes(session)  # SQLite: the reads below see no collector's delete
     connection = session.connection()
     if model is None:
         found = connection.execute(_MODEL_OF, {"model_id": model_id}).first()
@@ -157,15 +196,27 @@ def submit(
         sha256, kind = found.sha256, found.kind
     else:
         sha256, kind = model.sha256, model.kind
+        if connection.execute(_HOLD_MODEL, {"model_id": model_id}).first() is None:
+            raise not_found("model", model_id)  # collected by retention meanwhile
     check_files_travel(options, kind)
+    if compiler is not None and compiler.backend == QAIC:
+        vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
+        if converter_of(kind):
+            raise ServiceError(
+                "model_not_for_backend",
+                f"the qaic backend compiles ONNX models; this one is {kind} (compile it with "
+                "qpcfarm, which converts it, or upload its ONNX)",
+                422,
+            )
     canonical = options.to_json()
-    key = options_key(sha256, options, canonical)
+    key = options_key(sha256, options, canonical, converter_of(kind), compiler=compiler)
     common: dict[str, Any] = {
         "team_id": team.id,
         "model_id": model_id,
         "options": canonical,
         "options_key": key,
         "device": options.device.name,
+        "compiler": str(compiler) if compiler else None,
     }
     plain, guarded = _INSERTS[connection.dialect.name]
     qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
@@ -173,13 +224,20 @@ def submit(
         values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
         return connection.execute(plain, values).one(), True
 
-    if store is not None and upload_worth_checking(options, store.size(sha256)):
+    converted = kind in FORMAT_KEYS  # the fit of its ONNX is checked in the worker
+    if store is not None and not converted and upload_worth_checking(options, store.size(sha256)):
         with store.open(sha256) as stream:  # the model's header only: refused in seconds
             fit = check_upload_fit(stream, options)
         if fit is not None and not fit.fits:
             raise ServiceError(FIT_CODE, fit.message(), 422, {"fit": fit.as_dict()})
     for _ in range(ATTACH_ATTEMPTS):
-        values = {**common, "id": uuid.uuid4(), "status": JobStatus.queued}
+        if team.max_queued_jobs is not None or team.max_stored_bytes is not None:
+            active = connection.execute(_ACTIVE_JOB, {"team_id": team.id, "key": key}).first()
+            if active is not None:
+                return _attached(connection, active, batch), False
+            quotas.check_queue(session, team, retry_after_s)
+            quotas.check_storage(session, team)
+        values = {**common, "id": uuid.uuid4(), "status": JobStatus.queued, "batch": batch}
         job = connection.execute(guarded, values).first()
         if job is not None:
             qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
@@ -189,12 +247,27 @@ def submit(
             return job, True
         active = connection.execute(_ACTIVE_JOB, {"team_id": team.id, "key": key}).first()
         if active is not None:
-            return active, False
+            return _attached(connection, active, batch), False
         # The job we collided with finished in between: try again (it left a QPC or failed).
     raise ServiceError("busy", "identical submits keep colliding; retry", 503)
 
 
 ATTACH_ATTEMPTS = 5
+
+_MAKE_INTERACTIVE = (
+    update(_JOBS)
+    .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.batch.is_(True))
+    .values(batch=False)
+    .returning(*_JOB_COLUMNS)
+)
+
+
+def _attached(connection: Any, job: JobRow, batch: bool) -> JobRow:
+    """The active job an identical submit attaches to; an interactive submit's makes a
+    batch (sweep) job interactive: a person now waits for it."""
+    if batch or not job.batch:
+        return job
+    return connection.execute(_MAKE_INTERACTIVE, {"job_id": job.id}).first() or job
 
 
 def _cache_hit_values(qpc_id: uuid.UUID) -> dict[str, Any]:
@@ -223,6 +296,11 @@ def _usable_cached_qpc(
         theirs = _cached_qpc_id(session, key, None)
         if theirs is not None:
             qpc_id = copy_qpc(session, theirs, team)
+    if qpc_id is not None:
+        # Held to the commit: the collector cannot delete the row this job will name.
+        held = session.connection().execute(_HOLD_QPC, {"qpc_id": qpc_id}).first()
+        if held is None:  # collected by retention meanwhile: compile again
+            return None
     if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
         return None
     return qpc_id
@@ -259,11 +337,15 @@ def _cached_qpc_id(session: Session, key: str, team_id: uuid.UUID | None) -> uui
     return connection.execute(_TEAM_LOOKUP, {"key": key, "team_id": team_id}).scalar_one_or_none()
 
 
-def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID:
+def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID | None:
     """The team's own row for the content of QPC `qpc_id` (made, with a copy of its report,
-    unless the team has one)."""
-    source = session.get(Qpc, qpc_id)
-    assert source is not None
+    unless the team has one); None when the source was collected meanwhile."""
+    source = session.execute(
+        select(Qpc).where(Qpc.id == qpc_id).with_for_update(key_share=True)
+    ).scalar_one_or_none()
+    if source is None:
+        return None
+    blob_guard.lock_for_write(session, source.sha256)
     now = utcnow()
     new_id = uuid.uuid4()
     made = insert_or_ignore(

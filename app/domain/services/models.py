@@ -11,9 +11,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.domain.blobs import BlobStore, BlobTooLarge, local_path
+from app.domain.blobs import guard as blob_guard
 from app.domain.blobs.base import Source
 from app.domain.blobs.integrity import spill_verified, verified_path, verify_blob
 from app.domain.db.models import Model, Team
+from app.domain.services import quotas
 from app.domain.services.archives import extract_archive
 from app.domain.services.describer import inspect_in_child
 from app.domain.services.errors import ServiceError, not_found
@@ -42,23 +44,34 @@ def store_model(
     external data, after checking it with the importer (in a describer process: see
     `describer`). The caller commits.
 
+    A team at its storage quota is refused before the upload is read, and one the upload
+    would take beyond it after (413 `storage_quota`, with the numbers; the unreferenced blob
+    is left to the collector).
+
     The blob is stored as uploaded (archives too: the worker extracts again), so the bytes
     the client sent are the bytes the cache key names. The kind is decided by content; a
     name that says archive over content that is not one is a `bad_archive`.
     """
     check_filename(filename)
+    quotas.check_storage(session, team)
     try:
         ref = store.put(stream, max_bytes=max_bytes)
     except BlobTooLarge as exc:
         raise too_large(exc) from None
     if ref.size == 0:
         raise ServiceError("empty_upload", "the upload is empty: send an .onnx or an archive", 422)
+    quotas.check_storage(session, team, ref.size)
     with tempfile.TemporaryDirectory(prefix="qpcfarm-upload-") as tmp:
         work = Path(tmp)
         with local_path(store, ref.sha256, work, "upload") as path:
             # In a describer process: the importer's CPU and crashes stay out of the API's.
             kind, described = inspect_in_child(path, filename, max_bytes, work)
     opset, inputs, outputs = described
+    blob_guard.lock_for_write(session, ref.sha256)
+    if not store.exists(ref.sha256):  # collected by retention between the put and the lock
+        raise ServiceError(
+            "busy", "the upload's content was collected meanwhile; upload again", 503
+        )
     model = Model(
         team_id=team.id,
         sha256=ref.sha256,

@@ -8,6 +8,7 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.domain.db.base import utcnow
 from app.domain.db.models import CompileReport, Qpc, Team
 from app.domain.services.errors import not_found
 
@@ -28,9 +29,23 @@ def get_qpc(session: Session, team: Team, qpc_id: uuid.UUID) -> Qpc:
 PROFILE_METRIC = "quantization_profile"
 """The report entry naming the blob of the quantization profile a `-dump-profile` compile
 wrote: {"sha256", "size"} (stored by the worker, downloaded from `/v1/qpcs/{id}/profile`)."""
+CONVERSION_METRIC = "conversion"
+"""The report entry of a TensorFlow or PyTorch model's compile: its format, the converter and
+its version (compiler_core/convert), and `onnx`: {"sha256", "size"} of the ONNX it made
+(stored by the worker, downloaded from `/v1/qpcs/{id}/converted.onnx`)."""
 
 
 def get_report(session: Session, qpc: Qpc) -> CompileReport | None:
     return session.execute(
         select(CompileReport).where(CompileReport.qpc_id == qpc.id)
     ).scalar_one_or_none()
+
+
+def set_pinned(session: Session, qpc: Qpc, pinned: bool) -> Qpc:
+    """Pin (retention never collects it) or unpin a QPC of the team's. The caller commits."""
+    if pinned and qpc.pinned_at is None:
+        qpc.pinned_at = utcnow()
+    elif not pinned:
+        qpc.pinned_at = None
+    session.flush()
+    return qpc

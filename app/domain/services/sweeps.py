@@ -35,7 +35,7 @@ from app.domain.db.models import (
     Team,
 )
 from app.domain.db.ops import insert_or_ignore
-from app.domain.services import jobs
+from app.domain.services import jobs, quotas
 from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.pages import Page, paginate
 from compiler_core.configurator.scoring import LlmBounds, meets, pareto_front
@@ -184,8 +184,8 @@ def sweep_compile_allowance(session: Session, team_id: uuid.UUID, limit: int) ->
     """How many more compiles the team's sweeps may submit now: `limit` less the team's
     sweep compiles still queued or running.
 
-    The hook for per-team quotas: the multi-team quota (issue 23) replaces `limit` with the
-    team's share here, and every sweep (create, reads, the periodic advance) obeys it."""
+    Never more than the team's queue quota leaves room for (`quotas.queue_room`): a sweep
+    never meets a 429; every sweep (create, reads, the periodic advance) obeys it."""
     active = session.execute(
         select(func.count(func.distinct(SweepCompile.compile_job_id)))
         .join(Sweep, Sweep.id == SweepCompile.sweep_id)
@@ -195,7 +195,9 @@ def sweep_compile_allowance(session: Session, team_id: uuid.UUID, limit: int) ->
             CompileJob.status.in_((JobStatus.queued, JobStatus.running)),
         )
     ).scalar_one()
-    return max(0, limit - int(active))
+    room = quotas.queue_room(session, team_id)
+    allowed = max(0, limit - int(active))
+    return allowed if room is None else min(allowed, room)
 
 
 def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
@@ -229,10 +231,15 @@ def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
         next_round = (max(rounds) + 1) if rounds and sweep.mode == "optimize" else 0
         scope = sweep.space.get("cache_scope", "team")
         for g in wanted:
-            job, created = jobs.submit_job(
-                session, team, model, state.space.groups[g].options, store=None,
-                cache_scope=scope,
-            )  # fmt: skip
+            try:
+                job, created = jobs.submit_job(
+                    session, team, model, state.space.groups[g].options, store=None,
+                    cache_scope=scope, batch=True,
+                )  # fmt: skip
+            except ServiceError as exc:
+                if exc.code not in QUOTA_CODES:
+                    raise
+                break  # the rest when the team is under its quotas again (a later advance)
             inserted = insert_or_ignore(
                 session,
                 SweepCompile,
@@ -258,6 +265,9 @@ def advance(session: Session, sweep_id: uuid.UUID) -> list[uuid.UUID]:
         else:
             _finish(sweep, JobStatus.succeeded, None)
     return to_enqueue
+
+
+QUOTA_CODES = frozenset({"queue_quota", "storage_quota"})
 
 
 def _default_team_limit() -> int:

@@ -27,6 +27,9 @@ def inspect_upload(
     """(kind, description) of a stored upload at `path`: an `.onnx` the importer accepts (it
     may not reference external files), or an archive holding one with its data (extracted
     into `work`). ServiceError when it is neither. Run by `describer.inspect_in_child`."""
+    framework = _framework_upload(path, work)
+    if framework is not None:
+        return framework
     with open(path, "rb") as handle:
         kind = sniff_kind(handle.read(512))
     if kind == KIND_ONNX:
@@ -37,6 +40,33 @@ def inspect_upload(
         return KIND_ONNX, describe_model(path, allow_external_data=False)
     onnx_path = extract_archive(path, work / "archive", max_bytes=max_bytes)
     return KIND_ARCHIVE, describe_model(onnx_path)
+
+
+def _framework_upload(
+    path: Path, work: Path
+) -> tuple[str, tuple[int, list[dict[str, Any]], list[dict[str, Any]]]] | None:
+    """A TensorFlow or PyTorch model (compiler_core/convert), checked by converting it (in a
+    limited process of its own) and described by its ONNX; its kind is its format's key.
+    None for any other file. A TorchScript module, whose shapes come with the compile
+    (`-input-shapes`), is only loaded: its inputs are named, their shapes unknown."""
+    from compiler_core.convert import convert, recognise
+
+    recognised = recognise(path)
+    if recognised is None:
+        return None
+    if recognised.format is None:
+        raise ServiceError("invalid_model", f"the upload is {recognised.looks_like}", 422)
+    try:
+        converted = convert(recognised, work / "converted.onnx", [], check_only=True)
+    except CompileError as exc:
+        error = from_compile_error(exc)
+        for where in (str(path.resolve()), str(path), str(work)):
+            error.message = error.message.replace(where, "the model")
+        raise error from None
+    if converted.checked_inputs:
+        inputs = [{"name": n, "dtype": None, "shape": None} for n in converted.checked_inputs]
+        return recognised.format.key, (0, inputs, [])
+    return recognised.format.key, describe_model(converted.onnx_path, allow_external_data=False)
 
 
 def describe_model(

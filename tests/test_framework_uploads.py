@@ -1,0 +1,172 @@
+"""TensorFlow and PyTorch models through the farm's API: an upload is recognised from its
+bytes and checked by converting it (in a limited process), a compile job converts it in the
+worker, the report names the converter and its version, the ONNX it made is downloadable,
+and the QPC computes what the framework computes. Bad and hostile files of each format are
+refused 4xx with a code, and no model is recorded.
+
+Skips without the extra of the format (`pip install 'qpcfarm[torch]'`, `[tensorflow]`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import uuid
+import warnings
+import zipfile
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+
+from compiler_core import run_qpc
+from tests.api_helpers import LiveServer, Servers
+from worker import compile_jobs
+
+HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "onnxscript"))
+HAVE_TF = all(importlib.util.find_spec(m) for m in ("tensorflow", "tf2onnx"))
+RNG = np.random.default_rng(2424)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    running = Servers(tmp_path_factory, max_upload_bytes=16 << 20)
+    try:
+        yield running.get("sqlite")
+    finally:
+        running.close()
+
+
+@pytest.fixture
+def api(server: LiveServer) -> Iterator[httpx.Client]:
+    with server.client(server.new_key()) as client:
+        yield client
+
+
+def _compile(server: LiveServer, api: httpx.Client, model_id: str, **options: Any) -> dict:
+    job = api.post("/v1/compile-jobs", json={"model_id": model_id, "options": options}).json()
+    with server.state.session_factory() as session:
+        claimed = compile_jobs.claim(session, uuid.UUID(job["id"]), "test-worker")
+        assert claimed is not None
+        compile_jobs.run_compile(session, server.state.store, claimed)
+    done = api.get(f"/v1/compile-jobs/{job['id']}").json()
+    assert done["status"] == "succeeded", done
+    return done
+
+
+def _run(api: httpx.Client, done: dict, x: np.ndarray) -> np.ndarray:
+    """Run the job's QPC on `x`, fed by the input name of the converted ONNX (downloaded)."""
+    qpc_id = done["qpc_id"]
+    converted = api.get(f"/v1/qpcs/{qpc_id}/converted.onnx")
+    assert converted.status_code == 200, converted.text
+    graph = onnx.load_from_string(converted.content).graph
+    initializers = {t.name for t in graph.initializer}
+    (name,) = [i.name for i in graph.input if i.name not in initializers]
+    qpc = api.get(f"/v1/qpcs/{qpc_id}/download")
+    assert qpc.status_code == 200, qpc.text
+    (only,) = run_qpc(qpc.content, {name: x}).values()
+    return only
+
+
+def _report(api: httpx.Client, done: dict) -> dict:
+    """The job's perf metrics (the report the job carries)."""
+    metrics: dict = done["metrics"]
+    return {"metrics": metrics}
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed: pip install 'qpcfarm[torch]'")
+def test_a_torch_export_upload_compiles_and_matches_torch(
+    server: LiveServer, api: httpx.Client
+) -> None:
+    import torch
+
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten())
+    x = torch.from_numpy(RNG.standard_normal((1, 3, 6, 6), dtype=np.float32))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(net.eval(), (x,)), buffer)
+    response = api.post("/v1/models", files={"file": ("net.bin", buffer.getvalue())})
+    assert response.status_code == 201, response.text
+    model = response.json()
+    assert model["kind"] == "torch_export"
+    assert [i["shape"] for i in model["inputs"]] == [[1, 3, 6, 6]]
+
+    done = _compile(server, api, model["id"], **{"aic-num-cores": 1})
+    conversion = _report(api, done)["metrics"]["conversion"]
+    assert conversion["format"] == "torch_export"
+    assert conversion["converter_version"] == torch.__version__
+    got = _run(api, done, x.numpy())
+    np.testing.assert_allclose(got, net(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+    again = api.post(
+        "/v1/compile-jobs", json={"model_id": model["id"], "options": {"aic-num-cores": 1}}
+    ).json()
+    assert again["cache_hit"] is True  # the same program twice is one compile
+
+
+@pytest.mark.skipif(
+    not HAVE_TF, reason="tensorflow not installed: pip install 'qpcfarm[tensorflow]'"
+)
+def test_a_tflite_upload_compiles_and_matches_keras(server: LiveServer, api: httpx.Client) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(2)
+    inp = tf.keras.Input((6, 6, 2), batch_size=1)
+    out = tf.keras.layers.Dense(3)(tf.keras.layers.Conv2D(4, 3, activation="relu")(inp))
+    model = tf.keras.Model(inp, out)
+    data = tf.lite.TFLiteConverter.from_keras_model(model).convert()
+    response = api.post("/v1/models", files={"file": ("model.onnx", data)})  # the name lies
+    assert response.status_code == 201, response.text
+    assert response.json()["kind"] == "tflite"
+    done = _compile(server, api, response.json()["id"])
+    assert _report(api, done)["metrics"]["conversion"]["converter"] == "tf2onnx"
+    x = RNG.standard_normal((1, 6, 6, 2), dtype=np.float32)
+    np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _zip(names: list[str]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name in names:
+            archive.writestr(name, b"\x80\x02}q\x00.")
+    return buffer.getvalue()
+
+
+HOSTILE = [
+    pytest.param("torch", _zip(["m/archive_format", "m/models/model.json"]), id="pt2"),
+    pytest.param("torch", _zip(["m/data.pkl", "m/constants.pkl", "m/code/x.py"]), id="torchscript"),
+    pytest.param("tensorflow", b"\x1c\x00\x00\x00TFL3" + b"\xff" * 64, id="tflite"),
+    pytest.param(
+        "tensorflow",
+        b"\x0a\x05\x0a\x01x\x12\x00\xff\xff",
+        id="frozen-graph",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "tensorflow",
+        _zip(["m/saved_model.pb", "m/variables/x"]),
+        id="saved-model",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(None, _zip(["sd/data.pkl", "sd/version"]), id="torch-checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("family", "data"), HOSTILE)
+def test_bad_framework_files_are_refused_4xx_and_no_model_is_recorded(
+    api: httpx.Client, family: str | None, data: bytes
+) -> None:
+    if family == "torch" and not HAVE_TORCH or family == "tensorflow" and not HAVE_TF:
+        pytest.skip(f"the {family} extra is not installed: pip install 'qpcfarm[{family}]'")
+    response = api.post("/v1/models", files={"file": ("model", data)})
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["code"] in {"invalid_model", "conversion_failed", "conversion_crashed"}
+    assert "/tmp" not in response.json()["message"]  # no server path
+    assert api.get("/v1/models").json()["count"] == 0
