@@ -269,8 +269,30 @@ def upload_source(
     import tempfile
     import zipfile
 
+    from compiler_core.convert import recognise
     from compiler_core.errors import CompileError
 
+    framework = recognise(model)
+    if framework is not None and framework.format is not None:  # converted by the farm
+        if extra:
+            raise CompileError(
+                "invalid_option",
+                f"{extra[0][1]}: option files travel with an ONNX model's archive only",
+            )
+        if not model.is_dir():
+            yield model, model.name
+            return
+        fd, name = tempfile.mkstemp(prefix="qpcfarm-upload-", suffix=".zip")
+        os.close(fd)
+        try:  # a SavedModel directory travels as a .zip of it
+            with zipfile.ZipFile(name, "w", compression=zipfile.ZIP_STORED) as zf:
+                for path in sorted(model.rglob("*")):
+                    if path.is_file():
+                        zf.write(path, (model.name / path.relative_to(model)).as_posix())
+            yield Path(name), f"{model.name}.zip"
+        finally:
+            Path(name).unlink(missing_ok=True)
+        return
     locations = external_data_files(model)
     if not locations and not extra:
         yield model, model.name
