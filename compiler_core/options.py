@@ -81,6 +81,10 @@ class OptionSpec:
     model_file: bool = False
     """Names a file read with the model: `qpcfarm submit` uploads it in the model's archive
     and the farm reads it from there (never from its own disk)."""
+    vendor: bool = True
+    """The vendor's `qaic-compile` takes this flag too: a job for the farm's `qaic` backend
+    passes it through (`vendor_flags`). False: only qpcfarm's compiler knows it, and a job
+    for the vendor backend that sets it is refused."""
 
     @property
     def attr(self) -> str:
@@ -194,6 +198,7 @@ class CompileOptions:
         "Device profile to compile for (qpcfarm addition): " + ", ".join(device_names()) + ".",
         group=TARGET,
         default_text="the full SoC of the hardware version",
+        vendor=False,
     )
     aic_num_cores: int = option(
         "int",
@@ -228,6 +233,7 @@ class CompileOptions:
         maximum=64,
         group=TARGET,
         default_text="1",
+        vendor=False,
     )
     ols: int = option(
         "int",
@@ -345,6 +351,7 @@ class CompileOptions:
         maximum=MAX_DIMENSION,
         group=PRECISION,
         default_text="the specializations'",
+        vendor=False,
     )
     convert_to_fp16: bool = option(
         "bool",
@@ -364,6 +371,7 @@ class CompileOptions:
         "if each were listed with Precision mxint8 in the custom-IO list.",
         default=False,
         group=PRECISION,
+        vendor=False,
     )
     custom_io_list_file: str | None = option(
         "path",
@@ -1366,3 +1374,26 @@ __all__ = [
     "usage",
     "wants_help",
 ]
+
+
+FOR_BACKEND_CODE = "option_not_for_backend"
+
+
+def vendor_flags(options: CompileOptions) -> list[str]:
+    """The flags a job's options give the vendor's `qaic-compile` (the farm's `qaic` backend):
+    every option set, spelled as the vendor spells it, places on the compiling machine left
+    out (the worker passes the model and output folder itself). An option only qpcfarm's
+    compiler knows (`OptionSpec.vendor` False) that is set is a CompileError
+    `option_not_for_backend` naming them all."""
+    given = options._given()
+    alien = [spec.flag for spec in OPTIONS if not spec.vendor and spec.attr in given]
+    if alien:
+        raise CompileError(
+            FOR_BACKEND_CODE,
+            f"{', '.join(alien)}: qpcfarm's own option(s), which the vendor's qaic-compile "
+            "does not take; remove them to compile with the qaic backend",
+            flag=alien[0],
+            details={"flags": alien},
+        )
+    local = {spec.flag for spec in OPTIONS if spec.local_only}
+    return [f for f in options.to_flags() if f.partition("=")[0] not in local]

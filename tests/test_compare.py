@@ -160,6 +160,7 @@ def test_a_failed_job_against_a_passed_one_is_failed_to_passed(server: LiveServe
 
     assert body["status"] == "failed -> passed"
     assert body["a"]["error"]["code"] == "dynamic_shape"
+    assert body["a"]["compiler_version"] is None  # it named no compiler: the default
     assert body["b"]["kind"] == "job" and body["b"]["qpc_id"] == passed["qpc_id"]
 
 

@@ -228,7 +228,7 @@ def test_every_page_of_a_team_object_gets_it_through_the_ownership_dependency() 
                 assert calls & dependencies, route.path
                 assert param not in {p.name for p in route.dependant.path_params}, route.path
                 checked += 1
-    assert checked == 10  # six job pages and forms, two profile and two sweep pages
+    assert checked == 11  # seven job pages and forms, two profile and two sweep pages
 
 
 # --------------------------------------------------------------------------- the reaper

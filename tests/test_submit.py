@@ -424,3 +424,35 @@ def test_option_files_are_uploaded_beside_the_model_and_named_there(
         assert len(session.specializations) == 2
         tokens = generate_with(session.run, prompt, 3, feed_back=False)
     assert tokens == generate_reference(decoder, prompt, 3)
+
+
+# ----------------------------------------------------------------------- framework models
+
+
+def test_submit_takes_a_torch_export_program_and_the_farm_converts_it(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The served farm (its compile child process, the conversion child under it) compiles
+    a `.pt2` as the local compile does: the QPC computes what torch computes."""
+    import importlib.util
+    import warnings
+
+    import numpy as np
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript")):
+        pytest.skip("torch and onnxscript not installed: pip install 'qpcfarm[torch]'")
+    import torch
+
+    from compiler_core import run_qpc
+
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh()).eval()
+    x = torch.randn(2, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.export.save(torch.export.export(net, (x,)), tmp_path / "net.pt2")
+    code = _submit(server, f"-m={tmp_path / 'net.pt2'}", f"-aic-binary-dir={tmp_path / 'out'}")
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    (got,) = run_qpc(out.strip(), {"input": x.numpy()}).values()
+    np.testing.assert_allclose(got, net(x).detach().numpy(), rtol=1e-5, atol=1e-6)

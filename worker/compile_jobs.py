@@ -28,6 +28,8 @@ from sqlalchemy.orm import Session
 from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobRef, BlobStore
 from app.domain.blobs import guard as blob_guard
+from app.domain.compilers import QAIC, QPCFARM, local_compilers
+from app.domain.compilers import parse as parse_compiler
 from app.domain.db.base import utcnow
 from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from app.domain.db.ops import insert_or_ignore
@@ -36,6 +38,7 @@ from app.domain.services.model_files import check_model_files
 from app.domain.services.models import materialize_model
 from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
 from app.domain.services.upload_check import KIND_ARCHIVE
+from app.domain.settings import get_settings
 from compiler_core import CompileError, CompileOptions
 from compiler_core.convert import CONVERTED_FILE
 from compiler_core.model_folder import ModelFolder
@@ -124,6 +127,7 @@ def succeed(
     outcome: CompileOutcome,
     *,
     now: dt.datetime | None = None,
+    compiler_version: str = COMPILER_VERSION,
 ) -> Qpc:
     """Store the team's QPC row (get-or-create by team and sha256) and its report, and mark the job
     succeeded if it is still running. Safe to call twice or from two workers. Commits."""
@@ -136,7 +140,7 @@ def succeed(
             "team_id": job.team_id,
             "sha256": qpc_ref.sha256,
             "size": qpc_ref.size,
-            "compiler_version": COMPILER_VERSION,
+            "compiler_version": compiler_version,
             "options_key": job.options_key,
             "device": job.device,
             "requirements": outcome.requirements,
@@ -318,6 +322,7 @@ def run_compile(
         model = session.get(Model, job.model_id)
         if model is None:
             raise CompileError("model_missing", f"model {job.model_id} no longer exists")
+        compiler_spec = check_compiler(job.compiler)
         options = CompileOptions.from_json(job.options)
         with job_folder("compile", job.id, work_root) as work:
             try:
@@ -341,46 +346,52 @@ def run_compile(
             check_model_files(options, model_dir)
             # Every file the compile reads must be inside the model's own folder.
             folder = ModelFolder.at(model_dir) if model_dir else ModelFolder.bare()
-            farm_options = options.with_(
-                aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
-            )
-            farm_options = _profile_in(farm_options, work)
-            result = _compile(model_path, farm_options, progress, compiler, work, folder)
-            progress.check()
-            with open(result.qpc_path, "rb") as qpc_file:
-                ref = store.put(qpc_file)
-            # Held until `succeed` commits the row naming it: retention cannot collect it now.
-            blob_guard.lock_for_write(session, ref.sha256)
-            if not store.exists(ref.sha256):  # collected between the put and the lock
+            if compiler_spec.backend == QAIC:
+                ref, outcome = _vendor_compile(
+                    session, store, model_path, options, work, model_dir, progress,
+                    compiler_spec.sdk,
+                )  # fmt: skip
+            else:
+                farm_options = options.with_(
+                    aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
+                )
+                farm_options = _profile_in(farm_options, work)
+                result = _compile(model_path, farm_options, progress, compiler, work, folder)
+                progress.check()
                 with open(result.qpc_path, "rb") as qpc_file:
                     ref = store.put(qpc_file)
-            progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
-            metrics = dict(result.metrics)
-            if farm_options.dump_profile:
-                with open(farm_options.dump_profile, "rb") as profile_file:
-                    profile = store.put(profile_file)
-                metrics[PROFILE_METRIC] = {"sha256": profile.sha256, "size": profile.size}
-                progress.note(f"stored quantization profile {profile.sha256}")
-            conversion = metrics.get(CONVERSION_METRIC)
-            converted = work / "out" / CONVERTED_FILE
-            if isinstance(conversion, dict) and converted.is_file():
-                with open(converted, "rb") as onnx_file:
-                    onnx_ref = store.put(onnx_file)
-                metrics[CONVERSION_METRIC] = {
-                    **conversion,
-                    "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
-                }
-                progress.note(
-                    f"stored the ONNX {conversion.get('converter')} made: {onnx_ref.sha256}"
+                # Held until `succeed` commits the row naming it: retention cannot collect it now.
+                blob_guard.lock_for_write(session, ref.sha256)
+                if not store.exists(ref.sha256):  # collected between the put and the lock
+                    with open(result.qpc_path, "rb") as qpc_file:
+                        ref = store.put(qpc_file)
+                progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
+                metrics = dict(result.metrics)
+                if farm_options.dump_profile:
+                    with open(farm_options.dump_profile, "rb") as profile_file:
+                        profile = store.put(profile_file)
+                    metrics[PROFILE_METRIC] = {"sha256": profile.sha256, "size": profile.size}
+                    progress.note(f"stored quantization profile {profile.sha256}")
+                conversion = metrics.get(CONVERSION_METRIC)
+                converted = work / "out" / CONVERTED_FILE
+                if isinstance(conversion, dict) and converted.is_file():
+                    with open(converted, "rb") as onnx_file:
+                        onnx_ref = store.put(onnx_file)
+                    metrics[CONVERSION_METRIC] = {
+                        **conversion,
+                        "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
+                    }
+                    progress.note(
+                        f"stored the ONNX {conversion.get('converter')} made: {onnx_ref.sha256}"
+                    )
+                outcome = CompileOutcome(
+                    metrics=metrics,
+                    warnings=result.warnings,
+                    pass_times=result.pass_times,
+                    requirements=_requirements(result.qpc_path),
+                    log="\n".join(progress.lines) + "\n",
                 )
-            outcome = CompileOutcome(
-                metrics=metrics,
-                warnings=result.warnings,
-                pass_times=result.pass_times,
-                requirements=_requirements(result.qpc_path),
-                log="\n".join(progress.lines) + "\n",
-            )
-        succeed(session, job, ref, outcome)
+        succeed(session, job, ref, outcome, compiler_version=compiler_spec.recorded)
     except _Stop as stop:
         session.rollback()
         if stop.cancelled:
@@ -396,6 +407,79 @@ def run_compile(
         session.rollback()
         fail(session, job, "internal_error", internal_error_message(exc), stage=progress.stage)
     return job
+
+
+@dataclass(frozen=True)
+class CompilerChoice:
+    backend: str
+    recorded: str
+    """What the QPC row records as its compiler (`0.1.0` for qpcfarm, `qaic@1.18.2.0`)."""
+    sdk: Path | None = None
+
+
+def check_compiler(named: str | None) -> CompilerChoice:
+    """The compiler a job runs with here: qpcfarm (none named, or this version named), or
+    the vendor SDK of this host at the version named. Anything else is refused
+    `compiler_unavailable` (routing sends a job only to workers that advertise its compiler;
+    this guards a message that went astray)."""
+    default = CompilerChoice(QPCFARM, COMPILER_VERSION)
+    if not named:
+        return default
+    backend, version = parse_compiler(named)
+    if backend == QPCFARM and version in (None, COMPILER_VERSION):
+        return default
+    have = local_compilers(get_settings())
+    for c in have:
+        if c.backend == QAIC == backend and version in (None, c.version):
+            return CompilerChoice(QAIC, str(c), get_settings().qaic_sdk)
+    raise CompileError(
+        "compiler_unavailable",
+        f"this worker has compiler(s) {', '.join(map(str, have))}, not {named}",
+    )
+
+
+def _vendor_compile(
+    session: Session,
+    store: BlobStore,
+    model_path: Path,
+    options: CompileOptions,
+    work: Path,
+    model_dir: Path | None,
+    progress: _Progress,
+    sdk: Path | None,
+) -> tuple[BlobRef, CompileOutcome]:
+    """The job compiled by the vendor's qaic-compile (`worker.qaic_backend`)."""
+    from worker import qaic_backend
+
+    assert sdk is not None
+    progress("vendor-compile", 0.0)
+    result = qaic_backend.run(
+        sdk, model_path, options, work, cwd=model_dir or model_path.parent, poll=progress.poll
+    )
+    progress.check()
+    progress.note("ran: " + " ".join(result.command))
+    with open(result.qpc_path, "rb") as qpc_file:
+        ref = store.put(qpc_file)
+    blob_guard.lock_for_write(session, ref.sha256)  # as for the farm's own QPCs
+    if not store.exists(ref.sha256):
+        with open(result.qpc_path, "rb") as qpc_file:
+            ref = store.put(qpc_file)
+    progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
+    log = "\n".join(progress.lines) + "\n"
+    log += f"--- qaic-compile stdout ---\n{result.stdout}\n"
+    log += f"--- qaic-compile stderr ---\n{result.stderr}"
+    try:
+        requirements = _requirements(result.qpc_path)
+    except Exception:  # a container qpcfarm cannot read: the vendor's own tools can
+        requirements = {}
+    outcome = CompileOutcome(
+        metrics=result.metrics,
+        warnings=result.warnings,
+        pass_times={},
+        requirements=requirements,
+        log=log,
+    )
+    return ref, outcome
 
 
 def _profile_in(options: CompileOptions, work: Path) -> CompileOptions:

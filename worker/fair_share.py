@@ -13,6 +13,11 @@ so every queued job still gets a worker; what changes is the order. The rule:
 4. a team at its `max_running_jobs` quota is skipped (its row is locked while its running
    jobs are counted, so concurrent workers never exceed the quota).
 
+A message picks among the queued compiles of the same compiler as the job it names (the
+same `compile_jobs.compiler`, None for the default): it was sent to that compiler's queue,
+so the worker holding it has that compiler, and each compiler's jobs still get one message
+each (`app.domain.compilers`).
+
 A running job whose worker stopped heart-beating is re-taken by the message that names it
 (the reaper sends one), as before. Claims stay the conditional UPDATE of `claims.claim`:
 two workers that pick the same job race on it, one wins, the other picks again.
@@ -70,11 +75,22 @@ def recent_worker_seconds(
     return used
 
 
-def candidates(session: Session) -> list[Candidate]:
-    """(team, batch) groups with queued compiles, with the oldest job's time."""
+def _same_compiler(compiler: str | None) -> Any:
+    if compiler is None:
+        return CompileJob.compiler.is_(None)
+    return CompileJob.compiler == compiler
+
+
+def candidates(session: Session, compiler: str | None = None) -> list[Candidate]:
+    """(team, batch) groups with queued compiles for `compiler` (None: the default), with
+    the oldest job's time."""
     rows = session.execute(
         select(CompileJob.team_id, CompileJob.batch, func.min(CompileJob.created_at))
-        .where(CompileJob.status == JobStatus.queued, CompileJob.cancel_requested.is_(False))
+        .where(
+            CompileJob.status == JobStatus.queued,
+            CompileJob.cancel_requested.is_(False),
+            _same_compiler(compiler),
+        )
         .group_by(CompileJob.team_id, CompileJob.batch)
     ).all()
     return [Candidate(r[0], bool(r[1]), r[2]) for r in rows]
@@ -101,7 +117,9 @@ def _room(session: Session, team_id: uuid.UUID, postgres: bool) -> bool:
     return int(running) < limit
 
 
-def _oldest(session: Session, c: Candidate, postgres: bool) -> uuid.UUID | None:
+def _oldest(
+    session: Session, c: Candidate, postgres: bool, compiler: str | None = None
+) -> uuid.UUID | None:
     query = (
         select(CompileJob.id)
         .where(
@@ -109,6 +127,7 @@ def _oldest(session: Session, c: Candidate, postgres: bool) -> uuid.UUID | None:
             CompileJob.batch.is_(c.batch),
             CompileJob.status == JobStatus.queued,
             CompileJob.cancel_requested.is_(False),
+            _same_compiler(compiler),
         )
         .order_by(CompileJob.created_at, CompileJob.id)
         .limit(1)
@@ -145,8 +164,11 @@ def claim_next(
     if _stale(session, job_id, now, stale_after_s):
         return _claim(session, job_id, worker, now, stale_after_s)
     postgres = session.get_bind().dialect.name == "postgresql"
+    compiler = session.execute(
+        select(CompileJob.compiler).where(CompileJob.id == job_id)
+    ).scalar_one_or_none()
     for _ in range(PICK_ATTEMPTS):
-        found = candidates(session)
+        found = candidates(session, compiler)
         if not found:
             session.commit()
             return None
@@ -155,7 +177,7 @@ def claim_next(
         for c in order(found, used):
             if not _room(session, c.team_id, postgres):
                 continue
-            picked = _oldest(session, c, postgres)
+            picked = _oldest(session, c, postgres, compiler)
             if picked is not None:
                 break
         if picked is None:

@@ -19,17 +19,19 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.domain.blobs import BlobStore
+from app.domain.compilers import Compiler
 from app.domain.db.session import session_scope
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import JobKind
 from app.domain.services.limits import Limits
 from app.domain.timing import HEARTBEAT_S, REQUEUE_AFTER_S, STALE_AFTER_S
+from worker.advertise import Advertiser
 from worker.claims import queued_ids, stale_ids
 from worker.compile_process import CompileProcess
 from worker.job_process import JobProcess, JobProcessConfig
@@ -61,12 +63,16 @@ class InProcessQueue:
         job_process: JobProcessConfig | None = None,
         compile_limits: Limits | None = None,
         work_root: Path | None = None,
+        compilers: Sequence[Compiler] | None = None,
         collector: Callable[[], object] | None = None,
         collect_interval_s: float = 0.0,
     ) -> None:
         self._collector = collector
         self._collect_interval_s = collect_interval_s
         self._sessions = session_factory
+        self._compilers = list(compilers or [])
+        """Advertised while the queue runs (`worker.advertise`): what a job may name here."""
+        self._advertiser: Advertiser | None = None
         self._store = store
         self._concurrency = max(1, concurrency)
         self._heartbeat_s = heartbeat_s
@@ -123,6 +129,13 @@ class InProcessQueue:
                 collector=self._collector,
                 collect_interval_s=self._collect_interval_s,
             ).start()
+        if self._compilers:
+            self._advertiser = Advertiser(
+                self._sessions,
+                default_worker_name("inproc"),
+                self._compilers,
+                stale_after_s=self._stale_after_s,
+            ).start()
         return self
 
     def recover(self) -> list[tuple[JobKind, uuid.UUID]]:
@@ -170,6 +183,8 @@ class InProcessQueue:
         self._closed = True
         if self._reaper is not None:
             self._reaper.stop()
+        if self._advertiser is not None:
+            self._advertiser.stop()
         for _ in self._threads:
             self._ids.put(_STOP)
         for thread in self._threads:

@@ -21,7 +21,8 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
-from app.domain.blobs.integrity import verified_bytes, verified_path
+from app.domain.blobs.integrity import spill_verified, verified_bytes, verified_path
+from app.domain.compilers import QAIC
 from app.domain.db.base import utcnow
 from app.domain.db.models import JobStatus, ProfileJob, Qpc
 from app.domain.services.errors import internal_error_message
@@ -77,6 +78,8 @@ def _profile(
     qpc = session.get(Qpc, job.qpc_id)
     if qpc is None:
         raise CompileError("qpc_missing", f"QPC {job.qpc_id} no longer exists")
+    if qpc.compiler_version.startswith(f"{QAIC}@"):
+        return _vendor_profile(store, job, qpc, work_root)
     with job_folder("profile", job.id, work_root) as work:
         try:
             with verified_path(
@@ -117,6 +120,42 @@ def _profile(
         "summary_csv": opstats.render_csv(stats),
         "trace_sha256": ref.sha256,
     }
+
+
+def _vendor_profile(
+    store: BlobStore, job: ProfileJob, qpc: Qpc, work_root: Path | None
+) -> dict[str, Any]:
+    """A QPC the vendor's compiler made runs on a card with the vendor's qaic-runner and
+    qaic-opstats (`worker.qaic_backend.profile`); it needs a card and random inputs."""
+    from app.domain.settings import get_settings
+    from worker import qaic_backend
+
+    if job.inputs_sha256 is not None:
+        raise CompileError(
+            "bad_inputs",
+            "inputs for a QPC of the vendor's compiler are not supported yet; profile it "
+            "with the runner's random inputs",
+        )
+    settings = get_settings()
+    with job_folder("profile", job.id, work_root) as work:
+        (work / "qpc").mkdir()
+        try:  # the runner takes a folder holding programqpc.bin: always a copy
+            qpc_path = spill_verified(
+                store, qpc.sha256, work / "qpc" / "programqpc.bin", found_by="profile"
+            )
+            values = qaic_backend.profile(
+                settings.qaic_sdk, qpc_path, work, iterations=job.iterations,
+                device_pattern=settings.qaic_devices,
+            )  # fmt: skip
+        except BlobNotFound:
+            raise CompileError("blob_missing", "the QPC is missing") from None
+        except BlobCorrupt:
+            raise CompileError(
+                "blob_corrupt", "the stored QPC failed its integrity check and was quarantined"
+            ) from None
+    trace = values.pop("trace")
+    values["trace_sha256"] = store.put(io.BytesIO(trace)).sha256 if trace is not None else None
+    return values
 
 
 def _load_inputs(store: BlobStore, sha256: str) -> dict[str, np.ndarray]:

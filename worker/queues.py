@@ -24,11 +24,16 @@ BROKER_EPOCH_KEY = "qpcfarm:broker-epoch"
 
 class CeleryQueue:
     """Sends `qpcfarm.compile(id)` or `qpcfarm.profile(id)` through the Celery broker of
-    `settings.broker_url`."""
+    `settings.broker_url`. With a `session_factory`, a compile job that names a compiler goes
+    to that compiler's queue (`app.domain.compilers.queue_name`: only workers having it
+    consume it), looked up in its row; every other message goes to the default queue."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, session_factory: sessionmaker[Session] | None = None
+    ) -> None:
         from worker.celery_app import make_celery_app
 
+        self._sessions = session_factory
         self._app = make_celery_app(settings)
         # The broker's transport (kombu's redis transport, the redis client) is imported on
         # the first send: here, at start-up, instead of holding the GIL inside the first
@@ -43,11 +48,34 @@ class CeleryQueue:
         from app.domain.job_kinds import JOB_KINDS
 
         try:
-            self._app.send_task(JOB_KINDS[kind].task_name, args=[str(job_id)])
+            queue = self._queue_of(job_id, kind)
+            self._app.send_task(JOB_KINDS[kind].task_name, args=[str(job_id)], queue=queue)
         except Exception:  # broker down: the job stays queued and the reaper sends it later
             log.warning(
                 "could not enqueue %s %s; the reaper will retry", kind, job_id, exc_info=True
             )
+
+    def _queue_of(self, job_id: uuid.UUID, kind: JobKind) -> str | None:
+        """The queue of the compiler a compile job names, or that made the QPC a profile job
+        runs (a vendor QPC needs a worker with the SDK); None: the default queue."""
+        if self._sessions is None:
+            return None
+        from sqlalchemy import select
+
+        from app.domain.compilers import QAIC, Compiler, parse, queue_name
+        from app.domain.db.models import CompileJob, ProfileJob, Qpc
+
+        if kind == "compile":
+            query = select(CompileJob.compiler).where(CompileJob.id == job_id)
+        else:
+            query = select(Qpc.compiler_version).join(ProfileJob, ProfileJob.qpc_id == Qpc.id)
+            query = query.where(ProfileJob.id == job_id)
+        with self._sessions() as session:
+            named = session.execute(query).scalar_one_or_none()
+        if not named or (kind != "compile" and not named.startswith(f"{QAIC}@")):
+            return None
+        backend, version = parse(named)
+        return queue_name(Compiler(backend, version or ""))
 
     def broker_lost_messages(self) -> bool:
         """Whether the Redis broker restarted or lost its keys since any reaper last looked
@@ -85,7 +113,8 @@ def queue_from_settings(
     and runs each job in a child process that opens `settings.database_url` and the store
     again). In farm mode the reaper runs in `qpcfarm serve` and in every `qpcfarm worker`."""
     if settings.broker_url:
-        return CeleryQueue(settings)
+        return CeleryQueue(settings, session_factory)
+    from app.domain.compilers import local_compilers
     from app.domain.services.limits import compile_limits
     from worker.inprocess import InProcessQueue
     from worker.job_process import config_for
@@ -102,6 +131,7 @@ def queue_from_settings(
         job_process=config_for(settings, store),
         compile_limits=compile_limits(settings),
         work_root=settings.work_dir,
+        compilers=local_compilers(settings),
         collector=collector_for(settings, session_factory, store),
         collect_interval_s=settings.gc_interval_s,
     ).start()

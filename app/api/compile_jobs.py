@@ -21,7 +21,7 @@ from app.api.models import Limit, Offset
 from app.api.schemas import JobCreate, JobList, JobOut
 from app.domain.db.models import CompileJob, CompileReport, JobStatus
 from app.domain.queue import commit_then_enqueue
-from app.domain.services import jobs
+from app.domain.services import compilers, jobs
 from app.domain.services.farm_options import farm_options
 from app.domain.services.jobs import JobRow
 from compiler_core import CompileOptions
@@ -57,8 +57,15 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
         200: {"model": JobOut, "description": "Cache hit: the QPC exists (`cache_hit: true`)."},
         202: {"description": "Queued, or attached to the identical job already queued/running."},
         404: {"description": "`not_found`: no such model for this team"},
+        409: {
+            "description": "`compiler_unavailable`: no live worker has the `compiler` "
+            "named (`available` lists those that do)"
+        },
         413: {"description": "`storage_quota`: the team's stored bytes are at its limit"},
-        422: {"description": "`invalid_option`, `unknown_option` (with `flag`), ..."},
+        422: {
+            "description": "`invalid_option`, `unknown_option` (with `flag`), "
+            "`invalid_compiler`, `option_not_for_backend`, ..."
+        },
         429: {"description": "`queue_quota`: the team's queued jobs are at its limit "
               "(`Retry-After`)"},
     },
@@ -72,9 +79,12 @@ def submit_job(
     settings: SettingsDep,
 ) -> Response:
     options = parse_options(body)
+    compiler = compilers.resolve(
+        session, body.compiler, fresh_s=compilers.fresh_s(settings.stale_after_s)
+    )
     job, created = jobs.submit(
         session, team, body.model_id, options, store=store, cache_scope=settings.cache_scope,
-        retry_after_s=settings.quota_retry_after_s,
+        retry_after_s=settings.quota_retry_after_s, compiler=compiler,
     )  # fmt: skip
     commit_then_enqueue(session, queue, jobs.to_enqueue(job, created))
     report = reports_by_qpc(session, [job]).get(job.qpc_id) if job.qpc_id else None

@@ -10,9 +10,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from app.api.deps import CurrentTeam
+from app.api.deps import CurrentTeam, SessionDep, SettingsDep
 from app.api.errors import ApiError
-from app.api.schemas import DeviceOut, Health, OperatorOut
+from app.api.schemas import CompilerOut, DeviceOut, Health, OperatorOut
+from app.domain.services import compilers
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,16 @@ def list_devices(_team: CurrentTeam) -> list[DeviceOut]:
         )
         for d in profiles()
     ]
+
+
+@router.get("/compilers", response_model=list[CompilerOut])
+def list_compilers(
+    _team: CurrentTeam, session: SessionDep, settings: SettingsDep
+) -> list[CompilerOut]:
+    """The compilers live workers have (`backend@version`, newest first per backend), with
+    how many workers have each: what a compile job's `compiler` may name."""
+    rows = compilers.available(session, fresh_s=compilers.fresh_s(settings.stale_after_s))
+    return [CompilerOut(**row) for row in rows]
 
 
 @router.get("/operators", response_model=list[OperatorOut])

@@ -155,7 +155,13 @@ def download_converted(
     "/{qpc_id}/validate",
     status_code=201,
     response_model=ValidationOut,
-    responses={422: {"description": "`unknown_device`"}},
+    responses={
+        409: {
+            "description": "`validator_unavailable`: a QPC of the vendor's compiler and no "
+            "qaic-qpc on this server"
+        },
+        422: {"description": "`unknown_device`"},
+    },
 )
 def validate_qpc(
     qpc: TeamQpc,

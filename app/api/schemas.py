@@ -69,6 +69,13 @@ class JobCreate(BaseModel):
     flags: list[str] | None = Field(
         default=None, examples=[["-aic-num-cores=4", "-convert-to-fp16"]]
     )
+    compiler: str | None = Field(
+        default=None,
+        max_length=64,
+        description="`backend` or `backend@version` (GET /v1/compilers): the job runs only "
+        "on a worker that has it; null: the farm's default (`qpcfarm` of any worker).",
+        examples=["qpcfarm@0.1.0", "qaic"],
+    )
 
     @model_validator(mode="after")
     def _one_form(self) -> JobCreate:
@@ -92,6 +99,9 @@ class JobOut(BaseModel):
     progress: float
     error: JobError | None
     options: dict[str, Any] = Field(description="The canonical options the compile runs with.")
+    compiler: str | None = Field(
+        default=None, description="`backend@version` asked for; null: the farm's default."
+    )
     device: str
     qpc_id: uuid.UUID | None
     cache_hit: bool = Field(description="The QPC was reused from an identical earlier compile.")
@@ -130,6 +140,7 @@ class JobOut(BaseModel):
             progress=job.progress,
             error=error,
             options=job.options,
+            compiler=job.compiler,
             device=job.device,
             qpc_id=job.qpc_id,
             cache_hit=job.cache_hit,
@@ -186,6 +197,13 @@ class QpcOut(BaseModel):
             download_url=f"/v1/qpcs/{qpc.id}/download",
             pinned=qpc.pinned_at is not None,
         )
+
+
+class CompilerOut(BaseModel):
+    compiler: str = Field(description="`backend@version`, what a job's `compiler` names.")
+    backend: str = Field(description="`qpcfarm` or `qaic` (the vendor's qaic-compile).")
+    version: str
+    workers: int = Field(description="Live workers that have it.")
 
 
 class TeamUsage(BaseModel):

@@ -267,13 +267,24 @@ def worker_command(argv: list[str]) -> int:
     wait_for_database(settings.database_url, timeout=60.0)
     celery = make_celery_app(settings)
     register_tasks(celery, settings)
+    from app.domain.compilers import local_compilers, queue_name
+    from worker.advertise import Advertiser
+    from worker.celery_app import QUEUE_NAME
+    from worker.runner import default_worker_name
+
+    # In the main process, before the pool forks: children build their own engines.
+    sessions = make_session_factory(make_engine(settings.database_url))
     if not args.no_reap:
         from worker.queues import CeleryQueue
         from worker.reaper import start_reaper
 
-        # In the main process, before the pool forks: children build their own engines.
-        sessions = make_session_factory(make_engine(settings.database_url))
-        start_reaper(sessions, CeleryQueue(settings), settings)
+        start_reaper(sessions, CeleryQueue(settings, sessions), settings)
+    # The default queue (jobs naming no compiler, profiles) and one per compiler it has.
+    have = local_compilers(settings)
+    queues = ",".join([QUEUE_NAME, *(queue_name(c) for c in have)])
+    advertiser = Advertiser(
+        sessions, default_worker_name("celery"), have, stale_after_s=settings.stale_after_s
+    ).start()
     try:
         celery.worker_main(
             [
@@ -281,12 +292,15 @@ def worker_command(argv: list[str]) -> int:
                 f"--concurrency={args.concurrency}",
                 f"--loglevel={args.loglevel}",
                 f"--hostname=qpcfarm-{os.getpid()}@%h",
+                f"--queues={queues}",
                 "--without-gossip",
                 "--without-mingle",
             ]
         )
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0
+    finally:
+        advertiser.stop()
     return 0
 
 

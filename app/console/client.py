@@ -185,11 +185,15 @@ class FarmClient:
             headers=headers,
         )
 
-    def submit_job(self, model_id: str, flags: Sequence[str]) -> dict[str, Any]:
-        """POST /v1/compile-jobs with canonical flags (no -m, no -aic-binary-dir)."""
-        return self._json(
-            "POST", "/v1/compile-jobs", json={"model_id": model_id, "flags": list(flags)}
-        )
+    def submit_job(
+        self, model_id: str, flags: Sequence[str], *, compiler: str | None = None
+    ) -> dict[str, Any]:
+        """POST /v1/compile-jobs with canonical flags (no -m, no -aic-binary-dir), by
+        `compiler` (`backend[@version]`; None: the farm's default)."""
+        body: dict[str, Any] = {"model_id": model_id, "flags": list(flags)}
+        if compiler:
+            body["compiler"] = compiler
+        return self._json("POST", "/v1/compile-jobs", json=body)
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/v1/compile-jobs/{job_id}")

@@ -35,4 +35,4 @@ def start_farm_reaper(settings: Settings) -> None:
     from worker.reaper import start_reaper
 
     sessions = make_session_factory(make_engine(settings.database_url))
-    start_reaper(sessions, CeleryQueue(settings), settings)
+    start_reaper(sessions, CeleryQueue(settings, sessions), settings)

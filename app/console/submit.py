@@ -1,7 +1,7 @@
 """`qpcfarm submit`: compile on a farm, as a drop-in for `qpcfarm compile`.
 
     qpcfarm submit -m=model.onnx -aic-binary-dir=out [qaic-compile flags] --server URL
-                   [--api-key KEY] [--timeout S]
+                   [--api-key KEY] [--timeout S] [--compiler C]
 
 The compile flags are parsed locally first (a bad flag fails before anything is uploaded, with
 the same one-line error as the local compile); then the model is uploaded (a `.zip` of it and its
@@ -42,7 +42,7 @@ POLL_FIRST_S, POLL_MAX_S = 0.05, 0.5
 
 USAGE = f"""\
 usage: {PROG} submit -m=<model.onnx> -aic-binary-dir=<dir> [compile flags] [--server URL]
-                      [--api-key KEY] [--timeout S]
+                      [--api-key KEY] [--timeout S] [--compiler C]
 
 Compile on a qpcfarm server; writes <dir>/{QPC_FILE_NAME} like `{PROG} compile`.
 
@@ -50,6 +50,8 @@ Compile on a qpcfarm server; writes <dir>/{QPC_FILE_NAME} like `{PROG} compile`.
   --api-key KEY   the team's API key (default: $QPCFARM_API_KEY, else the file
                   <$QPCFARM_DATA_DIR or ./qpcfarm-data>/{API_KEY_FILE})
   --timeout S     give up waiting for the job after S seconds (default {DEFAULT_TIMEOUT_S:g})
+  --compiler C    compile with C, `backend` or `backend@version` (qpcfarm, qaic@1.18.2.0):
+                  only a worker that has it runs the job (default: the farm's qpcfarm)
 
 Compile flags are those of `{PROG} compile` ({PROG} compile -h lists them).
 """
@@ -65,11 +67,12 @@ class SubmitArgs:
     server: str
     api_key: str | None
     timeout: float
+    compiler: str | None = None
 
 
 # ------------------------------------------------------------------------------ arguments
 
-_CLIENT_OPTIONS = ("--server", "--api-key", "--timeout")
+_CLIENT_OPTIONS = ("--server", "--api-key", "--timeout", "--compiler")
 
 
 def parse_args(argv: Sequence[str], env: dict[str, str] | None = None) -> SubmitArgs:
@@ -111,7 +114,8 @@ def parse_args(argv: Sequence[str], env: dict[str, str] | None = None) -> Submit
     server = given.get("--server") or env.get("QPCFARM_SERVER") or DEFAULT_SERVER
     if not server.startswith(("http://", "https://")):
         raise SubmitError(f"{PROG} submit: --server must be an http(s):// URL, not {server!r}")
-    return SubmitArgs(flags, server, resolve_api_key(given.get("--api-key"), env), timeout)
+    key = resolve_api_key(given.get("--api-key"), env)
+    return SubmitArgs(flags, server, key, timeout, given.get("--compiler") or None)
 
 
 def resolve_api_key(explicit: str | None, env: dict[str, str]) -> str | None:
@@ -265,8 +269,30 @@ def upload_source(
     import tempfile
     import zipfile
 
+    from compiler_core.convert import recognise
     from compiler_core.errors import CompileError
 
+    framework = recognise(model)
+    if framework is not None and framework.format is not None:  # converted by the farm
+        if extra:
+            raise CompileError(
+                "invalid_option",
+                f"{extra[0][1]}: option files travel with an ONNX model's archive only",
+            )
+        if not model.is_dir():
+            yield model, model.name
+            return
+        fd, name = tempfile.mkstemp(prefix="qpcfarm-upload-", suffix=".zip")
+        os.close(fd)
+        try:  # a SavedModel directory travels as a .zip of it
+            with zipfile.ZipFile(name, "w", compression=zipfile.ZIP_STORED) as zf:
+                for path in sorted(model.rglob("*")):
+                    if path.is_file():
+                        zf.write(path, (model.name / path.relative_to(model)).as_posix())
+            yield Path(name), f"{model.name}.zip"
+        finally:
+            Path(name).unlink(missing_ok=True)
+        return
     locations = external_data_files(model)
     if not locations and not extra:
         yield model, model.name
@@ -432,7 +458,7 @@ def _submit(args: SubmitArgs) -> int:
         upload_source(model, list(files.values())) as (path, name),
     ):
         uploaded = client.upload_model(path, name)
-        job = client.submit_job(str(uploaded["id"]), flags)
+        job = client.submit_job(str(uploaded["id"]), flags, compiler=args.compiler)
         job = wait_for_job(client, job, args.timeout, ProgressDisplay(sys.stderr, str(job["id"])))
         if job.get("cache_hit"):
             print(cache_hit_line(job), file=sys.stderr)

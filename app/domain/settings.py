@@ -52,6 +52,15 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str | None = None
     """The TLS-terminating reverse proxy's address(es) (comma-separated, `*` for any): its
     `X-Forwarded-Proto`/`-For` are believed, so the farm knows a request came over HTTPS."""
+    qaic_sdk: Path = Path("/opt/qti-aic")
+    """The vendor SDK's home: a worker whose `exec/qaic-compile` exists there offers the
+    `qaic` backend (`app.domain.compilers`)."""
+    qaic_devices: str = "/dev/accel/accel*"
+    """Where the host's Cloud AI cards appear (the Linux `accel/qaic` driver's device nodes, a
+    glob): a profile of a QPC the vendor compiler made runs on the first one there."""
+    qaic_version: str | None = None
+    """The SDK's version as workers advertise it; None reads it from the SDK's `versions/`
+    files (`app.domain.compilers.sdk_version`)."""
     cache_scope: Literal["team", "farm"] = "team"
     """Whose QPCs a submit may reuse: the team's own (default), or any team's (`farm`)."""
 

@@ -28,6 +28,7 @@ from app.domain.db.session import unit_of_work
 from app.domain.queue import commit_then_enqueue
 from app.domain.services import (
     compare,
+    compilers,
     job_origins,
     jobs,
     models,
@@ -133,9 +134,18 @@ def dashboard_context(
         "team": team,
         **team_jobs(session, team, show),
         "devices": list_devices(),
-        "form": {"flags": "", "cores": "", "fp16": False, "device": ""},
+        "compilers": offered_compilers(session),
+        "form": {"flags": "", "cores": "", "fp16": False, "device": "", "compiler": ""},
         **extra,
     }
+
+
+def offered_compilers(session: Session) -> list[dict[str, Any]]:
+    """The compilers live workers have (the forms' choices besides the default)."""
+    from app.domain.settings import get_settings
+
+    stale = get_settings().stale_after_s
+    return compilers.available(session, fresh_s=compilers.fresh_s(stale))
 
 
 # -------------------------------------------------------------------------- sign in/out
@@ -233,6 +243,7 @@ def submit(
     cores: FormStr = "",
     fp16: FormStr = "",
     device: FormStr = "",
+    compiler: FormStr = "",
     csrf: FormStr = "",
 ) -> Response:
     """Upload a model and submit its compile, as `POST /v1/models` + `/v1/compile-jobs`."""
@@ -241,6 +252,7 @@ def submit(
         "cores": cores,
         "fp16": bool(fp16),
         "device": device,
+        "compiler": compiler,
     }
     if not auth.csrf_ok(request, csrf):
         context = dashboard_context(session, team, form=form, error=csrf_refused())
@@ -249,6 +261,8 @@ def submit(
         options = farm_options(flags=compile_flags(flags, cores, bool(fp16), device))
         if model is None or not model.filename:
             raise ServiceError("no_file", "choose an .onnx model (or a .zip/.tar of one)", 422)
+        fresh = compilers.fresh_s(settings.stale_after_s)
+        chosen = compilers.resolve(session, compiler or None, fresh_s=fresh)
         sessions = request.app.state.session_factory
         with discarded_on_refusal(store, sessions) as kept, unit_of_work(session):
             row = models.store_model(
@@ -256,6 +270,7 @@ def submit(
             )
             job, created = jobs.submit_job(
                 session, team, row, options, store=store, cache_scope=settings.cache_scope,
+                compiler=chosen,
                 retry_after_s=settings.quota_retry_after_s,
             )  # fmt: skip
     except (CompileError, ServiceError) as exc:
@@ -305,6 +320,7 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
         "programs": (qpc.requirements or {}).get("programs", []) if qpc else [],
         "flags": views.flags_of(job.options),
         "devices": list_devices(),
+        "compilers": offered_compilers(session),
         "stats_level": stats_level_of(job),
         "profile_level": OPSTATS_LEVEL,
     }
@@ -318,9 +334,11 @@ def job_page(
     job: PageJob,
     validation: str | None = None,
     recompiled_from: str | None = None,
+    compare_with: str | None = None,
 ) -> Response:
     context = job_context(session, team, job)
     context["recompiled_from"] = find_job(session, team, recompiled_from or "")
+    context["compare_with"] = find_job(session, team, compare_with or "")
     shown = parse_uuid(validation or "")
     if shown is not None:
         try:
@@ -424,6 +442,35 @@ def recompile_for_profile(
         )
         commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
         return f"/jobs/{new.id}?recompiled_from={job.id}"
+
+    return job_action(request, session, team, job, csrf, act)
+
+
+@router.post("/jobs/{job_id}/recompile", response_model=None)
+def recompile_with(
+    request: Request,
+    session: SessionDep,
+    team: PageTeam,
+    job: PageJob,
+    settings: SettingsDep,
+    store: StoreDep,
+    queue: QueueDep,
+    compiler: FormStr = "",
+    csrf: FormStr = "",
+) -> Response:
+    """The job's model and options again with another compiler (what a new version does to
+    an old model): a new job, whose page links the comparison with this one."""
+
+    def act(team: Team, job: CompileJob) -> str:
+        fresh = compilers.fresh_s(settings.stale_after_s)
+        chosen = compilers.resolve(session, compiler or None, fresh_s=fresh)
+        options = CompileOptions.from_json(job.options)
+        new, created = jobs.submit_job(
+            session, team, job.model, options, store=store, cache_scope=settings.cache_scope,
+            compiler=chosen, retry_after_s=settings.quota_retry_after_s,
+        )  # fmt: skip
+        commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
+        return f"/jobs/{new.id}?compare_with={job.id}"
 
     return job_action(request, session, team, job, csrf, act)
 

@@ -205,6 +205,9 @@ class CompileJob(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     cache_hit: Mapped[bool] = mapped_column(Boolean, default=False)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    compiler: Mapped[str | None] = mapped_column(String(64))
+    """The compiler the job asked for, `backend@version` (`app.domain.compilers`); None: the
+    farm's default, any worker's `qpcfarm`."""
     batch: Mapped[bool] = mapped_column(Boolean, server_default=false())
     """A sweep's compile: workers run the interactive compiles queued before any batch one."""
     qpc_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("qpcs.id"), index=True)
@@ -217,6 +220,18 @@ class CompileJob(Base):
 
     model: Mapped[Model] = relationship()
     qpc: Mapped[Qpc | None] = relationship()
+
+
+class WorkerCompiler(Base):
+    """A compiler a live worker has: one row per worker and compiler, its `seen_at` refreshed
+    while the worker runs (a row not seen for a while is a worker gone)."""
+
+    __tablename__ = "worker_compilers"
+
+    worker: Mapped[str] = mapped_column(String(255), primary_key=True)
+    backend: Mapped[str] = mapped_column(String(16), primary_key=True)
+    version: Mapped[str] = mapped_column(String(48), primary_key=True)
+    seen_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
 
 
 class CompileReport(Base):

@@ -182,7 +182,7 @@ def side_of(session: Session, team: Team, ref: uuid.UUID) -> Side:
             kind="job",
             status=FAILED,
             job_id=job.id,
-            compiler_version=None,
+            compiler_version=job.compiler,  # what it asked for (None: the default)
             device=job.device,
             error=error,
         )

@@ -20,6 +20,8 @@ from app.domain import stages
 from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
 from app.domain.blobs import guard as blob_guard
 from app.domain.blobs.integrity import verify_blob
+from app.domain.compilers import DEFAULT as DEFAULT_COMPILER
+from app.domain.compilers import QAIC, QPCFARM, Compiler
 from app.domain.db.base import utcnow
 from app.domain.db.models import (
     ACTIVE_JOB_PREDICATE,
@@ -40,7 +42,7 @@ from compiler_core import CompileOptions
 from compiler_core.convert import FORMAT_KEYS, converter_of
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
-from compiler_core.version import COMPILER_VERSION
+from compiler_core.options import vendor_flags
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +54,21 @@ def options_key(
     options: CompileOptions,
     canonical: dict[str, Any] | None = None,
     converter: str = "",
+    compiler: Compiler | None = None,
 ) -> str:
-    """The QPC cache key: model bytes + canonical options + compiler version, and for a
-    TensorFlow or PyTorch model the converter's versions (`converter_of`). `canonical`:
-    `options.to_json()` if the caller has it already."""
+    """The QPC cache key: model bytes + canonical options + compiler backend and version,
+    and for a TensorFlow or PyTorch model the converter's versions (`converter_of`).
+    `canonical`: `options.to_json()` if the caller has it already. `compiler` None is the
+    default, this package's compiler at its version; so is `qpcfarm@<that version>` named,
+    and both keep the key they had before backends could be named (the version alone)."""
     if canonical is None:
         canonical = options.to_json()
     canonical_text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))  # to_json_str
-    parts = (model_sha256, canonical_text, COMPILER_VERSION)
+    compiler = compiler or DEFAULT_COMPILER
+    if compiler.backend == QPCFARM:
+        parts: tuple[str, ...] = (model_sha256, canonical_text, compiler.version)
+    else:
+        parts = (model_sha256, canonical_text, compiler.backend, compiler.version)
     text = "\n".join((*parts, converter) if converter else parts)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -121,6 +130,7 @@ def submit_job(
     cache_scope: CacheScope = "team",
     batch: bool = False,
     retry_after_s: int = 30,
+    compiler: Compiler | None = None,
 ) -> tuple[CompileJob, bool]:
     """`submit` for callers that work with ORM objects (the web form, sweeps): the job as a
     `CompileJob` of the session."""
@@ -130,6 +140,7 @@ def submit_job(
     row, created = submit(
         session, team, model.id, options, store=store, cache_scope=cache_scope, model=model,
         batch=batch, retry_after_s=retry_after_s,
+        compiler=compiler,
     )  # fmt: skip
     job = session.get(CompileJob, row.id, populate_existing=True)
     assert job is not None
@@ -147,9 +158,11 @@ def submit(
     model: Model | None = None,
     batch: bool = False,
     retry_after_s: int = 30,
+    compiler: Compiler | None = None,
 ) -> tuple[JobRow, bool]:
     """Ask for a compile of the team's model `model_id` with `options` (404 `not_found` for
-    a model of another team). Returns (job, created).
+    a model of another team), by `compiler` (None: the default; the caller checked that a
+    worker has it, `services.compilers.resolve`). Returns (job, created).
 
     - a QPC for the same cache key exists (and, given the `store`, its blob hashes right;
       a corrupt one is quarantined and compiled again): a new job, already succeeded,
@@ -186,14 +199,24 @@ def submit(
         if connection.execute(_HOLD_MODEL, {"model_id": model_id}).first() is None:
             raise not_found("model", model_id)  # collected by retention meanwhile
     check_files_travel(options, kind)
+    if compiler is not None and compiler.backend == QAIC:
+        vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
+        if converter_of(kind):
+            raise ServiceError(
+                "model_not_for_backend",
+                f"the qaic backend compiles ONNX models; this one is {kind} (compile it with "
+                "qpcfarm, which converts it, or upload its ONNX)",
+                422,
+            )
     canonical = options.to_json()
-    key = options_key(sha256, options, canonical, converter_of(kind))
+    key = options_key(sha256, options, canonical, converter_of(kind), compiler=compiler)
     common: dict[str, Any] = {
         "team_id": team.id,
         "model_id": model_id,
         "options": canonical,
         "options_key": key,
         "device": options.device.name,
+        "compiler": str(compiler) if compiler else None,
     }
     plain, guarded = _INSERTS[connection.dialect.name]
     qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
