@@ -354,3 +354,25 @@ def test_a_compile_error_at_a_converted_node_names_the_torch_node(
     op = info.value.details["framework_op"]
     assert op == "aten.conv2d.default in torch.nn.modules.conv.Conv2d"
     assert "framework node 0.conv2d" in info.value.message
+
+
+@needs_tf
+def test_a_tensorflow_op_tf2onnx_cannot_map_is_named_with_its_node(tmp_path: Path) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    fn = tf.function(lambda x: tf.math.lgamma(x) + 1.0).get_concrete_function(
+        tf.TensorSpec((2, 3), tf.float32, "x")
+    )
+    graph = convert_variables_to_constants_v2(fn).graph.as_graph_def()
+    (tmp_path / "lgamma.pb").write_bytes(graph.SerializeToString())
+    with pytest.raises(CompileError) as info:
+        compile_model(tmp_path / "lgamma.pb", [f"-aic-binary-dir={tmp_path / 'o'}"])
+    assert info.value.code == "unsupported_framework_op"
+    assert info.value.node == "Lgamma"
+    assert info.value.details == {"node_type": "Lgamma"}
+    assert "TensorFlow op Lgamma at node Lgamma" in info.value.message
+    assert not (tmp_path / "o" / "programqpc.bin").exists()
