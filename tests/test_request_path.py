@@ -54,7 +54,7 @@ class Statements:
         event.remove(self._engine, "before_cursor_execute", self._record)
 
 
-def test_a_new_job_submit_is_four_statements_and_a_commit(
+def test_a_new_job_submit_is_seven_statements_and_a_commit(
     server: LiveServer, api: httpx.Client
 ) -> None:
     model = api.post("/v1/models", files={"file": ("m.onnx", tiny_model_bytes(0.71))}).json()
@@ -65,9 +65,15 @@ def test_a_new_job_submit_is_four_statements_and_a_commit(
         answer = api.post("/v1/compile-jobs", json=body)
 
     assert answer.status_code == 202 and answer.json()["status"] == "queued"
-    # The model, the cache lookup, the INSERT ... RETURNING of the job, the lookup again
-    # (a QPC stored between the two makes the new row a cache hit instead of a compile).
-    assert statements.seen == ["SELECT", "SELECT", "INSERT", "SELECT"], statements.seen
+    # SQLite: the model and the cache lookup before the write hold (a cached QPC's blob is
+    # hashed, and a damaged one's quarantine recorded, while no write lock is held); the hold;
+    # then, under it, the model, the cache lookup, the INSERT ... RETURNING of the job and the
+    # lookup again (a QPC stored between the two makes the new row a cache hit instead).
+    assert statements.seen == [
+        *["SELECT", "SELECT"],
+        "UPDATE",
+        *["SELECT", "SELECT", "INSERT", "SELECT"],
+    ], statements.seen
 
 
 def test_a_cache_hit_reads_the_qpc_row_once(server: LiveServer, api: httpx.Client) -> None:
@@ -86,9 +92,15 @@ def test_a_cache_hit_reads_the_qpc_row_once(server: LiveServer, api: httpx.Clien
         hit = api.post("/v1/compile-jobs", json=body)
 
     assert hit.status_code == 200 and hit.json()["cache_hit"] is True
-    # The model, the cache lookup, the QPC's sha256 (its blob is hashed before it is handed
-    # out), the INSERT ... RETURNING of the succeeded job, its report.
-    assert statements.seen == ["SELECT", "SELECT", "SELECT", "INSERT", "SELECT"], statements.seen
+    # SQLite, before the write hold: the model, the cache lookup, the QPC's sha256 (its blob
+    # is hashed before it is handed out); the hold; under it: the model, the cache lookup, the
+    # QPC row held, its sha256 (not hashed again), the INSERT ... RETURNING of the succeeded
+    # job, its report.
+    assert statements.seen == [
+        *["SELECT", "SELECT", "SELECT"],
+        "UPDATE",
+        *["SELECT", "SELECT", "SELECT", "SELECT", "INSERT", "SELECT"],
+    ], statements.seen
 
 
 def test_requests_waiting_for_the_same_key_share_one_lookup() -> None:

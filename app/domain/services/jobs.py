@@ -85,8 +85,8 @@ _MODEL_OF = (
     .with_for_update(key_share=True)  # the collector cannot delete it under this submit
 )
 _HOLD_QPC = select(Qpc.id).where(Qpc.id == bindparam("qpc_id")).with_for_update(key_share=True)
-_HOLD_MODEL = select(Model.id).where(Model.id == bindparam("model_id")).with_for_update(
-    key_share=True
+_HOLD_MODEL = (
+    select(Model.id).where(Model.id == bindparam("model_id")).with_for_update(key_share=True)
 )
 _ACTIVE_JOB = (
     select(*_JOB_COLUMNS)
@@ -187,6 +187,9 @@ def submit(
     Core statements built once on the session's connection, no ORM objects: the API's
     submit is its busiest write, and the ORM's unit of work cost several times the SQL.
     """
+    intact = _intact_cached_blob(
+        session, store, team, model_id, model, options, compiler, cache_scope
+    )
     blob_guard.hold_writes(session)  # SQLite: the reads below see no collector's delete
     connection = session.connection()
     if model is None:
@@ -219,7 +222,7 @@ def submit(
         "compiler": str(compiler) if compiler else None,
     }
     plain, guarded = _INSERTS[connection.dialect.name]
-    qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
+    qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope, intact)
     if qpc_id is not None:
         values = {**common, "id": uuid.uuid4(), **_cache_hit_values(qpc_id)}
         return connection.execute(plain, values).one(), True
@@ -240,7 +243,7 @@ def submit(
         values = {**common, "id": uuid.uuid4(), "status": JobStatus.queued, "batch": batch}
         job = connection.execute(guarded, values).first()
         if job is not None:
-            qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope)
+            qpc_id = _usable_cached_qpc(session, store, team, key, cache_scope, intact)
             if qpc_id is not None:
                 hit = {"job_id": job.id, **_cache_hit_values(qpc_id)}
                 job = connection.execute(_MAKE_HIT, hit).one()
@@ -285,7 +288,12 @@ def _cache_hit_values(qpc_id: uuid.UUID) -> dict[str, Any]:
 
 
 def _usable_cached_qpc(
-    session: Session, store: BlobStore | None, team: Team, key: str, scope: CacheScope
+    session: Session,
+    store: BlobStore | None,
+    team: Team,
+    key: str,
+    scope: CacheScope,
+    intact: str | None = None,
 ) -> uuid.UUID | None:
     """The team's QPC for the cache key, if it has one whose blob is intact. With the farm
     scope, another team's QPC of the key is copied into the team's records first (a row of
@@ -301,7 +309,11 @@ def _usable_cached_qpc(
         held = session.connection().execute(_HOLD_QPC, {"qpc_id": qpc_id}).first()
         if held is None:  # collected by retention meanwhile: compile again
             return None
-    if qpc_id is not None and store is not None and not _blob_intact(session, store, qpc_id):
+    if (
+        qpc_id is not None
+        and store is not None
+        and not _blob_intact(session, store, qpc_id, intact)
+    ):
         return None
     return qpc_id
 
@@ -386,15 +398,58 @@ def copy_qpc(session: Session, qpc_id: uuid.UUID, team: Team) -> uuid.UUID | Non
     ).scalar_one()
 
 
-def _blob_intact(session: Session, store: BlobStore, qpc_id: uuid.UUID) -> bool:
+def _blob_intact(
+    session: Session, store: BlobStore, qpc_id: uuid.UUID, intact: str | None = None
+) -> bool:
     """Whether a cached QPC's blob is there and hashes to its name (read whole: a cache hit
-    must never hand out damaged bytes)."""
+    must never hand out damaged bytes; `intact`: a sha256 this submit has just hashed)."""
     sha256 = session.execute(select(Qpc.sha256).where(Qpc.id == qpc_id)).scalar_one()
+    if sha256 == intact:
+        return True
     try:
         verify_blob(store, sha256, found_by="cache")
     except (BlobCorrupt, BlobNotFound):
         return False
     return True
+
+
+def _intact_cached_blob(
+    session: Session,
+    store: BlobStore | None,
+    team: Team,
+    model_id: uuid.UUID,
+    model: Model | None,
+    options: CompileOptions,
+    compiler: Compiler | None,
+    scope: CacheScope,
+) -> str | None:
+    """SQLite: the sha256 of the cached QPC the submit will find, hashed before the submit
+    holds the database's write lock, in a session of its own (None: no QPC, or a damaged
+    one, now quarantined). A damaged blob's quarantine is recorded in a transaction of its
+    own, which would wait behind the submit's hold for the busy timeout. PostgreSQL holds
+    rows, not the database: the check stays where it is."""
+    if store is None or session.get_bind().dialect.name != "sqlite":
+        return None
+    with Session(bind=session.get_bind()) as side:
+        if model is None:
+            found = side.execute(_MODEL_OF, {"model_id": model_id}).first()
+            if found is None or found.team_id != team.id:
+                return None  # the submit answers not_found
+            sha256, kind = found.sha256, found.kind
+        else:
+            sha256, kind = model.sha256, model.kind
+        key = options_key(sha256, options, options.to_json(), converter_of(kind), compiler=compiler)
+        qpc_id = _cached_qpc_id(side, key, team.id)
+        if qpc_id is None and scope == "farm":
+            qpc_id = _cached_qpc_id(side, key, None)
+        if qpc_id is None:
+            return None
+        qpc_sha256: str = side.execute(select(Qpc.sha256).where(Qpc.id == qpc_id)).scalar_one()
+    try:
+        verify_blob(store, qpc_sha256, found_by="cache")
+    except (BlobCorrupt, BlobNotFound):
+        return None
+    return qpc_sha256
 
 
 def get_job(session: Session, team: Team, job_id: uuid.UUID) -> CompileJob:
