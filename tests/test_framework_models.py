@@ -315,6 +315,7 @@ def test_operators_supported_pytorch_lists_aten_ops_and_the_onnx_ops_they_become
 
 
 @needs_tf
+@pytest.mark.slow  # ~20 s: importing TensorFlow and reading every tf2onnx handler's source
 def test_operators_supported_tensorflow_lists_tf_ops_and_the_onnx_ops_they_become(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

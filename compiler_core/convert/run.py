@@ -130,6 +130,8 @@ def convert(
             ) from None
         try:
             result = json.loads(result_path.read_text())
+            if not result["ok"]:  # no path of this machine in what the user reads
+                result["message"] = _scrub(result["message"], work, recognised.root)
         except (OSError, ValueError):
             tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
             how = (
@@ -181,3 +183,13 @@ def parse_input_shapes(text: str | None) -> list[tuple[str, list[int]]]:
             )
         shapes.append((name, values))
     return shapes
+
+
+def _scrub(text: str, work: str, model: Path) -> str:
+    """`text` without the scratch folder's path (its files named relative to it) and with the
+    model's path as its file name only."""
+    for folder in {work, os.path.realpath(work)}:
+        text = text.replace(folder.rstrip("/") + "/", "").replace(folder, ".")
+    for path in {str(model), str(Path(model).resolve())}:
+        text = text.replace(path, Path(model).name)
+    return text
