@@ -1,6 +1,6 @@
 """Functional-runtime speed: `run_qpc` of ResNet-50 and of a BERT-base encoder against an ONNX
-Runtime CPU run of the same model and input, measured in this run (DESIGN.md, Targets: <= 3x
-ONNX Runtime's time).
+Runtime CPU run of the same model and input, measured in this run (the target: <= 2.5x
+ONNX Runtime's time with one thread each, on 1 and on 14 cores).
 
 Both sides run in this process after one warm-up each, interleaved round robin, median of
 `--repeat`: ours through a `QpcSession` (the QPC loaded once, like an ORT session), ORT with
@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import RESNET50, RESNET_QUICK, write_resnet
 from transformer_models import BERT_BASE, EncoderSpec, write_encoder
 
-TARGET = 3.0
+TARGET = 2.5
 BERT_QUICK = EncoderSpec(layers=2, hidden=128, heads=4, ffn=512, seq=32)
 MODELS = ("resnet50", "bert-base")
 
