@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import sys
 import uuid
 import warnings
 import zipfile
@@ -129,6 +130,54 @@ def test_a_tflite_upload_compiles_and_matches_keras(server: LiveServer, api: htt
     assert _report(api, done)["metrics"]["conversion"]["converter"] == "tf2onnx"
     x = RNG.standard_normal((1, 6, 6, 2), dtype=np.float32)
     np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def _torchscript(in_features: int) -> bytes:
+    import torch
+
+    torch.manual_seed(3)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
+        torch.jit.save(torch.jit.script(torch.nn.Linear(in_features, 3).eval()), buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed: pip install 'qpcfarm[torch]'")
+def test_a_torchscript_upload_with_input_shapes_is_converted_at_upload(
+    api: httpx.Client,
+) -> None:
+    """A TorchScript module records no input shapes. Given them (`input_shapes`, as the
+    compile's `-input-shapes`), the upload converts it: its inputs are described with them,
+    and a module that loads but does not convert with them is refused 422 and not stored.
+    Without them it is only loaded (its inputs named, shapes unknown), as before."""
+    data = _torchscript(4)
+    bad = api.post(
+        "/v1/models", params={"input_shapes": "input:1x5"}, files={"file": ("m.pt", data)}
+    )  # the Linear takes 4 features: loads, but does not convert with these shapes
+    assert bad.status_code == 422, bad.text
+    assert bad.json()["code"] == "conversion_failed"
+    assert "/tmp" not in bad.json()["message"]
+    assert sys.prefix not in bad.json()["message"]  # nor the converter's installation
+    assert api.get("/v1/models").json()["count"] == 0
+
+    syntax = api.post(
+        "/v1/models", params={"input_shapes": "input:1xfour"}, files={"file": ("m.pt", data)}
+    )
+    assert syntax.status_code == 422, syntax.text
+    assert syntax.json()["code"] == "invalid_option"
+    assert api.get("/v1/models").json()["count"] == 0
+
+    good = api.post(  # a multipart field before the file, like the query parameter
+        "/v1/models", data={"input_shapes": "input:2x4"}, files={"file": ("m.pt", data)}
+    )
+    assert good.status_code == 201, good.text
+    assert good.json()["kind"] == "torchscript"
+    assert [i["shape"] for i in good.json()["inputs"]] == [[2, 4]]
+
+    loaded_only = api.post("/v1/models", files={"file": ("m.pt", _torchscript(5))})
+    assert loaded_only.status_code == 201, loaded_only.text
+    assert [i["shape"] for i in loaded_only.json()["inputs"]] == [None]
 
 
 def _zip(names: list[str]) -> bytes:

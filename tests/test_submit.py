@@ -456,3 +456,31 @@ def test_submit_takes_a_torch_export_program_and_the_farm_converts_it(
     assert code == 0, err
     (got,) = run_qpc(out.strip(), {"input": x.numpy()}).values()
     np.testing.assert_allclose(got, net(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_submit_sends_input_shapes_so_a_torchscript_that_cannot_convert_is_refused_at_upload(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-input-shapes` goes with the upload: a TorchScript module that loads but does not
+    convert with them is refused by the upload (its code, a non-zero exit), before a job."""
+    import importlib.util
+    import warnings
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript")):
+        pytest.skip("torch and onnxscript not installed: pip install 'qpcfarm[torch]'")
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
+        torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3).eval()), tmp_path / "net.pt")
+    code = _submit(
+        server,
+        f"-m={tmp_path / 'net.pt'}",
+        "-input-shapes=input:1x5",  # the Linear takes 4 features
+        f"-aic-binary-dir={tmp_path / 'out'}",
+    )
+    out, err = capsys.readouterr()
+    assert code != 0
+    assert "torch.onnx.export cannot convert" in err and "(HTTP 422)" in err, err
+    assert sys.prefix not in err  # no server path (the converter's installation)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

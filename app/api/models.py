@@ -45,10 +45,21 @@ async def upload_model(
     filename: Annotated[
         str | None, Query(description="The model's file name, for a raw (octet-stream) body")
     ] = None,
+    input_shapes: Annotated[
+        str | None,
+        Query(
+            description="`<name>:<d0>x<d1>...[,...]`, as the compile's `-input-shapes`: the "
+            "shapes a TorchScript (.pt) upload is converted with at upload, so that one "
+            "that does not convert is refused here (422) rather than failing its compile. "
+            "Without them a TorchScript upload is only loaded. Also a multipart field "
+            "`input_shapes` (before `file`). Not recorded: compiles pass `-input-shapes`."
+        ),
+    ] = None,
 ) -> ModelOut:
     """Upload an `.onnx` file, or a `.zip`/`.tar`/`.tar.gz` holding one `.onnx` with its
-    external data, as the multipart field `file` or as the raw body. It is checked with the
-    compiler's importer; the answer's `id` is what compile jobs name."""
+    external data, or a TensorFlow / PyTorch model (converted to ONNX to check it), as the
+    multipart field `file` or as the raw body. It is checked with the compiler's importer;
+    the answer's `id` is what compile jobs name."""
 
     def consume(upload: Upload, chunks: Iterator[bytes]) -> Model:
         sessions = request.app.state.session_factory
@@ -60,6 +71,7 @@ async def upload_model(
                 chunks,
                 upload.filename or filename,
                 max_bytes=settings.max_upload_bytes,
+                input_shapes=upload.fields.get("input_shapes") or input_shapes,
             )
 
     model = await receive_upload(

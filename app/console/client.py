@@ -163,16 +163,26 @@ class FarmClient:
     # -- the API ----------------------------------------------------------------------------
 
     def upload_model(
-        self, path: Path, filename: str | None = None, *, multipart: bool = False
+        self,
+        path: Path,
+        filename: str | None = None,
+        *,
+        multipart: bool = False,
+        input_shapes: str | None = None,
     ) -> dict[str, Any]:
-        """POST /v1/models: an `.onnx`, or a `.zip` of one with its external data.
+        """POST /v1/models: an `.onnx`, a `.zip` of one with its external data, or a
+        TensorFlow / PyTorch model; `input_shapes` (`-input-shapes`) let the farm convert a
+        TorchScript module at upload, so one that does not convert is refused there.
 
         The default sends the file as the raw body (`?filename=`), which the server streams
         without a multipart parser; `multipart=True` sends the form field `file` instead."""
         name = filename or path.name
+        params = {"input_shapes": input_shapes} if input_shapes else {}
         if multipart:
             form = _MultipartFile("file", path, name)
-            return self._json("POST", "/v1/models", content=iter(form), headers=form.headers)
+            return self._json(
+                "POST", "/v1/models", params=params, content=iter(form), headers=form.headers
+            )
         headers = {
             "Content-Type": "application/octet-stream",
             "Content-Length": str(path.stat().st_size),
@@ -180,7 +190,7 @@ class FarmClient:
         return self._json(
             "POST",
             "/v1/models",
-            params={"filename": name},
+            params={"filename": name, **params},
             content=_file_chunks(path),
             headers=headers,
         )

@@ -457,7 +457,7 @@ def _submit(args: SubmitArgs) -> int:
         FarmClient(args.server, args.api_key) as client,
         upload_source(model, list(files.values())) as (path, name),
     ):
-        uploaded = client.upload_model(path, name)
+        uploaded = client.upload_model(path, name, input_shapes=options.input_shapes)
         job = client.submit_job(str(uploaded["id"]), flags, compiler=args.compiler)
         job = wait_for_job(client, job, args.timeout, ProgressDisplay(sys.stderr, str(job["id"])))
         if job.get("cache_hit"):

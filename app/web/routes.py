@@ -266,8 +266,9 @@ def submit(
         sessions = request.app.state.session_factory
         with discarded_on_refusal(store, sessions) as kept, unit_of_work(session):
             row = models.store_model(
-                session, kept, team, model.file, model.filename, max_bytes=settings.max_upload_bytes
-            )
+                session, kept, team, model.file, model.filename,
+                max_bytes=settings.max_upload_bytes, input_shapes=options.input_shapes,
+            )  # fmt: skip
             job, created = jobs.submit_job(
                 session, team, row, options, store=store, cache_scope=settings.cache_scope,
                 compiler=chosen,

@@ -186,10 +186,13 @@ def parse_input_shapes(text: str | None) -> list[tuple[str, list[int]]]:
 
 
 def _scrub(text: str, work: str, model: Path) -> str:
-    """`text` without the scratch folder's path (its files named relative to it) and with the
-    model's path as its file name only."""
+    """`text` without the scratch folder's path (its files named relative to it), with the
+    model's path as its file name only, and the Python installation's path (the
+    converter's files, in a framework's traceback) as `<python>`."""
     for folder in {work, os.path.realpath(work)}:
         text = text.replace(folder.rstrip("/") + "/", "").replace(folder, ".")
     for path in {str(model), str(Path(model).resolve())}:
         text = text.replace(path, Path(model).name)
+    for prefix in {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix)}:
+        text = text.replace(prefix.rstrip("/") + "/", "<python>/")
     return text

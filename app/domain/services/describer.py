@@ -124,10 +124,17 @@ def configure(limits: Limits) -> None:
         shutdown()
 
 
-def inspect_in_child(path: Path, filename: str | None, max_bytes: int, work: Path) -> Inspected:
-    """`upload_check.inspect_upload(path, filename, max_bytes, work)`, run in a checker process
-    under the limits; its ServiceError is raised here as it would be in process."""
-    outcome = run_limited(_inspect, str(path), filename, max_bytes, str(work))
+def inspect_in_child(
+    path: Path,
+    filename: str | None,
+    max_bytes: int,
+    work: Path,
+    input_shapes: list[tuple[str, list[int]]] | None = None,
+) -> Inspected:
+    """`upload_check.inspect_upload(path, filename, max_bytes, work, input_shapes)`, run in a
+    checker process under the limits; its ServiceError is raised here as it would be in
+    process."""
+    outcome = run_limited(_inspect, str(path), filename, max_bytes, str(work), input_shapes)
     if outcome[0] == "ok":
         return outcome[1]  # type: ignore[no-any-return]
     _, code, message, status, detail = outcome
@@ -190,12 +197,18 @@ def memory_limit_error(limits: Limits) -> ServiceError:
     )
 
 
-def _inspect(path: str, filename: str | None, max_bytes: int, work: str) -> tuple[Any, ...]:
+def _inspect(
+    path: str,
+    filename: str | None,
+    max_bytes: int,
+    work: str,
+    input_shapes: list[tuple[str, list[int]]] | None = None,
+) -> tuple[Any, ...]:
     """In the child: the inspection's result, or its refusal as plain values."""
     from app.domain.services.upload_check import inspect_upload
 
     try:
-        return ("ok", inspect_upload(Path(path), filename, max_bytes, Path(work)))
+        return ("ok", inspect_upload(Path(path), filename, max_bytes, Path(work), input_shapes))
     except ServiceError as exc:
         if caused_by_memory(exc):  # the importer's catch-all wraps it as invalid_model
             return ("memory",)

@@ -18,9 +18,11 @@ from app.domain.db.models import Model, Team
 from app.domain.services import quotas
 from app.domain.services.archives import extract_archive
 from app.domain.services.describer import inspect_in_child
-from app.domain.services.errors import ServiceError, not_found
+from app.domain.services.errors import ServiceError, from_compile_error, not_found
 from app.domain.services.pages import Page, paginate
 from app.domain.services.upload_check import KIND_ARCHIVE
+from compiler_core import CompileError
+from compiler_core.convert import parse_input_shapes
 
 EXTRACT_LIMIT = 1 << 40
 """Extraction bound when a stored archive is unpacked again for a compile: the upload already
@@ -39,6 +41,7 @@ def store_model(
     filename: str | None = None,
     *,
     max_bytes: int,
+    input_shapes: str | None = None,
 ) -> Model:
     """Store an uploaded `.onnx`, or a `.zip`/`.tar`/`.tar.gz` of one `.onnx` with its
     external data, after checking it with the importer (in a describer process: see
@@ -51,8 +54,14 @@ def store_model(
     The blob is stored as uploaded (archives too: the worker extracts again), so the bytes
     the client sent are the bytes the cache key names. The kind is decided by content; a
     name that says archive over content that is not one is a `bad_archive`.
+
+    `input_shapes` (the compile's `-input-shapes` syntax, `x:1x3x224x224,...`) are the shapes
+    a framework model's conversion is checked with where its format leaves them open: with
+    them a TorchScript module is converted at upload (refused 422 when it does not convert);
+    without them it is only loaded. They are not recorded: the compile takes its own.
     """
     check_filename(filename)
+    shapes = _parse_shapes(input_shapes)
     quotas.check_storage(session, team)
     try:
         ref = store.put(stream, max_bytes=max_bytes)
@@ -65,7 +74,7 @@ def store_model(
         work = Path(tmp)
         with local_path(store, ref.sha256, work, "upload") as path:
             # In a describer process: the importer's CPU and crashes stay out of the API's.
-            kind, described = inspect_in_child(path, filename, max_bytes, work)
+            kind, described = inspect_in_child(path, filename, max_bytes, work, shapes)
     opset, inputs, outputs = described
     blob_guard.lock_for_write(session, ref.sha256)
     if not store.exists(ref.sha256):  # collected by retention between the put and the lock
@@ -85,6 +94,13 @@ def store_model(
     session.add(model)
     session.flush()
     return model
+
+
+def _parse_shapes(text: str | None) -> list[tuple[str, list[int]]]:
+    try:
+        return parse_input_shapes(text)
+    except CompileError as exc:
+        raise from_compile_error(exc) from None
 
 
 def check_filename(filename: str | None) -> None:

@@ -22,12 +22,18 @@ KIND_ARCHIVE = "archive"
 
 
 def inspect_upload(
-    path: Path, filename: str | None, max_bytes: int, work: Path
+    path: Path,
+    filename: str | None,
+    max_bytes: int,
+    work: Path,
+    input_shapes: list[tuple[str, list[int]]] | None = None,
 ) -> tuple[str, tuple[int, list[dict[str, Any]], list[dict[str, Any]]]]:
     """(kind, description) of a stored upload at `path`: an `.onnx` the importer accepts (it
-    may not reference external files), or an archive holding one with its data (extracted
-    into `work`). ServiceError when it is neither. Run by `describer.inspect_in_child`."""
-    framework = _framework_upload(path, work)
+    may not reference external files), an archive holding one with its data (extracted
+    into `work`), or a framework model that converts (with `input_shapes`, the parsed
+    `-input-shapes`, where its format leaves shapes open; ONNX ignores them). ServiceError
+    when it is none of these. Run by `describer.inspect_in_child`."""
+    framework = _framework_upload(path, work, input_shapes or [])
     if framework is not None:
         return framework
     with open(path, "rb") as handle:
@@ -43,12 +49,15 @@ def inspect_upload(
 
 
 def _framework_upload(
-    path: Path, work: Path
+    path: Path, work: Path, input_shapes: list[tuple[str, list[int]]]
 ) -> tuple[str, tuple[int, list[dict[str, Any]], list[dict[str, Any]]]] | None:
     """A TensorFlow or PyTorch model (compiler_core/convert), checked by converting it (in a
-    limited process of its own) and described by its ONNX; its kind is its format's key.
-    None for any other file. A TorchScript module, whose shapes come with the compile
-    (`-input-shapes`), is only loaded: its inputs are named, their shapes unknown."""
+    limited process of its own) with `input_shapes` and described by its ONNX; its kind is
+    its format's key. None for any other file. A TorchScript module records no input
+    shapes: given them (the upload's `input_shapes`, as the compile's `-input-shapes`), it
+    is converted like the other formats; without them it is only loaded (its inputs are
+    named, their shapes unknown) and a module that loads but does not convert fails at the
+    compile, with the converter's code."""
     from compiler_core.convert import convert, recognise
 
     recognised = recognise(path)
@@ -57,7 +66,7 @@ def _framework_upload(
     if recognised.format is None:
         raise ServiceError("invalid_model", f"the upload is {recognised.looks_like}", 422)
     try:
-        converted = convert(recognised, work / "converted.onnx", [], check_only=True)
+        converted = convert(recognised, work / "converted.onnx", input_shapes, check_only=True)
     except CompileError as exc:
         error = from_compile_error(exc)
         for where in (str(path.resolve()), str(path), str(work)):
