@@ -17,6 +17,7 @@ import uuid
 import warnings
 import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -130,6 +131,51 @@ def test_a_tflite_upload_compiles_and_matches_keras(server: LiveServer, api: htt
     assert _report(api, done)["metrics"]["conversion"]["converter"] == "tf2onnx"
     x = RNG.standard_normal((1, 6, 6, 2), dtype=np.float32)
     np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # TensorFlow's import and the SavedModel's conversion: ~15 s
+@pytest.mark.skipif(
+    not HAVE_TF, reason="tensorflow not installed: pip install 'qpcfarm[tensorflow]'"
+)
+def test_a_saved_model_archive_upload_compiles_and_matches_keras(
+    server: LiveServer, api: httpx.Client, tmp_path: Path
+) -> None:
+    """A Keras CNN exported as a SavedModel, zipped, through the API: the upload converts it
+    to check it (Keras leaves the batch open; `input_shapes` fixes it, as `-input-shapes`
+    does for the compile), the job converts it in the worker, the QPC computes what Keras
+    computes, and the same SavedModel uploaded again is one compile."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(5)
+    inp = tf.keras.Input((6, 6, 3), batch_size=1, name="x")
+    y = tf.keras.layers.Conv2D(4, 3, activation="relu")(inp)
+    y = tf.keras.layers.GlobalAveragePooling2D()(y)
+    model = tf.keras.Model(inp, tf.keras.layers.Dense(5)(y))
+    model.export(str(tmp_path / "saved"), verbose=False)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in sorted((tmp_path / "saved").rglob("*")):
+            if path.is_file():
+                archive.write(path, f"my_model/{path.relative_to(tmp_path / 'saved')}")
+    data = buffer.getvalue()
+
+    shapes = {"input_shapes": "x:1x6x6x3"}
+    response = api.post("/v1/models", params=shapes, files={"file": ("keras.zip", data)})
+    assert response.status_code == 201, response.text
+    uploaded = response.json()
+    assert uploaded["kind"] == "saved_model"
+    assert [i["shape"] for i in uploaded["inputs"]] == [[1, 6, 6, 3]]
+    options = {"aic-num-cores": 1, "input-shapes": "x:1x6x6x3"}
+    done = _compile(server, api, uploaded["id"], **options)
+    conversion = _report(api, done)["metrics"]["conversion"]
+    assert (conversion["format"], conversion["converter"]) == ("saved_model", "tf2onnx")
+    x = RNG.standard_normal((1, 6, 6, 3), dtype=np.float32)
+    np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
+
+    again = api.post("/v1/models", files={"file": ("again.zip", data)}).json()
+    job = api.post("/v1/compile-jobs", json={"model_id": again["id"], "options": options})
+    assert job.json()["cache_hit"] is True, job.text
 
 
 def _torchscript(in_features: int) -> bytes:
