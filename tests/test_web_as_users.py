@@ -333,3 +333,31 @@ def test_a_browser_gets_a_page_for_an_unknown_address_and_api_clients_keep_json(
     for path in ("/v1/nothing-here", "/v1"):
         answer = site.client.get(path, headers=browser)
         assert answer.status_code == 404 and answer.json()["code"] == "not_found", path
+
+
+# ------------------------------------------------------------------------- framework models
+
+
+def test_the_forms_input_shapes_convert_a_torchscript_upload_and_one_that_fails_is_refused(
+    site: Site,
+) -> None:
+    """The form's `-input-shapes` go with its upload: a TorchScript module that loads but
+    does not convert with them is refused on the page (422), with no model and no job."""
+    import importlib.util
+    import io
+    import warnings
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript")):
+        pytest.skip("torch and onnxscript not installed: pip install 'qpcfarm[torch]'")
+    import torch
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
+        torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3).eval()), buffer)
+    csrf = sign_in(site)
+    page = upload(site, csrf, buffer.getvalue(), flags="-input-shapes=input:1x5")
+    assert page.status_code == 422, page.text
+    assert "torch.onnx.export cannot convert" in page.text
+    assert site.client.get("/v1/models", headers=api(site)).json()["count"] == 0
+    assert site.queue.held == []
