@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -187,12 +188,20 @@ def parse_input_shapes(text: str | None) -> list[tuple[str, list[int]]]:
 
 def _scrub(text: str, work: str, model: Path) -> str:
     """`text` without the scratch folder's path (its files named relative to it), with the
-    model's path as its file name only, and the Python installation's path (the
-    converter's files, in a framework's traceback) as `<python>`."""
+    model's path as its file name only, the Python installation's path (the converter's
+    files, in a framework's traceback) as `<python>`, the project's as `<qpcfarm>`, and any
+    other absolute path as its last part."""
     for folder in {work, os.path.realpath(work)}:
         text = text.replace(folder.rstrip("/") + "/", "").replace(folder, ".")
     for path in {str(model), str(Path(model).resolve())}:
         text = text.replace(path, Path(model).name)
     for prefix in {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix)}:
         text = text.replace(prefix.rstrip("/") + "/", "<python>/")
-    return text
+    text = text.replace(str(_SOURCE_ROOT) + "/", "<qpcfarm>/")
+    return _ABSOLUTE_PATH.sub(r"\1", text)
+
+
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+"""The folder holding `compiler_core` (the conversion child's own file is in a traceback)."""
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.<>])/(?:[^\s\"'/:]+/)+([^\s\"'/:]+)")
+"""Any other absolute path (a scripted module's source file, a cache folder): its last part."""
