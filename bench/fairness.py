@@ -55,13 +55,14 @@ from farm_processes import (  # noqa: E402  (bench/, the script's own folder, is
     free_port,
     qpcfarm,
     sibling_database_url,
+    spawn,
     stop,
+    wait_healthy,
 )
 
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/12"
 TARGET = 1.5
-START_ATTEMPTS = 900  # x 0.1 s
 POLL_S = 0.05
 WAIT_LIMIT_S = 1800.0
 
@@ -95,9 +96,6 @@ class Farm:
     keys: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
-
-    def log_tail(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-1500:] for p in self.logs if p.exists())
 
 
 def _run(env: dict[str, str], *args: str) -> str:
@@ -134,40 +132,19 @@ def farm_running(work: Path, args: argparse.Namespace) -> Iterator[Farm]:
             _run(env, "admin", "create-team", team)
             farm.keys[team] = _run(env, "admin", "create-key", "--team", team).splitlines()[-1]
         for index in range(args.workers):
-            _spawn(farm, work, f"worker{index}", qpcfarm(
+            spawn(farm.procs, farm.logs, work, f"worker{index}", qpcfarm(
                 "worker", "--concurrency", "1", "--loglevel", "WARNING", "--no-reap",
             ), env)  # fmt: skip
         port = farm.url.rsplit(":", 1)[1]
-        _spawn(farm, work, "serve", qpcfarm("serve", "--port", port, "--log-level", "warning"), env)
-        _wait_healthy(farm)
+        serve = qpcfarm("serve", "--port", port, "--log-level", "warning")
+        spawn(farm.procs, farm.logs, work, "serve", serve, env)
+        wait_healthy(farm.url, farm.procs, farm.logs)
         yield farm
     finally:
         for proc in reversed(farm.procs):
             stop(proc)
         admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         _flush_redis(args.redis)
-
-
-def _spawn(farm: Farm, work: Path, name: str, cmd: list[str], env: dict[str, str]) -> None:
-    log = work / f"{name}.log"
-    with open(log, "wb") as handle:
-        farm.procs.append(
-            subprocess.Popen(cmd, cwd=work, env=env, stdout=handle, stderr=subprocess.STDOUT)
-        )
-    farm.logs.append(log)
-
-
-def _wait_healthy(farm: Farm) -> None:
-    for _ in range(START_ATTEMPTS):
-        if any(p.poll() is not None for p in farm.procs):
-            raise RuntimeError(f"the farm exited during start-up:\n{farm.log_tail()}")
-        try:
-            if httpx.get(f"{farm.url}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the farm did not answer /healthz:\n{farm.log_tail()}")
 
 
 def _when(text: str) -> datetime:
@@ -227,9 +204,11 @@ def measure(farm: Farm, args: argparse.Namespace) -> dict[str, Any]:
             )
             delay = (_when(started) - _when(job["created_at"])).total_seconds()
             done = _wait(
-                lambda job=job: person.get(f"/v1/compile-jobs/{job['id']}").json()
-                if person.get(f"/v1/compile-jobs/{job['id']}").json()["finished_at"]
-                else None,
+                lambda job=job: (
+                    person.get(f"/v1/compile-jobs/{job['id']}").json()
+                    if person.get(f"/v1/compile-jobs/{job['id']}").json()["finished_at"]
+                    else None
+                ),
                 "the probe to finish",
             )
             probes.append({"delay_s": delay, "status": done["status"]})

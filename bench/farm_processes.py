@@ -1,5 +1,6 @@
 """Starting and stopping a farm of real processes for the service benchmarks (service.py,
-sweep.py): the `qpcfarm` command line, a scratch PostgreSQL database, a team and its key."""
+sweep.py, fairness.py): the `qpcfarm` command line, a scratch PostgreSQL database, a team and
+its key, each process's log, and the wait for the API to answer."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+
 REPO = Path(__file__).resolve().parents[1]
+START_ATTEMPTS = 900  # x 0.1 s
 
 
 def qpcfarm(*args: str) -> list[str]:
@@ -74,3 +79,40 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def spawn(
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[Path],
+    work: Path,
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+) -> None:
+    """Start `cmd` in `work` with its output in `<name>.log` (kept in `logs` for `log_tail`)."""
+    log = work / f"{name}.log"
+    with open(log, "wb") as handle:
+        procs.append(
+            subprocess.Popen(cmd, cwd=work, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        )
+    logs.append(log)
+
+
+def log_tail(logs: list[Path]) -> str:
+    """The end of each process's log, for an error message."""
+    return "\n".join(p.read_text(errors="replace")[-1500:] for p in logs if p.exists())
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
+    """Until the API at `url` answers /healthz; raises with the logs if a process exits
+    first or it never answers."""
+    for _ in range(START_ATTEMPTS):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"the farm exited during start-up:\n{log_tail(logs)}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the farm did not answer /healthz:\n{log_tail(logs)}")

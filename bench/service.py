@@ -70,13 +70,14 @@ from farm_processes import (  # noqa: E402  (bench/, the script's own folder, is
     free_port,
     qpcfarm,
     sibling_database_url,
+    spawn,
     stop,
+    wait_healthy,
 )
 
 from app.console.client import FarmClient, FarmError  # noqa: E402  (the repository root is put on the path above)
 
 MIB = 1 << 20
-START_ATTEMPTS = 900  # x 0.1 s
 DRAIN_LIMIT_S = 900.0
 TRAILER_BYTES = 16
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -218,9 +219,6 @@ class Farm:
         times = psutil.Process(self.api_pid).cpu_times()
         return float(times.user + times.system)
 
-    def log_tail(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-1500:] for p in self.logs if p.exists())
-
 
 @contextmanager
 def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Iterator[Farm]:
@@ -241,15 +239,17 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
     try:
         if farm_mode:
             farm.api_key = bench_team_key(env)
-            _spawn(
-                farm,
+            spawn(
+                farm.procs,
+                farm.logs,
                 work,
                 "worker",
                 qpcfarm("worker", "--concurrency", "1", "--loglevel", "WARNING"),
                 env,
             )
-        _spawn(
-            farm,
+        spawn(
+            farm.procs,
+            farm.logs,
             work,
             "serve",
             qpcfarm(
@@ -263,7 +263,7 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
             ),
             env,
         )
-        _wait_healthy(farm)
+        wait_healthy(farm.url, farm.procs, farm.logs)
         if args.workers == 1:
             farm.api_pid = farm.procs[-1].pid
         if not farm_mode:
@@ -274,28 +274,6 @@ def farm_running(work: Path, farm_mode: bool, args: argparse.Namespace) -> Itera
             stop(proc)
         if database is not None:
             admin_sql(args.postgres, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-
-
-def _spawn(farm: Farm, work: Path, name: str, cmd: list[str], env: dict[str, str]) -> None:
-    log = work / f"{name}.log"
-    with open(log, "wb") as handle:
-        farm.procs.append(
-            subprocess.Popen(cmd, cwd=work, env=env, stdout=handle, stderr=subprocess.STDOUT)
-        )
-    farm.logs.append(log)
-
-
-def _wait_healthy(farm: Farm) -> None:
-    for _ in range(START_ATTEMPTS):
-        if any(p.poll() is not None for p in farm.procs):
-            raise RuntimeError(f"the farm exited during start-up:\n{farm.log_tail()}")
-        try:
-            if httpx.get(f"{farm.url}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the farm did not answer /healthz:\n{farm.log_tail()}")
 
 
 # ------------------------------------------------------------------------------- uploads
@@ -542,9 +520,7 @@ async def _load(farm: Farm, clients: int, rounds: int) -> dict[str, Any]:
 
 def measure_load(farm: Farm, plan: Plan) -> dict[str, Any]:
     """`load_clients` concurrent clients uploading and submitting `load_rounds` times."""
-    print(
-        f"  {plan.load_clients} clients x {plan.load_rounds} uploads + submits ...", flush=True
-    )
+    print(f"  {plan.load_clients} clients x {plan.load_rounds} uploads + submits ...", flush=True)
     began = time.perf_counter()
     out = asyncio.run(_load(farm, plan.load_clients, plan.load_rounds))
     wall = time.perf_counter() - began
@@ -775,8 +751,7 @@ def render(
     if compile_p50 == compile_p50 and hit_p50 > 0:
         lines.append(f"    cache hit p50 = {hit_p50 / compile_p50:.2f}x a compile's p50")
     lines += [
-        f"{load['clients']} clients x {load['rounds']} uploads + submits "
-        f"({load['wall_s']:.1f} s):",
+        f"{load['clients']} clients x {load['rounds']} uploads + submits ({load['wall_s']:.1f} s):",
         _row("upload (raw body, tiny model)", load["upload"]),
         _row("submit after it", load["submit"]),
         f"    answers {load['statuses']}, {load['server_errors']} server errors, "
