@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from app.domain import stages
@@ -284,10 +285,17 @@ class _Progress:
         return worker is not None and worker == self.job.worker
 
     def _cancel_requested(self) -> bool:
-        flag = self.session.execute(
-            select(CompileJob.cancel_requested).where(CompileJob.id == self.job.id)
-        ).scalar_one_or_none()
-        self.session.commit()
+        """Whether a cancel was asked; a database that is down meanwhile (no answer) is no
+        cancel: the compile goes on and the next poll asks again."""
+        try:
+            flag = self.session.execute(
+                select(CompileJob.cancel_requested).where(CompileJob.id == self.job.id)
+            ).scalar_one_or_none()
+            self.session.commit()
+        except OperationalError:
+            self.session.rollback()
+            log.warning("job %s: cancel poll skipped, the database did not answer", self.job.id)
+            return False
         return bool(flag)
 
     def note(self, text: str) -> None:
