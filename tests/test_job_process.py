@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -253,7 +254,8 @@ def test_stage_changes_in_quick_succession_share_a_write(monkeypatch: pytest.Mon
         return False
 
     monkeypatch.setattr(compile_jobs, "report_progress", record)
-    progress = compile_jobs._Progress(None, None, 1.0, None, None)  # type: ignore[arg-type]
+    job = SimpleNamespace(id=uuid.uuid4(), worker="w1")
+    progress = compile_jobs._Progress(None, job, 1.0, None, None)  # type: ignore[arg-type]
     gap = compile_jobs.STAGE_WRITE_GAP_S
 
     progress("import", 0.0)  # the first report: written

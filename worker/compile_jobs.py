@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from app.domain import stages
@@ -32,6 +31,7 @@ from app.domain.blobs import guard as blob_guard
 from app.domain.compilers import QAIC, QPCFARM, local_compilers
 from app.domain.compilers import parse as parse_compiler
 from app.domain.db.base import utcnow
+from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from app.domain.db.ops import insert_or_ignore
 from app.domain.services.errors import ServiceError, internal_error_message
@@ -232,6 +232,13 @@ class _Progress:
     _written: float = 0.0
     _written_stage: str | None = None
     _polled: float = 0.0
+    job_id: uuid.UUID = field(init=False)
+    worker: str | None = field(init=False)
+    """The row's id and worker, kept apart from it: a rollback expires the row's attributes,
+    and reading them back needs the database that just did not answer."""
+
+    def __post_init__(self) -> None:
+        self.job_id, self.worker = self.job.id, self.job.worker
 
     def __call__(self, stage: str, fraction: float) -> None:
         now = time.monotonic()
@@ -248,8 +255,16 @@ class _Progress:
         self.check()
 
     def _write(self, now: float) -> None:
+        """Write stage and progress; a database that does not answer skips the write (the
+        compile goes on, the next report writes again)."""
         self._written, self._written_stage = now, self._stage
-        if report_progress(self.session, self.job, self._stage, self._fraction):
+        try:
+            stop = report_progress(self.session, self.job, self._stage, self._fraction)
+        except DATABASE_FAULTS:
+            self.session.rollback()
+            log.warning("job %s: progress not written, the database did not answer", self.job_id)
+            return
+        if stop:
             raise _Stop(cancelled=self.job.cancel_requested or self._cancel_requested())
 
     @property
@@ -276,25 +291,32 @@ class _Progress:
                 raise _Stop(cancelled=True)
 
     def _still_mine(self) -> bool:
-        worker = self.session.execute(
-            select(CompileJob.worker).where(
-                CompileJob.id == self.job.id, CompileJob.status == JobStatus.running
-            )
-        ).scalar_one_or_none()
-        self.session.commit()
-        return worker is not None and worker == self.job.worker
+        """Whether the row still names this worker; unknown (no answer) counts as not: the
+        compile is then abandoned, not marked, and the claim sorts the row out later."""
+        try:
+            worker = self.session.execute(
+                select(CompileJob.worker).where(
+                    CompileJob.id == self.job_id, CompileJob.status == JobStatus.running
+                )
+            ).scalar_one_or_none()
+            self.session.commit()
+        except DATABASE_FAULTS:
+            self.session.rollback()
+            log.warning("job %s: ownership unknown, the database did not answer", self.job_id)
+            return False
+        return worker is not None and worker == self.worker
 
     def _cancel_requested(self) -> bool:
         """Whether a cancel was asked; a database that is down meanwhile (no answer) is no
         cancel: the compile goes on and the next poll asks again."""
         try:
             flag = self.session.execute(
-                select(CompileJob.cancel_requested).where(CompileJob.id == self.job.id)
+                select(CompileJob.cancel_requested).where(CompileJob.id == self.job_id)
             ).scalar_one_or_none()
             self.session.commit()
-        except OperationalError:
+        except DATABASE_FAULTS:
             self.session.rollback()
-            log.warning("job %s: cancel poll skipped, the database did not answer", self.job.id)
+            log.warning("job %s: cancel poll skipped, the database did not answer", self.job_id)
             return False
         return bool(flag)
 
@@ -325,6 +347,7 @@ def run_compile(
     """
     if job.status != JobStatus.running:
         return job
+    job_id = job.id  # for the log after a rollback, which expires the row's attributes
     progress = _Progress(session, job, progress_interval_s, progress_cb, should_cancel)
     try:
         model = session.get(Model, job.model_id)
@@ -410,6 +433,12 @@ def run_compile(
     except CompileError as exc:
         session.rollback()
         fail(session, job, exc.code, exc.message, exc.to_dict(), stage=progress.stage)
+    except DATABASE_FAULTS:
+        # Not the job's fault: it stays running under this worker's name, unfinished; the
+        # caller's retry or the reaper (once its heartbeat is stale) hands it out again.
+        session.rollback()
+        log.warning("job %s: the database did not answer; left to be run again", job_id)
+        raise
     except Exception as exc:
         log.exception("job %s failed unexpectedly", job.id)
         session.rollback()

@@ -24,6 +24,7 @@ from app.domain.blobs import BlobCorrupt, BlobNotFound, BlobStore
 from app.domain.blobs.integrity import spill_verified, verified_bytes, verified_path
 from app.domain.compilers import QAIC
 from app.domain.db.base import utcnow
+from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.db.models import JobStatus, ProfileJob, Qpc
 from app.domain.services.errors import internal_error_message
 from compiler_core import CompileError
@@ -42,6 +43,7 @@ def run_profile(
     (`worker.workdirs`). A job not running is returned untouched. Commits."""
     if job.status != JobStatus.running:
         return job
+    job_id = job.id  # for the log after a rollback, which expires the row's attributes
     try:
         results = _profile(session, store, job, work_root)
         now = utcnow()
@@ -60,6 +62,10 @@ def run_profile(
     except CompileError as exc:
         session.rollback()
         claims.fail(session, ProfileJob, job, exc.code, exc.message, exc.to_dict())
+    except DATABASE_FAULTS:  # not the job's fault: left running, to be run again
+        session.rollback()
+        log.warning("profile %s: the database did not answer; left to be run again", job_id)
+        raise
     except Exception as exc:
         log.exception("profile %s failed unexpectedly", job.id)
         session.rollback()

@@ -20,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
-
+from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.job_kinds import JOB_KINDS
 from app.domain.queue import JobKind
 
@@ -37,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (OperationalError, PoolTimeoutError)
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = DATABASE_FAULTS
 """Database errors worth retrying: the server restarting, a dropped connection, a full pool."""
 
 

@@ -12,7 +12,6 @@ import math
 import re
 from typing import Any
 
-import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
@@ -22,18 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.domain.blobs import BlobCorrupt, BlobNotFound
 from app.domain.blobs.quarantine import was_quarantined
+from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.services.errors import ServiceError, from_compile_error
 from compiler_core import CompileError
 
 log = logging.getLogger(__name__)
 
-DATABASE_FAULTS: tuple[type[Exception], ...] = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.TimeoutError,
-    sqlalchemy.exc.PendingRollbackError,
-)
-"""The database went away, restarted, or has no connection free: transient, answered 503."""
 
 _HTTP_CODES = {
     400: "bad_request",
