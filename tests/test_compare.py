@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -91,20 +90,6 @@ def test_a_failed_side_compares_as_failed_to_passed_with_every_figure_added() ->
 
 
 # --------------------------------------------------------------------------- over HTTP
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 def _upload(client: httpx.Client, data: bytes) -> str:
