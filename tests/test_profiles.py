@@ -17,7 +17,7 @@ import json
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -77,20 +77,6 @@ def npz(**arrays: np.ndarray) -> bytes:
 
 
 # ------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 @pytest.fixture
