@@ -109,4 +109,3 @@ def _check(store: BlobStore, sha256: str, actual: str, size: int, found_by: str)
     if actual != sha256:
         store.quarantine(sha256, actual_sha256=actual, size=size, found_by=found_by)
         raise BlobCorrupt(sha256, actual, size)
-
