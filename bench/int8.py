@@ -246,7 +246,7 @@ def bench_model(
     samples = samples_for(path, count)
     calibration, held = split(samples)
     npz = work / f"{path.stem}.calib.npz"
-    np.savez(npz, **{n: np.stack([s[n] for s in samples]) for n in samples[0]})
+    np.savez(npz, allow_pickle=False, **{n: np.stack([s[n] for s in samples]) for n in samples[0]})
     reference = ort_run(path, held)
     base = [f"-aic-num-cores={cores}", *flags]
     rows: dict[str, Any] = {}

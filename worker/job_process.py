@@ -47,7 +47,6 @@ NICENESS = 10
 """How much lower than the API the child runs: requests get the CPU first, jobs the rest."""
 
 
-
 @dataclass(frozen=True)
 class JobProcessConfig:
     """What a child needs to open the same farm: database URL, blob store, job timings."""

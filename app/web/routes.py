@@ -102,9 +102,7 @@ def not_found_page(request: Request, team: Team, what: str, ident: str) -> HTMLR
 def team_jobs(session: Session, team: Team, show: str | None = None) -> dict[str, Any]:
     """The job list's context: the jobs of the origin `show` asks for (own by default),
     the sweep that made each sweep job, and the count of each origin."""
-    listed = job_origins.list_jobs(
-        session, team, job_origins.origin_of(show), limit=JOB_LIST_LIMIT
-    )
+    listed = job_origins.list_jobs(session, team, job_origins.origin_of(show), limit=JOB_LIST_LIMIT)
     return {
         "jobs": listed.jobs,
         "sweep_of": listed.sweep_of,
