@@ -218,6 +218,20 @@ def check_range(start: int, length: int) -> None:
         raise ValueError(f"bad range: start {start}, length {length}")
 
 
+def file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:
+    """Bytes [start, start + length) of an open file in chunks, clipped at its end; closes
+    the file when done (a store's own files, a worker's cached copies)."""
+    with handle:
+        handle.seek(start)
+        left = length
+        while left > 0:
+            chunk = handle.read(min(CHUNK_SIZE, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield chunk
+
+
 def spill(store: BlobStore, sha256: str, dest: Path) -> Path:
     """Copy a blob into the file `dest`, streaming."""
     with store.open(sha256) as src, open(dest, "wb") as out:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from app.domain.blobs.base import (
-    CHUNK_SIZE,
     BackgroundHashingCounter,
     BlobNotFound,
     BlobRef,
@@ -25,6 +24,7 @@ from app.domain.blobs.base import (
     Source,
     check_range,
     check_sha256,
+    file_range,
     fsync_dir,
     iter_chunks,
 )
@@ -85,7 +85,7 @@ class FilesystemBlobStore:
     def read_range(self, sha256: str, start: int, length: int) -> Iterator[bytes]:
         check_range(start, length)
         handle = self.open(sha256)  # opened now, so a missing blob raises before iteration
-        return _file_range(handle, start, length)
+        return file_range(handle, start, length)
 
     def exists(self, sha256: str) -> bool:
         try:
@@ -151,15 +151,3 @@ def _write_all(out: BinaryIO, chunk: bytes) -> None:
     while view:
         written = out.write(view)
         view = view[written or 0 :]
-
-
-def _file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:
-    with handle:
-        handle.seek(start)
-        left = length
-        while left > 0:
-            chunk = handle.read(min(CHUNK_SIZE, left))
-            if not chunk:
-                return
-            left -= len(chunk)
-            yield chunk
