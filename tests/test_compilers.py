@@ -34,7 +34,7 @@ from app.domain.services.errors import ServiceError
 from app.domain.settings import Settings
 from compiler_core import CompileOptions
 from compiler_core.version import COMPILER_VERSION
-from tests.api_helpers import LiveServer, Servers
+from tests.api_helpers import LiveServer
 from tests.conftest import Farm, tiny_model_bytes
 from worker import compile_jobs
 
@@ -155,20 +155,6 @@ def _bytes_io(data: bytes) -> Any:
 
 
 # ------------------------------------------------------------------------------ the API
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 def _advertise(server: LiveServer, worker: str, have: list[Compiler]) -> None:
