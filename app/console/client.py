@@ -62,9 +62,7 @@ def _connection_error(base_url: str, exc: httpx.HTTPError) -> FarmError:
             f"; is a farm running there? Start one on this machine with `{PROG} serve`, or "
             "name yours with --server URL (or QPCFARM_SERVER)"
         )
-    return FarmError(
-        "server_unreachable", f"cannot reach the server at {base_url}: {detail}{hint}"
-    )
+    return FarmError("server_unreachable", f"cannot reach the server at {base_url}: {detail}{hint}")
 
 
 def _file_chunks(path: Path) -> Iterator[bytes]:

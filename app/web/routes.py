@@ -25,7 +25,7 @@ from app.domain.blobs import BlobStore
 from app.domain.blobs.orphans import discarded_on_refusal
 from app.domain.db.models import CompileJob, ProfileJob, Team
 from app.domain.db.session import unit_of_work
-from app.domain.queue import commit_then_enqueue
+from app.domain.queue import Enqueuer, commit_then_enqueue
 from app.domain.services import (
     compare,
     compilers,
@@ -41,6 +41,7 @@ from app.domain.services import (
 )
 from app.domain.services.errors import ServiceError
 from app.domain.services.farm_options import farm_options
+from app.domain.settings import Settings
 from app.web import auth, profile_views, views
 from app.web.deps import (
     FragmentJob,
@@ -101,9 +102,7 @@ def not_found_page(request: Request, team: Team, what: str, ident: str) -> HTMLR
 def team_jobs(session: Session, team: Team, show: str | None = None) -> dict[str, Any]:
     """The job list's context: the jobs of the origin `show` asks for (own by default),
     the sweep that made each sweep job, and the count of each origin."""
-    listed = job_origins.list_jobs(
-        session, team, job_origins.origin_of(show), limit=JOB_LIST_LIMIT
-    )
+    listed = job_origins.list_jobs(session, team, job_origins.origin_of(show), limit=JOB_LIST_LIMIT)
     return {
         "jobs": listed.jobs,
         "sweep_of": listed.sweep_of,
@@ -422,6 +421,29 @@ def cancel(
     return job_action(request, session, team, job, csrf, act)
 
 
+def _recompile(
+    session: Session,
+    settings: Settings,
+    store: BlobStore,
+    queue: Enqueuer,
+    team: Team,
+    job: CompileJob,
+    options: CompileOptions,
+    compiler: str = "",
+) -> CompileJob:
+    """A new job of `job`'s model with `options` and `compiler` ("": the default), committed
+    and enqueued: what the job page's recompile buttons do."""
+    chosen = compilers.resolve(
+        session, compiler or None, fresh_s=compilers.fresh_s(settings.stale_after_s)
+    )
+    new, created = jobs.submit_job(
+        session, team, job.model, options, store=store, cache_scope=settings.cache_scope,
+        compiler=chosen, retry_after_s=settings.quota_retry_after_s,
+    )  # fmt: skip
+    commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
+    return new
+
+
 @router.post("/jobs/{job_id}/recompile-for-profile", response_model=None)
 def recompile_for_profile(
     request: Request,
@@ -438,10 +460,7 @@ def recompile_for_profile(
 
     def act(team: Team, job: CompileJob) -> str:
         options = CompileOptions.from_json(job.options).with_(stats_level=OPSTATS_LEVEL)
-        new, created = jobs.submit_job(
-            session, team, job.model, options, store=store, cache_scope=settings.cache_scope
-        )
-        commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
+        new = _recompile(session, settings, store, queue, team, job, options)
         return f"/jobs/{new.id}?recompiled_from={job.id}"
 
     return job_action(request, session, team, job, csrf, act)
@@ -463,14 +482,8 @@ def recompile_with(
     an old model): a new job, whose page links the comparison with this one."""
 
     def act(team: Team, job: CompileJob) -> str:
-        fresh = compilers.fresh_s(settings.stale_after_s)
-        chosen = compilers.resolve(session, compiler or None, fresh_s=fresh)
         options = CompileOptions.from_json(job.options)
-        new, created = jobs.submit_job(
-            session, team, job.model, options, store=store, cache_scope=settings.cache_scope,
-            compiler=chosen, retry_after_s=settings.quota_retry_after_s,
-        )  # fmt: skip
-        commit_then_enqueue(session, queue, jobs.to_enqueue(new, created))
+        new = _recompile(session, settings, store, queue, team, job, options, compiler)
         return f"/jobs/{new.id}?compare_with={job.id}"
 
     return job_action(request, session, team, job, csrf, act)
