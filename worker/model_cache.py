@@ -213,6 +213,9 @@ class CachedStore:
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
         return self._store.put(data, max_bytes=max_bytes)
 
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        return self._store.put_file(path, max_bytes=max_bytes)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 

@@ -87,6 +87,12 @@ class BlobStore(Protocol):
         passed, leaving nothing behind. Idempotent: known content is not stored again."""
         ...
 
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        """`put` of a finished local file (a QPC the compiler wrote). A store of files may
+        take the file's inode itself instead of a copy: the caller must not write to it
+        again (reading it, and removing it, are fine)."""
+        ...
+
     def open(self, sha256: str) -> BinaryIO:
         """A readable, seekable binary stream of the blob (BlobNotFound if absent)."""
         ...
