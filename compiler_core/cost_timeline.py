@@ -45,6 +45,7 @@ from compiler_core.cost_rates import (
     MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE,
     THREADS,
     TileCompute,
+    int8_step_ops,
     integer_step,
     tile_cost,
 )
@@ -245,7 +246,7 @@ def tile_compute(
         [o.box if o is not None else None for o in instr.inputs],
         opdef,
         device,
-        epilogue_operands(program, kernel.inputs, kernel.epilogue),
+        epilogue_ops(program, kernel.inputs, kernel.epilogue),
     )
     decoded = _mxfp6_streamed_elements(program, kernel.inputs, instr)
     if not decoded:
@@ -258,22 +259,29 @@ def tile_compute(
     )
 
 
-def epilogue_operands(
+def epilogue_ops(
     program: Program, inputs: Sequence[int], epilogue: Sequence[EpilogueDesc]
 ) -> tuple[int, ...]:
-    """Per epilogue step: the activation operands it reads besides the running value (a
-    constant operand is scaled once at load, not per element)."""
+    """Per epilogue step: its HVX instructions per 128 codes (`cost_rates.int8_step_ops`;
+    0 for a float step), from the step's attributes and which of its operands are
+    constants (scaled once at load, not per element)."""
     if not any(integer_step(e.out_dtype) for e in epilogue):
         return ()
     return tuple(
-        sum(
-            1
-            for k in step.inputs
-            if k is not None
-            and 0 <= k < len(inputs)
-            and inputs[k] >= 0
-            and program.tensors[inputs[k]].kind != KIND_CONSTANT
+        int8_step_ops(
+            step.op_type,
+            step.attrs,
+            step.out_dtype,
+            [
+                k is not None
+                and 0 <= k < len(inputs)
+                and inputs[k] >= 0
+                and program.tensors[inputs[k]].kind == KIND_CONSTANT
+                for k in step.inputs
+            ],
         )
+        if integer_step(step.out_dtype)
+        else 0
         for step in epilogue
     )
 
