@@ -66,6 +66,7 @@ from compiler_core.lowering.program import (
     RunKernel,
     SemPost,
     SemWait,
+    box_byte_range,
     box_elements,
     box_nbytes,
     cores_in,
@@ -74,7 +75,7 @@ from compiler_core.lowering.program import (
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
-from compiler_core.ops.registry import OpDef
+from compiler_core.ops.registry import Box, OpDef
 
 BUCKET_CYCLES = 256
 """Granularity of the shared-bandwidth calendars."""
@@ -556,7 +557,7 @@ class _Scheduler:
         start = max(core.now, core.noc_free if noc else core.dma_free)
         if isinstance(instr, DmaLoad):
             own = instr.cores >> c & 1
-            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            lo, hi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
             if own:
                 start = max(start, core.vtcm.ready_to_write(lo, hi))
             start = self._doorbell(core, instr.tensor, start)
@@ -611,7 +612,7 @@ class _Scheduler:
             run = self.run(core, instr.kernel)
             run.write_bytes += nbytes
         elif isinstance(instr, DmaStore):
-            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            lo, hi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
             nbytes = box_nbytes(instr.box, t.dtype)
             end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
@@ -620,10 +621,10 @@ class _Scheduler:
             run = self.run(core, instr.kernel)
             run.write_bytes += nbytes
         else:
-            lo, hi = instr.src_vtcm, instr.src_vtcm + box_nbytes(instr.src_box, t.dtype)
+            lo, hi = _part(instr.src_vtcm, instr.box, instr.src_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
             if instr.cores >> c & 1:
-                dlo, dhi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+                dlo, dhi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
                 start = max(start, core.vtcm.ready_to_write(dlo, dhi))
             nbytes = box_nbytes(instr.box, t.dtype)
             end = self.noc.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
@@ -701,6 +702,12 @@ class _Scheduler:
         core.done = max(core.done, end)
         core.last_kernel = instr.kernel
         return start, end
+
+
+def _part(vtcm: int, box: Box, buf_box: Box, dtype: str) -> tuple[int, int]:
+    """The VTCM bytes a transfer of `box` touches in the buffer at `vtcm` holding `buf_box`."""
+    lo, hi = box_byte_range(box, buf_box, dtype)
+    return vtcm + lo, vtcm + hi
 
 
 def _next_start(core: _Core) -> int:
