@@ -56,7 +56,6 @@ Every `/v1` route needs `Authorization: Bearer <team API key>`. Errors are JSON
 """
 
 
-
 def create_app(
     settings: Settings | None = None,
     *,

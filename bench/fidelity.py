@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.report import emit, progress  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Published:
@@ -121,11 +123,9 @@ def int8_model(path: Path, work: Path) -> tuple[Path, list[str]]:
     the custom-IO flag that makes its quantized input and output int8 codes on the host."""
     import onnx
 
-    from bench.int8 import ort_int8, samples_for
+    from bench.int8 import int8_io_listing, ort_int8_cached
 
-    qdq = work / f"{path.stem}.ort-int8.onnx"
-    if not qdq.exists():
-        ort_int8(path, samples_for(path, 4), work)
+    qdq = ort_int8_cached(path, work)
     model = onnx.load(qdq, load_external_data=False)
     consumers: dict[str, list[str]] = {}
     producer: dict[str, str] = {}
@@ -142,9 +142,7 @@ def int8_model(path: Path, work: Path) -> tuple[Path, list[str]]:
     io += [o.name for o in model.graph.output if producer.get(o.name) == "DequantizeLinear"]
     if not io:
         return qdq, []
-    listing = work / f"{path.stem}.int8-io.yaml"
-    listing.write_text("".join(f"- IOName: {n}\n  Precision: int8\n" for n in io))
-    return qdq, [f"-custom-IO-list-file={listing}"]
+    return qdq, [f"-custom-IO-list-file={int8_io_listing(path, io, work)}"]
 
 
 # --- one row ---------------------------------------------------------------------------------
@@ -171,7 +169,7 @@ def run_row(row: Published, quick: bool, jobs: int, mode: str, work: Path) -> di
     def on_result(group: int, outcome: dict[str, Any]) -> None:
         if "metrics" in outcome:
             metrics[group] = outcome["metrics"]
-        _progress(f"  {row.key}: group {group}: {outcome.get('error', 'ok')}")
+        progress(f"  {row.key}: group {group}: {outcome.get('error', 'ok')}")
 
     sweep = run_local(path, space, mode=mode, jobs=jobs, on_result=on_result)
     out: dict[str, Any] = {
@@ -266,10 +264,6 @@ def table(results: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small search space (minutes)")
@@ -284,12 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in ROWS:
         if args.only and args.only.lower() not in row.key:
             continue
-        _progress(f"{row.key}: {row.model} {row.precision} on {row.device}")
+        progress(f"{row.key}: {row.model} {row.precision} on {row.device}")
         results.append(run_row(row, args.quick, args.jobs, args.mode, args.work))
-        _progress(f"  {json.dumps(results[-1])}")
-    print("\n".join(table(results)))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        progress(f"  {json.dumps(results[-1])}")
+    emit(table(results), results, args.json)
     return 0
 
 

@@ -27,7 +27,6 @@ expected where the HMX dominates.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -45,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.models import RESNET50, RESNET_QUICK, ResNetSpec, resnet  # noqa: E402
+from bench.report import emit, progress  # noqa: E402
 from bench.transformer_models import EncoderSpec, write_encoder  # noqa: E402
 
 Feeds = dict[str, np.ndarray]
@@ -222,6 +222,21 @@ def ort_int8(path: Path, calibration: list[Feeds], work: Path) -> Path:
     return out
 
 
+def ort_int8_cached(path: Path, work: Path) -> Path:
+    """`ort_int8` of the model calibrated on 4 samples, made once per `work` folder."""
+    qdq = work / f"{path.stem}.ort-int8.onnx"
+    if not qdq.exists():
+        ort_int8(path, samples_for(path, 4), work)
+    return qdq
+
+
+def int8_io_listing(path: Path, names: list[str], work: Path) -> Path:
+    """A custom-IO list (`-custom-IO-list-file`) that makes `names` int8 codes on the host."""
+    listing = work / f"{path.stem}.int8-io.yaml"
+    listing.write_text("".join(f"- IOName: {n}\n  Precision: int8\n" for n in names))
+    return listing
+
+
 def bench_model(
     name: str, path: Path, flags: list[str], cores: int, count: int, work: Path
 ) -> dict[str, Any]:
@@ -231,7 +246,7 @@ def bench_model(
     samples = samples_for(path, count)
     calibration, held = split(samples)
     npz = work / f"{path.stem}.calib.npz"
-    np.savez(npz, **{n: np.stack([s[n] for s in samples]) for n in samples[0]})
+    np.savez(npz, allow_pickle=False, **{n: np.stack([s[n] for s in samples]) for n in samples[0]})
     reference = ort_run(path, held)
     base = [f"-aic-num-cores={cores}", *flags]
     rows: dict[str, Any] = {}
@@ -251,7 +266,7 @@ def bench_model(
                 o["cosine_similarity"] for o in result.accuracy["held_back"]["outputs"].values()
             )
         result.cleanup()
-        _progress(f"  {name}: {label}: {rows[label]}")
+        progress(f"  {name}: {label}: {rows[label]}")
 
     ours("qpcfarm fp16", ["-convert-to-fp16"])
     ours("qpcfarm MXFP6", ["-convert-to-fp16", "-mxfp6-matmul"])
@@ -271,7 +286,7 @@ def bench_model(
         rows["ONNX Runtime int8"] = errors(reference, ort_run(peer, held))
     except Exception as exc:  # the peer failing is reported, not fatal
         rows["ONNX Runtime int8"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-    _progress(f"  {name}: ONNX Runtime int8: {rows['ONNX Runtime int8']}")
+    progress(f"  {name}: ONNX Runtime int8: {rows['ONNX Runtime int8']}")
     ratio = ips["qpcfarm int8"] / ips["qpcfarm fp16"] if ips.get("qpcfarm fp16") else None
     speedup = device_us["qpcfarm fp16"] / device_us["qpcfarm int8"] if device_us else None
     return {
@@ -295,13 +310,9 @@ def deployed(path: Path, cores: int, work: Path) -> list[dict[str, Any]]:
     the compute floor, HMX busy, kernels and float kernels, host transfer."""
     from compiler_core import compile_model
 
-    qdq = work / f"{path.stem}.ort-int8.onnx"
-    if not qdq.exists():
-        ort_int8(path, samples_for(path, 4), work)
+    qdq = ort_int8_cached(path, work)
     model = onnx.load(qdq, load_external_data=False)
-    listing = work / f"{path.stem}.int8-io.yaml"
-    boundary = [model.graph.input[0].name, model.graph.output[0].name]
-    listing.write_text("".join(f"- IOName: {n}\n  Precision: int8\n" for n in boundary))
+    listing = int8_io_listing(path, [model.graph.input[0].name, model.graph.output[0].name], work)
     rows = []
     for label, extra in (("float I/O", []), ("int8 I/O", [f"-custom-IO-list-file={listing}"])):
         result = compile_model(qdq, [f"-aic-num-cores={cores}", *extra])
@@ -320,7 +331,7 @@ def deployed(path: Path, cores: int, work: Path) -> list[dict[str, Any]]:
             }
         )
         result.cleanup()
-        _progress(f"  deployed {label}: {rows[-1]}")
+        progress(f"  deployed {label}: {rows[-1]}")
     return rows
 
 
@@ -367,10 +378,6 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models (smoke test)")
@@ -393,21 +400,18 @@ def main(argv: list[str] | None = None) -> int:
             onnx.save(resnet(spec), path)
         rows = deployed(path, args.cores, args.work)
         keys = list(rows[0])
-        print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-        print("\n".join("| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows))
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=1))
+        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+        emit(lines, rows, args.json)
         return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="qpcfarm-int8-") as tmp:
         for name, path, flags in models(args.quick, args.work):
             if args.only and args.only.lower() not in name.lower():
                 continue
-            _progress(f"{name}: {path.name}")
+            progress(f"{name}: {path.name}")
             results.append(bench_model(name, path, flags, args.cores, args.samples, Path(tmp)))
-    print("\n".join(table(results)))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    emit(table(results), results, args.json)
     return 0
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # app modules are imported lazily: other test files need no d
 
     from app.domain.blobs import BlobStore
     from app.domain.db.models import Team
+    from tests.api_helpers import LiveServer, Servers
 
 POSTGRES_URL_ENV = "QPCFARM_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -187,6 +188,29 @@ def corrupt_blob(store: BlobStore, sha256: str, offset: int = -1) -> None:
         chunk[at] ^= 0xFF
         session.execute(update(BlobChunk).where(*where).values(data=bytes(chunk)))
         session.commit()
+
+
+# ---------------------------------------------------------------------------- live servers
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """One live server per database kind for a module's tests (a module that needs other
+    settings overrides this fixture with its own `Servers(tmp_path_factory, **overrides)`)."""
+    from tests.api_helpers import Servers
+
+    running = Servers(tmp_path_factory)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
+    """A live server: each test runs on SQLite + filesystem and on PostgreSQL + database
+    blobs."""
+    return servers.get(request.param)
 
 
 # ------------------------------------------------------------------------------- factories

@@ -60,12 +60,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         running.close()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    """Core flows: each test runs on SQLite + filesystem and on PostgreSQL + database blobs."""
-    return servers.get(request.param)
-
-
 @pytest.fixture
 def local(servers: Servers) -> LiveServer:
     """The SQLite server, for behaviour that does not depend on the database."""

@@ -125,6 +125,67 @@ def test_a_failing_source_leaves_nothing_behind(blob_store: BlobStore) -> None:
     assert stored_bytes(blob_store) == 0
 
 
+def test_put_file_stores_a_files_bytes_and_leaves_the_file_as_it_was(
+    blob_store: BlobStore, tmp_path: Path
+) -> None:
+    source = tmp_path / "work" / "programqpc.bin"
+    source.parent.mkdir()
+    source.write_bytes(SAMPLE)
+    ref = blob_store.put_file(source)
+    assert (ref.sha256, ref.size, ref.created) == (
+        hashlib.sha256(SAMPLE).hexdigest(),
+        len(SAMPLE),
+        True,
+    )
+    assert source.read_bytes() == SAMPLE
+    assert blob_store.put_file(source).created is False
+    source.unlink()  # the job folder goes
+    assert read_all(blob_store, ref.sha256) == SAMPLE
+    assert blob_rows(blob_store) == 1
+
+
+def test_put_file_of_an_oversize_file_raises_and_leaves_nothing_behind(
+    blob_store: BlobStore, tmp_path: Path
+) -> None:
+    source = tmp_path / "big.bin"
+    source.write_bytes(SAMPLE)
+    with pytest.raises(BlobTooLarge):
+        blob_store.put_file(source, max_bytes=len(SAMPLE) - 1)
+    assert stored_bytes(blob_store) == 0
+    assert source.read_bytes() == SAMPLE
+
+
+def test_a_file_on_the_stores_file_system_is_linked_in_not_copied(tmp_path: Path) -> None:
+    store = FilesystemBlobStore(tmp_path / "blobs")
+    source = tmp_path / "programqpc.bin"
+    source.write_bytes(SAMPLE)
+    os.chmod(source, 0o644)
+    ref = store.put_file(source)
+    stored = store.root / ref.sha256[:2] / ref.sha256[2:]
+    assert stored.stat().st_ino == source.stat().st_ino
+    assert stored.stat().st_mode & 0o777 == 0o600  # the store's own mode, whoever wrote it
+    source.unlink()
+    assert stored.stat().st_nlink == 1 and stored.read_bytes() == SAMPLE
+    assert sorted(p.name for p in (store.root / "tmp").iterdir()) == []
+
+
+def test_a_file_on_another_file_system_is_copied_while_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FilesystemBlobStore(tmp_path / "blobs")
+    source = tmp_path / "programqpc.bin"
+    source.write_bytes(SAMPLE)
+
+    def cross_device(src: object, dst: object) -> None:
+        raise OSError(18, "Invalid cross-device link")  # EXDEV
+
+    monkeypatch.setattr(os, "link", cross_device)
+    ref = store.put_file(source)
+    stored = store.root / ref.sha256[:2] / ref.sha256[2:]
+    assert stored.stat().st_ino != source.stat().st_ino
+    assert stored.read_bytes() == SAMPLE and ref.sha256 == hashlib.sha256(SAMPLE).hexdigest()
+
+
 @pytest.mark.parametrize(
     ("start", "length"),
     [

@@ -11,15 +11,17 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from app.console.compare import compare_command
+from app.domain.compilers import DEFAULT
+from app.domain.services import compilers
 from app.domain.services.compare import Side, bucket_of, compare_sides
-from tests.api_helpers import LiveServer, Servers
+from compiler_core.profiling.opstats import OPSTATS_LEVEL
+from tests.api_helpers import LiveServer, Servers, form_csrf, web_client
 from tests.conftest import tiny_model, tiny_model_bytes
 from worker import compile_jobs
 
@@ -91,20 +93,6 @@ def test_a_failed_side_compares_as_failed_to_passed_with_every_figure_added() ->
 
 
 # --------------------------------------------------------------------------- over HTTP
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 def _upload(client: httpx.Client, data: bytes) -> str:
@@ -210,13 +198,7 @@ def test_the_compare_page_shows_both_sides_and_the_changes(servers: Servers) -> 
         model = _upload(api, tiny_model_bytes(scale=random.uniform(0.01, 1.0)))
         one = _job(server, api, model, ["-aic-num-cores=1"])
         two = _job(server, api, model, ["-aic-num-cores=2"])
-    with httpx.Client(base_url=server.url, follow_redirects=False) as browser:
-        page = browser.get("/sign-in")
-        csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
-        assert csrf is not None
-        signed = browser.post("/sign-in", data={"api_key": key, "csrf": csrf.group(1)})
-        assert signed.status_code == 303
-
+    with web_client(server, key) as browser:
         shown = browser.get("/compare", params={"a": one["qpc_id"], "b": two["id"]})
         bad = browser.get("/compare", params={"a": "nope", "b": two["id"]})
         job_page = browser.get(f"/jobs/{two['id']}")
@@ -226,3 +208,45 @@ def test_the_compare_page_shows_both_sides_and_the_changes(servers: Servers) -> 
     assert re.search(r"<code>num_cores</code></td>\s*<td>1\.0</td><td>2\.0</td>", shown.text)
     assert bad.status_code == 422 and "invalid_request" in bad.text
     assert f'href="/compare?a={two["id"]}"' in job_page.text
+
+
+def _job_behind(api: httpx.Client, redirect: httpx.Response) -> dict:
+    """The job a page's redirect (`/jobs/{id}?...`) leads to, as the API shows it."""
+    job_id = redirect.headers["location"].split("?")[0].rsplit("/", 1)[1]
+    job: dict = api.get(f"/v1/compile-jobs/{job_id}").json()
+    return job
+
+
+def test_recompile_on_the_job_page_runs_the_model_again_with_the_compiler_or_stats_level_asked(
+    server: LiveServer,
+) -> None:
+    worker = f"w-{uuid.uuid4().hex[:6]}"
+    with server.state.session_factory() as session:
+        compilers.advertise(session, worker, [DEFAULT], fresh_s=60.0)
+    key = server.new_key()
+    try:
+        with server.client(key) as api:
+            model = _upload(api, tiny_model_bytes(scale=random.uniform(0.01, 1.0)))
+            old = _job(server, api, model, ["-aic-num-cores=2"])
+            with web_client(server, key) as browser:
+                csrf = form_csrf(browser, f"/jobs/{old['id']}")
+                versioned = browser.post(
+                    f"/jobs/{old['id']}/recompile", data={"compiler": str(DEFAULT), "csrf": csrf}
+                )
+                missing = browser.post(
+                    f"/jobs/{old['id']}/recompile", data={"compiler": "qaic@9.9.9", "csrf": csrf}
+                )
+                profiled = browser.post(
+                    f"/jobs/{old['id']}/recompile-for-profile", data={"csrf": csrf}
+                )
+            for answer, query in ((versioned, "compare_with"), (profiled, "recompiled_from")):
+                assert answer.status_code == 303, answer.text
+                assert answer.headers["location"].endswith(f"?{query}={old['id']}")
+            new = [_job_behind(api, answer) for answer in (versioned, profiled)]
+    finally:
+        with server.state.session_factory() as session:
+            compilers.withdraw(session, worker)
+
+    assert new[0]["compiler"] == str(DEFAULT) and new[0]["options"] == old["options"]
+    assert new[1]["options"] == {**old["options"], "stats-level": OPSTATS_LEVEL}
+    assert missing.status_code == 409 and "compiler_unavailable" in missing.text

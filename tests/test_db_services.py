@@ -22,7 +22,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import func, inspect, select
+from sqlalchemy import Table, func, inspect, select
 from sqlalchemy.orm import Session
 
 from app.domain.blobs import BlobRef
@@ -95,16 +95,23 @@ def qpc_id_of(job: CompileJob) -> uuid.UUID:
 def old_schema_team(session: Session, name: str | None = None) -> Any:
     """A team row written with the columns every revision has (a migration test's database
     is at an older revision than the models)."""
-    from sqlalchemy import Table, insert
+    from sqlalchemy import insert
 
     team_id = uuid.uuid4()
-    table: Table = Team.__table__  # type: ignore[assignment]
     session.execute(
-        insert(table).values(
+        insert(table_of(Team)).values(
             id=team_id, name=name or f"team-{team_id.hex[:8]}", created_at=utcnow()
         )
     )
     return SimpleNamespace(id=team_id)
+
+
+def table_of(entity: type[Base]) -> Table:
+    """The entity's Core table (typed: the declarative base declares `__table__` a
+    FromClause), for writes to a database at an older revision than the models."""
+    table = entity.__table__
+    assert isinstance(table, Table)
+    return table
 
 
 def count(session: Session, entity: type[Base]) -> int:
@@ -492,8 +499,8 @@ def test_with_the_farm_scope_another_teams_hit_gets_a_copy_of_its_own(
     assert hit.qpc_id != done.qpc_id  # their own row: nothing names the first team's QPC
     mine, theirs = qpcs.get_qpc(session, team, qpc_id_of(done)), session.get(Qpc, hit.qpc_id)
     assert theirs is not None and theirs.team_id == other.id and theirs.sha256 == mine.sha256
-    report = qpcs.get_report(session, theirs)
-    assert report is not None and report.metrics == qpcs.get_report(session, mine).metrics
+    report, own = qpcs.get_report(session, theirs), qpcs.get_report(session, mine)
+    assert report is not None and own is not None and report.metrics == own.metrics
     again, _ = jobs.submit_job(session, other, model, OPTIONS, cache_scope="farm")
     assert again.qpc_id == hit.qpc_id  # one copy, not one per hit
 
@@ -974,7 +981,7 @@ def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothin
             qpc_id, orphan_id = uuid.uuid4(), uuid.uuid4()
             for ident, sha in ((qpc_id, "b" * 64), (orphan_id, "c" * 64)):
                 session.execute(
-                    insert(Qpc.__table__).values(
+                    insert(table_of(Qpc)).values(
                         id=ident,
                         sha256=sha,
                         size=9,
@@ -985,20 +992,20 @@ def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothin
                         created_at=utcnow(),
                     )  # fmt: skip
                 )
-            session.execute(insert(CompileReport.__table__).values(
+            session.execute(insert(table_of(CompileReport)).values(
                 id=uuid.uuid4(), qpc_id=qpc_id, metrics={"x": 1}, warnings=[], pass_times={},
                 log="", created_at=utcnow()))  # fmt: skip
             start = utcnow()
             for team, age in ((a, 0), (b, 5)):
-                session.execute(insert(CompileJob.__table__).values(
+                session.execute(insert(table_of(CompileJob)).values(
                     id=uuid.uuid4(), team_id=team.id, model_id=model.id, options={},
                     options_key="k" * 64, device="aic100-standard", status="succeeded",
                     qpc_id=qpc_id, cache_hit=team is b, cancel_requested=False, attempts=1,
                     progress=1.0, created_at=start + dt.timedelta(seconds=age)))  # fmt: skip
-            session.execute(insert(Validation.__table__).values(
+            session.execute(insert(table_of(Validation)).values(
                 id=uuid.uuid4(), team_id=b.id, qpc_id=qpc_id, qpc_sha256="b" * 64, ok=True,
                 checks=[], created_at=utcnow()))  # fmt: skip
-            session.execute(insert(ProfileJob.__table__).values(
+            session.execute(insert(table_of(ProfileJob)).values(
                 id=uuid.uuid4(), team_id=a.id, qpc_id=qpc_id, status="queued", iterations=1,
                 attempts=0, created_at=utcnow()))  # fmt: skip
             session.commit()

@@ -11,6 +11,7 @@ test process: they are refused with a coded error, and the compile writes no QPC
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import warnings
 import zipfile
@@ -22,7 +23,7 @@ import pytest
 
 from compiler_core import CompileError, compile_model, run_qpc
 from compiler_core.cli import main
-from compiler_core.convert import recognise
+from compiler_core.convert import recognise, wire
 from compiler_core.convert.child import MISSING, Failed, _need
 
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "onnxscript"))
@@ -220,6 +221,78 @@ def test_formats_are_recognised_from_the_bytes_not_the_name(tmp_path: Path) -> N
         "d.tflite": "frozen_graph",
         "e.pb": None,
     }
+
+
+def _pb(number: int, value: int | bytes) -> bytes:
+    """One protobuf field, encoded by hand (the messages' field numbers: compiler_core/convert/
+    wire.py): a varint for an int, length-delimited for bytes."""
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    if isinstance(value, int):
+        return varint(number << 3) + varint(value)
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+NODE_DEF = _pb(1, b"dense/MatMul") + _pb(2, b"MatMul") + _pb(3, b"x") + _pb(3, b"dense/w")
+GRAPH_DEF = _pb(1, NODE_DEF) + _pb(1, _pb(1, b"x") + _pb(2, b"Placeholder")) + _pb(4, _pb(1, 8))
+META_INFO = _pb(1, b"") + _pb(4, b"serve") + _pb(5, b"2.21.0")
+SAVED_MODEL_PB = _pb(1, 1) + _pb(2, _pb(1, META_INFO) + _pb(2, GRAPH_DEF) + _pb(5, b"sig"))
+
+
+def _onnx_bytes() -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    model = helper.make_model(
+        graph, producer_name="tf2onnx", opset_imports=[helper.make_opsetid("", 18)]
+    )
+    return bytes(model.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        pytest.param(SAVED_MODEL_PB, wire.SAVED_MODEL, id="saved-model"),
+        pytest.param(GRAPH_DEF, wire.GRAPH_DEF, id="graph-def"),
+        pytest.param(b"\x0a\x05\x0a\x01x\x12\x00\xff\xff", wire.GRAPH_DEF, id="damaged-graph-def"),
+        pytest.param(_onnx_bytes(), wire.ONNX, id="onnx"),
+        pytest.param(_pb(1, 1) + _pb(2, b"pytorch"), None, id="onnx-without-graph"),
+        pytest.param(b"\x08\x01\x12\xff\xff\xff\x0f", None, id="length-past-the-end"),
+        pytest.param(b"not a protobuf at all", None, id="text"),
+    ],
+)
+def test_protobufs_are_told_apart_by_their_fields(data: bytes, kind: str | None) -> None:
+    """A SavedModel's saved_model.pb and an ONNX model both start with a small varint in
+    field 1: the set of fields and their wire types tells them (and a GraphDef) apart."""
+    assert wire.message_kind(io.BytesIO(data), len(data)) == kind
+
+
+def test_a_bare_saved_model_pb_is_refused_with_what_to_send_instead(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """saved_model.pb alone (no variables/ beside it) is not taken for ONNX: the CLI says it
+    needs its folder. In its folder, beside variables/, the folder is the model."""
+    bare = tmp_path / "saved_model.pb"
+    bare.write_bytes(SAVED_MODEL_PB)
+    code, _out, err = _cli(capsys, "compile", f"-m={bare}", f"-aic-binary-dir={tmp_path / 'o'}")
+    assert code == 1
+    assert "without its folder" in err and "zip the SavedModel directory" in err
+    assert "ONNX" not in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+    (tmp_path / "variables").mkdir()
+    found = recognise(bare)
+    assert found is not None and found.format is not None
+    assert (found.format.key, found.root) == ("saved_model", tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -251,6 +251,8 @@ HOSTILE = [
         marks=pytest.mark.slow,
     ),
     pytest.param(None, _zip(["sd/data.pkl", "sd/version"]), id="torch-checkpoint"),
+    # SavedModel { schema_version: 1, meta_graphs { meta_info_def { meta_graph_version: "" } } }
+    pytest.param(None, b"\x08\x01\x12\x04\x0a\x02\x0a\x00", id="bare-saved-model-pb"),
 ]
 
 

@@ -10,22 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.api_helpers import LiveServer, Servers, multipart_chunks
+from tests.api_helpers import LiveServer, multipart_chunks
 from tests.conftest import tiny_model, tiny_model_bytes
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 @pytest.fixture

@@ -19,23 +19,9 @@ import pytest
 from sqlalchemy import select
 
 from app.domain.db.models import QuarantinedBlob
-from tests.api_helpers import LiveServer, Servers
+from tests.api_helpers import LiveServer
 from tests.conftest import corrupt_blob, tiny_model_bytes
 from worker import compile_jobs
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    running = Servers(tmp_path_factory)
-    try:
-        yield running
-    finally:
-        running.close()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
 
 
 @pytest.fixture
@@ -155,9 +141,7 @@ def test_verify_blobs_quarantines_corrupt_blobs_and_lists_the_missing(
     from app.domain.settings import get_settings
     from tests.api_helpers import live_server
 
-    with live_server("sqlite", tmp_path / "data") as server, server.client(
-        server.new_key()
-    ) as api:
+    with live_server("sqlite", tmp_path / "data") as server, server.client(server.new_key()) as api:
         _, job = compile_new(server, api)
         qpc = api.get(f"/v1/qpcs/{job['qpc_id']}").json()
     monkeypatch.setenv("QPCFARM_DATA_DIR", str(tmp_path / "data"))

@@ -8,6 +8,7 @@ mid-job fails that job at once and is replaced, and the next job runs.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import os
 import signal
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.domain.blobs import BlobStore
 from app.domain.blobs.database import DatabaseBlobStore
 from app.domain.blobs.filesystem import FilesystemBlobStore
+from app.domain.db.base import utcnow
 from app.domain.db.models import CompileJob, JobStatus
 from app.domain.db.session import WriterLock, make_engine, make_session_factory
 from app.domain.services import jobs, models
@@ -35,11 +37,13 @@ from compiler_core import CompileOptions
 from tests.api_helpers import postgres_schema_url
 from tests.conftest import make_team, tiny_model_bytes
 from tests.test_worker import wait_for
-from worker import compile_jobs
+from worker import compile_jobs, fair_share
 from worker.job_process import JobProcess, config_for
 from worker.queues import queue_from_settings
 
 OPTIONS = CompileOptions.from_json({"aic-num-cores": 2})
+USED_OPTIONS = CompileOptions.from_json({"aic-num-cores": 16})
+"""A past compile's options (another cache key than OPTIONS')."""
 
 
 @dataclass
@@ -105,15 +109,62 @@ def test_the_embedded_queue_runs_jobs_in_child_processes(embedded: Embedded) -> 
         ids = [embedded.queued_job(0.1 * (i + 1)).id for i in range(2)]
         for job_id in ids:
             queue.enqueue(job_id)
-        wait_for(
-            lambda: all(embedded.reload(i).status == JobStatus.succeeded for i in ids), "jobs"
-        )
+        wait_for(lambda: all(embedded.reload(i).status == JobStatus.succeeded for i in ids), "jobs")
     finally:
         queue.close()
     for job_id in ids:
         job = embedded.reload(job_id)
         # The worker name is the API process's thread; the work was done by its child.
         assert job.qpc_id is not None and job.worker and f":{os.getpid()}:inproc-" in job.worker
+
+
+@pytest.mark.parametrize("in_children", [True, False], ids=["job-process", "threads"])
+def test_the_embedded_queue_orders_compiles_over_the_farms_fair_share_window(
+    embedded: Embedded, in_children: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look-back is the setting `fair_share_window_s`: team A held a worker for a minute
+    20 minutes ago, team B for 10 s just now. Over the last hour A used more, so B's compile
+    runs first though A's is older (over the default 10 minutes A used nothing: A first)."""
+    import worker.job_process
+
+    if not in_children:  # as with an in-memory database: jobs run in the queue's threads
+        monkeypatch.setattr(worker.job_process, "config_for", lambda *_args: None)
+    settings = Settings(
+        data_dir=embedded.settings.data_dir,
+        database_url=embedded.settings.database_url,
+        fair_share_window_s=3600.0,
+        worker_concurrency=1,
+    )
+    now = utcnow()
+    with embedded.sessions() as session:
+        queued = []
+        for name, used_s, ended_s_ago in (("a", 60, 1200), ("b", 10, 0)):
+            team = make_team(session, f"{name}-{uuid.uuid4().hex[:6]}")
+            model = models.store_model(
+                session, embedded.store, team, io.BytesIO(tiny_model_bytes(0.2)), "m.onnx",
+                max_bytes=1 << 26,
+            )  # fmt: skip
+            used, _ = jobs.submit_job(session, team, model, USED_OPTIONS)
+            used.status = JobStatus.succeeded
+            used.finished_at = now - dt.timedelta(seconds=ended_s_ago)
+            used.started_at = used.finished_at - dt.timedelta(seconds=used_s)
+            job, _ = jobs.submit_job(session, team, model, OPTIONS)
+            queued.append(job.id)
+            session.commit()
+    assert fair_share.WINDOW_S < 1200 < settings.fair_share_window_s
+
+    queue = queue_from_settings(settings, embedded.sessions, embedded.store)
+    try:
+        assert getattr(queue, "isolated", None) is in_children
+        wait_for(
+            lambda: all(embedded.reload(i).status == JobStatus.succeeded for i in queued),
+            "both compiles",
+        )
+    finally:
+        queue.close()
+    a_job, b_job = (embedded.reload(i) for i in queued)
+    assert a_job.started_at is not None and b_job.started_at is not None
+    assert b_job.started_at < a_job.started_at
 
 
 def test_an_in_memory_database_keeps_jobs_in_the_threads(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""A worker's local cache of models by sha256 (`worker.model_cache`), in front of the
-database blob store (the farm's): a model is read from the store once per worker, checked
-on every use, evicted least recently used first."""
+"""A worker's local cache of models by sha256 (`worker.model_cache`), in front of the farm's
+blob store (the database, or a filesystem volume shared with the API): a model is read from
+the store once per worker, hashed before use until a hash of the unchanged file proved it
+good, evicted least recently used first."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from app.domain.blobs import BlobCorrupt, BlobStore
 from app.domain.blobs.database import DatabaseBlobStore
-from app.domain.blobs.integrity import verify_blob
+from app.domain.blobs.filesystem import FilesystemBlobStore
+from app.domain.blobs.integrity import verify_blob, verify_for_use
 from app.domain.db.models import JobStatus
 from app.domain.services import jobs, models
 from compiler_core import CompileOptions
@@ -92,17 +94,93 @@ def test_the_least_recently_used_models_beyond_the_limit_go_but_not_recent_ones(
         os.utime(cache.file(name), (long_ago + age, long_ago + age))
     cache.cached(names[0])  # used just now: the most recent
     assert cache.evict() == [names[1], names[2]]
-    assert sorted(p.name for p in cache.root.iterdir()) == sorted([names[0], names[3]])
+    assert cache.models() == sorted([names[0], names[3]])
     cache.max_bytes = 0
     assert cache.evict() == [names[3]]  # the recently used one stays however full
+    assert sorted(p.name for p in cache.root.iterdir()) == [
+        model_cache.USED_PREFIX + names[0],
+        names[0],
+    ]  # an evicted model's use marker goes with it
+
+
+def test_a_use_leaves_the_cached_files_times_as_its_check_saw_them(tmp_path: Path) -> None:
+    cache = ModelCache(tmp_path / "cache", 1 << 30)
+    name = hashlib.sha256(b"m").hexdigest()
+    cache.file(name).write_bytes(b"m")
+    before = os.stat(cache.file(name))
+    assert cache.cached(name) == cache.file(name)
+    after = os.stat(cache.file(name))
+    assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)
+
+
+def _settled(path: Path) -> None:
+    """Wait until `path` last changed more than TRUST_AFTER_S ago (set small by the test)."""
+    while time.time_ns() - os.stat(path).st_ctime_ns < model_cache.TRUST_AFTER_S * 1e9:
+        time.sleep(0.01)
+
+
+def test_a_cached_model_is_hashed_until_a_hash_of_the_settled_file_passed_then_trusted(
+    database_store: DatabaseBlobStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_cache, "TRUST_AFTER_S", 0.05)
+    ref = database_store.put(io.BytesIO(tiny_model_bytes()))
+    cache = ModelCache(tmp_path / "cache", 1 << 30)
+    cached = cache.over(database_store)
+    path = cached.path_hint(ref.sha256)
+    assert path is not None
+    verify_for_use(cached, ref.sha256, found_by="compile")
+    assert not cache.trusted(ref.sha256)  # just written: a write in the same tick would hide
+    _settled(path)
+    verify_for_use(cached, ref.sha256, found_by="compile")
+    assert cache.trusted(ref.sha256)
+    cached.path_hint(ref.sha256)  # a use
+    assert cache.trusted(ref.sha256)
+
+
+@pytest.mark.parametrize("damage", ["same size", "appended", "replaced"])
+def test_any_write_to_a_trusted_cached_model_is_caught_by_the_next_check(
+    database_store: DatabaseBlobStore,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    damage: str,
+) -> None:
+    monkeypatch.setattr(model_cache, "TRUST_AFTER_S", 0.05)
+    data = tiny_model_bytes()
+    ref = database_store.put(io.BytesIO(data))
+    cache = ModelCache(tmp_path / "cache", 1 << 30)
+    cached = cache.over(database_store)
+    path = cached.path_hint(ref.sha256)
+    assert path is not None
+    _settled(path)
+    verify_for_use(cached, ref.sha256, found_by="compile")
+    assert cache.trusted(ref.sha256)
+    times = os.stat(path)
+    if damage == "same size":
+        path.write_bytes(b"\0" + data[1:])
+        os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))  # even with its mtime back
+    elif damage == "appended":
+        with open(path, "ab") as out:
+            out.write(b"\0")
+    else:
+        other = path.with_name(".other")
+        other.write_bytes(b"\0" + data[1:])
+        os.replace(other, path)
+    assert not cache.trusted(ref.sha256)
+    with pytest.raises(BlobCorrupt):
+        verify_for_use(cached, ref.sha256, found_by="compile")
+    assert not path.exists()
+    assert verify_blob(database_store, ref.sha256, found_by="compile") == len(data)
 
 
 def test_a_farm_worker_compiles_from_its_cache_and_the_job_succeeds(
     farm: Farm, tmp_path: Path
 ) -> None:
     if farm.mode != "farm":
-        assert model_cache.for_worker(farm.store, tmp_path, 1 << 30) is farm.store
-        return  # a store of local files needs no cache
+        assert (
+            model_cache.for_worker(farm.store, tmp_path, 1 << 30, server_database=False)
+            is farm.store
+        )
+        return  # the embedded mode's store is this host's own files: no cache
     with farm.session() as session:
         team = make_team(session)
         model = models.store_model(
@@ -118,3 +196,25 @@ def test_a_farm_worker_compiles_from_its_cache_and_the_job_succeeds(
     )  # fmt: skip
     assert status == JobStatus.succeeded
     assert (tmp_path / model_cache.FOLDER / sha256).is_file()
+
+
+def test_a_farm_worker_caches_models_of_a_filesystem_store_shared_with_the_api(
+    tmp_path: Path,
+) -> None:
+    with ready_database("postgresql", tmp_path) as db:
+        store = FilesystemBlobStore(tmp_path / "shared" / "blobs")
+        with db.sessions() as session:
+            team = make_team(session)
+            model = models.store_model(
+                session, store, team, io.BytesIO(tiny_model_bytes()), "m.onnx",
+                max_bytes=1 << 26,
+            )  # fmt: skip
+            job, _ = jobs.submit_job(session, team, model, CompileOptions.from_json({}))
+            session.commit()
+            sha256, job_id = model.sha256, job.id
+        status = process_job(
+            job_id, session_factory=db.sessions, store=store, worker_name="w",
+            kind="compile", work_root=tmp_path / "work",
+        )  # fmt: skip
+        assert status == JobStatus.succeeded
+        assert (tmp_path / "work" / model_cache.FOLDER / sha256).is_file()

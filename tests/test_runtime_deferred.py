@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering.placement import CodegenPolicy
-from compiler_core.lowering.program import DmaLoad, DmaStore, Program, RunKernel
+from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, RunKernel
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor
 from compiler_core.runtime.deferred import DeferredLoads
@@ -114,7 +114,7 @@ def test_a_store_of_a_deferred_buffer_stores_the_constant() -> None:
     program, constants, load = _streamed(model)
     y = program.outputs[0]
     store = DmaStore(tensor=y, box=load.buf_box, vtcm=load.vtcm, buf_box=load.buf_box)
-    stream = [
+    stream: list[Instr] = [
         store if isinstance(instr, RunKernel) else instr
         for instr in program.streams[0]
         if not (isinstance(instr, DmaStore) and instr.tensor == y)

@@ -58,11 +58,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         running.close()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
-    return servers.get(request.param)
-
-
 @pytest.fixture
 def local(servers: Servers) -> LiveServer:
     return servers.get("sqlite")

@@ -11,17 +11,20 @@ Compiled QPCs are run on the functional runtime and compared with ONNX Runtime.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from app.domain.db.models import CompileJob, Qpc
+from app.domain.db.models import Blob, BlobChunk, CompileJob, Qpc, QuarantinedBlob
 from tests.conftest import _postgres_problem, postgres_url, tiny_model_bytes
 from tests.service_helpers import (
     Api,
@@ -210,6 +213,64 @@ def test_farm_mode_two_worker_processes_share_the_jobs_and_all_succeed(
         assert qpc_rows == 6
         processes_used = {worker_of[job_id].rsplit(":", 1)[0] for job_id in ids}
         assert len(processes_used) == 2, worker_of  # both workers took jobs
+
+
+def _count(env: dict[str, str], table: Any) -> int:
+    engine = create_engine(env["QPCFARM_DATABASE_URL"])
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_farm_mode_with_a_filesystem_store_shared_by_api_and_worker_serves_every_blob(
+    farm: FarmServices, tmp_path: Path
+) -> None:
+    """The recommended farm (docker-compose.yml): blob bytes on a volume every process
+    mounts, none in PostgreSQL; the job folders on it too, so a QPC is linked in."""
+    data = tmp_path / "data"
+    env = {**farm.env, "QPCFARM_BLOB_STORE": "filesystem", "QPCFARM_WORK_DIR": str(data / "work")}
+    with processes(tmp_path) as procs:
+        api = start_farm_api(procs, env, tmp_path)
+        wait_for_worker(procs.start("worker", ["worker"], env))
+        assert httpx.get(f"{api.base_url}/readyz").status_code == 200
+
+        blob = slow_model(layers=20).SerializeToString()
+        model = api.upload(blob)
+        done = api.wait(api.submit(model["id"], OPTIONS)["id"], ("succeeded", "failed"))
+        assert done["status"] == "succeeded", done["error"]
+        qpc = api.download_qpc(done["qpc_id"])
+        assert_runs_like_onnxruntime(qpc, blob, tmp_path, 2)
+        sha256 = hashlib.sha256(qpc).hexdigest()
+        stored = data / "blobs" / sha256[:2] / sha256[2:]
+        assert stored.read_bytes() == qpc and stored.stat().st_nlink == 1  # job folder gone
+        assert (data / "work" / "model-cache" / model["sha256"]).is_file()
+        assert (_count(env, Blob), _count(env, BlobChunk)) == (0, 0)
+        assert api.submit(model["id"], OPTIONS)["cache_hit"] is True
+
+        damaged = bytearray(qpc)
+        damaged[-1] ^= 0xFF
+        stored.write_bytes(bytes(damaged))  # the disk goes bad under the farm
+        with api.client() as http:
+            refused = http.get(f"/v1/qpcs/{done['qpc_id']}/download")
+        assert (refused.status_code, refused.json()["code"]) == (500, "blob_corrupt")
+        assert not stored.exists() and _count(env, QuarantinedBlob) == 1
+        assert [p.name.split(".")[0] for p in (data / "blobs" / "quarantine").iterdir()] == [sha256]
+
+        again = api.submit(model["id"], OPTIONS)
+        assert again.get("cache_hit") is not True  # compiled afresh, stored again
+        redone = api.wait(again["id"], ("succeeded", "failed"))
+        assert redone["status"] == "succeeded", redone["error"]
+        assert api.download_qpc(redone["qpc_id"]) == qpc
+        assert "0 corrupt, 0 missing" in run_cli(["admin", "verify-blobs"], env, tmp_path)
+
+        unused = api.upload(slow_model(layers=3).SerializeToString(), "unused.onnx")
+        files = [data / "blobs" / s[:2] / s[2:] for s in (model["sha256"], unused["sha256"])]
+        assert all(f.exists() for f in [*files, stored])
+        run_cli(["admin", "set-limits", "--team", "ci", "--retention-days", "0"], env, tmp_path)
+        assert "collected 3 blob(s)" in run_cli(["admin", "gc"], env, tmp_path)
+        assert not any(f.exists() for f in [*files, stored])  # jobs, models and QPC all old
 
 
 def test_farm_mode_a_job_whose_worker_is_killed_mid_compile_still_completes_once(

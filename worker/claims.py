@@ -190,12 +190,20 @@ def stale_ids(
             .order_by(table.created_at)
         ).scalars()
     )
+    mark_enqueued(session, table, ids, now)
+    return ids
+
+
+def mark_enqueued(
+    session: Session, table: JobTable, ids: list[uuid.UUID], now: dt.datetime
+) -> None:
+    """Stamp the jobs enqueued at `now`, so the reaper leaves them alone for a while (the
+    caller commits, then enqueues them)."""
     if ids:
         session.execute(
             update(table).where(table.id.in_(ids)).values(enqueued_at=now),
             execution_options={"synchronize_session": False},
         )
-    return ids
 
 
 def queued_ids(session: Session, table: JobTable) -> list[uuid.UUID]:

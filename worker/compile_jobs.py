@@ -389,25 +389,21 @@ def run_compile(
                 farm_options = _profile_in(farm_options, work)
                 result = _compile(model_path, farm_options, progress, compiler, work, folder)
                 progress.check()
-                with open(result.qpc_path, "rb") as qpc_file:
-                    ref = store.put(qpc_file)
+                ref = store.put_file(result.qpc_path)  # linked in, where the store can
                 # Held until `succeed` commits the row naming it: retention cannot collect it now.
                 blob_guard.lock_for_write(session, ref.sha256)
                 if not store.exists(ref.sha256):  # collected between the put and the lock
-                    with open(result.qpc_path, "rb") as qpc_file:
-                        ref = store.put(qpc_file)
+                    ref = store.put_file(result.qpc_path)
                 progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
                 metrics = dict(result.metrics)
                 if farm_options.dump_profile:
-                    with open(farm_options.dump_profile, "rb") as profile_file:
-                        profile = store.put(profile_file)
+                    profile = store.put_file(Path(farm_options.dump_profile))
                     metrics[PROFILE_METRIC] = {"sha256": profile.sha256, "size": profile.size}
                     progress.note(f"stored quantization profile {profile.sha256}")
                 conversion = metrics.get(CONVERSION_METRIC)
                 converted = work / "out" / CONVERTED_FILE
                 if isinstance(conversion, dict) and converted.is_file():
-                    with open(converted, "rb") as onnx_file:
-                        onnx_ref = store.put(onnx_file)
+                    onnx_ref = store.put_file(converted)
                     metrics[CONVERSION_METRIC] = {
                         **conversion,
                         "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
@@ -495,12 +491,10 @@ def _vendor_compile(
     )
     progress.check()
     progress.note("ran: " + " ".join(result.command))
-    with open(result.qpc_path, "rb") as qpc_file:
-        ref = store.put(qpc_file)
+    ref = store.put_file(result.qpc_path)
     blob_guard.lock_for_write(session, ref.sha256)  # as for the farm's own QPCs
     if not store.exists(ref.sha256):
-        with open(result.qpc_path, "rb") as qpc_file:
-            ref = store.put(qpc_file)
+        ref = store.put_file(result.qpc_path)
     progress.note(f"stored QPC {ref.sha256} ({ref.size:,} bytes)")
     log = "\n".join(progress.lines) + "\n"
     log += f"--- qaic-compile stdout ---\n{result.stdout}\n"

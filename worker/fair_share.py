@@ -31,7 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from app.domain.db.base import utcnow
@@ -235,9 +235,5 @@ def held_back_ids(
             .order_by(CompileJob.created_at)
             .limit(room)
         ).scalars()
-    if found:
-        session.execute(
-            update(CompileJob).where(CompileJob.id.in_(found)).values(enqueued_at=now),
-            execution_options={"synchronize_session": False},
-        )
+    claims.mark_enqueued(session, CompileJob, found, now)
     return found

@@ -34,6 +34,7 @@ from app.domain.timing import HEARTBEAT_S, REQUEUE_AFTER_S, STALE_AFTER_S
 from worker.advertise import Advertiser
 from worker.claims import queued_ids, stale_ids
 from worker.compile_process import CompileProcess
+from worker.fair_share import WINDOW_S
 from worker.job_process import JobProcess, JobProcessConfig
 from worker.reaper import Reaper
 from worker.runner import default_worker_name, process_job
@@ -66,7 +67,9 @@ class InProcessQueue:
         compilers: Sequence[Compiler] | None = None,
         collector: Callable[[], object] | None = None,
         collect_interval_s: float = 0.0,
+        fair_share_window_s: float = WINDOW_S,
     ) -> None:
+        self._fair_share_window_s = fair_share_window_s
         self._collector = collector
         self._collect_interval_s = collect_interval_s
         self._sessions = session_factory
@@ -232,6 +235,7 @@ class InProcessQueue:
                     heartbeat_s=self._heartbeat_s,
                     stale_after_s=self._stale_after_s,
                     work_root=self._work_root,
+                    fair_share_window_s=self._fair_share_window_s,
                 )
             except Exception:  # a database outage: the reaper re-enqueues the job later
                 log.exception("%s %s: worker error; the reaper will retry it", kind, job_id)

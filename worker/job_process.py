@@ -37,6 +37,7 @@ from sqlalchemy.orm import Session
 from app.domain.blobs import BlobStore
 from app.domain.queue import JobKind
 from app.domain.services.limits import Limits, compile_limits
+from worker.fair_share import WINDOW_S
 
 if TYPE_CHECKING:
     from app.domain.settings import Settings
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 
 NICENESS = 10
 """How much lower than the API the child runs: requests get the CPU first, jobs the rest."""
-
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ class JobProcessConfig:
     """The limits of the job process's compile child (`app.domain.services.limits`)."""
     work_root: str | None = None
     """Where job folders go (`worker.workdirs`; None: the default)."""
+    fair_share_window_s: float = WINDOW_S
+    """The look-back of `worker.fair_share` (the farm's `fair_share_window_s`)."""
 
 
 def config_for(settings: Settings, store: BlobStore) -> JobProcessConfig | None:
@@ -90,6 +92,7 @@ def config_for(settings: Settings, store: BlobStore) -> JobProcessConfig | None:
         settings.stale_after_s,
         compile_limits(settings),
         None if settings.work_dir is None else str(settings.work_dir),
+        settings.fair_share_window_s,
     )
 
 
@@ -131,6 +134,7 @@ def _child_main(conn: Connection, config: JobProcessConfig) -> None:
                 stale_after_s=config.stale_after_s,
                 compiler=compiler if kind == "compile" else None,
                 work_root=work_root,
+                fair_share_window_s=config.fair_share_window_s,
             )
             conn.send(("done", None if status is None else status.value))
         except Exception as exc:  # noqa: BLE001 - a database outage: the reaper retries the job

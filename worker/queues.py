@@ -134,4 +134,5 @@ def queue_from_settings(
         compilers=local_compilers(settings),
         collector=collector_for(settings, session_factory, store),
         collect_interval_s=settings.gc_interval_s,
+        fair_share_window_s=settings.fair_share_window_s,
     ).start()

@@ -77,7 +77,11 @@ def _run_compile(run: JobRun) -> None:
     assert isinstance(run.job, CompileJob)
     compile_jobs.run_compile(
         run.session,
-        model_cache.for_worker(run.store, run.work_root),
+        model_cache.for_worker(
+            run.store,
+            run.work_root,
+            server_database=run.session.get_bind().dialect.name != "sqlite",
+        ),
         run.job,
         run.progress_cb,
         run.beat.stop_requested,

@@ -66,8 +66,9 @@ def job_out(session: Session, job: CompileJob, *, attached: bool = False) -> Job
             "description": "`invalid_option`, `unknown_option` (with `flag`), "
             "`invalid_compiler`, `option_not_for_backend`, ..."
         },
-        429: {"description": "`queue_quota`: the team's queued jobs are at its limit "
-              "(`Retry-After`)"},
+        429: {
+            "description": "`queue_quota`: the team's queued jobs are at its limit (`Retry-After`)"
+        },
     },
 )
 def submit_job(

@@ -54,4 +54,3 @@ JOB_KINDS: dict[JobKind, JobKindSpec] = {
 }
 
 KINDS: tuple[JobKind, ...] = get_args(JobKind)
-

@@ -34,7 +34,6 @@ class Enqueuer(Protocol):
 
 @runtime_checkable
 class JobQueue(Enqueuer, Protocol):
-
     def close(self) -> None:
         """Release threads and connections (the app's shutdown)."""
         ...

@@ -87,9 +87,7 @@ GROUPS: list[tuple[str, re.Pattern[str]]] = [
     ("Precision", re.compile(r"^precision\.")),
     (
         "Compute",
-        re.compile(
-            r"^(.*mac.*|hmx_.*|unit_busy_percent\..*|kernels.*|specialized_kernels)$"
-        ),
+        re.compile(r"^(.*mac.*|hmx_.*|unit_busy_percent\..*|kernels.*|specialized_kernels)$"),
     ),
     ("DDR traffic", re.compile(r"^memory_traffic\.")),
     (

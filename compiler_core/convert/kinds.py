@@ -3,10 +3,10 @@
 A PyTorch file is a zip archive; what is inside tells a TorchScript module (`code/`,
 `constants.pkl`) from a `torch.export` program (`archive_format`, `models/*.json`) and from
 a bare checkpoint (`torch.save` of weights: no program to convert). A TFLite file carries
-the FlatBuffer identifier `TFL3` at bytes 4-8. A frozen TensorFlow graph is a `GraphDef`
-protobuf, whose first field is a `NodeDef` (tag 0x0a) that starts with its name (tag 0x0a);
-an ONNX model starts with `ir_version` (tag 0x08) instead. A SavedModel is a directory (or a
-.zip/.tar of one) holding `saved_model.pb`.
+the FlatBuffer identifier `TFL3` at bytes 4-8. A frozen TensorFlow graph (`GraphDef`), a
+SavedModel's `saved_model.pb` and an ONNX model are protobufs told apart by their fields
+(`wire`). A SavedModel is a directory (or a .zip/.tar of one) holding `saved_model.pb` with
+its `variables/`: its `saved_model.pb` alone is refused with what to send instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from compiler_core.convert import wire
 
 SAVED_MODEL_FILE = "saved_model.pb"
 MAX_MEMBERS = 100_000
@@ -46,6 +48,11 @@ TORCH_CHECKPOINT = (
 KERAS_V3 = (
     "a Keras .keras archive: export a SavedModel with model.export('<dir>') "
     "(or tf.saved_model.save) and give the directory or an archive of it"
+)
+BARE_SAVED_MODEL = (
+    "the saved_model.pb of a TensorFlow SavedModel without its folder (its variables/ and "
+    "assets/ are not in this file): zip the SavedModel directory (e.g. `cd <dir> && zip -r "
+    "../model.zip .`) and send the archive, or give -m the directory"
 )
 HDF5 = (
     "an HDF5 file (a Keras .h5 model?): export a SavedModel with model.export('<dir>') "
@@ -111,14 +118,22 @@ def _torch_kind(names: list[str]) -> Format | str | None:
     return None
 
 
-def _is_graph_def(head: bytes) -> bool:
-    """A GraphDef: field 1 (`node`, length-delimited) whose NodeDef starts with its name."""
-    if len(head) < 3 or head[0] != 0x0A:
-        return False
-    i = 1
-    while i < len(head) and i < 11 and head[i] & 0x80:  # the NodeDef's length (a varint)
-        i += 1
-    return i + 1 < len(head) and head[i + 1] == 0x0A
+def _protobuf(path: Path) -> Recognised | None:
+    """A frozen GraphDef; a SavedModel's `saved_model.pb` given alone (in its folder, beside
+    `variables/`, the folder is the model); None for ONNX or any other file."""
+    try:
+        with open(path, "rb") as handle:
+            kind = wire.message_kind(handle, os.fstat(handle.fileno()).st_size)
+    except OSError:
+        return None
+    if kind == wire.GRAPH_DEF:
+        return Recognised(FROZEN_GRAPH, path)
+    if kind == wire.SAVED_MODEL:
+        folder = path.parent
+        if path.name == SAVED_MODEL_FILE and (folder / "variables").is_dir():
+            return Recognised(SAVED_MODEL, folder)
+        return Recognised(None, path, BARE_SAVED_MODEL)
+    return None
 
 
 def recognise(path: str | os.PathLike[str]) -> Recognised | None:
@@ -157,9 +172,7 @@ def recognise(path: str | os.PathLike[str]) -> Recognised | None:
         if prefix is not None:
             return Recognised(SAVED_MODEL, p, member_prefix=prefix)
         return None
-    if _is_graph_def(head):
-        return Recognised(FROZEN_GRAPH, p)
-    return None
+    return _protobuf(p)
 
 
 def _tar_magic(path: Path) -> bool:

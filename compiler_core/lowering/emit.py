@@ -1210,16 +1210,19 @@ def materialize(
         mine[c] = position[index]
 
     streams: list[list[Instr]] = [[] for _ in range(cores)]
+    # the program repeats a few hundred distinct boxes thousands of times: one tuple each
+    # (the program outlives the compile, and each tuple is one more object to collect)
+    boxes: dict[Box, Box] = {}
     for index, op in enumerate(ops):
         stream = streams[op.core]
         for sem, _ in waits[index]:
             stream.append(SemWait(sem=sem, count=1))
-        stream.append(_instr(op, at, id_map, graph))
+        stream.append(_instr(op, at, id_map, boxes, graph))
         if index in post_after:
             stream.append(SemPost(sem=post_after[index]))
     setup: list[list[Instr]] = [[] for _ in range(cores)]
     for op in schedule.setup:
-        setup[op.core].append(_instr(op, at, id_map))
+        setup[op.core].append(_instr(op, at, id_map, boxes))
     for c in range(cores):
         vtcm_used[c] = max(vtcm_used[c], resident if resident else 0)
     return streams, setup, len(post_after), vtcm_used
@@ -1229,23 +1232,39 @@ def _instr(
     op: Op,
     resolve: Callable[[BufRef], int],
     id_map: dict[int, int],
+    boxes: dict[Box, Box],
     graph: LoweredGraph | None = None,
 ) -> Instr:
+    """The instruction of `op`, its boxes the ones of `boxes` (equal boxes: one object)."""
+    one = boxes.setdefault
     if op.kind == LOAD:
         assert op.dst is not None
-        return DmaLoad(id_map[op.tensor], op.box, resolve(op.dst), op.dst_box, op.mask, op.kernel)
+        return DmaLoad(
+            id_map[op.tensor],
+            one(op.box, op.box),
+            resolve(op.dst),
+            one(op.dst_box, op.dst_box),
+            op.mask,
+            op.kernel,
+        )
     if op.kind == STORE:
         assert op.src is not None
-        return DmaStore(id_map[op.tensor], op.box, resolve(op.src), op.src_box, op.kernel)
+        return DmaStore(
+            id_map[op.tensor],
+            one(op.box, op.box),
+            resolve(op.src),
+            one(op.src_box, op.src_box),
+            op.kernel,
+        )
     if op.kind == NOC:
         assert op.src is not None and op.dst is not None
         return NocCopy(
             id_map[op.tensor],
-            op.box,
+            one(op.box, op.box),
             resolve(op.src),
-            op.src_box,
+            one(op.src_box, op.src_box),
             resolve(op.dst),
-            op.dst_box,
+            one(op.dst_box, op.dst_box),
             op.mask,
             op.kernel,
         )
@@ -1275,7 +1294,10 @@ def _instr(
     ins = tuple(
         None
         if operand is None
-        else Operand(operand.box, tuple(Piece(resolve(ref), box) for ref, box in operand.parts))
+        else Operand(
+            one(operand.box, operand.box),
+            tuple(Piece(resolve(ref), one(box, box)) for ref, box in operand.parts),
+        )
         for operand in op.inputs
     )
     if op.kind == SCATTER:
@@ -1298,10 +1320,14 @@ def _instr(
             kernel=op.kernel,
         )
     outs = tuple(
-        None if out is None else Operand(out.box, (Piece(resolve(out.ref), out.held),))
+        None
+        if out is None
+        else Operand(one(out.box, out.box), (Piece(resolve(out.ref), one(out.held, out.held)),))
         for out in op.outputs
     )
-    return RunKernel(kernel=op.kernel, out_box=op.out_box, inputs=ins, outputs=outs)
+    return RunKernel(
+        kernel=op.kernel, out_box=one(op.out_box, op.out_box), inputs=ins, outputs=outs
+    )
 
 
 def _onchip(graph: LoweredGraph, tid: int, chip: frozenset[int]) -> bool:

@@ -87,6 +87,12 @@ class BlobStore(Protocol):
         passed, leaving nothing behind. Idempotent: known content is not stored again."""
         ...
 
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        """`put` of a finished local file (a QPC the compiler wrote). A store of files may
+        take the file's inode itself instead of a copy: the caller must not write to it
+        again (reading it, and removing it, are fine)."""
+        ...
+
     def open(self, sha256: str) -> BinaryIO:
         """A readable, seekable binary stream of the blob (BlobNotFound if absent)."""
         ...
@@ -216,6 +222,20 @@ def check_sha256(sha256: str) -> str:
 def check_range(start: int, length: int) -> None:
     if start < 0 or length < 0:
         raise ValueError(f"bad range: start {start}, length {length}")
+
+
+def file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:
+    """Bytes [start, start + length) of an open file in chunks, clipped at its end; closes
+    the file when done (a store's own files, a worker's cached copies)."""
+    with handle:
+        handle.seek(start)
+        left = length
+        while left > 0:
+            chunk = handle.read(min(CHUNK_SIZE, left))
+            if not chunk:
+                return
+            left -= len(chunk)
+            yield chunk
 
 
 def spill(store: BlobStore, sha256: str, dest: Path) -> Path:

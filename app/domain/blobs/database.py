@@ -54,6 +54,10 @@ class DatabaseBlobStore:
                 return self._put(spooled, max_bytes)
         return self._put(data, max_bytes)
 
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        with open(path, "rb") as data:
+            return self.put(data, max_bytes=max_bytes)
+
     def _put(self, data: Source, max_bytes: int | None) -> BlobRef:
         counter = HashingCounter(max_bytes)
         upload_key = f"tmp-{uuid.uuid4().hex}"

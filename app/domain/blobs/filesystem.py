@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -20,11 +22,13 @@ from app.domain.blobs.base import (
     BackgroundHashingCounter,
     BlobNotFound,
     BlobRef,
+    HashingCounter,
     Quarantined,
     QuarantineRecorder,
     Source,
     check_range,
     check_sha256,
+    file_range,
     fsync_dir,
     iter_chunks,
 )
@@ -76,6 +80,35 @@ class FilesystemBlobStore:
             raise
         return BlobRef(ref.sha256, ref.size, created)
 
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        """A file on the store's file system is linked in, not copied: one read hashes it
+        while the disk takes its bytes (its fsync runs in a thread meanwhile), then the link
+        is renamed into place. A file elsewhere is `put` (copied while hashed, one pass)."""
+        tmp = self._tmp / f"{uuid.uuid4().hex}.part"
+        try:
+            os.link(path, tmp)
+        except OSError:  # another file system (EXDEV), or one without hard links
+            with open(path, "rb") as data:
+                return self.put(data, max_bytes=max_bytes)
+        try:
+            os.chmod(tmp, FILE_MODE)
+            with open(tmp, "rb", 0) as src:
+                counter = HashingCounter(max_bytes)
+                with _synced(src.fileno()):
+                    buffer = bytearray(CHUNK_SIZE)
+                    view = memoryview(buffer)
+                    while read := src.readinto(buffer):
+                        counter.update(view[:read])  # type: ignore[arg-type]
+                ref = counter.ref()
+            final = self._path(ref.sha256)
+            final.parent.mkdir(mode=DIR_MODE, exist_ok=True)
+            created = not final.exists()
+            os.replace(tmp, final)  # a no-op when both name this inode already (put twice)
+            fsync_dir(final.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return BlobRef(ref.sha256, ref.size, created)
+
     def open(self, sha256: str) -> BinaryIO:
         try:
             return open(self._path(sha256), "rb")
@@ -85,7 +118,7 @@ class FilesystemBlobStore:
     def read_range(self, sha256: str, start: int, length: int) -> Iterator[bytes]:
         check_range(start, length)
         handle = self.open(sha256)  # opened now, so a missing blob raises before iteration
-        return _file_range(handle, start, length)
+        return file_range(handle, start, length)
 
     def exists(self, sha256: str) -> bool:
         try:
@@ -145,21 +178,30 @@ class FilesystemBlobStore:
             probe.unlink(missing_ok=True)
 
 
+@contextmanager
+def _synced(fd: int) -> Iterator[None]:
+    """fsync `fd` in a thread while the block runs; its error, if any, raised at the end."""
+    errors: list[OSError] = []
+
+    def sync() -> None:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=sync, name="blob-fsync", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def _write_all(out: BinaryIO, chunk: bytes) -> None:
     """An unbuffered file may write less than asked; write the rest."""
     view = memoryview(chunk)
     while view:
         written = out.write(view)
         view = view[written or 0 :]
-
-
-def _file_range(handle: BinaryIO, start: int, length: int) -> Iterator[bytes]:
-    with handle:
-        handle.seek(start)
-        left = length
-        while left > 0:
-            chunk = handle.read(min(CHUNK_SIZE, left))
-            if not chunk:
-                return
-            left -= len(chunk)
-            yield chunk

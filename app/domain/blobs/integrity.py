@@ -70,6 +70,17 @@ def verify_blob(store: BlobStore, sha256: str, *, found_by: str) -> int:
     return size
 
 
+def verify_for_use(store: BlobStore, sha256: str, *, found_by: str) -> None:
+    """Check a blob before it is used from its `path_hint`: `verify_blob`, unless the store
+    vouches for that local file itself (`check_local`: the worker's model cache, which hashed
+    the file before and trusts it while it is unchanged: `worker.model_cache`)."""
+    check_local = getattr(store, "check_local", None)
+    if callable(check_local):
+        check_local(sha256, found_by=found_by)
+    else:
+        verify_blob(store, sha256, found_by=found_by)
+
+
 @contextmanager
 def verified_path(
     store: BlobStore, sha256: str, tmp_dir: Path, name: str = "blob", *, found_by: str
@@ -78,7 +89,7 @@ def verified_path(
     spilled into `tmp_dir` while hashing (removed after)."""
     hint = store.path_hint(sha256)
     if hint is not None:
-        verify_blob(store, sha256, found_by=found_by)
+        verify_for_use(store, sha256, found_by=found_by)
         yield hint
         return
     dest = spill_verified(store, sha256, tmp_dir / name, found_by=found_by)
@@ -109,4 +120,3 @@ def _check(store: BlobStore, sha256: str, actual: str, size: int, found_by: str)
     if actual != sha256:
         store.quarantine(sha256, actual_sha256=actual, size=size, found_by=found_by)
         raise BlobCorrupt(sha256, actual, size)
-

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import exists, or_, select
@@ -38,7 +39,12 @@ class RecordingStore:
         self.created: list[BlobRef] = []
 
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
-        ref = self._store.put(data, max_bytes=max_bytes)
+        return self._record(self._store.put(data, max_bytes=max_bytes))
+
+    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+        return self._record(self._store.put_file(path, max_bytes=max_bytes))
+
+    def _record(self, ref: BlobRef) -> BlobRef:
         if ref.created:
             self.created.append(ref)
         return ref

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from app.domain.blobs import BlobStore, BlobTooLarge, local_path
 from app.domain.blobs import guard as blob_guard
 from app.domain.blobs.base import Source
-from app.domain.blobs.integrity import spill_verified, verified_path, verify_blob
+from app.domain.blobs.integrity import spill_verified, verified_path, verify_for_use
 from app.domain.db.models import Model, Team
 from app.domain.services import quotas
 from app.domain.services.archives import extract_archive
@@ -138,7 +138,7 @@ def materialize_model(store: BlobStore, model: Model, work: Path) -> Path:
     # Compiled in place: the upload check guarantees a bare .onnx references no external
     # files, and the compiler maps its weights straight from this file (a hard link would
     # have two links, which the IR refuses to map).
-    verify_blob(store, model.sha256, found_by="compile")
+    verify_for_use(store, model.sha256, found_by="compile")
     return hint
 
 

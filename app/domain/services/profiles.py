@@ -172,7 +172,7 @@ def check_profilable(session: Session, qpc: Qpc) -> None:
             "stats_level_too_low",
             f"this QPC was compiled with -stats-level={level}: its stats hold no per-operator "
             f"cycles. Profiling needs -stats-level={OPSTATS_LEVEL}: compile the model again "
-            f"with it (the job page's \"Recompile with -stats-level={OPSTATS_LEVEL}\")",
+            f'with it (the job page\'s "Recompile with -stats-level={OPSTATS_LEVEL}")',
             409,
             {"flag": "-stats-level", "stats_level": level},
         )

@@ -34,7 +34,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import Select, delete, exists, func, not_, or_, select
+from sqlalchemy import ColumnElement, Select, delete, exists, func, not_, or_, select
 from sqlalchemy.orm import Session
 
 from app.domain.blobs import BlobStore
@@ -145,58 +145,47 @@ def _collect_team(
     session: Session, team_id: uuid.UUID, cutoff: dt.datetime, found: TeamCollected
 ) -> set[str]:
     """Delete the team's expired rows; the sha256s of the models and QPCs deleted."""
-    found.sweeps = rowcount(
-        session.execute(
-            delete(Sweep).where(
-                Sweep.team_id == team_id,
-                Sweep.status.not_in(ACTIVE_STATUSES),
-                _old(Sweep.finished_at, Sweep.created_at, cutoff),
-            ),
-            execution_options={"synchronize_session": False},
-        )
-    )
+    found.sweeps = _delete_finished(session, Sweep, team_id, cutoff)
     pinned = exists().where(Qpc.id == CompileJob.qpc_id, Qpc.pinned_at.is_not(None))
     in_sweep = exists().where(SweepCompile.compile_job_id == CompileJob.id)
-    found.jobs = rowcount(
-        session.execute(
-            delete(CompileJob).where(
-                CompileJob.team_id == team_id,
-                CompileJob.status.not_in(ACTIVE_STATUSES),
-                _old(CompileJob.finished_at, CompileJob.created_at, cutoff),
-                not_(in_sweep),
-                not_(pinned),
-            ),
-            execution_options={"synchronize_session": False},
-        )
+    found.jobs = _delete_finished(
+        session, CompileJob, team_id, cutoff, not_(in_sweep), not_(pinned)
     )
-    found.profile_jobs = rowcount(
-        session.execute(
-            delete(ProfileJob).where(
-                ProfileJob.team_id == team_id,
-                ProfileJob.status.not_in(ACTIVE_STATUSES),
-                _old(ProfileJob.finished_at, ProfileJob.created_at, cutoff),
-            ),
-            execution_options={"synchronize_session": False},
-        )
-    )
+    found.profile_jobs = _delete_finished(session, ProfileJob, team_id, cutoff)
     shas: set[str] = set()
     # Models before QPCs: the order a submit locks them in (no deadlock between the two).
-    for model_id in _ids(session, _model_candidates(team_id, cutoff)):
-        row = _lock_if_still(session, Model, model_id, _model_candidates(team_id, cutoff))
-        if row is not None:
-            session.execute(delete(Model).where(Model.id == model_id))
-            found.models.append(str(model_id))
-            found.bytes += row.size
-            shas.add(row.sha256)
-    for qpc_id in _ids(session, _qpc_candidates(team_id, cutoff)):
-        row = _lock_if_still(session, Qpc, qpc_id, _qpc_candidates(team_id, cutoff))
-        if row is not None:
-            session.execute(delete(Qpc).where(Qpc.id == qpc_id))
-            found.qpcs.append(str(qpc_id))
-            found.bytes += row.size
-            shas.add(row.sha256)
+    stored: list[tuple[type[Model] | type[Qpc], Select[Any], list[str]]] = [
+        (Model, _model_candidates(team_id, cutoff), found.models),
+        (Qpc, _qpc_candidates(team_id, cutoff), found.qpcs),
+    ]
+    for table, candidates, deleted in stored:
+        for row_id in _ids(session, candidates):
+            row = _lock_if_still(session, table, row_id, candidates)
+            if row is not None:
+                session.execute(delete(table).where(table.id == row_id))
+                deleted.append(str(row_id))
+                found.bytes += row.size
+                shas.add(row.sha256)
     session.flush()
     return shas
+
+
+def _delete_finished(
+    session: Session,
+    table: type[Sweep] | type[CompileJob] | type[ProfileJob],
+    team_id: uuid.UUID,
+    cutoff: dt.datetime,
+    *also: ColumnElement[bool],
+) -> int:
+    """Delete the team's rows of `table` that are finished and older than `cutoff` (and meet
+    `also`); how many went."""
+    expired = delete(table).where(
+        table.team_id == team_id,
+        table.status.not_in(ACTIVE_STATUSES),
+        _old(table.finished_at, table.created_at, cutoff),
+        *also,
+    )
+    return rowcount(session.execute(expired, execution_options={"synchronize_session": False}))
 
 
 def _qpc_candidates(team_id: uuid.UUID, cutoff: dt.datetime) -> Select[Any]:

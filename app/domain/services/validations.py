@@ -154,8 +154,9 @@ def _record_vendor(
                     stdin=subprocess.DEVNULL,
                     check=False,
                 )
-                ok, output = done.returncode == 0, (done.stdout + done.stderr).decode(
-                    "utf-8", errors="replace"
+                ok, output = (
+                    done.returncode == 0,
+                    (done.stdout + done.stderr).decode("utf-8", errors="replace"),
                 )
                 message = f"exit status {done.returncode}: {output.strip()[-2000:]}"
             except subprocess.TimeoutExpired:
