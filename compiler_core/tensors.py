@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import BinaryIO
+
 import onnx_ir as ir
 
 
@@ -23,16 +25,29 @@ SMALL_TENSOR_BYTES = 64 * 1024
 touching a mapped file can bring in a whole 2 MiB huge page for a few bytes."""
 
 
-def read_external(tensor: ir.ExternalTensor) -> ir.Tensor:
-    """The tensor's bytes read with a plain file read (no mapping), as an in-memory tensor."""
+def read_external(tensor: ir.ExternalTensor, files: dict[str, BinaryIO] | None = None) -> ir.Tensor:
+    """The tensor's bytes read with a plain file read (no mapping), as an in-memory tensor.
+    `files`: open files by path, shared by the reads of one graph (a model's 160 small
+    weights in its own file: one open instead of 160)."""
     import numpy as np
 
-    with open(tensor.path, "rb") as source:
-        source.seek(tensor.offset or 0)
-        raw = source.read(tensor.nbytes)
+    path = str(tensor.path)
+    if files is None:
+        with open(path, "rb") as own:
+            raw = _read_at(own, tensor)
+    else:
+        shared = files.get(path)
+        if shared is None:
+            shared = files[path] = open(path, "rb")  # noqa: SIM115 - closed by the caller
+        raw = _read_at(shared, tensor)
     dtype = np.dtype(tensor.dtype.numpy()).newbyteorder("<")
     array = np.frombuffer(raw, dtype=dtype, count=tensor.size).reshape(tensor.shape.numpy())
     return ir.Tensor(array.astype(array.dtype.newbyteorder("=")), name=tensor.name)
+
+
+def _read_at(source: BinaryIO, tensor: ir.ExternalTensor) -> bytes:
+    source.seek(tensor.offset or 0)
+    return source.read(tensor.nbytes)
 
 
 def load_small_external(graph: ir.Graph, limit: int = SMALL_TENSOR_BYTES) -> int:
@@ -43,19 +58,28 @@ def load_small_external(graph: ir.Graph, limit: int = SMALL_TENSOR_BYTES) -> int
     mapped, like a large initializer). Subgraph tensors are read whatever their size: a body
     travels in the QPC serialized, and must not refer to a file.
     """
+    files: dict[str, BinaryIO] = {}
+    try:
+        return _load_small(graph, limit, files)
+    finally:
+        for source in files.values():
+            source.close()
+
+
+def _load_small(graph: ir.Graph, limit: int, files: dict[str, BinaryIO]) -> int:
     count = 0
     for value in graph.initializers.values():
         tensor = value.const_value
         if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= limit:
-            value.const_value = read_external(tensor)
+            value.const_value = read_external(tensor, files)
             count += 1
     for node in ir.traversal.RecursiveGraphIterator(graph):
         in_main = node.graph is graph
         for name, attr in list(node.attributes.items()):
             if attr.type == ir.AttributeType.GRAPH and attr.value is not None:
-                count += _load_initializers(attr.as_graph())
+                count += _load_initializers(attr.as_graph(), files)
             elif attr.type == ir.AttributeType.GRAPHS:
-                count += sum(_load_initializers(body) for body in attr.as_graphs())
+                count += sum(_load_initializers(body, files) for body in attr.as_graphs())
             if attr.type != ir.AttributeType.TENSOR:
                 continue
             tensor = attr.as_tensor()
@@ -63,15 +87,15 @@ def load_small_external(graph: ir.Graph, limit: int = SMALL_TENSOR_BYTES) -> int
                 continue
             if in_main and node.op_type == "Constant" and tensor.nbytes > limit:
                 continue
-            node.attributes[name] = ir.AttrTensor(name, read_external(tensor))
+            node.attributes[name] = ir.AttrTensor(name, read_external(tensor, files))
             count += 1
     return count
 
 
-def _load_initializers(body: ir.Graph) -> int:
+def _load_initializers(body: ir.Graph, files: dict[str, BinaryIO]) -> int:
     count = 0
     for value in body.initializers.values():
         if isinstance(value.const_value, ir.ExternalTensor):
-            value.const_value = read_external(value.const_value)
+            value.const_value = read_external(value.const_value, files)
             count += 1
     return count
