@@ -45,6 +45,7 @@ from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
     from compiler_core.runtime.numerics import FiniteProbe
@@ -315,8 +316,13 @@ class Executor:
         constants: memoryview | bytes,
         vtcm_bytes: int,
         decoded: Mapping[int, np.ndarray] | None = None,
+        *,
+        shared_products: bool = True,
     ) -> None:
+        """`shared_products` False: every tile computes its own product (runtime/shared.py;
+        the answers are the same, it is slower)."""
         self.program = program
+        self.shared_products = shared_products
         self.machine = Machine(program, constants, vtcm_bytes, decoded)
         self.kernels = [
             _Kernel(
@@ -344,6 +350,11 @@ class Executor:
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
         """Per core, the end of the highest VTCM byte an inference may write."""
+        self._shared: dict[tuple[int, int], SharedTile] = {}
+        """Tiles that take their part of one product with others (runtime/shared.py), by
+        (core, position in its stream)."""
+        self.inference = 0
+        """Counts inferences begun (a shared product is valid for one)."""
         self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
         """Retained input name -> (input, output) tensor ids: one device buffer that the
         host neither sends nor receives."""
@@ -443,6 +454,7 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.clear()
+        self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         host_inputs, host_outputs = program.host_ports()
         for tid, _ in self.retained.values():
@@ -490,10 +502,17 @@ class Executor:
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
+            if self.shared_products:
+                self._shared = plan(
+                    self.program,
+                    [(k.opdef, k.desc.info) for k in self.kernels],
+                    self._constant_view,
+                    self.machine.part,
+                )
             streams: list[list[tuple[Any, ...]]] = []
             for core, stream in enumerate(self.program.streams):
                 steps: list[tuple[Any, ...]] = []
-                for instr in stream:
+                for index, instr in enumerate(stream):
                     if isinstance(instr, SemWait):
                         steps.append((_WAIT, instr.sem, instr.count))
                     elif isinstance(instr, LinkWait):
@@ -501,7 +520,7 @@ class Executor:
                     elif isinstance(instr, SemPost):
                         steps.append((_POST, instr.sem))
                     else:
-                        steps.append((_RUN, self._decode(core, instr)))
+                        steps.append((_RUN, self._decode(core, instr, at=index)))
                 streams.append(steps)
             self._streams = streams
         return self._streams
@@ -581,7 +600,13 @@ class Executor:
             for target in targets
         ]
 
-    def _decode(self, core: int, instr: object, *, activation: bool = False) -> Step:
+    def _constant_view(self, tensor: int, box: Box) -> np.ndarray:
+        """`box` of a constant tensor, read in place (as a deferred load hands it)."""
+        view = self.machine.tensor(self.program.tensors[tensor])[_view(box)]
+        view.flags.writeable = False
+        return view
+
+    def _decode(self, core: int, instr: object, *, activation: bool = False, at: int = -1) -> Step:
         """The instruction as a step, with every static check done now; a fault it would
         raise is raised when the stream reaches it, as if it ran undecoded. Activation's
         loads copy at once (what they load stays for the program's life)."""
@@ -597,7 +622,7 @@ class Executor:
             if isinstance(instr, DmaScatter):
                 return self._scatter(core, instr)
             if isinstance(instr, RunKernel):
-                return self._kernel(core, instr)
+                return self._kernel(core, instr, self._shared.get((core, at)))
             if isinstance(instr, LinkSend):
                 return self._link_send(core, instr)
             raise RuntimeFault(f"core {core}: unknown instruction {instr!r}")
@@ -1090,7 +1115,7 @@ class Executor:
                 )
         return reads
 
-    def _kernel(self, core: int, instr: RunKernel) -> Step:
+    def _kernel(self, core: int, instr: RunKernel, shared: SharedTile | None = None) -> Step:
         kernel = self.kernels[instr.kernel]
         desc = kernel.desc
         info = desc.info
@@ -1136,7 +1161,9 @@ class Executor:
             for position, holding, box, acc, start in wide:
                 if copies.holds(core, start, holding):
                     base[position] = copies.widened(holding, box, base[position], acc)  # type: ignore[arg-type]
-            results = compute(info, base, tile)
+            results = None if shared is None else shared.results(base, self.inference)
+            if results is None:
+                results = compute(info, base, tile)
             if steps:
                 value = results[0]
                 for opdef, epilogue in steps:
