@@ -324,6 +324,29 @@ class _Progress:
         self.lines.append(f"[{time.monotonic() - self.started:8.3f}s] {text}")
 
 
+SHAPES_ADVICE = (
+    "; on the farm, give them as the compile's -input-shapes or as the upload's input_shapes "
+    "(recorded with the model: the default of its compiles)"
+)
+
+
+def _farm_advice(exc: CompileError) -> None:
+    """Add the farm's second way to give a model's input shapes (at upload) to the
+    compiler's ask for them, which knows only the compile's flag."""
+    if exc.code == "input_shape_required" and SHAPES_ADVICE not in exc.message:
+        exc.message += SHAPES_ADVICE
+        exc.args = (exc.message,)
+
+
+def _shapes_from(conversion: dict[str, Any], model: Model) -> dict[str, str]:
+    """Which input shapes a conversion used: the upload's (recorded with the model, the
+    default) or the compile's own `-input-shapes`; nothing when it used the model's own."""
+    used = conversion.get("input_shapes")
+    if not used:
+        return {}
+    return {"input_shapes_from": "upload" if used == model.input_shapes else "-input-shapes"}
+
+
 def run_compile(
     session: Session,
     store: BlobStore,
@@ -406,6 +429,7 @@ def run_compile(
                     onnx_ref = store.put_file(converted)
                     metrics[CONVERSION_METRIC] = {
                         **conversion,
+                        **_shapes_from(conversion, model),
                         "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
                     }
                     progress.note(
@@ -428,6 +452,7 @@ def run_compile(
             session.refresh(job)
     except CompileError as exc:
         session.rollback()
+        _farm_advice(exc)
         fail(session, job, exc.code, exc.message, exc.to_dict(), stage=progress.stage)
     except DATABASE_FAULTS:
         # Not the job's fault: it stays running under this worker's name, unfinished; the
