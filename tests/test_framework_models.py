@@ -321,14 +321,18 @@ def test_files_that_are_no_model_say_what_they_look_like(
         ),  # TorchScript of nonsense
         ("tensorflow", b"\x1c\x00\x00\x00TFL3" + b"\xff" * 64),  # a TFLite of nonsense
         pytest.param(
-            "tensorflow", b"\x0a\x05\x0a\x01x\x12\x00\xff\xff\xff", marks=pytest.mark.slow
-        ),  # a broken GraphDef
+            "tensorflow", b"\x0a\x08\x0a\x01x\x12\x03\xff\xff\xff", marks=pytest.mark.slow
+        ),  # a GraphDef whose node's op is not UTF-8
+        (None, b"\x0a\x05\x0a\x01x\x12\x00\xff\xff\xff"),  # a truncated GraphDef
+        (None, ["m/saved_model.pb", "m/../../escaped"]),  # a SavedModel archive escaping
     ],
 )
 def test_damaged_framework_files_are_refused_with_a_code(
-    tmp_path: Path, family: str, content: list[str] | bytes
+    tmp_path: Path, family: str | None, content: list[str] | bytes
 ) -> None:
-    if not (HAVE_TORCH if family == "torch" else HAVE_TF):
+    """Family None: refused before a framework is needed (a damaged protobuf in the parent,
+    a SavedModel archive as the child unpacks it)."""
+    if family is not None and not (HAVE_TORCH if family == "torch" else HAVE_TF):
         pytest.skip(f"the {family} extra is not installed: pip install 'qpcfarm[{family}]'")
     path = tmp_path / "model"
     if isinstance(content, bytes):
@@ -337,7 +341,12 @@ def test_damaged_framework_files_are_refused_with_a_code(
         _zip(path, content)
     with pytest.raises(CompileError) as info:
         compile_model(path, [f"-aic-binary-dir={tmp_path / 'o'}"])
-    assert info.value.code in {"invalid_model", "conversion_failed", "conversion_crashed"}
+    assert info.value.code in {
+        "invalid_model",
+        "conversion_failed",
+        "conversion_crashed",
+        "bad_archive",
+    }
     assert info.value.flag == "-m"
     assert not (tmp_path / "o" / "programqpc.bin").exists()
 
