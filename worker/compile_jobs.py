@@ -204,6 +204,10 @@ class _Stop(BaseException):
         self.cancelled = cancelled
 
 
+COMPILER_RAN = "the compiler ran"
+"""The log line of the compiler's whole time as the worker saw it (its stages, the fit check,
+the perf report, the hand-over): bench/service.py --overhead reads it."""
+
 CANCEL_POLL_S = 1.0
 """How often a compile in a child process reads its row's cancel flag between reports."""
 
@@ -410,7 +414,9 @@ def run_compile(
                     aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
                 )
                 farm_options = _profile_in(farm_options, work)
+                began = time.monotonic()
                 result = _compile(model_path, farm_options, progress, compiler, work, folder)
+                progress.note(f"{COMPILER_RAN} {time.monotonic() - began:.3f} s")
                 progress.check()
                 ref = store.put_file(result.qpc_path)  # linked in, where the store can
                 # Held until `succeed` commits the row naming it: retention cannot collect it now.
