@@ -4,6 +4,7 @@ with keys, and an httpx client per team."""
 from __future__ import annotations
 
 import io
+import re
 import socket
 import tarfile
 import threading
@@ -149,6 +150,25 @@ class Servers:
     def close(self) -> None:
         for context, _server in self._running.values():
             context.__exit__(None, None, None)
+
+
+@contextmanager
+def web_client(server: LiveServer, key: str) -> Iterator[httpx.Client]:
+    """A browser's view of the web pages: a client signed in with `key` (cookies kept,
+    redirects not followed)."""
+    with httpx.Client(base_url=server.url, follow_redirects=False, timeout=60) as browser:
+        form = {"api_key": key, "csrf": form_csrf(browser, "/sign-in")}
+        signed = browser.post("/sign-in", data=form)
+        assert signed.status_code == 303, signed.text
+        yield browser
+
+
+def form_csrf(browser: httpx.Client, page: str) -> str:
+    """The CSRF token of the forms on `page` (the sign-in page's before sign-in, the
+    session's after)."""
+    found = re.search(r'name="csrf" value="([^"]+)"', browser.get(page).text)
+    assert found is not None, f"no form on {page}"
+    return found.group(1)
 
 
 @contextmanager

@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -23,7 +21,7 @@ from app.domain.compilers import DEFAULT
 from app.domain.services import compilers
 from app.domain.services.compare import Side, bucket_of, compare_sides
 from compiler_core.profiling.opstats import OPSTATS_LEVEL
-from tests.api_helpers import LiveServer, Servers
+from tests.api_helpers import LiveServer, Servers, form_csrf, web_client
 from tests.conftest import tiny_model, tiny_model_bytes
 from worker import compile_jobs
 
@@ -193,21 +191,6 @@ def test_the_cli_prints_the_changed_metrics_and_exits_0(
     assert missing == 1 and "not found (HTTP 404)" in capsys.readouterr().err
 
 
-@contextmanager
-def _signed_in(server: LiveServer, key: str) -> Iterator[httpx.Client]:
-    """A browser-like client signed in to the web pages with `key` (no redirects followed)."""
-    with httpx.Client(base_url=server.url, follow_redirects=False) as browser:
-        signed = browser.post("/sign-in", data={"api_key": key, "csrf": _csrf(browser, "/sign-in")})
-        assert signed.status_code == 303
-        yield browser
-
-
-def _csrf(browser: httpx.Client, page: str) -> str:
-    found = re.search(r'name="csrf" value="([^"]+)"', browser.get(page).text)
-    assert found is not None
-    return found.group(1)
-
-
 def test_the_compare_page_shows_both_sides_and_the_changes(servers: Servers) -> None:
     server = servers.get("sqlite")
     key = server.new_key()
@@ -215,7 +198,7 @@ def test_the_compare_page_shows_both_sides_and_the_changes(servers: Servers) -> 
         model = _upload(api, tiny_model_bytes(scale=random.uniform(0.01, 1.0)))
         one = _job(server, api, model, ["-aic-num-cores=1"])
         two = _job(server, api, model, ["-aic-num-cores=2"])
-    with _signed_in(server, key) as browser:
+    with web_client(server, key) as browser:
         shown = browser.get("/compare", params={"a": one["qpc_id"], "b": two["id"]})
         bad = browser.get("/compare", params={"a": "nope", "b": two["id"]})
         job_page = browser.get(f"/jobs/{two['id']}")
@@ -245,8 +228,8 @@ def test_recompile_on_the_job_page_runs_the_model_again_with_the_compiler_or_sta
         with server.client(key) as api:
             model = _upload(api, tiny_model_bytes(scale=random.uniform(0.01, 1.0)))
             old = _job(server, api, model, ["-aic-num-cores=2"])
-            with _signed_in(server, key) as browser:
-                csrf = _csrf(browser, f"/jobs/{old['id']}")
+            with web_client(server, key) as browser:
+                csrf = form_csrf(browser, f"/jobs/{old['id']}")
                 versioned = browser.post(
                     f"/jobs/{old['id']}/recompile", data={"compiler": str(DEFAULT), "csrf": csrf}
                 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from app.domain.services.errors import ServiceError
 from app.domain.settings import Settings
 from compiler_core import CompileOptions
 from compiler_core.version import COMPILER_VERSION
-from tests.api_helpers import LiveServer
+from tests.api_helpers import LiveServer, live_server, web_client
 from tests.conftest import Farm, tiny_model_bytes
 from worker import compile_jobs
 
@@ -215,6 +216,34 @@ def test_a_job_naming_an_available_compiler_records_it_and_keys_the_cache_by_it(
     # Another backend is another key: queued, with the version resolved.
     assert vendor.status_code == 202 and vendor.json()["compiler"] == "qaic@1.18.2.0"
     assert vendor.json()["status"] == "queued"
+
+
+def test_the_web_forms_offer_the_compilers_live_by_the_farms_staleness_window(
+    tmp_path: Path,
+) -> None:
+    """The upload form's and the recompile form's choices count a worker's advertisement as
+    `GET /v1/compilers` does: fresh for `compilers.fresh_s` of the farm's `stale_after_s`
+    (the app's settings: 30 s, so fresh for 30 s), not of the environment's (60 s by
+    default, fresh for 60 s). An advertisement 45 s old is stale to the farm."""
+    assert compilers.fresh_s(30.0) < 45 < compilers.fresh_s(Settings().stale_after_s)
+    with live_server("sqlite", tmp_path, stale_after_s=30.0) as server:
+        now = utcnow()
+        with server.state.session_factory() as session:
+            compilers.advertise(session, "quiet", [QAIC], fresh_s=FRESH_S,
+                                now=now - dt.timedelta(seconds=45))  # fmt: skip
+            compilers.advertise(session, "live", [OLD], fresh_s=FRESH_S, now=now)
+        key = server.new_key()
+        with server.client(key) as api:
+            listed = [r["compiler"] for r in api.get("/v1/compilers").json()]
+            job = api.post("/v1/compile-jobs", json={"model_id": _upload(api)}).json()
+            _play(server, job["id"])  # a finished job's page offers the recompile
+        with web_client(server, key) as browser:
+            pages = {page: browser.get(page).text for page in ("/", f"/jobs/{job['id']}")}
+
+    assert listed == [str(OLD)]
+    for page, html in pages.items():
+        offered = re.findall(r'<option value="((?:qaic|qpcfarm)@[^"]+)"', html)
+        assert offered == listed, page
 
 
 def _upload(api: httpx.Client) -> str:

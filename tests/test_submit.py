@@ -286,6 +286,20 @@ def test_a_wrong_api_key_is_one_line_and_writes_nothing(
     assert not (tmp_path / "o" / "programqpc.bin").exists()
 
 
+def test_a_refusal_of_the_farm_is_one_line_with_its_code_message_and_status(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _save(tiny_model(), tmp_path / "m.onnx")
+    args = [f"-m={model}", f"-aic-binary-dir={tmp_path / 'o'}", "--compiler", "qaic@9.9.9"]
+
+    assert _submit(server, *args) == 1
+    line = _one_error_line(capsys.readouterr().err)
+
+    assert line.startswith("qpcfarm: error: compiler_unavailable: no worker has compiler")
+    assert "qaic@9.9.9" in line and line.endswith("(HTTP 409)")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_compile_that_fails_on_the_farm_reports_the_compilers_error(
     server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,8 +33,10 @@ class FarmError(CompileError):
 
 
 def api_error(response: httpx.Response) -> FarmError:
-    """The API's JSON error (`{"code", "message"}`) as a FarmError, whatever shape it has."""
-    code, message = f"http_{response.status_code}", ""
+    """The API's JSON error (`{"code", "message"}`) as a FarmError, whatever shape it has;
+    its message says the API's code, as the web pages do, and the HTTP status:
+    `compiler_unavailable: no worker has ... (HTTP 409)`."""
+    code, message = "", ""
     try:
         body = response.json()
     except ValueError:
@@ -42,14 +44,18 @@ def api_error(response: httpx.Response) -> FarmError:
     if isinstance(body, Mapping):
         nested = body.get("error")
         inner: Mapping[str, Any] = nested if isinstance(nested, Mapping) else body
-        code = str(inner.get("code") or code)
+        code = str(inner.get("code") or "")
         message = str(inner.get("message") or inner.get("detail") or "")
     if not message:
         text = response.text.strip() if not response.is_stream_consumed else ""
         message = text.splitlines()[0] if text else response.reason_phrase
     if response.status_code == 401:
         message = f"{message} (pass --api-key, or set QPCFARM_API_KEY)"
-    return FarmError(code, f"{message} (HTTP {response.status_code})")
+    if code:
+        message = f"{code}: {message}"
+    return FarmError(
+        code or f"http_{response.status_code}", f"{message} (HTTP {response.status_code})"
+    )
 
 
 def _connection_error(base_url: str, exc: httpx.HTTPError) -> FarmError:

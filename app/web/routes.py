@@ -127,24 +127,22 @@ def compile_flags(flags: str, cores: str, fp16: bool, device: str) -> list[str]:
 
 
 def dashboard_context(
-    session: Session, team: Team, show: str | None = None, **extra: Any
+    session: Session, team: Team, settings: Settings, show: str | None = None, **extra: Any
 ) -> dict[str, Any]:
     return {
         "team": team,
         **team_jobs(session, team, show),
         "devices": list_devices(),
-        "compilers": offered_compilers(session),
+        "compilers": offered_compilers(session, settings),
         "form": {"flags": "", "cores": "", "fp16": False, "device": "", "compiler": ""},
         **extra,
     }
 
 
-def offered_compilers(session: Session) -> list[dict[str, Any]]:
-    """The compilers live workers have (the forms' choices besides the default)."""
-    from app.domain.settings import get_settings
-
-    stale = get_settings().stale_after_s
-    return compilers.available(session, fresh_s=compilers.fresh_s(stale))
+def offered_compilers(session: Session, settings: Settings) -> list[dict[str, Any]]:
+    """The compilers live workers have (the forms' choices besides the default), by the
+    farm's own staleness window, as `GET /v1/compilers` answers."""
+    return compilers.available(session, fresh_s=compilers.fresh_s(settings.stale_after_s))
 
 
 # -------------------------------------------------------------------------- sign in/out
@@ -205,13 +203,14 @@ def dashboard(
     request: Request,
     session: SessionDep,
     team: PageTeam,
+    settings: SettingsDep,
     submitted: str | None = None,
     attached: str | None = None,
     show: str | None = None,
 ) -> Response:
     submitted_job = find_job(session, team, submitted) if submitted else None
     context = dashboard_context(
-        session, team, show, submitted_job=submitted_job, attached=bool(attached)
+        session, team, settings, show, submitted_job=submitted_job, attached=bool(attached)
     )
     return render(request, "dashboard.html", context)
 
@@ -254,7 +253,7 @@ def submit(
         "compiler": compiler,
     }
     if not auth.csrf_ok(request, csrf):
-        context = dashboard_context(session, team, form=form, error=csrf_refused())
+        context = dashboard_context(session, team, settings, form=form, error=csrf_refused())
         return render(request, "dashboard.html", context, 403)
     try:
         options = farm_options(flags=compile_flags(flags, cores, bool(fp16), device))
@@ -276,7 +275,7 @@ def submit(
     except (CompileError, ServiceError) as exc:
         session.rollback()
         status = exc.status if isinstance(exc, ServiceError) else 422
-        context = dashboard_context(session, team, form=form, error=exc.to_dict())
+        context = dashboard_context(session, team, settings, form=form, error=exc.to_dict())
         page = render(request, "dashboard.html", context, status)
         if isinstance(exc, ServiceError):
             page.headers.update(exc.headers)  # a quota's Retry-After, as the API says it
@@ -302,7 +301,9 @@ def stats_level_of(job: CompileJob) -> int:
     return int((job.options or {}).get("stats-level", STATS_LEVEL_DEFAULT))
 
 
-def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]:
+def job_context(
+    session: Session, team: Team, job: CompileJob, settings: Settings
+) -> dict[str, Any]:
     qpc = report = None
     if job.qpc_id is not None:
         qpc = qpcs.get_qpc(session, team, job.qpc_id)
@@ -320,7 +321,7 @@ def job_context(session: Session, team: Team, job: CompileJob) -> dict[str, Any]
         "programs": (qpc.requirements or {}).get("programs", []) if qpc else [],
         "flags": views.flags_of(job.options),
         "devices": list_devices(),
-        "compilers": offered_compilers(session),
+        "compilers": offered_compilers(session, settings),
         "stats_level": stats_level_of(job),
         "profile_level": OPSTATS_LEVEL,
     }
@@ -332,11 +333,12 @@ def job_page(
     session: SessionDep,
     team: PageTeam,
     job: PageJob,
+    settings: SettingsDep,
     validation: str | None = None,
     recompiled_from: str | None = None,
     compare_with: str | None = None,
 ) -> Response:
-    context = job_context(session, team, job)
+    context = job_context(session, team, job, settings)
     context["recompiled_from"] = find_job(session, team, recompiled_from or "")
     context["compare_with"] = find_job(session, team, compare_with or "")
     shown = parse_uuid(validation or "")
@@ -350,10 +352,14 @@ def job_page(
 
 @router.get("/jobs/{job_id}/live", response_model=None)
 def job_live(
-    request: Request, session: SessionDep, team: FragmentTeam, job: FragmentJob
+    request: Request,
+    session: SessionDep,
+    team: FragmentTeam,
+    job: FragmentJob,
+    settings: SettingsDep,
 ) -> Response:
     """The job page's changing part, polled while the job is queued or running."""
-    response = render(request, "_job_body.html", job_context(session, team, job))
+    response = render(request, "_job_body.html", job_context(session, team, job, settings))
     if not job.status.is_active:
         response.headers[POLL_DONE_HEADER] = "1"
     return response
@@ -364,6 +370,7 @@ def job_action(
     session: Session,
     team: Team,
     job: CompileJob,
+    settings: Settings,
     csrf: str,
     act: Callable[[Team, CompileJob], str],
 ) -> Response:
@@ -371,13 +378,13 @@ def job_action(
     dependencies): a valid CSRF token, then `act` (which returns where to go next); a
     ServiceError it raises is shown on the job page with its status."""
     if not auth.csrf_ok(request, csrf):
-        context = {**job_context(session, team, job), "error": csrf_refused()}
+        context = {**job_context(session, team, job, settings), "error": csrf_refused()}
         return render(request, "job.html", context, 403)
     try:
         target = act(team, job)
     except ServiceError as exc:
         session.rollback()
-        context = {**job_context(session, team, job), "error": exc.to_dict()}
+        context = {**job_context(session, team, job, settings), "error": exc.to_dict()}
         return render(request, "job.html", context, exc.status)
     return RedirectResponse(target, status_code=303)
 
@@ -394,6 +401,7 @@ def validate(
     session: SessionDep,
     team: PageTeam,
     job: PageJob,
+    settings: SettingsDep,
     store: StoreDep,
     device: FormStr = "",
     csrf: FormStr = "",
@@ -406,19 +414,24 @@ def validate(
         session.commit()
         return f"/jobs/{job.id}?validation={row.id}#validation"
 
-    return job_action(request, session, team, job, csrf, act)
+    return job_action(request, session, team, job, settings, csrf, act)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=None)
 def cancel(
-    request: Request, session: SessionDep, team: PageTeam, job: PageJob, csrf: FormStr = ""
+    request: Request,
+    session: SessionDep,
+    team: PageTeam,
+    job: PageJob,
+    settings: SettingsDep,
+    csrf: FormStr = "",
 ) -> Response:
     def act(team: Team, job: CompileJob) -> str:
         jobs.cancel(session, team, job)
         session.commit()
         return f"/jobs/{job.id}"
 
-    return job_action(request, session, team, job, csrf, act)
+    return job_action(request, session, team, job, settings, csrf, act)
 
 
 def _recompile(
@@ -463,7 +476,7 @@ def recompile_for_profile(
         new = _recompile(session, settings, store, queue, team, job, options)
         return f"/jobs/{new.id}?recompiled_from={job.id}"
 
-    return job_action(request, session, team, job, csrf, act)
+    return job_action(request, session, team, job, settings, csrf, act)
 
 
 @router.post("/jobs/{job_id}/recompile", response_model=None)
@@ -486,7 +499,7 @@ def recompile_with(
         new = _recompile(session, settings, store, queue, team, job, options, compiler)
         return f"/jobs/{new.id}?compare_with={job.id}"
 
-    return job_action(request, session, team, job, csrf, act)
+    return job_action(request, session, team, job, settings, csrf, act)
 
 
 # ---------------------------------------------------------------------------- profiles
@@ -498,6 +511,7 @@ def start_profile(
     session: SessionDep,
     team: PageTeam,
     job: PageJob,
+    settings: SettingsDep,
     queue: QueueDep,
     iterations: FormStr = "1",
     csrf: FormStr = "",
@@ -517,7 +531,7 @@ def start_profile(
         commit_then_enqueue(session, queue, [row.id], "profile")
         return f"/profiles/{row.id}"
 
-    return job_action(request, session, team, job, csrf, act)
+    return job_action(request, session, team, job, settings, csrf, act)
 
 
 def profile_context(
