@@ -95,6 +95,29 @@ def test_torch_export_program_compiles_through_the_cli_and_matches_torch(
 
 
 @needs_torch
+def test_torchscript_module_compiles_through_the_cli_with_its_input_shapes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    net, x = _torch_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(net), tmp_path / "net.bin")  # any name
+    code, out, err = _cli(
+        capsys,
+        "compile",
+        f"-m={tmp_path / 'net.bin'}",
+        "-input-shapes=x:1x3x8x8",
+        f"-aic-binary-dir={tmp_path / 'out'}",
+    )
+    assert code == 0, err
+    assert (tmp_path / "out" / "converted.onnx").is_file()
+    only = _only_output(out.strip(), x.numpy())
+    np.testing.assert_allclose(only, net(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+@needs_torch
 def test_torchscript_module_compiles_through_the_api_with_its_input_shapes(
     tmp_path: Path,
 ) -> None:

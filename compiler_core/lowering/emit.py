@@ -54,6 +54,7 @@ from compiler_core.lowering.program import (
     SemPost,
     SemWait,
     TensorDesc,
+    box_byte_range,
     box_byte_runs,
     box_nbytes,
     cores_in,
@@ -1107,6 +1108,13 @@ def materialize(
             (base + lo, base + hi) for lo, hi in box_byte_runs(box, buf_box, tensors[tid].dtype)
         ]
 
+    def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
+        """From the first byte of `box` to its last: what a read of it is ordered by (a
+        read's span orders it after the writes it needs and costs one segment)."""
+        base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        lo, hi = box_byte_range(box, buf_box, tensors[tid].dtype)
+        return base + lo, base + hi
+
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
     vtcm = _VtcmHazards(ddr.core_of)
@@ -1134,13 +1142,11 @@ def materialize(
                     vtcm_used[target] = end
         elif op.kind == STORE:
             assert op.src is not None
-            for lo, hi in part(c, op.src, op.src_box, op.box, op.tensor):
-                vtcm.read(lo, hi, index, deps)
+            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
-            for lo, hi in part(c, op.src, op.src_box, op.box, op.tensor):
-                vtcm.read(lo, hi, index, deps)
+            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
             runs = part(0, op.dst, op.dst_box, op.box, op.tensor)
             end = span(0, op.dst, op.dst_box, op.tensor)[1]
             for target in cores_in(op.mask):

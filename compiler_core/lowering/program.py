@@ -115,7 +115,7 @@ def box_byte_range(box: Box, buf_box: Box, dtype: str) -> tuple[int, int]:
     return first * size, (last + 1) * size
 
 
-BYTE_RUNS = 64
+BYTE_RUNS = 128
 """At most this many contiguous runs are tracked apart for one box (`box_byte_runs`)."""
 
 
