@@ -315,3 +315,27 @@ def test_bad_framework_files_are_refused_4xx_and_no_model_is_recorded(
     assert "/tmp" not in response.json()["message"]  # no server path
     assert api.get("/v1/models").json()["count"] == 0
     assert set(server.state.store.list_blobs()) == blobs  # the upload's bytes are not kept
+
+
+def test_the_cache_key_of_a_converted_model_names_its_converters_versions() -> None:
+    """A new converter version makes a new compile of the same bytes; ONNX has no converter
+    and keeps its key; the input shapes a compile uses are part of its key too."""
+    from importlib import metadata
+
+    from app.domain.services.jobs import options_key
+    from compiler_core import CompileOptions
+    from compiler_core.convert import converter_of
+
+    assert converter_of("onnx") == converter_of("archive") == ""
+    if HAVE_TORCH:
+        assert f"torch {metadata.version('torch')}" in converter_of("torchscript")
+    if HAVE_TF:
+        assert f"tf2onnx {metadata.version('tf2onnx')}" in converter_of("saved_model")
+    options, sha = CompileOptions(), "a" * 64
+    keys = {
+        options_key(sha, options),
+        options_key(sha, options, converter="torch 2.13.0, onnxscript 0.7.2"),
+        options_key(sha, options, converter="torch 2.14.0, onnxscript 0.7.2"),
+        options_key(sha, options.with_(input_shapes="x:1x4")),
+    }
+    assert len(keys) == 4
