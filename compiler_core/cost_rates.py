@@ -15,8 +15,9 @@ These are what the lowering's split and tiling searches price candidates with; t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,20 +51,37 @@ decodes its streamed MXFP6 weights before its HMX work starts (resident weights 
 in VTCM: no per-inference decode)."""
 MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE = 64 / MXFP6_DECODE_VECTOR_OPS
 
-INT8_STEP_VECTOR_OPS = 18
-"""HVX instructions that requantize one vector of 128 int8 outputs in an integer epilogue
-step (a QAdd or QMul after an integer kernel) reading the running value and at most a
-constant: the codes widened int8 -> int16 -> int32 (3 instructions, each writing a vector
-pair), a 32-bit fixed-point multiply-high with rounding per 32-lane vector (vmpye + vmpyo:
-2 x 4 = 8; the programs' multipliers carry 24-bit mantissas, too wide for the one-instruction
-16-bit multiply), the constant's term (scaled once at load) and the zero point added in int32
-(4), the rounding shift narrowing to int16 with saturation (2) and the saturating narrowing to
-int8 (1). Our count of the arithmetic the program specifies (no figure is published). A float
-step is one instruction per vector."""
-INT8_STEP_OPERAND_VECTOR_OPS = 13
-"""What each further activation operand of an integer step adds (a residual QAdd reads two
-activations): its widening (3), its own multiply-high (8) and the add of the two products
-(2), so a residual QAdd is 31 instructions per 128 outputs."""
+INT8_WIDEN_OPS = 3
+"""int8 codes -> int32 lanes for 128 codes: vsxt b -> h (one instruction writing a vector
+pair), then vsxt h -> w on each half (2)."""
+INT8_SCALE_OPS = 8
+"""One operand's product with its fixed-point multiplier, rounded to 15 fractional bits: a
+32 x 32 multiply-high per 32-lane vector (vmpye + vmpyo:<<1:rnd:sat:shift, 2 x 4 = 8; the
+programs' multipliers carry 24-bit mantissas, too wide for the one-instruction 16-bit
+multiply). The operand enters shifted left so that the product keeps 15 bits below the
+output's unit: the final narrowing's shift stays within the 15 that `vasr` takes."""
+INT8_PRODUCT_OPS = 8
+"""A QMul of two activations: the centred codes' 32-bit product (vmpyieo + vmpyie:acc per
+32-lane vector, 2 x 4) before the multiplier's."""
+INT8_SUM_OPS = 2
+"""Adding a second scaled operand to the first: two word-vector-pair adds."""
+INT8_OFFSET_OPS = 4
+"""A constant term added in int32, one add per word vector: the input zero points' term
+(-z x m, scaled once at load), a QAdd's constant operand (scaled once at load) and, folded
+into the same constant, the output zero point."""
+INT8_OUTPUT_ZERO_OPS = 2
+"""The output zero point alone: a saturating int16 add on the two halfword vectors after the
+first narrowing (round(v) + z = round(v + z) for an integer z)."""
+INT8_NARROW_OPS = 3
+"""int32 -> int8 with rounding and saturation: vasr(w, w, 15):rnd:sat to int16 (2, each
+taking two word vectors), then a saturating pack to int8 (1)."""
+INT8_CLAMP_OPS = 1
+"""A saturation bound narrower than the output type's (a fused Relu: [0, 127] in int8): one
+byte vmax or vmin per 128 codes."""
+INT8_STEP_VECTOR_OPS = INT8_WIDEN_OPS + INT8_SCALE_OPS + INT8_OFFSET_OPS + INT8_NARROW_OPS
+"""18: a QAdd of the running value and a constant (or with non-zero zero points), no clamp."""
+INT8_STEP_OPERAND_VECTOR_OPS = INT8_WIDEN_OPS + INT8_SCALE_OPS + INT8_SUM_OPS
+"""13: what a QAdd's second activation operand (a residual add) adds to a step."""
 INT8_VECTOR_LANES = 128
 
 HVX_THREADS = ("hvx0", "hvx1", "hvx2", "hvx3")
@@ -132,25 +150,59 @@ def integer_step(dtype: str) -> bool:
     return dtype in ("int8", "uint8")
 
 
+def int8_step_ops(
+    op_type: str, attrs: Mapping[str, Any], out_dtype: str, constant: Sequence[bool]
+) -> int:
+    """HVX instructions per 128 output codes of an integer epilogue step, counted from the
+    arithmetic the program gives it (`ops/int8.py`: QAdd and QMul, their zero points,
+    multipliers and saturation bounds). `constant`: per operand (a, b), whether it is a
+    constant (the running value and any other activation are not). Every activation read is
+    widened and scaled by its multiplier; a QAdd adds the scaled operands, a QMul of two
+    activations multiplies them first; constant terms are added in int32; then the narrowing
+    to the output type and any bound the saturation narrows. See docs/compiler.md."""
+    activations = max(1, sum(1 for c in constant if not c))
+    ops = activations * INT8_WIDEN_OPS + INT8_NARROW_OPS
+    if op_type == "QMul":
+        ops += INT8_SCALE_OPS + (activations - 1) * INT8_PRODUCT_OPS
+    else:
+        ops += activations * INT8_SCALE_OPS + (activations - 1) * INT8_SUM_OPS
+    centred = sum(
+        1
+        for side, c in zip("ab", constant, strict=False)
+        if not c and int(attrs.get(f"{side}_zero", 0))
+    )
+    if op_type == "QMul" and activations > 1 and centred:
+        # (a - za)(b - zb) is no constant term: each centred operand is subtracted in int32,
+        # the output zero point added after the first narrowing
+        ops += centred * INT8_OFFSET_OPS + INT8_OUTPUT_ZERO_OPS * bool(int(attrs.get("y_zero", 0)))
+    elif centred or (op_type != "QMul" and any(constant)):
+        ops += INT8_OFFSET_OPS
+    elif int(attrs.get("y_zero", 0)):
+        ops += INT8_OUTPUT_ZERO_OPS
+    info = np.iinfo(np.dtype(out_dtype))
+    narrower = (int(attrs.get("y_min", info.min)) > info.min) + (
+        int(attrs.get("y_max", info.max)) < info.max
+    )
+    return ops + INT8_CLAMP_OPS * narrower
+
+
 def epilogue_hvx_cycles(
     tile_elems: int,
     epilogue: tuple[str, ...],
-    operands: Sequence[int],
+    step_ops: Sequence[int],
     device: DeviceProfile,
 ) -> int:
     """HVX cycles of a tile's epilogue steps: a float step one vector instruction per
-    vector of its output type; an integer step `INT8_STEP_VECTOR_OPS` per 128 codes plus
-    `INT8_STEP_OPERAND_VECTOR_OPS` per activation operand it reads besides the running value
-    (`operands`, per step; missing entries count 0); the instructions spread over the HVX
-    threads."""
+    vector of its output type; an integer step `step_ops` instructions per 128 codes (per
+    step, `int8_step_ops`; a missing entry counts `INT8_STEP_VECTOR_OPS`); the instructions
+    spread over the HVX threads."""
     if not any(integer_step(d) for d in epilogue):
         epi_dtype = epilogue[-1] if epilogue else "float32"
         return math.ceil(tile_elems * len(epilogue) / _hvx_rate(device, epi_dtype))
     instructions = 0.0
     for i, dtype in enumerate(epilogue):
         if integer_step(dtype):
-            extra = operands[i] if i < len(operands) else 0
-            ops = INT8_STEP_VECTOR_OPS + INT8_STEP_OPERAND_VECTOR_OPS * extra
+            ops = step_ops[i] if i < len(step_ops) else INT8_STEP_VECTOR_OPS
             instructions += tile_elems * ops / INT8_VECTOR_LANES
         else:
             instructions += tile_elems / (HVX_BYTES_PER_THREAD_CYCLE // _itemsize(dtype))
@@ -166,11 +218,11 @@ def tile_cost(
     in_boxes: Sequence[Box | None],
     opdef: OpDef | None,
     device: DeviceProfile,
-    epilogue_operands: Sequence[int] = (),
+    epilogue_ops: Sequence[int] = (),
 ) -> TileCompute:
     """Compute cycles of one tile of a kernel (`macs`: the kernel's, epilogue steps
-    included; `epilogue`: each step's output dtype; `epilogue_operands`: per step, the
-    activation operands it reads besides the running value)."""
+    included; `epilogue`: each step's output dtype; `epilogue_ops`: per integer step, its
+    HVX instructions per 128 codes, `int8_step_ops`)."""
     out_shape = info.out_shapes[0] if info.out_shapes else ()
     out_total = max(1, math.prod(out_shape))
     tile_elems = box_elements(out_box)
@@ -188,7 +240,7 @@ def tile_cost(
         return TileCompute(
             unit="hmx",
             main_cycles=math.ceil(padded / hmx_rate(device, precision)),
-            epilogue_cycles=epilogue_hvx_cycles(tile_elems, epilogue, epilogue_operands, device),
+            epilogue_cycles=epilogue_hvx_cycles(tile_elems, epilogue, epilogue_ops, device),
             hmx_macs=useful,
             hmx_padded_macs=padded,
             hvx_work=epi_tile,

@@ -45,6 +45,7 @@ from compiler_core.cost_rates import (
     MXFP6_DECODE_ELEMENTS_PER_THREAD_CYCLE,
     THREADS,
     TileCompute,
+    int8_step_ops,
     integer_step,
     tile_cost,
 )
@@ -65,6 +66,7 @@ from compiler_core.lowering.program import (
     RunKernel,
     SemPost,
     SemWait,
+    box_byte_range,
     box_elements,
     box_nbytes,
     cores_in,
@@ -73,7 +75,7 @@ from compiler_core.lowering.program import (
     stored_bytes,
 )
 from compiler_core.ops import REGISTRY
-from compiler_core.ops.registry import OpDef
+from compiler_core.ops.registry import Box, OpDef
 
 BUCKET_CYCLES = 256
 """Granularity of the shared-bandwidth calendars."""
@@ -245,7 +247,7 @@ def tile_compute(
         [o.box if o is not None else None for o in instr.inputs],
         opdef,
         device,
-        epilogue_operands(program, kernel.inputs, kernel.epilogue),
+        epilogue_ops(program, kernel.inputs, kernel.epilogue),
     )
     decoded = _mxfp6_streamed_elements(program, kernel.inputs, instr)
     if not decoded:
@@ -258,22 +260,29 @@ def tile_compute(
     )
 
 
-def epilogue_operands(
+def epilogue_ops(
     program: Program, inputs: Sequence[int], epilogue: Sequence[EpilogueDesc]
 ) -> tuple[int, ...]:
-    """Per epilogue step: the activation operands it reads besides the running value (a
-    constant operand is scaled once at load, not per element)."""
+    """Per epilogue step: its HVX instructions per 128 codes (`cost_rates.int8_step_ops`;
+    0 for a float step), from the step's attributes and which of its operands are
+    constants (scaled once at load, not per element)."""
     if not any(integer_step(e.out_dtype) for e in epilogue):
         return ()
     return tuple(
-        sum(
-            1
-            for k in step.inputs
-            if k is not None
-            and 0 <= k < len(inputs)
-            and inputs[k] >= 0
-            and program.tensors[inputs[k]].kind != KIND_CONSTANT
+        int8_step_ops(
+            step.op_type,
+            step.attrs,
+            step.out_dtype,
+            [
+                k is not None
+                and 0 <= k < len(inputs)
+                and inputs[k] >= 0
+                and program.tensors[inputs[k]].kind == KIND_CONSTANT
+                for k in step.inputs
+            ],
         )
+        if integer_step(step.out_dtype)
+        else 0
         for step in epilogue
     )
 
@@ -548,7 +557,7 @@ class _Scheduler:
         start = max(core.now, core.noc_free if noc else core.dma_free)
         if isinstance(instr, DmaLoad):
             own = instr.cores >> c & 1
-            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            lo, hi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
             if own:
                 start = max(start, core.vtcm.ready_to_write(lo, hi))
             start = self._doorbell(core, instr.tensor, start)
@@ -603,7 +612,7 @@ class _Scheduler:
             run = self.run(core, instr.kernel)
             run.write_bytes += nbytes
         elif isinstance(instr, DmaStore):
-            lo, hi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+            lo, hi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
             nbytes = box_nbytes(instr.box, t.dtype)
             end = self.ddr.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
@@ -612,10 +621,10 @@ class _Scheduler:
             run = self.run(core, instr.kernel)
             run.write_bytes += nbytes
         else:
-            lo, hi = instr.src_vtcm, instr.src_vtcm + box_nbytes(instr.src_box, t.dtype)
+            lo, hi = _part(instr.src_vtcm, instr.box, instr.src_box, t.dtype)
             start = max(start, core.vtcm.ready_to_read(lo, hi))
             if instr.cores >> c & 1:
-                dlo, dhi = instr.vtcm, instr.vtcm + box_nbytes(instr.buf_box, t.dtype)
+                dlo, dhi = _part(instr.vtcm, instr.box, instr.buf_box, t.dtype)
                 start = max(start, core.vtcm.ready_to_write(dlo, dhi))
             nbytes = box_nbytes(instr.box, t.dtype)
             end = self.noc.book(start + DMA_DESCRIPTOR_CYCLES, nbytes, self.engine)
@@ -693,6 +702,12 @@ class _Scheduler:
         core.done = max(core.done, end)
         core.last_kernel = instr.kernel
         return start, end
+
+
+def _part(vtcm: int, box: Box, buf_box: Box, dtype: str) -> tuple[int, int]:
+    """The VTCM bytes a transfer of `box` touches in the buffer at `vtcm` holding `buf_box`."""
+    lo, hi = box_byte_range(box, buf_box, dtype)
+    return vtcm + lo, vtcm + hi
 
 
 def _next_start(core: _Core) -> int:

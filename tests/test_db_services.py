@@ -114,6 +114,20 @@ def table_of(entity: type[Base]) -> Table:
     return table
 
 
+def old_schema_model(session: Session, team_id: uuid.UUID) -> Any:
+    """A model row written with the columns every revision has (as `old_schema_team`)."""
+    from sqlalchemy import insert
+
+    model_id = uuid.uuid4()
+    values = {"sha256": "a" * 64, "size": 1, "name": "m", "kind": "onnx", "opset": 17}
+    session.execute(
+        insert(table_of(Model)).values(
+            id=model_id, team_id=team_id, inputs=[], outputs=[], created_at=utcnow(), **values
+        )
+    )
+    return SimpleNamespace(id=model_id)
+
+
 def count(session: Session, entity: type[Base]) -> int:
     return int(session.execute(select(func.count()).select_from(entity)).scalar_one())
 
@@ -921,10 +935,7 @@ def test_the_one_active_job_migration_keeps_the_oldest_of_duplicates_in_flight(
         upgrade_database(db.engine, "0003")
         with db.sessions() as session:
             team = old_schema_team(session)
-            model = Model(team_id=team.id, sha256="a" * 64, size=1, name="m", opset=17,
-                          inputs=[], outputs=[])  # fmt: skip
-            session.add(model)
-            session.flush()
+            model = old_schema_model(session, team.id)
             start = utcnow()
             rows = [
                 (JobStatus.running, 0),
@@ -974,10 +985,7 @@ def test_the_per_team_qpc_migration_gives_each_team_its_own_row_and_loses_nothin
         upgrade_database(db.engine, "0005")
         with db.sessions() as session:
             a, b = old_schema_team(session, "a"), old_schema_team(session, "b")
-            model = Model(team_id=a.id, sha256="a" * 64, size=1, name="m", opset=17,
-                          inputs=[], outputs=[])  # fmt: skip
-            session.add(model)
-            session.flush()
+            model = old_schema_model(session, a.id)
             qpc_id, orphan_id = uuid.uuid4(), uuid.uuid4()
             for ident, sha in ((qpc_id, "b" * 64), (orphan_id, "c" * 64)):
                 session.execute(

@@ -95,6 +95,29 @@ def test_torch_export_program_compiles_through_the_cli_and_matches_torch(
 
 
 @needs_torch
+def test_torchscript_module_compiles_through_the_cli_with_its_input_shapes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    net, x = _torch_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.save(torch.jit.script(net), tmp_path / "net.bin")  # any name
+    code, out, err = _cli(
+        capsys,
+        "compile",
+        f"-m={tmp_path / 'net.bin'}",
+        "-input-shapes=x:1x3x8x8",
+        f"-aic-binary-dir={tmp_path / 'out'}",
+    )
+    assert code == 0, err
+    assert (tmp_path / "out" / "converted.onnx").is_file()
+    only = _only_output(out.strip(), x.numpy())
+    np.testing.assert_allclose(only, net(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+@needs_torch
 def test_torchscript_module_compiles_through_the_api_with_its_input_shapes(
     tmp_path: Path,
 ) -> None:
@@ -181,6 +204,18 @@ def test_tensorflow_file_compiles_through_the_api_and_matches_keras(
 
 
 @needs_tf
+@pytest.mark.parametrize("file", ["m.tflite", pytest.param("frozen.pb", marks=pytest.mark.slow)])
+def test_tensorflow_file_compiles_through_the_cli_and_matches_keras(
+    keras_files: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str
+) -> None:
+    model = keras_files["root"] / file
+    code, out, err = _cli(capsys, "compile", f"-m={model}", f"-aic-binary-dir={tmp_path}")
+    assert code == 0, err
+    got = _only_output(out.strip(), keras_files["x"])
+    np.testing.assert_allclose(got, keras_files["want"], rtol=1e-4, atol=1e-5)
+
+
+@needs_tf
 @pytest.mark.slow
 def test_saved_model_directory_compiles_through_the_cli(
     keras_files: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -192,6 +227,37 @@ def test_saved_model_directory_compiles_through_the_cli(
     assert code == 0, err
     got = _only_output(out.strip(), keras_files["x"])
     np.testing.assert_allclose(got, keras_files["want"], rtol=1e-4, atol=1e-5)
+
+
+@needs_tf
+@pytest.mark.slow
+def test_an_open_dimension_left_by_the_converter_is_bound_by_the_compiles_flags(
+    tmp_path: Path,
+) -> None:
+    """A Keras SavedModel whose batch is open converts to an ONNX input with a symbolic dim:
+    the compile without a binding names the symbol and the flags that bind it, and
+    -onnx-define-symbol (or -batchsize) binds it; the QPC computes what Keras computes."""
+    import re
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(6)
+    inp = tf.keras.Input((6, 6, 3), name="x")  # batch left open
+    model = tf.keras.Model(inp, tf.keras.layers.Dense(4)(tf.keras.layers.Flatten()(inp)))
+    model.export(str(tmp_path / "saved"), verbose=False)
+    with pytest.raises(CompileError) as info:
+        compile_model(tmp_path / "saved", [f"-aic-binary-dir={tmp_path / 'a'}"])
+    assert info.value.code == "dynamic_shape"
+    found = re.search(r"-onnx-define-symbol=(\w+),<value> \(or -batchsize\)", str(info.value))
+    assert found is not None, str(info.value)
+    x = RNG.standard_normal((2, 6, 6, 3), dtype=np.float32)
+    for flag in (f"-onnx-define-symbol={found.group(1)},2", "-batchsize=2"):
+        out = tmp_path / flag.split("=")[0].strip("-")
+        result = compile_model(tmp_path / "saved", [f"-aic-binary-dir={out}", flag])
+        np.testing.assert_allclose(
+            _only_output(result.qpc_path, x), model(x).numpy(), rtol=1e-4, atol=1e-5
+        )
 
 
 # --- what each file is, and bad files --------------------------------------------------------
@@ -321,14 +387,18 @@ def test_files_that_are_no_model_say_what_they_look_like(
         ),  # TorchScript of nonsense
         ("tensorflow", b"\x1c\x00\x00\x00TFL3" + b"\xff" * 64),  # a TFLite of nonsense
         pytest.param(
-            "tensorflow", b"\x0a\x05\x0a\x01x\x12\x00\xff\xff\xff", marks=pytest.mark.slow
-        ),  # a broken GraphDef
+            "tensorflow", b"\x0a\x08\x0a\x01x\x12\x03\xff\xff\xff", marks=pytest.mark.slow
+        ),  # a GraphDef whose node's op is not UTF-8
+        (None, b"\x0a\x05\x0a\x01x\x12\x00\xff\xff\xff"),  # a truncated GraphDef
+        (None, ["m/saved_model.pb", "m/../../escaped"]),  # a SavedModel archive escaping
     ],
 )
 def test_damaged_framework_files_are_refused_with_a_code(
-    tmp_path: Path, family: str, content: list[str] | bytes
+    tmp_path: Path, family: str | None, content: list[str] | bytes
 ) -> None:
-    if not (HAVE_TORCH if family == "torch" else HAVE_TF):
+    """Family None: refused before a framework is needed (a damaged protobuf in the parent,
+    a SavedModel archive as the child unpacks it)."""
+    if family is not None and not (HAVE_TORCH if family == "torch" else HAVE_TF):
         pytest.skip(f"the {family} extra is not installed: pip install 'qpcfarm[{family}]'")
     path = tmp_path / "model"
     if isinstance(content, bytes):
@@ -337,7 +407,12 @@ def test_damaged_framework_files_are_refused_with_a_code(
         _zip(path, content)
     with pytest.raises(CompileError) as info:
         compile_model(path, [f"-aic-binary-dir={tmp_path / 'o'}"])
-    assert info.value.code in {"invalid_model", "conversion_failed", "conversion_crashed"}
+    assert info.value.code in {
+        "invalid_model",
+        "conversion_failed",
+        "conversion_crashed",
+        "bad_archive",
+    }
     assert info.value.flag == "-m"
     assert not (tmp_path / "o" / "programqpc.bin").exists()
 

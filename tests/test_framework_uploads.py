@@ -133,6 +133,34 @@ def test_a_tflite_upload_compiles_and_matches_keras(server: LiveServer, api: htt
     np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(
+    not HAVE_TF, reason="tensorflow not installed: pip install 'qpcfarm[tensorflow]'"
+)
+def test_a_frozen_graph_upload_compiles_and_matches_keras(
+    server: LiveServer, api: httpx.Client
+) -> None:
+    """A frozen GraphDef (`.pb`, its variables folded into constants) through the API: its
+    Placeholder's shape is fixed, so no `input_shapes` are needed."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2,
+    )
+
+    tf.keras.utils.set_random_seed(4)
+    inp = tf.keras.Input((6, 6, 2), batch_size=1)
+    model = tf.keras.Model(inp, tf.keras.layers.Conv2D(3, 3, activation="relu")(inp))
+    fn = tf.function(model).get_concrete_function(tf.TensorSpec((1, 6, 6, 2), tf.float32, "x"))
+    frozen = convert_variables_to_constants_v2(fn).graph.as_graph_def().SerializeToString()
+    response = api.post("/v1/models", files={"file": ("frozen.pb", frozen)})
+    assert response.status_code == 201, response.text
+    assert (response.json()["kind"], response.json()["input_shapes"]) == ("frozen_graph", None)
+    done = _compile(server, api, response.json()["id"])
+    assert _report(api, done)["metrics"]["conversion"]["format"] == "frozen_graph"
+    x = RNG.standard_normal((1, 6, 6, 2), dtype=np.float32)
+    np.testing.assert_allclose(_run(api, done, x), model(x).numpy(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow  # TensorFlow's import and the SavedModel's conversion: ~15 s
 @pytest.mark.skipif(
     not HAVE_TF, reason="tensorflow not installed: pip install 'qpcfarm[tensorflow]'"
@@ -226,23 +254,34 @@ def test_a_torchscript_upload_with_input_shapes_is_converted_at_upload(
     assert [i["shape"] for i in loaded_only.json()["inputs"]] == [None]
 
 
-def _zip(names: list[str]) -> bytes:
+def _zip(names: list[str], data: bytes = b"\x80\x02}q\x00.") -> bytes:
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for name in names:
-            archive.writestr(name, b"\x80\x02}q\x00.")
+            archive.writestr(name, data)
     return buffer.getvalue()
+
+
+SAVED_MODEL_PB = b"\x08\x01\x12\x04\x0a\x02\x0a\x00"
+"""SavedModel { schema_version: 1, meta_graphs { meta_info_def { meta_graph_version: "" } } }"""
 
 
 HOSTILE = [
     pytest.param("torch", _zip(["m/archive_format", "m/models/model.json"]), id="pt2"),
     pytest.param("torch", _zip(["m/data.pkl", "m/constants.pkl", "m/code/x.py"]), id="torchscript"),
     pytest.param("tensorflow", b"\x1c\x00\x00\x00TFL3" + b"\xff" * 64, id="tflite"),
+    # a GraphDef whose tail is no protobuf: refused before TensorFlow starts
+    pytest.param(None, b"\x0a\x05\x0a\x01x\x12\x00\xff\xff", id="frozen-graph-truncated"),
     pytest.param(
         "tensorflow",
-        b"\x0a\x05\x0a\x01x\x12\x00\xff\xff",
+        b"\x0a\x08\x0a\x01x\x12\x03\xff\xff\xff",  # well formed; its node's op is not UTF-8
         id="frozen-graph",
         marks=pytest.mark.slow,
+    ),
+    # SavedModel archives refused as they are unpacked, before TensorFlow loads
+    pytest.param(None, _zip(["m/saved_model.pb", "m/../../escaped"]), id="saved-model-escapes"),
+    pytest.param(
+        None, _zip(["m/saved_model.pb", "m/variables/v"], bytes(16 << 20)), id="saved-model-bomb"
     ),
     pytest.param(
         "tensorflow",
@@ -252,18 +291,51 @@ HOSTILE = [
     ),
     pytest.param(None, _zip(["sd/data.pkl", "sd/version"]), id="torch-checkpoint"),
     # SavedModel { schema_version: 1, meta_graphs { meta_info_def { meta_graph_version: "" } } }
-    pytest.param(None, b"\x08\x01\x12\x04\x0a\x02\x0a\x00", id="bare-saved-model-pb"),
+    pytest.param(None, SAVED_MODEL_PB, id="bare-saved-model-pb"),
 ]
 
 
 @pytest.mark.parametrize(("family", "data"), HOSTILE)
 def test_bad_framework_files_are_refused_4xx_and_no_model_is_recorded(
-    api: httpx.Client, family: str | None, data: bytes
+    server: LiveServer, api: httpx.Client, family: str | None, data: bytes
 ) -> None:
+    """Family None: refused without the framework (the bytes, the archive's unpacking)."""
     if family == "torch" and not HAVE_TORCH or family == "tensorflow" and not HAVE_TF:
         pytest.skip(f"the {family} extra is not installed: pip install 'qpcfarm[{family}]'")
+    blobs = set(server.state.store.list_blobs())
     response = api.post("/v1/models", files={"file": ("model", data)})
     assert 400 <= response.status_code < 500, response.text
-    assert response.json()["code"] in {"invalid_model", "conversion_failed", "conversion_crashed"}
+    assert response.json()["code"] in {
+        "invalid_model",
+        "conversion_failed",
+        "conversion_crashed",
+        "bad_archive",
+        "archive_too_large",
+    }
     assert "/tmp" not in response.json()["message"]  # no server path
     assert api.get("/v1/models").json()["count"] == 0
+    assert set(server.state.store.list_blobs()) == blobs  # the upload's bytes are not kept
+
+
+def test_the_cache_key_of_a_converted_model_names_its_converters_versions() -> None:
+    """A new converter version makes a new compile of the same bytes; ONNX has no converter
+    and keeps its key; the input shapes a compile uses are part of its key too."""
+    from importlib import metadata
+
+    from app.domain.services.jobs import options_key
+    from compiler_core import CompileOptions
+    from compiler_core.convert import converter_of
+
+    assert converter_of("onnx") == converter_of("archive") == ""
+    if HAVE_TORCH:
+        assert f"torch {metadata.version('torch')}" in converter_of("torchscript")
+    if HAVE_TF:
+        assert f"tf2onnx {metadata.version('tf2onnx')}" in converter_of("saved_model")
+    options, sha = CompileOptions(), "a" * 64
+    keys = {
+        options_key(sha, options),
+        options_key(sha, options, converter="torch 2.13.0, onnxscript 0.7.2"),
+        options_key(sha, options, converter="torch 2.14.0, onnxscript 0.7.2"),
+        options_key(sha, options.with_(input_shapes="x:1x4")),
+    }
+    assert len(keys) == 4

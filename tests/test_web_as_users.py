@@ -361,3 +361,51 @@ def test_the_forms_input_shapes_convert_a_torchscript_upload_and_one_that_fails_
     assert "torch.onnx.export cannot convert" in page.text
     assert site.client.get("/v1/models", headers=api(site)).json()["count"] == 0
     assert site.queue.held == []
+
+
+def test_a_torchscript_upload_without_shapes_fails_its_compile_naming_both_ways_to_give_them(
+    site: Site,
+) -> None:
+    """Uploaded on the form without -input-shapes, a TorchScript module is only loaded; its
+    compile fails, and the job's page names the compile's -input-shapes and the upload's
+    input_shapes. With them on the form, the model records them and the job's page shows
+    the shapes its compile used and where they came from."""
+    import importlib.util
+    import io
+    import warnings
+
+    from worker.runner import process_job
+
+    if not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript")):
+        pytest.skip("torch and onnxscript not installed: pip install 'qpcfarm[torch]'")
+    import torch
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
+        torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3).eval()), buffer)
+    csrf = sign_in(site)
+    page = upload(site, csrf, buffer.getvalue())
+    assert page.status_code == 303, page.text
+    (job_id, _kind), *_ = site.queue.held
+    state = site.app.state
+    status = process_job(
+        job_id, session_factory=state.session_factory, store=state.store, worker_name="test"
+    )
+    assert status is not None and status.value == "failed"
+    shown = site.client.get(f"/jobs/{job_id}").text
+    error = re.search(r'<div class="error" id="job-error">(.*?)</div>', shown, re.S)
+    assert error is not None, shown
+    assert "input_shape_required" in error.group(1)
+    assert "-input-shapes" in error.group(1) and "the upload&#39;s input_shapes" in error.group(1)
+
+    page = upload(site, csrf, buffer.getvalue(), flags="-input-shapes=input:2x4")
+    assert page.status_code == 303, page.text
+    job = page.headers["location"].split("submitted=")[1].split("&")[0]
+    shapes = re.search(
+        r'<dd id="job-input-shapes">(.*?)</dd>', site.client.get(f"/jobs/{job}").text
+    )
+    assert shapes is not None
+    assert "<code>input:2x4</code>" in shapes.group(
+        1
+    ) and "recorded with the upload" in shapes.group(1)

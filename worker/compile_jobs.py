@@ -205,6 +205,10 @@ class _Stop(BaseException):
         self.cancelled = cancelled
 
 
+COMPILER_RAN = "the compiler ran"
+"""The log line of the compiler's whole time as the worker saw it (its stages, the fit check,
+the perf report, the hand-over): bench/service.py --overhead reads it."""
+
 CANCEL_POLL_S = 1.0
 """How often a compile in a child process reads its row's cancel flag between reports."""
 
@@ -325,6 +329,29 @@ class _Progress:
         self.lines.append(f"[{time.monotonic() - self.started:8.3f}s] {text}")
 
 
+SHAPES_ADVICE = (
+    "; on the farm, give them as the compile's -input-shapes or as the upload's input_shapes "
+    "(recorded with the model: the default of its compiles)"
+)
+
+
+def _farm_advice(exc: CompileError) -> None:
+    """Add the farm's second way to give a model's input shapes (at upload) to the
+    compiler's ask for them, which knows only the compile's flag."""
+    if exc.code == "input_shape_required" and SHAPES_ADVICE not in exc.message:
+        exc.message += SHAPES_ADVICE
+        exc.args = (exc.message,)
+
+
+def _shapes_from(conversion: dict[str, Any], model: Model) -> dict[str, str]:
+    """Which input shapes a conversion used: the upload's (recorded with the model, the
+    default) or the compile's own `-input-shapes`; nothing when it used the model's own."""
+    used = conversion.get("input_shapes")
+    if not used:
+        return {}
+    return {"input_shapes_from": "upload" if used == model.input_shapes else "-input-shapes"}
+
+
 def run_compile(
     session: Session,
     store: BlobStore,
@@ -388,7 +415,9 @@ def run_compile(
                     aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
                 )
                 farm_options = _profile_in(farm_options, work)
+                began = time.monotonic()
                 result = _compile(model_path, farm_options, progress, compiler, work, folder)
+                progress.note(f"{COMPILER_RAN} {time.monotonic() - began:.3f} s")
                 progress.check()
                 ref = store.put_file(result.qpc_path)  # linked in, where the store can
                 # Held until `succeed` commits the row naming it: retention cannot collect it now.
@@ -407,6 +436,7 @@ def run_compile(
                     onnx_ref = store.put_file(converted)
                     metrics[CONVERSION_METRIC] = {
                         **conversion,
+                        **_shapes_from(conversion, model),
                         "onnx": {"sha256": onnx_ref.sha256, "size": onnx_ref.size},
                     }
                     progress.note(
@@ -429,6 +459,7 @@ def run_compile(
             session.refresh(job)
     except CompileError as exc:
         session.rollback()
+        _farm_advice(exc)
         fail(session, job, exc.code, exc.message, exc.to_dict(), stage=progress.stage)
     except DATABASE_FAULTS:
         # Not the job's fault: it stays running under this worker's name, unfinished; the

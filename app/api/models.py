@@ -52,7 +52,9 @@ async def upload_model(
             "shapes a TorchScript (.pt) upload is converted with at upload, so that one "
             "that does not convert is refused here (422) rather than failing its compile. "
             "Without them a TorchScript upload is only loaded. Also a multipart field "
-            "`input_shapes` (before `file`). Not recorded: compiles pass `-input-shapes`."
+            "`input_shapes` (before `file`). A TensorFlow / PyTorch model records them "
+            "(`input_shapes` of the answer): its compiles that give no `-input-shapes` use "
+            "them; a compile's own `-input-shapes` wins. An ONNX model records none."
         ),
     ] = None,
 ) -> ModelOut:

@@ -40,10 +40,20 @@ class ModelOut(_Out):
     sha256: str
     size: int
     name: str
-    kind: str = Field(description='"onnx" or "archive" (a model with its external data)')
+    kind: str = Field(
+        description='"onnx", "archive" (a model with its external data), or the framework '
+        'format it is converted from ("torch_export", "torchscript", "saved_model", '
+        '"frozen_graph", "tflite")'
+    )
     opset: int
     inputs: list[TensorOut]
     outputs: list[TensorOut]
+    input_shapes: str | None = Field(
+        default=None,
+        description="A framework model's `input_shapes` given at upload (`x:1x3x224x224,...`): "
+        "the `-input-shapes` of its compiles that give none (a compile's own wins). "
+        "None for ONNX and for an upload without them.",
+    )
     created_at: dt.datetime
 
 

@@ -379,6 +379,21 @@ def device_is_default(job: CompileJob) -> bool:
     return not (job.options or {}).get("aic-device")
 
 
+def input_shapes_of(job: CompileJob) -> tuple[str, str] | None:
+    """(the input shapes a job's model is converted with, where they come from): the
+    compile's own -input-shapes, or the ones its model was uploaded with (the default).
+    None when it uses the model's own."""
+    used = (job.options or {}).get("input-shapes")
+    if not used:
+        return None
+    recorded = job.model.input_shapes
+    if used == recorded:
+        return used, "recorded with the upload: the default of this model's compiles"
+    if recorded:
+        return used, f"this compile's -input-shapes (the upload recorded {recorded})"
+    return used, "this compile's -input-shapes"
+
+
 def key_hint(settings: Settings) -> str:
     """Where the sign-in page tells a person to find a key: in the embedded mode the key
     `qpcfarm serve` saved on its first start; on a farm, the admin's command."""
@@ -397,5 +412,9 @@ FILTERS = {
     "flags": flags_of,
     "device": device_label,
 }
-GLOBALS = {"default_device": default_device, "device_is_default": device_is_default}
+GLOBALS = {
+    "default_device": default_device,
+    "device_is_default": device_is_default,
+    "input_shapes_of": input_shapes_of,
+}
 """Functions the templates call (`templates.env.globals`)."""

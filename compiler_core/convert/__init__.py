@@ -8,7 +8,13 @@ from importlib import metadata
 from pathlib import Path
 
 from compiler_core.convert.kinds import FORMATS, Format, Recognised, recognise
-from compiler_core.convert.run import OPSET, Converted, convert, parse_input_shapes
+from compiler_core.convert.run import (
+    OPSET,
+    Converted,
+    convert,
+    format_input_shapes,
+    parse_input_shapes,
+)
 from compiler_core.errors import CompileError
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "convert_if_framework",
     "converter_of",
     "converter_versions",
+    "format_input_shapes",
     "parse_input_shapes",
     "recognise",
 ]

@@ -151,35 +151,58 @@ class _Unsupported(logging.Handler):
             self.found.append((match.group(1), match.group(2)))
 
 
-def _extract(archive: str, prefix: str, into: Path) -> Path:
-    """A SavedModel's folder out of its archive: members outside `into` are refused."""
+def _extract(archive: str, prefix: str, into: Path, max_bytes: int, max_ratio: float) -> Path:
+    """A SavedModel's folder out of its archive: members outside `into` are refused, and so
+    is an archive whose members unpack to more than `max_bytes` or `max_ratio` times its own
+    size (plus 1 MiB): a compression bomb stops before a byte is written. The sizes summed
+    are the members' own (a zip member is read only up to its recorded size, a tar member is
+    that size)."""
     into.mkdir()
+    limit = min(max_bytes, int(Path(archive).stat().st_size * max_ratio) + (1 << 20))
     try:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as z:
-                for info in z.infolist():
+                infos = z.infolist()
+                for info in infos:
                     target = (into / info.filename).resolve()
                     if not target.is_relative_to(into.resolve()):
                         raise Failed(
-                            "invalid_archive",
+                            "bad_archive",
                             f"archive member {info.filename!r} leads outside the archive",
                         )
+                _check_unpacked(sum(i.file_size for i in infos), limit)
                 z.extractall(into)
         else:
             with tarfile.open(archive) as t:
-                t.extractall(into, filter="data")
+                members = t.getmembers()
+                _check_unpacked(sum(m.size for m in members), limit)
+                t.extractall(into, members=members, filter="data")
     except (zipfile.BadZipFile, tarfile.TarError, OSError, EOFError) as exc:
-        raise Failed("invalid_archive", f"cannot unpack the SavedModel archive: {exc}") from None
+        raise Failed("bad_archive", f"cannot unpack the SavedModel archive: {exc}") from None
     return into / prefix
 
 
+def _check_unpacked(total: int, limit: int) -> None:
+    if total > limit:
+        raise Failed(
+            "archive_too_large",
+            f"the SavedModel archive unpacks to {total:,} bytes, more than its limit of "
+            f"{limit:,} (100 times its size, at most 16 GiB): a compression bomb is not a model",
+        )
+
+
 def _tensorflow(request: dict[str, Any]) -> dict[str, Any]:
+    src = request["model"]
+    if request["format"] == "saved_model" and Path(src).is_file():  # before TensorFlow loads
+        into = Path(request["work"]) / "saved_model"
+        limits = request["archive_max_bytes"], request["archive_max_ratio"]
+        src = str(_extract(src, request.get("member_prefix", ""), into, *limits))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     tf = _need("tensorflow", "tensorflow")
     tf2onnx = _need("tf2onnx", "tensorflow")
     from tf2onnx import convert, tf_loader
 
-    src, dst, opset, kind = request["model"], request["output"], request["opset"], request["format"]
+    dst, opset, kind = request["output"], request["opset"], request["format"]
     shapes = {f"{name}:0" if ":" not in name else name: dims for name, dims in _shapes(request)}
     collector = _Unsupported()
     logging.getLogger("tf2onnx").addHandler(collector)
@@ -200,15 +223,8 @@ def _tensorflow(request: dict[str, Any]) -> dict[str, Any]:
                 shape_override=shapes or None,
             )
         else:
-            folder = src
-            if Path(src).is_file():
-                folder = str(
-                    _extract(
-                        src, request.get("member_prefix", ""), Path(request["work"]) / "saved_model"
-                    )
-                )
             try:
-                graph_def, inputs, outputs = tf_loader.from_saved_model(folder, None, None)
+                graph_def, inputs, outputs = tf_loader.from_saved_model(src, None, None)
             except Exception as exc:  # noqa: BLE001
                 raise Failed(
                     "invalid_model", f"TensorFlow cannot load the SavedModel: {_one_line(exc)}"

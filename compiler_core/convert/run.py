@@ -22,7 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from compiler_core.convert.kinds import Recognised
+from compiler_core.convert import wire
+from compiler_core.convert.kinds import FROZEN_GRAPH, Format, Recognised
 from compiler_core.errors import CompileError
 
 OPSET = 18
@@ -36,6 +37,10 @@ TIME_S = 600.0
 CPU_S = 1200
 FILE_BYTES = 8 << 30
 CHILD = Path(__file__).with_name("child.py")
+ARCHIVE_MAX_BYTES = 16 << 30
+ARCHIVE_MAX_RATIO = 100.0
+"""What a SavedModel archive may unpack to: in total, and as a multiple of its own size (plus
+1 MiB); the same defaults as the farm's ONNX archives (QPCFARM_ARCHIVE_MAX_*)."""
 
 
 @dataclass(frozen=True)
@@ -48,14 +53,19 @@ class Converted:
     converter_version: str
     checked_inputs: tuple[str, ...] = ()
     """`check_only` of a TorchScript module: its forward's argument names (no ONNX written)."""
+    input_shapes: str = ""
+    """The `-input-shapes` it was converted with ("": the model's own)."""
 
     def describe(self) -> dict[str, str]:
-        return {
+        described = {
             "format": self.format,
             "converter": self.converter,
             "converter_version": self.converter_version,
             "opset": str(OPSET),
         }
+        if self.input_shapes:
+            described["input_shapes"] = self.input_shapes
+        return described
 
 
 def _limits(memory_bytes: int) -> None:  # runs in the child before exec
@@ -88,6 +98,8 @@ def convert(
     loaded (no ONNX is written when no shapes are given)."""
     fmt = recognised.format
     assert fmt is not None
+    if fmt is FROZEN_GRAPH:  # a damaged protobuf is refused here, without a framework
+        _check_intact(recognised.root, fmt)
     with tempfile.TemporaryDirectory(prefix="qpcfarm-convert-") as work:
         request = {
             "family": fmt.family,
@@ -99,6 +111,8 @@ def convert(
             "input_shapes": input_shapes,
             "work": work,
             "check_only": check_only,
+            "archive_max_bytes": ARCHIVE_MAX_BYTES,
+            "archive_max_ratio": ARCHIVE_MAX_RATIO,
         }
         request_path, result_path = Path(work, "request.json"), Path(work, "result.json")
         request_path.write_text(json.dumps(request))
@@ -162,6 +176,7 @@ def convert(
         result["converter"],
         result["version"],
         tuple(result.get("inputs", ())),
+        format_input_shapes(input_shapes),
     )
 
 
@@ -184,6 +199,26 @@ def parse_input_shapes(text: str | None) -> list[tuple[str, list[int]]]:
             )
         shapes.append((name, values))
     return shapes
+
+
+def _check_intact(path: Path, fmt: Format) -> None:
+    """A protobuf whose top-level fields stop before its end (truncated, or damaged) is
+    refused before a framework is started for it."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        broken = wire.broken_at(handle, size)
+    if broken is not None:
+        raise CompileError(
+            "invalid_model",
+            f"{fmt.what}: the protobuf is damaged: its fields stop being well formed at byte "
+            f"{broken:,} of {size:,} (a truncated or corrupted file)",
+            flag="-m",
+        )
+
+
+def format_input_shapes(shapes: list[tuple[str, list[int]]]) -> str:
+    """The `-input-shapes` text of parsed `shapes`, in one spelling (no spaces)."""
+    return ",".join(f"{name}:{'x'.join(str(d) for d in dims)}" for name, dims in shapes)
 
 
 def _scrub(text: str, work: str, model: Path) -> str:

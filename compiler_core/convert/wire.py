@@ -21,6 +21,8 @@ Field numbers (the messages' .proto files):
 from __future__ import annotations
 
 import io
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -64,36 +66,50 @@ def _varint(handle: BinaryIO) -> int | None:
     return None
 
 
-def fields(handle: BinaryIO, end: int, max_fields: int = MAX_FIELDS) -> list[Field]:
-    """The fields of the message in `handle` (from its position to offset `end`), up to
-    the first that is not well formed (a damaged or foreign tail ends the list; a file that
-    is no protobuf gives an empty one)."""
-    found: list[Field] = []
-    while len(found) < max_fields and handle.tell() < end:
+def _walk(handle: BinaryIO, end: int) -> Iterator[Field]:
+    """The fields of the message in `handle` from its position to offset `end`, each yielded
+    with the handle past it, up to the first that is not well formed."""
+    while handle.tell() < end:
         tag = _varint(handle)
         if tag is None or tag >> 3 == 0:
-            break
+            return
         number, wire = tag >> 3, tag & 7
         if wire == VARINT:
             if _varint(handle) is None:
-                break
-            found.append(Field(number, wire))
+                return
+            yield Field(number, wire)
         elif wire in (I64, I32):
             width = 8 if wire == I64 else 4
             if handle.tell() + width > end:
-                break
+                return
             handle.seek(width, io.SEEK_CUR)
-            found.append(Field(number, wire))
+            yield Field(number, wire)
         elif wire == LEN:
             length = _varint(handle)
             start = handle.tell()
             if length is None or start + length > end:
-                break
-            found.append(Field(number, wire, start, length))
+                return
             handle.seek(length, io.SEEK_CUR)
+            yield Field(number, wire, start, length)
         else:  # groups (3, 4) are in none of these messages; 6 and 7 are no wire type
-            break
-    return found
+            return
+
+
+def fields(handle: BinaryIO, end: int, max_fields: int = MAX_FIELDS) -> list[Field]:
+    """The fields of the message in `handle` (from its position to offset `end`), up to
+    the first that is not well formed (a damaged or foreign tail ends the list; a file that
+    is no protobuf gives an empty one)."""
+    return list(itertools.islice(_walk(handle, end), max_fields))
+
+
+def broken_at(handle: BinaryIO, size: int) -> int | None:
+    """The offset where the top-level fields of the message in `handle` (`size` bytes) stop
+    being well formed (a truncated or damaged file); None when they run to its end."""
+    handle.seek(0)
+    good = 0
+    for _field in _walk(handle, size):
+        good = handle.tell()
+    return None if good == size else good
 
 
 def _within(found: list[Field], table: dict[int, int]) -> bool:

@@ -54,6 +54,8 @@ from compiler_core.lowering.program import (
     SemPost,
     SemWait,
     TensorDesc,
+    box_byte_range,
+    box_byte_runs,
     box_nbytes,
     cores_in,
     mask_of,
@@ -1097,6 +1099,22 @@ def materialize(
             n = sizes[(box, dtype)] = box_nbytes(box, dtype)
         return lo, lo + n
 
+    def part(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> list[tuple[int, int]]:
+        """The bytes a transfer of `box` touches in the buffer holding `buf_box`: parts that
+        cores fill side by side (each its channels, or its columns of every row) are ordered
+        only where they share bytes."""
+        base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        return [
+            (base + lo, base + hi) for lo, hi in box_byte_runs(box, buf_box, tensors[tid].dtype)
+        ]
+
+    def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
+        """From the first byte of `box` to its last: what a read of it is ordered by (a
+        read's span orders it after the writes it needs and costs one segment)."""
+        base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        lo, hi = box_byte_range(box, buf_box, tensors[tid].dtype)
+        return base + lo, base + hi
+
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
     vtcm = _VtcmHazards(ddr.core_of)
@@ -1114,25 +1132,29 @@ def materialize(
         if op.kind == LOAD:
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
-            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
+            runs = part(0, op.dst, op.dst_box, op.box, op.tensor)
+            end = span(0, op.dst, op.dst_box, op.tensor)[1]
             for target in cores_in(op.mask):
                 base = target * VTCM_SPAN
-                vtcm.write(base + lo, base + hi, index, deps)
-                if hi > vtcm_used[target]:
-                    vtcm_used[target] = hi
+                for lo, hi in runs:
+                    vtcm.write(base + lo, base + hi, index, deps)
+                if end > vtcm_used[target]:
+                    vtcm_used[target] = end
         elif op.kind == STORE:
             assert op.src is not None
-            vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
+            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
-            vtcm.read(*span(c, op.src, op.src_box, op.tensor), index, deps)
-            lo, hi = span(0, op.dst, op.dst_box, op.tensor)
+            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
+            runs = part(0, op.dst, op.dst_box, op.box, op.tensor)
+            end = span(0, op.dst, op.dst_box, op.tensor)[1]
             for target in cores_in(op.mask):
                 base = target * VTCM_SPAN
-                vtcm.write(base + lo, base + hi, index, deps)
-                if hi > vtcm_used[target]:
-                    vtcm_used[target] = hi
+                for lo, hi in runs:
+                    vtcm.write(base + lo, base + hi, index, deps)
+                if end > vtcm_used[target]:
+                    vtcm_used[target] = end
         elif op.kind == SCATTER:
             desc = graph.kernels[op.kernel].desc
             for slot in (1, 2):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from compiler_core.cost_rates import integer_step
+from compiler_core.cost_rates import int8_step_ops, integer_step
 from compiler_core.devices import DeviceProfile
 from compiler_core.errors import CompileError
 from compiler_core.fusion import base_input_count, epilogue, fused_node_names
@@ -562,8 +562,15 @@ def choose_splits(
                 slots=tuple(slots),
                 reshaped=tuple(reshaped),
                 nbytes=tuple(sizes),
-                epilogue_operands=tuple(
-                    sum(1 for k in e.inputs if k is not None and k >= 0 and kinds[k] != "constant")
+                epilogue_ops=tuple(
+                    int8_step_ops(
+                        e.op_type,
+                        e.attrs,
+                        e.out_dtype,
+                        [k is not None and k >= 0 and kinds[k] == "constant" for k in e.inputs],
+                    )
+                    if integer_step(e.out_dtype)
+                    else 0
                     for e in lk.desc.epilogue
                 )
                 if any(integer_step(e.out_dtype) for e in lk.desc.epilogue)

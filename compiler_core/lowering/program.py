@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import functools
+import itertools
 import json
+import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -92,6 +94,54 @@ Mask = int
 
 def box_nbytes(box: Box, dtype: str) -> int:
     return box_elements(box) * _itemsize(dtype)
+
+
+def box_byte_range(box: Box, buf_box: Box, dtype: str) -> tuple[int, int]:
+    """The bytes of a row-major buffer holding `buf_box` that `box` (inside it) spans, from
+    its first element to its last: every byte a transfer of `box` touches, and exactly those
+    when the box is a slab of the outer axes (one core's channels of a feature map). Ordering
+    transfers by these instead of the whole buffer lets the parts that cores multicast into
+    one buffer land without waiting for each other."""
+    if box == buf_box:
+        return 0, box_nbytes(box, dtype)
+    first = last = 0
+    for (a, b), (o, e) in zip(box, buf_box, strict=True):
+        if b <= a:
+            return 0, 0
+        n = e - o
+        first = first * n + (a - o)
+        last = last * n + (b - 1 - o)
+    size = _itemsize(dtype)
+    return first * size, (last + 1) * size
+
+
+BYTE_RUNS = 128
+"""At most this many contiguous runs are tracked apart for one box (`box_byte_runs`)."""
+
+
+def box_byte_runs(box: Box, buf_box: Box, dtype: str) -> list[tuple[int, int]]:
+    """The contiguous byte runs of `box` in a row-major buffer holding `buf_box`: one per
+    position of the axes outside the run (a block of rows and columns is one run per row);
+    `box_byte_range`'s span when there would be more than `BYTE_RUNS`."""
+    rel = [(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True)]
+    if any(b <= a for a, b in rel):
+        return []
+    shape = [e - o for o, e in buf_box]
+    k = len(shape)
+    while k > 1 and rel[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    outer = rel[: k - 1]
+    if math.prod(b - a for a, b in outer) > BYTE_RUNS or not outer:
+        return [box_byte_range(box, buf_box, dtype)]
+    size = _itemsize(dtype)
+    inner = math.prod(shape[k:])
+    lo, hi = rel[k - 1]
+    strides = [math.prod(shape[i + 1 :]) for i in range(k - 1)]
+    runs = []
+    for index in itertools.product(*(range(a, b) for a, b in outer)):
+        base = sum(i * st for i, st in zip(index, strides, strict=True)) + lo * inner
+        runs.append((base * size, (base + (hi - lo) * inner) * size))
+    return runs
 
 
 @functools.cache

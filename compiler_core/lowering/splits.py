@@ -113,9 +113,9 @@ class KernelSplit:
     """Per operand: read through a reshape of the producer's output (needs all of it)."""
     nbytes: tuple[int, ...]
     """Per operand: the whole tensor's bytes."""
-    epilogue_operands: tuple[int, ...] = ()
-    """Per epilogue step: the activation operands it reads besides the running value
-    (`cost_timeline.epilogue_operands`; empty when no step is an integer one)."""
+    epilogue_ops: tuple[int, ...] = ()
+    """Per epilogue step: its HVX instructions per 128 codes (`cost_timeline.epilogue_ops`;
+    empty when no step is an integer one)."""
 
 
 @dataclass
@@ -305,7 +305,7 @@ class SplitChooser:
             in_boxes,
             req.opdef,
             self.device,
-            ks.epilogue_operands,
+            ks.epilogue_ops,
         )
         return per_core * (cost.cycles + LAUNCH)
 
@@ -336,7 +336,7 @@ class SplitChooser:
                         t.in_boxes,
                         req.opdef,
                         self.device,
-                        ks.epilogue_operands,
+                        ks.epilogue_ops,
                     ).cycles
                     + LAUNCH
                 )
@@ -740,7 +740,7 @@ def _signature(ks: KernelSplit) -> Hashable:
         ks.unit,
         ks.macs,
         ks.epilogue,
-        ks.epilogue_operands,
+        ks.epilogue_ops,
         ks.kinds,
     )
     try:

@@ -131,6 +131,9 @@ class Model(Base):
     inputs: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     """[{"name", "dtype", "shape"}]; a symbolic dim is its name (a string), else an int."""
     outputs: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    input_shapes: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """A TensorFlow / PyTorch model's `-input-shapes` given at upload (`x:1x3x224x224,...`),
+    the default of its compiles (`services.jobs.with_model_shapes`); None for ONNX."""
     created_at: Mapped[dt.datetime] = _created()
 
 

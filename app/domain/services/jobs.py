@@ -38,8 +38,13 @@ from app.domain.services import quotas
 from app.domain.services.errors import ServiceError, not_found
 from app.domain.services.model_files import check_files_travel
 from app.domain.services.pages import Page, paginate
-from compiler_core import CompileOptions
-from compiler_core.convert import FORMAT_KEYS, converter_of
+from compiler_core import CompileError, CompileOptions
+from compiler_core.convert import (
+    FORMAT_KEYS,
+    converter_of,
+    format_input_shapes,
+    parse_input_shapes,
+)
 from compiler_core.fit import CODE as FIT_CODE
 from compiler_core.fit import check_upload_fit, upload_worth_checking
 from compiler_core.options import vendor_flags
@@ -73,6 +78,21 @@ def options_key(
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def with_model_shapes(options: CompileOptions, model_shapes: str | None) -> CompileOptions:
+    """`options` with the model's recorded input shapes (a framework model's upload
+    `input_shapes`) where they give no `-input-shapes` of their own: the compile's flag wins.
+    The shapes a compile uses are in its options, so in its cache key and its job's record."""
+    if options.input_shapes:
+        try:  # one spelling, so that the same shapes are one cache key
+            spelled = format_input_shapes(parse_input_shapes(options.input_shapes))
+        except CompileError:
+            return options  # refused by the compile, with its flag
+        return options.with_(input_shapes=spelled)
+    if not model_shapes:
+        return options
+    return options.with_(input_shapes=model_shapes)
+
+
 JobRow = Row[Any]
 """A compile job as the submit path reads it: a row with CompileJob's columns as attributes
 (`JobOut.of` reads either)."""
@@ -80,7 +100,7 @@ JobRow = Row[Any]
 _JOBS = cast(Table, CompileJob.__table__)
 _JOB_COLUMNS = tuple(_JOBS.c)
 _MODEL_OF = (
-    select(Model.team_id, Model.sha256, Model.kind)
+    select(Model.team_id, Model.sha256, Model.kind, Model.input_shapes)
     .where(Model.id == bindparam("model_id"))
     .with_for_update(key_share=True)  # the collector cannot delete it under this submit
 )
@@ -196,14 +216,14 @@ def submit(
         found = connection.execute(_MODEL_OF, {"model_id": model_id}).first()
         if found is None or found.team_id != team.id:
             raise not_found("model", model_id)
-        sha256, kind = found.sha256, found.kind
+        sha256, kind, shapes = found.sha256, found.kind, found.input_shapes
     else:
-        sha256, kind = model.sha256, model.kind
+        sha256, kind, shapes = model.sha256, model.kind, model.input_shapes
         if connection.execute(_HOLD_MODEL, {"model_id": model_id}).first() is None:
             raise not_found("model", model_id)  # collected by retention meanwhile
+    options = with_model_shapes(options, shapes)
     check_files_travel(options, kind)
     if compiler is not None and compiler.backend == QAIC:
-        vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
         if converter_of(kind):
             raise ServiceError(
                 "model_not_for_backend",
@@ -211,6 +231,7 @@ def submit(
                 "qpcfarm, which converts it, or upload its ONNX)",
                 422,
             )
+        vendor_flags(options)  # refuses qpcfarm-only options (422 option_not_for_backend)
     canonical = options.to_json()
     key = options_key(sha256, options, canonical, converter_of(kind), compiler=compiler)
     common: dict[str, Any] = {
@@ -435,9 +456,10 @@ def _intact_cached_blob(
             found = side.execute(_MODEL_OF, {"model_id": model_id}).first()
             if found is None or found.team_id != team.id:
                 return None  # the submit answers not_found
-            sha256, kind = found.sha256, found.kind
+            sha256, kind, shapes = found.sha256, found.kind, found.input_shapes
         else:
-            sha256, kind = model.sha256, model.kind
+            sha256, kind, shapes = model.sha256, model.kind, model.input_shapes
+        options = with_model_shapes(options, shapes)
         key = options_key(sha256, options, options.to_json(), converter_of(kind), compiler=compiler)
         qpc_id = _cached_qpc_id(side, key, team.id)
         if qpc_id is None and scope == "farm":

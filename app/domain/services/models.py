@@ -22,7 +22,7 @@ from app.domain.services.errors import ServiceError, from_compile_error, not_fou
 from app.domain.services.pages import Page, paginate
 from app.domain.services.upload_check import KIND_ARCHIVE
 from compiler_core import CompileError
-from compiler_core.convert import parse_input_shapes
+from compiler_core.convert import FORMAT_KEYS, format_input_shapes, parse_input_shapes
 
 EXTRACT_LIMIT = 1 << 40
 """Extraction bound when a stored archive is unpacked again for a compile: the upload already
@@ -58,7 +58,9 @@ def store_model(
     `input_shapes` (the compile's `-input-shapes` syntax, `x:1x3x224x224,...`) are the shapes
     a framework model's conversion is checked with where its format leaves them open: with
     them a TorchScript module is converted at upload (refused 422 when it does not convert);
-    without them it is only loaded. They are not recorded: the compile takes its own.
+    without them it is only loaded. A framework model records them (in one spelling) as the
+    default of its compiles (`jobs.with_model_shapes`: a compile's own `-input-shapes` wins);
+    an ONNX model's shapes are its own, and it records none.
     """
     check_filename(filename)
     shapes = _parse_shapes(input_shapes)
@@ -90,6 +92,7 @@ def store_model(
         opset=opset,
         inputs=inputs,
         outputs=outputs,
+        input_shapes=format_input_shapes(shapes) if shapes and kind in FORMAT_KEYS else None,
     )
     session.add(model)
     session.flush()

@@ -67,8 +67,8 @@ def _framework_upload(
         raise ServiceError("invalid_model", f"the upload is {recognised.looks_like}", 422)
     try:
         converted = convert(recognised, work / "converted.onnx", input_shapes, check_only=True)
-    except CompileError as exc:
-        error = from_compile_error(exc)
+    except CompileError as exc:  # a SavedModel archive's bomb is a 413, as an ONNX archive's
+        error = from_compile_error(exc, 413 if exc.code == "archive_too_large" else 422)
         for where in (str(path.resolve()), str(path), str(work)):
             error.message = error.message.replace(where, "the model")
         raise error from None
