@@ -35,6 +35,7 @@ from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from app.domain.db.ops import insert_or_ignore
 from app.domain.services.errors import ServiceError, internal_error_message
+from app.domain.services.limits import Limits
 from app.domain.services.model_files import check_model_files
 from app.domain.services.models import materialize_model
 from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
@@ -415,7 +416,7 @@ def run_compile(
             if compiler_spec.backend == QAIC:
                 ref, outcome = _vendor_compile(
                     session, store, model_path, options, work, model_dir, progress,
-                    compiler_spec.sdk,
+                    compiler_spec.sdk, compiler.limits if compiler is not None else None,
                 )  # fmt: skip
             else:
                 farm_options = options.with_(
@@ -522,15 +523,18 @@ def _vendor_compile(
     model_dir: Path | None,
     progress: _Progress,
     sdk: Path | None,
+    limits: Limits | None,
 ) -> tuple[BlobRef, CompileOutcome]:
-    """The job compiled by the vendor's qaic-compile (`worker.qaic_backend`)."""
+    """The job compiled by the vendor's qaic-compile (`worker.qaic_backend`), under the
+    limits of the worker's own compiles (`compiler.limits`; None: in process, unlimited)."""
     from worker import qaic_backend
 
     assert sdk is not None
     progress("vendor-compile", 0.0)
     result = qaic_backend.run(
-        sdk, model_path, options, work, cwd=model_dir or model_path.parent, poll=progress.poll
-    )
+        sdk, model_path, options, work, cwd=model_dir or model_path.parent, poll=progress.poll,
+        limits=limits,
+    )  # fmt: skip
     progress.check()
     progress.note("ran: " + " ".join(result.command))
     ref = store.put_file(result.qpc_path)
