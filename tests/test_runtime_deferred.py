@@ -18,6 +18,7 @@ from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, Ru
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor
 from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.executor import _span
 
 VTCM = 8_323_072
 
@@ -122,3 +123,16 @@ def test_a_store_of_a_deferred_buffer_stores_the_constant() -> None:
     tampered = dataclasses.replace(program, streams=[stream])
     got = Executor(tampered, constants, VTCM).run(feeds)["y"]
     np.testing.assert_array_equal(got, weight)
+
+
+def test_a_box_spans_its_first_to_last_byte_and_a_slab_writes_all_of_them() -> None:
+    """A NoC copy of a box into a larger buffer drops the deferred constant rows it writes
+    whole only when the box is a slab (every byte of its span written): an all-gather's
+    rows of a row-major buffer are, a block of columns is not."""
+    buf = ((0, 4), (0, 6))
+    assert _span(100, buf, ((1, 3), (0, 6)), "float32") == (124, 172, True)
+    assert _span(100, buf, ((1, 3), (2, 4)), "float32") == (132, 164, False)
+    assert _span(100, ((2, 6), (0, 6)), ((3, 4), (0, 6)), "float16") == (112, 124, True)
+    assert _span(100, buf, buf, "int8") == (100, 124, True)
+    assert _span(100, buf, ((1, 1), (0, 6)), "float32") == (100, 100, True)
+    assert _span(100, (), (), "float32") == (100, 104, True)

@@ -264,6 +264,24 @@ def _nbytes(box: Box, dtype: str) -> int:
     return int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+def _span(offset: int, buf_box: Box, box: Box, dtype: str) -> tuple[int, int, bool]:
+    """The VTCM bytes [start, end) from the first to the last element of `box` in the
+    buffer at `offset` holding `buf_box`, and whether the box writes every one of them
+    (its rows follow each other: an all-gather's slab of a row-major buffer)."""
+    size = np.dtype(dtype).itemsize
+    count = int(np.prod(box_shape(box), dtype=np.int64))
+    if count == 0:
+        return offset, offset, True
+    first = last = 0
+    stride = size
+    for (a, b), (o, e) in zip(reversed(box), reversed(buf_box), strict=True):
+        first += (a - o) * stride
+        last += (b - 1 - o) * stride
+        stride *= e - o
+    start, end = offset + first, offset + last + size
+    return start, end, end - start == count * size
+
+
 Step = Callable[[Traffic], None]
 """One instruction of a stream, decoded once: its views and checks are worked out when the
 stream is first run, so running it again only moves data and calls kernels."""
@@ -781,10 +799,11 @@ class Executor:
         src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
         targets = self._targets(core, instr.cores)
         dsts = self._destinations(targets, instr, t.dtype)
-        src_start = instr.src_vtcm
-        src_end = src_start + _nbytes(instr.src_box, t.dtype)
-        covers = instr.box == instr.buf_box
-        snapshot = core in targets  # the source may be overwritten by its own multicast
+        src_end = instr.src_vtcm + _nbytes(instr.src_box, t.dtype)
+        buf_end = instr.vtcm + _nbytes(instr.buf_box, t.dtype)
+        # the source may be overwritten by its own multicast: only if the buffers meet
+        snapshot = core in targets and instr.src_vtcm < buf_end and instr.vtcm < src_end
+        read_start, read_end, _ = _span(instr.src_vtcm, instr.src_box, instr.box, t.dtype)
         nbytes = _nbytes(instr.box, t.dtype)
         multicast = nbytes if len(targets) > 1 else 0
         whole = (
@@ -793,10 +812,12 @@ class Executor:
             else None
         )
         every = spread([dst for _, dst, _ in dsts])
-        dst_start, dst_end = dsts[0][2] if dsts else (0, 0)
+        # what the copy writes: a slab of the buffer drops the deferred constant rows it
+        # covers, a scattered box settles those its span meets
+        dst_start, dst_end, covers = _span(instr.vtcm, instr.buf_box, instr.box, t.dtype)
 
         def step(traffic: Traffic) -> None:
-            deferred.settle(core, src_start, src_end)
+            deferred.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
             if every is not None:
@@ -807,7 +828,7 @@ class Executor:
                         copies.wrote(target, start, end, holding)
             else:
                 for target, dst, (start, end) in dsts:
-                    deferred.overwrite(target, start, end, whole=covers)
+                    deferred.overwrite(target, dst_start, dst_end, whole=covers)
                     dst[...] = data
                     copies.wrote(target, start, end, holding)
             traffic.noc += nbytes

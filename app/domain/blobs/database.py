@@ -24,6 +24,7 @@ from app.domain.blobs.base import (
     BlobNotFound,
     BlobRef,
     BlobTooLarge,
+    FileDigest,
     HashingCounter,
     Quarantined,
     QuarantineRecorder,
@@ -54,7 +55,10 @@ class DatabaseBlobStore:
                 return self._put(spooled, max_bytes)
         return self._put(data, max_bytes)
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
+        """`put` of the file's bytes (a `digest` saves nothing: the rows are written anyway)."""
         with open(path, "rb") as data:
             return self.put(data, max_bytes=max_bytes)
 
