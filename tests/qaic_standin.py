@@ -6,8 +6,11 @@ exist; `-aic-binary-dir=<dir>` receives `programqpc.bin`; an unknown flag is fat
 option -x. Use -h ...", exit 1). What it writes is not a compiled program: the bytes are a
 digest of the model and the flags, so different flags give different QPCs. It prints perf
 metrics when `-aic-perf-metrics` is given and a warning when `-aic-perf-warnings` is, and
-records its argv and working folder in `<sdk>/calls.jsonl` for the tests to read.
-`STANDIN_FAIL=<status>` in its folder's `fail` file makes it print an error and exit so.
+records its argv, working folder and pid in `<sdk>/calls.jsonl` for the tests to read.
+`<status>` in the SDK folder's `fail` file makes it print an error and exit so; `<seconds>`
+in `sleep` makes it wait that long first (a compile that outruns a time limit); `<bytes>` in
+`allocate` makes it map that much memory first (a compile that needs more than a memory
+limit: the allocation fails, it prints the error and exits 1).
 
 qaic-qpc: `validate -i <file>` exits 0 when the file starts with the stand-in's magic.
 qaic-runner: `-t <qpc folder> -d <device> -n <iterations> --aic-profiling-type stats|trace
@@ -32,7 +35,7 @@ KNOWN = {
 }  # fmt: skip
 
 COMPILE = """#!{python}
-import hashlib, json, os, sys
+import hashlib, json, mmap, os, sys, time
 from pathlib import Path
 sdk = Path(__file__).resolve().parent.parent
 known = {known!r}
@@ -45,7 +48,11 @@ for arg in sys.argv[1:]:
         print(f"Invalid option -{{name}}. Use -h for help.", file=sys.stderr); sys.exit(1)
     flags.setdefault(name, []).append(value)
 with open(sdk / "calls.jsonl", "a") as log:
-    log.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}) + "\\n")
+    log.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid()}}) + "\\n")
+if (sdk / "sleep").exists():
+    time.sleep(float((sdk / "sleep").read_text()))
+if (sdk / "allocate").exists():
+    mmap.mmap(-1, int((sdk / "allocate").read_text()))
 fail = sdk / "fail"
 if fail.exists():
     print("ERROR: Graph could not be compiled: unsupported operator Foo", file=sys.stderr)

@@ -169,6 +169,33 @@ def test_a_file_on_the_stores_file_system_is_linked_in_not_copied(tmp_path: Path
     assert sorted(p.name for p in (store.root / "tmp").iterdir()) == []
 
 
+def test_put_file_trusts_a_digest_only_of_the_same_unchanged_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.domain.blobs import filesystem
+    from app.domain.blobs.base import file_digest
+
+    store = FilesystemBlobStore(tmp_path / "blobs")
+    source = tmp_path / "programqpc.bin"
+    source.write_bytes(SAMPLE)
+    early = file_digest(source)
+    assert (early.sha256, early.size) == (hashlib.sha256(SAMPLE).hexdigest(), len(SAMPLE))
+    hashed: list[Path] = []
+    monkeypatch.setattr(filesystem, "file_digest", lambda p: hashed.append(p) or file_digest(p))
+    assert store.put_file(source, digest=early).sha256 == early.sha256
+    assert hashed == []  # the digest taken while the compiler went on: no second read
+
+    changed = b"\0" + SAMPLE[1:]
+    with open(source, "r+b") as out:  # the same inode and size, written again
+        out.write(changed[:1])
+    os.utime(source, ns=(early.mtime_ns + 1, early.mtime_ns + 1))
+    ref = store.put_file(source, digest=early)
+    assert len(hashed) == 1 and ref.sha256 == hashlib.sha256(changed).hexdigest()
+    other = tmp_path / "other.bin"
+    other.write_bytes(SAMPLE)
+    assert not early.matches(other)  # another inode with the same bytes is hashed anew
+
+
 def test_a_file_on_another_file_system_is_copied_while_hashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

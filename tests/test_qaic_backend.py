@@ -9,6 +9,7 @@ for this backend; `qaic-qpc validate` validates what it made; `qaic-runner` and
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +20,13 @@ from app.domain.compilers import Compiler, local_compilers
 from app.domain.db.models import JobStatus, Qpc, Team
 from app.domain.services import jobs, models, qpcs, validations
 from app.domain.services.errors import ServiceError
+from app.domain.services.limits import Limits
 from app.domain.settings import Settings, get_settings
 from compiler_core import CompileError, CompileOptions
 from tests import qaic_standin
 from tests.conftest import Farm, tiny_model_bytes
 from worker import compile_jobs
+from worker.compile_process import CompileProcess
 
 QAIC = Compiler("qaic", qaic_standin.VERSION)
 
@@ -39,7 +42,10 @@ def sdk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         get_settings.cache_clear()
 
 
-def vendor_job(farm: Farm, session: Session, team: Team, flags: list[str], scale: float = 0.3):
+def vendor_job(
+    farm: Farm, session: Session, team: Team, flags: list[str], scale: float = 0.3,
+    compiler: CompileProcess | None = None,
+):  # fmt: skip
     model = models.store_model(
         session, farm.store, team, io.BytesIO(tiny_model_bytes(scale)), "m.onnx",
         max_bytes=1 << 30,
@@ -49,7 +55,7 @@ def vendor_job(farm: Farm, session: Session, team: Team, flags: list[str], scale
     session.commit()
     claimed = compile_jobs.claim(session, job.id, "vendor-worker")
     assert claimed is not None
-    return compile_jobs.run_compile(session, farm.store, claimed)
+    return compile_jobs.run_compile(session, farm.store, claimed, compiler=compiler)
 
 
 def test_a_host_with_the_sdk_offers_qaic_at_its_version(sdk: Path, tmp_path: Path) -> None:
@@ -92,6 +98,42 @@ def test_a_failing_qaic_compile_fails_the_job_with_its_status_and_stderr(
     assert "status 3" in (job.error_message or "")
     assert "unsupported operator Foo" in (job.error_message or "")
     assert job.error_detail and job.error_detail["details"]["exit_code"] == 3
+
+
+def test_a_qaic_compile_that_outruns_the_farms_time_limit_is_killed_and_fails_the_job(
+    farm: Farm, session: Session, team: Team, sdk: Path
+) -> None:
+    """The limits of the worker's own compiles (`CompileProcess.limits`) hold for the vendor's
+    tool too: at the time limit it is killed and the job fails `compile_time_limit`."""
+    (sdk / "sleep").write_text("60")
+    limits = Limits(memory_bytes=4 << 30, time_s=1.0)
+
+    job = vendor_job(farm, session, team, [], scale=0.45, compiler=CompileProcess(limits))
+
+    assert job.status is JobStatus.failed and job.error_code == "compile_time_limit"
+    assert job.error_detail and job.error_detail["details"] == {"limit": "time", "limit_s": 1.0}
+    (call,) = qaic_standin.calls(sdk)
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left compiling
+        os.kill(int(str(call["pid"])), 0)
+
+
+def test_a_qaic_compile_runs_under_the_farms_memory_limit(
+    farm: Farm, session: Session, team: Team, sdk: Path
+) -> None:
+    """Its address space is capped before it starts: a run within the limit succeeds, one
+    that maps more fails the job `compile_memory_limit` (unlimited, the same mapping works:
+    it only reserves addresses)."""
+    limits = Limits(memory_bytes=512 << 20, time_s=600.0)
+    within = vendor_job(farm, session, team, [], scale=0.46, compiler=CompileProcess(limits))
+    (sdk / "allocate").write_text(str(1 << 30))
+    over = vendor_job(farm, session, team, [], scale=0.47, compiler=CompileProcess(limits))
+    unlimited = vendor_job(farm, session, team, [], scale=0.48)
+
+    assert within.status is JobStatus.succeeded, (within.error_code, within.error_message)
+    assert over.status is JobStatus.failed and over.error_code == "compile_memory_limit"
+    assert over.error_detail and over.error_detail["details"] == {"limit": "memory",
+                                                                   "limit_mib": 512}  # fmt: skip
+    assert unlimited.status is JobStatus.succeeded, (unlimited.error_code, unlimited.error_message)
 
 
 def test_options_only_qpcfarm_knows_are_refused_for_the_qaic_backend(

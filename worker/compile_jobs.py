@@ -35,6 +35,7 @@ from app.domain.db.faults import DATABASE_FAULTS
 from app.domain.db.models import CompileJob, CompileReport, JobStatus, Model, Qpc
 from app.domain.db.ops import insert_or_ignore
 from app.domain.services.errors import ServiceError, internal_error_message
+from app.domain.services.limits import Limits
 from app.domain.services.model_files import check_model_files
 from app.domain.services.models import materialize_model
 from app.domain.services.qpcs import CONVERSION_METRIC, PROFILE_METRIC
@@ -47,6 +48,7 @@ from compiler_core.version import COMPILER_VERSION
 from worker import claims
 from worker.claims import STALE_AFTER_S, touch
 from worker.compile_process import CompileProcess
+from worker.qpc_digest import EarlyDigest
 from worker.workdirs import job_folder
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,9 @@ class _Stop(BaseException):
         self.cancelled = cancelled
 
 
+QPC_FILE = "programqpc.bin"
+"""The QPC's name in the compiler's output folder (`-aic-binary-dir`)."""
+
 COMPILER_RAN = "the compiler ran"
 """The log line of the compiler's whole time as the worker saw it (its stages, the fit check,
 the perf report, the hand-over): bench/service.py --overhead reads it."""
@@ -229,6 +234,8 @@ class _Progress:
     interval: float
     observer: ProgressCallback | None
     should_cancel: Callable[[], bool] | None
+    stage_observer: ProgressCallback | None = None
+    """The worker's own observer (`qpc_digest.EarlyDigest`), beside the caller's."""
     started: float = field(default_factory=time.monotonic)
     lines: list[str] = field(default_factory=list)
     _stage: str | None = None
@@ -248,6 +255,8 @@ class _Progress:
         now = time.monotonic()
         if self.observer is not None:
             self.observer(stage, fraction)
+        if self.stage_observer is not None:
+            self.stage_observer(stage, fraction)
         changed = stage != self._stage
         if changed:
             self.note(f"stage {stage}")
@@ -407,18 +416,21 @@ def run_compile(
             if compiler_spec.backend == QAIC:
                 ref, outcome = _vendor_compile(
                     session, store, model_path, options, work, model_dir, progress,
-                    compiler_spec.sdk,
+                    compiler_spec.sdk, compiler.limits if compiler is not None else None,
                 )  # fmt: skip
             else:
                 farm_options = options.with_(
                     aic_binary_dir=str(work / "out"), aic_perf_warnings=True, aic_perf_metrics=True
                 )
                 farm_options = _profile_in(farm_options, work)
+                early = EarlyDigest(work / "out" / QPC_FILE)
+                progress.stage_observer = early.on_progress
                 began = time.monotonic()
                 result = _compile(model_path, farm_options, progress, compiler, work, folder)
                 progress.note(f"{COMPILER_RAN} {time.monotonic() - began:.3f} s")
                 progress.check()
-                ref = store.put_file(result.qpc_path)  # linked in, where the store can
+                qpc_path = Path(result.qpc_path)
+                ref = store.put_file(qpc_path, digest=early.result(qpc_path))  # linked in
                 # Held until `succeed` commits the row naming it: retention cannot collect it now.
                 blob_guard.lock_for_write(session, ref.sha256)
                 if not store.exists(ref.sha256):  # collected between the put and the lock
@@ -511,15 +523,18 @@ def _vendor_compile(
     model_dir: Path | None,
     progress: _Progress,
     sdk: Path | None,
+    limits: Limits | None,
 ) -> tuple[BlobRef, CompileOutcome]:
-    """The job compiled by the vendor's qaic-compile (`worker.qaic_backend`)."""
+    """The job compiled by the vendor's qaic-compile (`worker.qaic_backend`), under the
+    limits of the worker's own compiles (`compiler.limits`; None: in process, unlimited)."""
     from worker import qaic_backend
 
     assert sdk is not None
     progress("vendor-compile", 0.0)
     result = qaic_backend.run(
-        sdk, model_path, options, work, cwd=model_dir or model_path.parent, poll=progress.poll
-    )
+        sdk, model_path, options, work, cwd=model_dir or model_path.parent, poll=progress.poll,
+        limits=limits,
+    )  # fmt: skip
     progress.check()
     progress.note("ran: " + " ".join(result.command))
     ref = store.put_file(result.qpc_path)

@@ -41,7 +41,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from app.domain.blobs import BlobStore
-from app.domain.blobs.base import BlobRef, Source, check_range, check_sha256, file_range
+from app.domain.blobs.base import (
+    BlobRef,
+    FileDigest,
+    Source,
+    check_range,
+    check_sha256,
+    file_range,
+)
 from app.domain.blobs.integrity import spill_verified, verify_blob
 
 log = logging.getLogger(__name__)
@@ -213,8 +220,10 @@ class CachedStore:
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
         return self._store.put(data, max_bytes=max_bytes)
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
-        return self._store.put_file(path, max_bytes=max_bytes)
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
+        return self._store.put_file(path, max_bytes=max_bytes, digest=digest)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

@@ -12,6 +12,12 @@ stderr are kept as the report's log; lines of the form `Name: number` (or `Name 
 become metrics (snake_case names, `"estimated": false`, `"source": "qaic-compile"`) and
 lines that start with `Warning`/`WARNING`/`[W]` become warnings (`code: vendor_warning`).
 
+It runs under the farm's compile limits, as the farm's own compiler does
+(`app.domain.services.limits`, `worker.compile_process`): its address space is capped
+(`RLIMIT_AS`, set before the tool starts: `limited_command`), and a run that fails saying it
+ran out of memory fails `compile_memory_limit`; the worker kills a run that passes the time
+limit and the job fails `compile_time_limit`.
+
 Written against the documented CLI and tested with a stand-in executable; it has not been
 run against the real SDK here (docs/service.md).
 """
@@ -28,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from app.domain.compilers import QAIC_COMPILE
+from app.domain.services.limits import Limits, limited_command
 from compiler_core import CompileError, CompileOptions
 from compiler_core.options import vendor_flags
+from worker.compile_process import memory_limit_error, time_limit_error
 
 QPC_FILE = "programqpc.bin"
 POLL_S = 0.2
@@ -43,6 +51,10 @@ WARNING_CODE = "vendor_warning"
 _METRIC = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 ()/%_.-]{1,80}?)\s*[:=]\s*(-?\d+(?:\.\d+)?)\s*"
                      r"(bytes|B|KB|MB|us|ms|s|%)?\s*$")  # fmt: skip
 _WARNING = re.compile(r"^\s*(?:\[W\]|warning\b|WARNING\b)[:\s-]*(.*)$", re.IGNORECASE)
+_OUT_OF_MEMORY = re.compile(
+    r"std::bad_alloc|out of memory|cannot allocate memory|MemoryError|ENOMEM", re.IGNORECASE
+)
+"""What a program says when an allocation failed (C++, C/errno, Python)."""
 
 
 @dataclass
@@ -97,26 +109,33 @@ def run(
     *,
     cwd: Path,
     poll: Callable[[], None] | None = None,
+    limits: Limits | None = None,
 ) -> VendorResult:
     """Run qaic-compile for one job in `work` (its output folder `work/qpc`), from `cwd` (the
-    model's folder: the files the options name are relative to it). `poll` is called while
-    it runs and may raise to stop it (a cancel): the process is then terminated, killed
-    after `KILL_WAIT_S`, and the exception propagates."""
+    model's folder: the files the options name are relative to it), under `limits` (the
+    farm's compile limits; None: none). `poll` is called while it runs and may raise to stop
+    it (a cancel): the process is then terminated, killed after `KILL_WAIT_S`, and the
+    exception propagates; so it is at the time limit, with CompileError
+    `compile_time_limit`."""
+    limits = limits or Limits()
     out_dir = work / "qpc"
     argv = command(sdk, model, options, out_dir)
     stdout_path, stderr_path = work / "qaic-compile.stdout", work / "qaic-compile.stderr"
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
         try:
             process = subprocess.Popen(
-                argv, cwd=cwd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                env={**os.environ, "LC_ALL": "C"},
+                limited_command(argv, limits.memory_bytes), cwd=cwd, stdout=out, stderr=err,
+                stdin=subprocess.DEVNULL, env={**os.environ, "LC_ALL": "C"},
             )  # fmt: skip
         except OSError as exc:
             raise CompileError(FAILED, f"could not start {argv[0]}: {exc.strerror}") from None
+        deadline = None if limits.time_s is None else time.monotonic() + limits.time_s
         try:
             while process.poll() is None:
                 if poll is not None:
                     poll()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise time_limit_error(limits)
                 time.sleep(POLL_S)
         except BaseException:
             _stop(process)
@@ -124,6 +143,8 @@ def run(
     stdout, stderr = _read(stdout_path), _read(stderr_path)
     if process.returncode != 0:
         tail = stderr[-STDERR_TAIL:].strip() or stdout[-STDERR_TAIL:].strip()
+        if limits.memory_bytes is not None and _OUT_OF_MEMORY.search(tail):
+            raise memory_limit_error(limits)
         raise CompileError(
             FAILED,
             f"qaic-compile exited with status {process.returncode}: {tail or '(no output)'}",

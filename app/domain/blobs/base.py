@@ -87,10 +87,13 @@ class BlobStore(Protocol):
         passed, leaving nothing behind. Idempotent: known content is not stored again."""
         ...
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
         """`put` of a finished local file (a QPC the compiler wrote). A store of files may
         take the file's inode itself instead of a copy: the caller must not write to it
-        again (reading it, and removing it, are fine)."""
+        again (reading it, and removing it, are fine). `digest`: the file's `file_digest`,
+        taken earlier, used when the file is still that inode, unchanged (else hashed)."""
         ...
 
     def open(self, sha256: str) -> BinaryIO:
@@ -210,6 +213,62 @@ class BackgroundHashingCounter(HashingCounter):
 
     def __exit__(self, *exc: object) -> None:
         self._join()
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """A file's sha256 and size, and what identifies the file as it was when hashed (its
+    inode and mtime: a link or a rename keeps both; a write changes the mtime)."""
+
+    sha256: str
+    size: int
+    inode: int
+    mtime_ns: int
+
+    def matches(self, path: Path) -> bool:
+        info = os.stat(path)
+        return (info.st_ino, info.st_size, info.st_mtime_ns) == (
+            self.inode,
+            self.size,
+            self.mtime_ns,
+        )
+
+
+def file_digest(path: Path) -> FileDigest:
+    """Hash a finished file in one read while a thread fsyncs it (its bytes reach the disk
+    while they are hashed)."""
+    with open(path, "rb", 0) as src:
+        info = os.fstat(src.fileno())
+        digest = hashlib.sha256()
+        size = 0
+        with synced(src.fileno()):
+            buffer = bytearray(CHUNK_SIZE)
+            view = memoryview(buffer)
+            while read := src.readinto(buffer):
+                digest.update(view[:read])
+                size += read
+    return FileDigest(digest.hexdigest(), size, info.st_ino, info.st_mtime_ns)
+
+
+@contextmanager
+def synced(fd: int) -> Iterator[None]:
+    """fsync `fd` in a thread while the block runs; its error, if any, raised at the end."""
+    errors: list[OSError] = []
+
+    def sync() -> None:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=sync, name="blob-fsync", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def check_sha256(sha256: str) -> str:

@@ -24,6 +24,7 @@ from app.domain.blobs.base import (
     BlobNotFound,
     BlobRef,
     BlobTooLarge,
+    FileDigest,
     HashingCounter,
     Quarantined,
     QuarantineRecorder,
@@ -35,6 +36,10 @@ from app.domain.blobs.base import (
 from app.domain.db.base import utcnow
 from app.domain.db.models import Blob, BlobChunk
 from app.domain.db.ops import insert_or_ignore, rowcount
+
+BATCH_CHUNKS = 8
+"""Chunk rows sent per statement (one round trip, pipelined by the driver): a 98 MiB QPC is
+13 statements instead of 98; at most 8 MiB wait in memory."""
 
 
 class DatabaseBlobStore:
@@ -54,7 +59,10 @@ class DatabaseBlobStore:
                 return self._put(spooled, max_bytes)
         return self._put(data, max_bytes)
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
+        """`put` of the file's bytes (a `digest` saves nothing: the rows are written anyway)."""
         with open(path, "rb") as data:
             return self.put(data, max_bytes=max_bytes)
 
@@ -62,11 +70,15 @@ class DatabaseBlobStore:
         counter = HashingCounter(max_bytes)
         upload_key = f"tmp-{uuid.uuid4().hex}"
         with self._sessions() as session, session.begin():
+            rows: list[dict[str, object]] = []
             for seq, chunk in enumerate(_exact_chunks(iter_chunks(data), CHUNK_SIZE)):
                 counter.update(chunk)
-                session.execute(
-                    insert(BlobChunk), [{"sha256": upload_key, "seq": seq, "data": chunk}]
-                )
+                rows.append({"sha256": upload_key, "seq": seq, "data": chunk})
+                if len(rows) == BATCH_CHUNKS:
+                    session.execute(insert(BlobChunk), rows)
+                    rows = []
+            if rows:
+                session.execute(insert(BlobChunk), rows)
             ref = counter.ref()
             row = {"sha256": ref.sha256, "size": ref.size, "created_at": utcnow()}
             chunks = BlobChunk.sha256 == upload_key

@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from app.domain.blobs.base import (
-    CHUNK_SIZE,
     BackgroundHashingCounter,
     BlobNotFound,
     BlobRef,
-    HashingCounter,
+    BlobTooLarge,
+    FileDigest,
     Quarantined,
     QuarantineRecorder,
     Source,
     check_range,
     check_sha256,
+    file_digest,
     file_range,
     fsync_dir,
     iter_chunks,
@@ -80,10 +79,13 @@ class FilesystemBlobStore:
             raise
         return BlobRef(ref.sha256, ref.size, created)
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
-        """A file on the store's file system is linked in, not copied: one read hashes it
-        while the disk takes its bytes (its fsync runs in a thread meanwhile), then the link
-        is renamed into place. A file elsewhere is `put` (copied while hashed, one pass)."""
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
+        """A file on the store's file system is linked in, not copied: hashed in one read
+        while the disk takes its bytes (`file_digest`; or its `digest` taken earlier, when the
+        link is still that file unchanged), then the link is renamed into place. A file
+        elsewhere is `put` (copied while hashed, one pass)."""
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         try:
             os.link(path, tmp)
@@ -91,23 +93,19 @@ class FilesystemBlobStore:
             with open(path, "rb") as data:
                 return self.put(data, max_bytes=max_bytes)
         try:
+            if digest is None or not digest.matches(tmp):
+                digest = file_digest(tmp)
+            if max_bytes is not None and digest.size > max_bytes:
+                raise BlobTooLarge(max_bytes)
             os.chmod(tmp, FILE_MODE)
-            with open(tmp, "rb", 0) as src:
-                counter = HashingCounter(max_bytes)
-                with _synced(src.fileno()):
-                    buffer = bytearray(CHUNK_SIZE)
-                    view = memoryview(buffer)
-                    while read := src.readinto(buffer):
-                        counter.update(view[:read])  # type: ignore[arg-type]
-                ref = counter.ref()
-            final = self._path(ref.sha256)
+            final = self._path(digest.sha256)
             final.parent.mkdir(mode=DIR_MODE, exist_ok=True)
             created = not final.exists()
             os.replace(tmp, final)  # a no-op when both name this inode already (put twice)
             fsync_dir(final.parent)
         finally:
             tmp.unlink(missing_ok=True)
-        return BlobRef(ref.sha256, ref.size, created)
+        return BlobRef(digest.sha256, digest.size, created)
 
     def open(self, sha256: str) -> BinaryIO:
         try:
@@ -176,27 +174,6 @@ class FilesystemBlobStore:
                 os.fsync(out.fileno())
         finally:
             probe.unlink(missing_ok=True)
-
-
-@contextmanager
-def _synced(fd: int) -> Iterator[None]:
-    """fsync `fd` in a thread while the block runs; its error, if any, raised at the end."""
-    errors: list[OSError] = []
-
-    def sync() -> None:
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=sync, name="blob-fsync", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
-    if errors:
-        raise errors[0]
 
 
 def _write_all(out: BinaryIO, chunk: bytes) -> None:

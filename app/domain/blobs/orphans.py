@@ -24,7 +24,7 @@ from typing import Any, cast
 from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session
 
-from app.domain.blobs.base import BlobRef, BlobStore, Source
+from app.domain.blobs.base import BlobRef, BlobStore, FileDigest, Source
 from app.domain.db.models import Model, ProfileJob, Qpc, Validation
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,10 @@ class RecordingStore:
     def put(self, data: Source, *, max_bytes: int | None = None) -> BlobRef:
         return self._record(self._store.put(data, max_bytes=max_bytes))
 
-    def put_file(self, path: Path, *, max_bytes: int | None = None) -> BlobRef:
-        return self._record(self._store.put_file(path, max_bytes=max_bytes))
+    def put_file(
+        self, path: Path, *, max_bytes: int | None = None, digest: FileDigest | None = None
+    ) -> BlobRef:
+        return self._record(self._store.put_file(path, max_bytes=max_bytes, digest=digest))
 
     def _record(self, ref: BlobRef) -> BlobRef:
         if ref.created:

@@ -5,7 +5,8 @@ A team's model is code-like input: a small file can make the importer or the com
 allocate without bound or run for hours. Both therefore run in child processes that set an
 address-space limit on themselves (`RLIMIT_AS`: an allocation beyond it fails, as a
 `MemoryError` in Python) and that their parent kills at a wall-clock deadline. This module
-holds the numbers (from settings), the child's side (`apply_memory_limit`) and how an
+holds the numbers (from settings), the child's side (`apply_memory_limit`; for a program
+that is not Python, such as the vendor's `qaic-compile`, `limited_command`) and how an
 outcome is recognised (`caused_by_memory`).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,6 +91,33 @@ def apply_memory_limit(memory_bytes: int | None) -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+_EXEC_LIMITED = """
+import os, resource, sys
+limit = int(sys.argv[1])
+_soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+if hard != resource.RLIM_INFINITY:
+    limit = min(limit, hard)
+resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+try:
+    os.execv(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"could not start {sys.argv[2]}: {exc.strerror}", file=sys.stderr)
+    sys.exit(127)
+"""
+"""Sets the address-space limit as `apply_memory_limit` does, then becomes the program."""
+
+
+def limited_command(argv: list[str], memory_bytes: int | None) -> list[str]:
+    """`argv` run under an address-space limit of `memory_bytes` (None: `argv` as it is). A
+    Python launcher sets the limit and execs the program, so the limit holds from the
+    program's first instruction (no `preexec_fn`, which is unsafe in a threaded worker). The
+    launcher runs isolated (`-I -S`): nothing of the working folder, which may be a team's
+    model archive, or of the environment is imported."""
+    if memory_bytes is None:
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _EXEC_LIMITED, str(memory_bytes), *argv]
 
 
 def caused_by_memory(exc: BaseException | None) -> bool:
