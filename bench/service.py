@@ -32,7 +32,11 @@ same run (`--blob-store` names the one judged; the other is its peer); each job'
 time minus its compile time (its report's stage times), as a ratio to the compile time,
 and its time outside the compiler's process (the job log's "the compiler ran" line). The
 first job reads the model from the store; the later ones find it in the worker's model
-cache (`worker/model_cache.py`). Target: below 0.3x for those, with the filesystem store.
+cache (`worker/model_cache.py`). Target: the farm's own time per job (the job outside the
+compiler's process: claiming, reading the model, storing the QPC and report) below 0.3x the
+compile for each of those, with the filesystem store. The compile is the compiler's whole run
+(its stages plus the fit check and the perf report it writes with every QPC): the stage times
+leave those two out, so job minus stage times, printed too, counts compiler work as the farm's.
 
 Loops are bounded; the farm is stopped (and the database dropped) at the end, also on failure.
 Nothing asserts on time: the script prints figures and says which targets are met.
@@ -824,14 +828,17 @@ def measure_overhead(farm: Farm, model: Path, runs: int) -> dict[str, Any]:
                          "farm_overhead_s": job_s - compiler_s})  # fmt: skip
     warm = rows[1:] or rows
     warm_ratio = statistics.median(r["ratio"] for r in warm)
+    farm_ratios = [r["farm_overhead_s"] / r["compiler_s"] for r in warm]
     return {
         "model_bytes": model.stat().st_size,
         "runs": rows,
         "cold_ratio": rows[0]["ratio"],
         "warm_ratio": warm_ratio,
         "warm_overhead_s": statistics.median(r["overhead_s"] for r in warm),
+        "farm_ratio_max": max(farm_ratios),
+        "farm_ratio_median": statistics.median(farm_ratios),
         "target": OVERHEAD_TARGET,
-        "met": warm_ratio < OVERHEAD_TARGET,
+        "met": max(farm_ratios) < OVERHEAD_TARGET,
     }
 
 
@@ -859,10 +866,15 @@ def render_overhead(results: dict[str, dict[str, Any]], measured: str) -> str:
     if len(results) == 2:
         a, b = (results[s]["warm_overhead_s"] for s in OVERHEAD_STORES)
         lines.append(f"  overhead filesystem / database (later jobs, medians): {a / b:.2f}x")
-    met = results[measured]["met"]
+    judged = results[measured]
     lines.append(
-        f"  [{'MET' if met else 'NOT MET'}] job time - compile time < {OVERHEAD_TARGET}x the "
-        f"compile time (the {measured} store, later jobs)"
+        f"  the job outside the compiler's process / the compiler's process (later jobs): "
+        f"median {judged['farm_ratio_median']:.2f}x, worst {judged['farm_ratio_max']:.2f}x"
+    )
+    lines.append(
+        f"  [{'MET' if judged['met'] else 'NOT MET'}] the farm's own time per job (the job "
+        f"outside the compiler's process) < {OVERHEAD_TARGET}x the compile (the compiler's "
+        f"whole run: stages, fit check, perf report), every later job, the {measured} store"
     )
     return "\n".join(lines) + "\n"
 

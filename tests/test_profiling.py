@@ -540,11 +540,10 @@ def test_a_kernel_cut_to_fit_vtcm_is_warned_with_the_ratio_to_raise() -> None:
 
 
 def test_a_serial_kernel_leaves_cores_idle_and_both_are_warned() -> None:
+    # The TopK alone: beside a Relu split over the 4 cores, the other cores are no longer
+    # idle enough to warn since the multicasts stopped waiting on each other (147e247).
     graph = helper.make_graph(
-        [
-            helper.make_node("Relu", ["x"], ["r"], name="relu"),
-            helper.make_node("TopK", ["r", "k"], ["v", "i"], axis=1, name="topk"),
-        ],
+        [helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1, name="topk")],
         "serial",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1 << 16])],
         [
