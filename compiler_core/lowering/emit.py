@@ -991,22 +991,32 @@ class _VtcmHazards:
     ) -> None:
         """`write` of each run `(lo, hi)` offset by `base`, in one call (a transfer's byte
         runs, up to 128 per box and core)."""
-        pages = self.pages
+        pieces: list[tuple[int, int]] = []
+        page = -1
         for lo, hi in runs:
             lo += base
             hi += base
-            page = lo >> PAGE_SHIFT
-            while True:
-                end = (page + 1) << PAGE_SHIFT
-                found = pages.get(page)
-                if found is None:
-                    found = pages[page] = _Segments(page << PAGE_SHIFT)
+            if hi <= lo:  # an empty run: as `_Segments.write` has it, alone
+                self._flush(page, pieces, op, deps)
+                self._page(lo >> PAGE_SHIFT).write(lo, hi, op, deps)
+                continue
+            while True:  # the run's piece in each page it crosses
+                at = lo >> PAGE_SHIFT
+                if at != page:
+                    self._flush(page, pieces, op, deps)
+                    page = at
+                end = (at + 1) << PAGE_SHIFT
                 if hi <= end:
-                    found.write(lo, hi, op, deps)
+                    pieces.append((lo, hi))
                     break
-                found.write(lo, end, op, deps)
-                page += 1
+                pieces.append((lo, end))
                 lo = end
+        self._flush(page, pieces, op, deps)
+
+    def _flush(self, page: int, pieces: list[tuple[int, int]], op: int, deps: set[int]) -> None:
+        if pieces:
+            self._page(page).write_all(pieces, op, deps)
+            pieces.clear()
 
 
 class _Segments:
@@ -1041,6 +1051,59 @@ class _Segments:
             if new is None:
                 new = renewed[old] = (*(r for r in old if core_of[r] != core), op)
             readers[i] = new
+
+    def write_all(self, runs: list[tuple[int, int]], op: int, deps: set[int]) -> None:
+        """`write` of each run in turn, in one pass over the segments: the runs are not
+        empty and, ascending and disjoint, each meets only segments the runs before it left
+        as they were, so the segments they cover are rebuilt at once (same bounds, writers,
+        readers and `deps` as run by run)."""
+        for (_, hi), (lo, _) in zip(runs, runs[1:], strict=False):
+            if lo < hi:  # not ascending: run by run
+                for lo, hi in runs:
+                    self.write(lo, hi, op, deps)
+                return
+        bounds, writer, readers = self.bounds, self.writer, self.readers
+        count = len(bounds)
+        first = i = bisect.bisect_right(bounds, runs[0][0]) - 1
+        pos = bounds[i]
+        end = bounds[i + 1] if i + 1 < count else -1  # -1: the last segment, unbounded
+        new_bounds: list[int] = []
+        new_writer: list[int] = []
+        new_readers: list[tuple[int, ...]] = []
+        for lo, hi in runs:
+            while end != -1 and end <= lo:  # segments wholly before the run, as they are
+                new_bounds.append(pos)
+                new_writer.append(writer[i])
+                new_readers.append(readers[i])
+                i += 1
+                pos = end
+                end = bounds[i + 1] if i + 1 < count else -1
+            if pos < lo:  # the part of segment i before the run
+                new_bounds.append(pos)
+                new_writer.append(writer[i])
+                new_readers.append(readers[i])
+            while True:  # the segments the run meets
+                if writer[i] >= 0:
+                    deps.add(writer[i])
+                deps.update(readers[i])
+                if end == -1 or end >= hi:
+                    break
+                i += 1
+                end = bounds[i + 1] if i + 1 < count else -1
+            new_bounds.append(lo)
+            new_writer.append(op)
+            new_readers.append(())
+            pos = hi
+            if end == hi:  # segment i ends with the run: the next one is current
+                i += 1
+                end = bounds[i + 1] if i + 1 < count else -1
+        # the rest of the current segment
+        new_bounds.append(pos)
+        new_writer.append(writer[i])
+        new_readers.append(readers[i])
+        bounds[first : i + 1] = new_bounds
+        writer[first : i + 1] = new_writer
+        readers[first : i + 1] = new_readers
 
     def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         bounds, writer, readers = self.bounds, self.writer, self.readers
