@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # app modules are imported lazily: other test files need no d
     from app.domain.blobs import BlobStore
     from app.domain.db.models import Team
     from tests.api_helpers import LiveServer, Servers
+    from tests.service_helpers import RedisServer
 
 POSTGRES_URL_ENV = "QPCFARM_TEST_POSTGRES_URL"
 DEFAULT_POSTGRES_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -211,6 +212,18 @@ def server(request: pytest.FixtureRequest, servers: Servers) -> LiveServer:
     """A live server: each test runs on SQLite + filesystem and on PostgreSQL + database
     blobs."""
     return servers.get(request.param)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own (the machine's Redis is never restarted or flushed)."""
+    from tests.service_helpers import redis_problem, redis_server
+
+    problem = redis_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    with redis_server(tmp_path) as running:
+        yield running
 
 
 # ------------------------------------------------------------------------------- factories

@@ -10,7 +10,6 @@ import json
 import random
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +154,19 @@ def _bytes_io(data: bytes) -> Any:
     return io.BytesIO(data)
 
 
+def _queued(
+    farm: Farm, session: Session, team: Team, scale: float, compiler: Compiler | None
+) -> CompileJob:
+    """A queued compile of a distinct tiny model (`scale`) naming `compiler`."""
+    from app.domain.services import models
+
+    data = _bytes_io(tiny_model_bytes(scale))
+    model = models.store_model(session, farm.store, team, data, "m.onnx", max_bytes=1 << 30)
+    job, _ = jobs.submit_job(session, team, model, CompileOptions(), compiler=compiler)
+    session.commit()
+    return job
+
+
 # ------------------------------------------------------------------------------ the API
 
 
@@ -263,17 +275,6 @@ def _play(server: LiveServer, job_id: str) -> None:
 # ---------------------------------------------------------------------- the Celery queues
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[Any]:
-    from tests.service_helpers import redis_problem, redis_server
-
-    problem = redis_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    with redis_server(tmp_path) as server:
-        yield server
-
-
 def _waiting(url: str, queue: str) -> list[str]:
     import redis
 
@@ -288,18 +289,12 @@ def _waiting(url: str, queue: str) -> list[str]:
 def test_a_job_naming_a_compiler_is_sent_to_that_compilers_queue_only(
     farm: Farm, session: Session, team: Team, private_redis: Any, tmp_path: Path
 ) -> None:
-    from app.domain.services import models
     from worker.celery_app import QUEUE_NAME
     from worker.queues import CeleryQueue
 
-    def job_of(scale: float, compiler: Compiler | None) -> CompileJob:
-        data = _bytes_io(tiny_model_bytes(scale))
-        model = models.store_model(session, farm.store, team, data, "m.onnx", max_bytes=1 << 30)
-        job, _ = jobs.submit_job(session, team, model, CompileOptions(), compiler=compiler)
-        session.commit()
-        return job
-
-    plain, vendor, old = job_of(0.1, None), job_of(0.2, QAIC), job_of(0.3, OLD)
+    plain = _queued(farm, session, team, 0.1, None)
+    vendor = _queued(farm, session, team, 0.2, QAIC)
+    old = _queued(farm, session, team, 0.3, OLD)
     queue = CeleryQueue(Settings(data_dir=tmp_path, broker_url=private_redis.url), farm.db.sessions)
     try:
         for job in (plain, vendor, old):
@@ -373,19 +368,11 @@ def test_submit_takes_compiler_as_a_client_option() -> None:
 def test_a_message_claims_only_a_queued_compile_of_its_own_jobs_compiler(
     farm: Farm, session: Session, team: Team
 ) -> None:
-    from app.domain.services import models
     from worker import fair_share
 
-    def queued(scale: float, compiler: Compiler | None) -> CompileJob:
-        data = _bytes_io(tiny_model_bytes(scale))
-        model = models.store_model(session, farm.store, team, data, "m.onnx", max_bytes=1 << 30)
-        job, _ = jobs.submit_job(session, team, model, CompileOptions(), compiler=compiler)
-        session.commit()
-        return job
-
-    vendor = queued(0.11, QAIC)  # the oldest: fair share alone would pick it first
-    plain = queued(0.12, None)
-    old = queued(0.13, OLD)
+    vendor = _queued(farm, session, team, 0.11, QAIC)  # the oldest: fair share would pick it
+    plain = _queued(farm, session, team, 0.12, None)
+    old = _queued(farm, session, team, 0.13, OLD)
 
     by_plain = fair_share.claim_next(session, plain.id, "w-default")
     by_old = fair_share.claim_next(session, old.id, "w-old")

@@ -522,18 +522,6 @@ def test_an_upload_check_past_its_memory_limit_is_refused_with_the_limit(
 # ------------------------------------------------------------------------ broker recovery
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[Any]:
-    """A redis-server of this test's own (the machine's Redis is never restarted or flushed)."""
-    from tests.service_helpers import redis_problem, redis_server
-
-    problem = redis_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    with redis_server(tmp_path) as server:
-        yield server
-
-
 def broker_messages(url: str) -> list[str]:
     """The job ids of the messages waiting in the farm's queue of the broker at `url`."""
     import json

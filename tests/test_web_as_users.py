@@ -338,11 +338,9 @@ def test_a_browser_gets_a_page_for_an_unknown_address_and_api_clients_keep_json(
 # ------------------------------------------------------------------------- framework models
 
 
-def test_the_forms_input_shapes_convert_a_torchscript_upload_and_one_that_fails_is_refused(
-    site: Site,
-) -> None:
-    """The form's `-input-shapes` go with its upload: a TorchScript module that loads but
-    does not convert with them is refused on the page (422), with no model and no job."""
+def _torchscript_linear() -> bytes:
+    """A saved TorchScript `Linear(4, 3)` (its input's shape is not in the file); skips
+    without the torch extra."""
     import importlib.util
     import io
     import warnings
@@ -355,8 +353,16 @@ def test_the_forms_input_shapes_convert_a_torchscript_upload_and_one_that_fails_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
         torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3).eval()), buffer)
+    return buffer.getvalue()
+
+
+def test_the_forms_input_shapes_convert_a_torchscript_upload_and_one_that_fails_is_refused(
+    site: Site,
+) -> None:
+    """The form's `-input-shapes` go with its upload: a TorchScript module that loads but
+    does not convert with them is refused on the page (422), with no model and no job."""
     csrf = sign_in(site)
-    page = upload(site, csrf, buffer.getvalue(), flags="-input-shapes=input:1x5")
+    page = upload(site, csrf, _torchscript_linear(), flags="-input-shapes=input:1x5")
     assert page.status_code == 422, page.text
     assert "torch.onnx.export cannot convert" in page.text
     assert site.client.get("/v1/models", headers=api(site)).json()["count"] == 0
@@ -370,22 +376,10 @@ def test_a_torchscript_upload_without_shapes_fails_its_compile_naming_both_ways_
     compile fails, and the job's page names the compile's -input-shapes and the upload's
     input_shapes. With them on the form, the model records them and the job's page shows
     the shapes its compile used and where they came from."""
-    import importlib.util
-    import io
-    import warnings
-
     from worker.runner import process_job
 
-    if not all(importlib.util.find_spec(m) for m in ("torch", "onnxscript")):
-        pytest.skip("torch and onnxscript not installed: pip install 'qpcfarm[torch]'")
-    import torch
-
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.jit is deprecated, and still a format users have
-        torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3).eval()), buffer)
     csrf = sign_in(site)
-    page = upload(site, csrf, buffer.getvalue())
+    page = upload(site, csrf, _torchscript_linear())
     assert page.status_code == 303, page.text
     (job_id, _kind), *_ = site.queue.held
     state = site.app.state
@@ -399,7 +393,7 @@ def test_a_torchscript_upload_without_shapes_fails_its_compile_naming_both_ways_
     assert "input_shape_required" in error.group(1)
     assert "-input-shapes" in error.group(1) and "the upload&#39;s input_shapes" in error.group(1)
 
-    page = upload(site, csrf, buffer.getvalue(), flags="-input-shapes=input:2x4")
+    page = upload(site, csrf, _torchscript_linear(), flags="-input-shapes=input:2x4")
     assert page.status_code == 303, page.text
     job = page.headers["location"].split("submitted=")[1].split("&")[0]
     shapes = re.search(
