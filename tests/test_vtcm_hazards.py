@@ -100,7 +100,7 @@ def test_a_box_s_byte_runs_become_progressions_of_equal_runs() -> None:
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How often the hazards made, took apart and expanded periodic blocks."""
     taken: Counter[str] = Counter()
-    for name in ("_carve", "_expand", "_periods"):
+    for name in ("_carve", "_expand", "_periods", "_regrid"):
         method = getattr(VtcmHazards, name)
 
         def counted(self: VtcmHazards, *args: int, _name: str = name, _method: Any = method) -> Any:
@@ -137,7 +137,7 @@ def test_random_strided_traffic_finds_the_ops_bytes_would(monkeypatch: pytest.Mo
     found = _replay(calls, core_of)
     assert all(got == want for got, want in found)
     assert sum(len(want) for _, want in found) > 3000  # the traffic does conflict
-    assert taken["_carve"] and taken["_expand"] and taken["_periods"]
+    assert all(taken[name] for name in ("_carve", "_expand", "_periods", "_regrid"))
 
 
 def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(

@@ -21,6 +21,7 @@ writer and readers, so every access finds the same ops.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 
 END = 1 << 62
@@ -31,6 +32,9 @@ PLAIN_MAX = 64
 
 STRIDED_MIN = 4
 """Runs of one strided write, falling in one uniform segment, that make a periodic block."""
+
+REGRID_MAX = 8
+"""A periodic block is seen with a period up to this many of its own to suit a stride."""
 
 Readers = tuple[int, ...]
 Progression = tuple[int, int, int, int]
@@ -273,13 +277,24 @@ class VtcmHazards:
                 k = last + 1
                 continue
             q, phase = divmod(lo - start, period)
-            if stride == period and phase + length <= period:  # one period's segments for all
-                n = min(b.count - q, count - k)
-                i = self._periods(i, q, q + n)
-                _write(blocks[i], ((phase, phase + length),), period, op, deps)
+            first = phase % stride  # the phase of the period's first run
+            if period % stride or first + length > stride:  # runs cross periods
+                if not self._regrid(i, lo, length, stride, count - k):
+                    self._expand(i)
+                continue
+            per = period // stride  # runs in a period
+            if phase != first or count - k < per:  # the runs in period q
+                n = min(count - k, (period - phase + stride - 1) // stride)
+                i = self._periods(i, q, q + 1)
+                runs = [(phase + x * stride, phase + x * stride + length) for x in range(n)]
+                _write(blocks[i], runs, period, op, deps)
                 k += n
-            else:
-                self._expand(i)
+                continue
+            n = min(b.count - q, (count - k) // per)  # whole periods: one's segments for all
+            i = self._periods(i, q, q + n)
+            runs = [(first + x * stride, first + x * stride + length) for x in range(per)]
+            _write(blocks[i], runs, period, op, deps)
+            k += n * per
 
     # ------------------------------------------------------------------ block surgery
     def _periods(self, i: int, q0: int, q1: int) -> int:
@@ -327,6 +342,62 @@ class VtcmHazards:
             new_blocks.append(rest)
         self.starts[i : i + 1] = new_starts
         self.blocks[i : i + 1] = new_blocks
+
+    def _regrid(self, i: int, lo: int, length: int, stride: int, left: int) -> bool:
+        """Periodic block i seen from `lo` with a period both its own and `stride` divide,
+        for as many whole such periods as the `left` runs from `lo` fill; whether it was."""
+        b = self.blocks[i]
+        start, period = self.starts[i], b.period
+        grid = math.lcm(period, stride)
+        if grid > REGRID_MAX * period:
+            return False
+        end = start + period * b.count
+        fit = min(left, (end - length - lo) // stride + 1)  # runs inside the block
+        n = min((end - lo) // grid, fit // (grid // stride))
+        if n < 1:
+            return False
+        q, phase = divmod(lo - start, period)
+        offs, writer, readers = b.offs, b.writer, b.readers
+        j = bisect.bisect_right(offs, phase) - 1  # the segment at `phase`
+        keep = j + 1 if offs[j] < phase else j  # the segments that start before it
+        order = list(range(j, len(offs)))
+        rel = [0, *(offs[x] - phase for x in range(j + 1, len(offs)))]
+        order += range(keep)  # the period's start, after its end
+        rel += (offs[x] + period - phase for x in range(keep))
+        reps = range(0, grid, period)
+        inner = _Block(
+            grid,
+            n,
+            [x + r for r in reps for x in rel],
+            [writer[x] for _ in reps for x in order],
+            [readers[x] for _ in reps for x in order],
+        )
+        new_starts: list[int] = []
+        new_blocks: list[_Block] = []
+        if q:
+            new_starts.append(start)
+            new_blocks.append(_Block(period, q, offs, writer, readers))
+        at = start + q * period
+        if phase:  # the start of period q, before `lo`
+            new_starts.append(at)
+            new_blocks.append(
+                _Block(0, 1, [at + x for x in offs[:keep]], writer[:keep], readers[:keep])
+            )
+        new_starts.append(lo)
+        new_blocks.append(inner)
+        q += n * (grid // period)  # the period holding the end of the new block
+        at = start + q * period
+        if phase:  # the rest of period q
+            new_starts.append(at + phase)
+            rest = [at + phase, *(at + x for x in offs[j + 1 :])]
+            new_blocks.append(_Block(0, 1, rest, writer[j:], readers[j:]))
+            q += 1
+        if q < b.count:
+            new_starts.append(start + q * period)
+            new_blocks.append(_Block(period, b.count - q, offs, writer, readers))
+        self.starts[i : i + 1] = new_starts
+        self.blocks[i : i + 1] = new_blocks
+        return True
 
     def _expand(self, i: int) -> None:
         """Periodic block i as plain blocks of its segments."""
