@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.api_helpers import form_csrf
 from tests.conftest import tiny_model_bytes
 
 WAIT_S = 60.0
@@ -61,12 +62,10 @@ def site(tmp_path: Path) -> Iterator[Site]:
 
 def csrf_of(client: Any) -> str:
     """The CSRF token the sign-in page hands out (as a cookie and in its form)."""
-    page = client.get("/sign-in")
-    token = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert token is not None
+    token = form_csrf(client, "/sign-in")
     if client.cookies.get("qpcfarm_session") is None:  # signed in, it is the session's
-        assert client.cookies.get("qpcfarm_csrf") == token.group(1)
-    return token.group(1)
+        assert client.cookies.get("qpcfarm_csrf") == token
+    return token
 
 
 def signed_in(site: Site, key: str | None = None) -> str:
@@ -75,14 +74,7 @@ def signed_in(site: Site, key: str | None = None) -> str:
     csrf = csrf_of(client)
     answer = client.post("/sign-in", data={"api_key": key or site.key, "csrf": csrf})
     assert answer.status_code == 303
-    return form_csrf(client)
-
-
-def form_csrf(client: Any, page: str = "/") -> str:
-    """The CSRF token of a signed-in page's forms (bound to the session, new at sign-in)."""
-    token = re.search(r'name="csrf" value="([^"]+)"', client.get(page).text)
-    assert token is not None
-    return token.group(1)
+    return form_csrf(client, "/")
 
 
 def submit(site: Site, csrf: str, body: bytes, name: str = "m.onnx", **form: str) -> Any:
@@ -217,7 +209,7 @@ def test_another_teams_job_is_not_found(site: Site) -> None:
     assert site.client.get(f"/jobs/{job_id}").status_code == 404
     assert site.client.get(f"/jobs/{job_id}/live").status_code == 404
     assert job_id not in site.client.get("/jobs/rows").text
-    csrf = form_csrf(site.client)
+    csrf = form_csrf(site.client, "/")
     validate = site.client.post(f"/jobs/{job_id}/validate", data={"csrf": csrf})
     assert validate.status_code == 404
 
