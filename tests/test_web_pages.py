@@ -346,7 +346,10 @@ def test_pass_times_are_a_tree_whose_total_counts_the_stages() -> None:
     times = {"import": 0.5, "graph-passes": 0.25, "graph-passes/fold": 0.2, "lower": 0.25}
     tree = pass_times(times)
     assert [(r.name, r.depth) for r in tree.rows] == [
-        ("import", 0), ("graph-passes", 0), ("fold", 1), ("lower", 0)
+        ("import", 0),
+        ("graph-passes", 0),
+        ("fold", 1),
+        ("lower", 0),
     ]
     assert tree.total_ms == "1,000.000" and tree.rows[2].share == "20.0"
 
