@@ -387,6 +387,31 @@ def test_the_api_docs_and_their_assets_are_served_by_the_farm(site: Site) -> Non
     assert site.client.get("/docs/assets/core.py").status_code == 404
 
 
+def test_a_recompile_refused_by_the_queue_quota_says_when_to_retry_as_the_api_does(
+    site: Site,
+) -> None:
+    from sqlalchemy import update
+
+    from app.domain.db.models import Team
+
+    csrf = signed_in(site)
+    answer = submit(site, csrf, tiny_model_bytes())
+    assert answer.status_code == 303
+    job_id = answer.headers["location"].split("submitted=")[1].split("&")[0]
+    wait_done(site, job_id)
+    with site.app.state.session_factory() as session:
+        session.execute(update(Team).where(Team.name == "alpha").values(max_queued_jobs=0))
+        session.commit()
+    before = job_count(site)
+    refused = site.client.post(
+        f"/jobs/{job_id}/recompile-for-profile", data={"csrf": csrf}, follow_redirects=False
+    )
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"] == "30"
+    assert error_of(refused.text)[0] == "queue_quota"
+    assert job_count(site) == before
+
+
 def test_a_quota_refusal_is_shown_as_the_api_says_it_and_the_team_page_shows_usage(
     site: Site,
 ) -> None:
