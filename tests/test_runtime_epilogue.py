@@ -67,7 +67,7 @@ def test_a_fused_last_step_writes_the_bytes_its_own_compute_gives(
     step = _step(op_type, np.dtype(dtype).name, (None, 0)[:arity])
     vtcm = np.zeros(2 * inputs[0].nbytes, np.uint8)
     dst: np.ndarray = vtcm[8 : 8 + inputs[0].nbytes].view(dtype).reshape(shape)
-    assert _fits(step, list(inputs), dst)
+    assert _fits(step, np.dtype(dtype), list(inputs), dst)
     _write_fused(op_type, list(inputs), dst)
     own = _own(op_type, inputs)
     view = np.uint32 if dtype == np.float32 else np.uint64
@@ -84,15 +84,21 @@ def test_an_add_into_its_own_operand_sees_the_operand_before_the_write() -> None
     np.testing.assert_array_equal(b.view(np.uint32), want.view(np.uint32))
 
 
+def _fit(op_type: str, out_dtype: str, inputs: list[np.ndarray | None], dst: np.ndarray) -> bool:
+    refs = (None, 0, -1)[: len(inputs)] if inputs[-1] is None else (None, 0)[: len(inputs)]
+    return _fits(_step(op_type, out_dtype, refs), np.dtype(out_dtype), inputs, dst)
+
+
 def test_steps_that_would_widen_round_or_broadcast_run_their_own_compute() -> None:
     x32 = np.ones((2, 3), np.float32)
     dst = np.empty((2, 3), np.float32)
-    assert not _fits(_step("Relu", "float16", (None,)), [x32.astype(np.float16)], dst)
-    assert not _fits(_step("Relu", "float16", (None,)), [x32], dst.astype(np.float16))
-    assert not _fits(_step("Add", "float32", (None, 0)), [x32, np.ones(3, np.float32)], dst)
-    assert not _fits(_step("Add", "float32", (None, 0)), [x32, x32.astype(np.float64)], dst)
-    assert not _fits(_step("Relu", "float32", (None,)), [np.ones((3, 2), np.float32)], dst)
-    assert not _fits(_step("Add", "float32", (None, -1)), [x32, None], dst)
+    assert _fit("Add", "float32", [x32, x32], dst)
+    assert not _fit("Relu", "float16", [x32.astype(np.float16)], dst.astype(np.float16))
+    assert not _fit("Relu", "float16", [x32], dst)  # the step rounds to float16
+    assert not _fit("Add", "float32", [x32, np.ones(3, np.float32)], dst)  # a broadcast
+    assert not _fit("Add", "float32", [x32, x32.astype(np.float64)], dst)
+    assert not _fit("Relu", "float32", [np.ones((3, 2), np.float32)], dst)  # a wrong shape
+    assert not _fit("Add", "float32", [x32, None], dst)
 
 
 def _residual_block() -> onnx.ModelProto:

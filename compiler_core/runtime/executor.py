@@ -1172,6 +1172,7 @@ class Executor:
         fusable = bool(outs) and outs[0][0] == 0 and bool(steps) and _fusable(steps[-1][1])
         chain = steps[:-1] if fusable else steps
         last: Any = steps[-1][1] if fusable else None
+        last_dtype = np.dtype(last.out_dtype) if fusable else None
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
@@ -1211,7 +1212,7 @@ class Executor:
                         for ref in last.inputs
                     ]
                     _, dst, start, end, covers = outs[0]
-                    if self.probe is None and _fits(last, step_inputs, dst):
+                    if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
                         deferred.overwrite(core, start, end, whole=covers)
                         _write_fused(last.op_type, step_inputs, dst)
                         copies.wrote(core, start, end, None)
@@ -1249,12 +1250,15 @@ def _fusable(epilogue: Any) -> bool:
     return epilogue.domain == "" and epilogue.op_type in ("Relu", "Add")
 
 
-def _fits(epilogue: Any, inputs: list[np.ndarray | None], dst: np.ndarray) -> bool:
+def _fits(
+    epilogue: Any, out_dtype: np.dtype | None, inputs: list[np.ndarray | None], dst: np.ndarray
+) -> bool:
     """Whether `_write_fused` gives `dst` the bytes the step's own compute would: float32 or
-    float64 operands, result and tile of one dtype and shape (no widening, rounding or
-    broadcast; anything else runs the step's compute, which also reports a wrong shape)."""
+    float64 operands, result (`out_dtype`, the step's) and tile of one dtype and shape (no
+    widening, rounding or broadcast; anything else runs the step's compute, which also
+    reports a wrong shape)."""
     dtype = dst.dtype
-    if dtype not in _FUSED_DTYPES or epilogue.out_dtype != dtype.name:
+    if dtype not in _FUSED_DTYPES or out_dtype != dtype:
         return False
     if len(inputs) != (1 if epilogue.op_type == "Relu" else 2):
         return False
