@@ -12,7 +12,6 @@ until the network's weights fit the room left for them.
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import math
@@ -703,7 +702,8 @@ class SplitChooser:
 
 def _fresh(shared: _Candidate) -> _Candidate:
     """A kernel's own copy of a shared candidate: everything shared but its transfer prices."""
-    cand = copy.copy(shared)
+    cand = _Candidate.__new__(_Candidate)
+    cand.__dict__.update(shared.__dict__)  # copy.copy's result, without its __reduce_ex__
     cand.moves = {}
     return cand
 
