@@ -128,11 +128,23 @@ class SharedTile:
     """The tile's own place, to compute its product alone."""
     checked: bool = False
     """Its part was once compared with its own product, bit for bit, and was equal."""
+    seen: list[np.ndarray | None] = field(default_factory=list)
+    """Per constant input, the last array found to be the constant in place: the same
+    object again is that constant (a view's address, shape, strides and dtype are fixed;
+    the runtime hands the same view while the same load or resident buffer stands for it)."""
+    uniform: bool | None = None
+    """Whether its weight, found in place, has all rows equal (None: not known yet). The
+    constant in place cannot change, so this is worked out once."""
 
     def results(self, inputs: list[np.ndarray | None], inference: int) -> Results | None:
         """This tile's outputs from the group's product, or None (it computes alone)."""
-        for position, address, shape, strides, dtype in self.expected:
+        seen = self.seen
+        if not seen:
+            seen.extend([None] * len(self.expected))
+        for i, (position, address, shape, strides, dtype) in enumerate(self.expected):
             a = inputs[position]
+            if a is not None and a is seen[i]:
+                continue
             if (
                 a is None
                 or a.shape != shape
@@ -141,8 +153,16 @@ class SharedTile:
                 or _address(a) != address
             ):
                 return None
+            seen[i] = a
         group = self.group
-        if group.off or _uniform_weight(group.op_type, inputs):
+        if group.off:
+            return None
+        uniform = self.uniform
+        if uniform is None:
+            uniform = _uniform_weight(group.op_type, inputs)
+            if 1 in group.constant:  # the weight is the constant in place
+                self.uniform = uniform
+        if uniform:
             return None
         if group.inference != inference:
             kept = [
