@@ -86,8 +86,22 @@ def _same_bytes(a: np.ndarray | None, kept: np.ndarray | None) -> bool:
         return a is None and kept is None
     if a.shape != kept.shape or a.dtype != kept.dtype:
         return False
-    x, y = _bits(a), _bits(kept)
+    x: np.ndarray | None
+    y: np.ndarray | None
+    if a.flags.c_contiguous and kept.flags.c_contiguous and a.nbytes % 8 == 0:
+        # the same bytes, compared eight at a time
+        x, y = a.reshape(-1).view(np.uint64), kept.reshape(-1).view(np.uint64)
+    else:
+        x, y = _bits(a), _bits(kept)
     return x is not None and y is not None and bool((x == y).all())
+
+
+def _keep(a: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+    """A copy of `a`, in `old` (the previous inference's copy) when it has the same shape."""
+    if old is None or old.shape != a.shape or old.dtype != a.dtype:
+        return np.array(a)
+    np.copyto(old, a)
+    return old
 
 
 @dataclass
@@ -165,8 +179,9 @@ class SharedTile:
         if uniform:
             return None
         if group.inference != inference:
+            previous = group.kept or [None] * len(inputs)
             kept = [
-                None if p in group.constant or a is None else np.array(a)
+                None if p in group.constant or a is None else _keep(a, previous[p])
                 for p, a in enumerate(inputs)
             ]
             union = [kept[p] if c is None else c for p, c in enumerate(group.union)]
