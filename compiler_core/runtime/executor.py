@@ -1165,6 +1165,14 @@ class Executor:
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
         deferred = self.deferred
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
+        views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        """Per operand position, the deferred constant last handed for it and its view of the
+        operand's box: the same view object while the same load stands for the buffer, so a
+        shared tile recognises its constant in place by identity (runtime/shared.py)."""
+        fusable = bool(outs) and outs[0][0] == 0 and bool(steps) and _fusable(steps[-1][1])
+        chain = steps[:-1] if fusable else steps
+        last: Any = steps[-1][1] if fusable else None
+        last_dtype = np.dtype(last.out_dtype) if fusable else None
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
@@ -1175,7 +1183,10 @@ class Executor:
                     else:
                         src = deferred.source(core, start, end)
                         if src is not None:
-                            operands[position] = src[index]
+                            held = views.get(position)
+                            if held is None or held[0] is not src:
+                                held = views[position] = (src, src[index])
+                            operands[position] = held[1]
             for i, join in joins:
                 operands[i] = join()
             base = operands[:n_base]
@@ -1185,17 +1196,35 @@ class Executor:
             results = None if shared is None else shared.results(base, self.inference)
             if results is None:
                 results = compute(info, base, tile)
+            written = False
             if steps:
                 value = results[0]
-                for opdef, epilogue in steps:
+                for opdef, epilogue in chain:
                     step_inputs = [
                         value if ref is None else (None if ref < 0 else operands[ref])
                         for ref in epilogue.inputs  # type: ignore[attr-defined]
                     ]
                     step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
                     value = opdef.compute(step_info, step_inputs, whole)[0]
+                if last is not None:
+                    step_inputs = [
+                        value if ref is None else (None if ref < 0 else operands[ref])
+                        for ref in last.inputs
+                    ]
+                    _, dst, start, end, covers = outs[0]
+                    if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
+                        deferred.overwrite(core, start, end, whole=covers)
+                        _write_fused(last.op_type, step_inputs, dst)
+                        copies.wrote(core, start, end, None)
+                        written = True
+                    else:
+                        opdef = steps[-1][0]
+                        step_info, whole = _epilogue_info(last, step_inputs, value, step_infos)
+                        value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
             for position, dst, start, end, covers in outs:
+                if written and position == 0:
+                    continue
                 result = np.asarray(results[position])
                 if result.shape != dst.shape:
                     raise RuntimeFault(
@@ -1211,6 +1240,42 @@ class Executor:
                 self.on_kernel(core, instr.kernel, instr)
 
         return step
+
+
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _fusable(epilogue: Any) -> bool:
+    """Whether a kernel's last epilogue step may write its output tile itself (`_fits`)."""
+    return epilogue.domain == "" and epilogue.op_type in ("Relu", "Add")
+
+
+def _fits(
+    epilogue: Any, out_dtype: np.dtype | None, inputs: list[np.ndarray | None], dst: np.ndarray
+) -> bool:
+    """Whether `_write_fused` gives `dst` the bytes the step's own compute would: float32 or
+    float64 operands, result (`out_dtype`, the step's) and tile of one dtype and shape (no
+    widening, rounding or broadcast; anything else runs the step's compute, which also
+    reports a wrong shape)."""
+    dtype = dst.dtype
+    if dtype not in _FUSED_DTYPES or out_dtype != dtype:
+        return False
+    if len(inputs) != (1 if epilogue.op_type == "Relu" else 2):
+        return False
+    return all(a is not None and a.dtype == dtype and a.shape == dst.shape for a in inputs)
+
+
+def _write_fused(op_type: str, inputs: list[np.ndarray | None], dst: np.ndarray) -> None:
+    """A kernel's last epilogue step (Relu, Add) computed into its output tile: the same ufunc
+    on the same operands as the step's compute (activation.py `_relu`, elementwise.py Add),
+    without the array it would return and the copy of it into VTCM."""
+    a, b = inputs[0], inputs[-1]
+    assert a is not None and b is not None
+    with np.errstate(all="ignore"):
+        if op_type == "Relu":
+            np.maximum(a, np.zeros((), dst.dtype), out=dst)
+        else:
+            np.add(a, b, out=dst)
 
 
 def _outer_index(

@@ -86,8 +86,22 @@ def _same_bytes(a: np.ndarray | None, kept: np.ndarray | None) -> bool:
         return a is None and kept is None
     if a.shape != kept.shape or a.dtype != kept.dtype:
         return False
-    x, y = _bits(a), _bits(kept)
+    x: np.ndarray | None
+    y: np.ndarray | None
+    if a.flags.c_contiguous and kept.flags.c_contiguous and a.nbytes % 8 == 0:
+        # the same bytes, compared eight at a time
+        x, y = a.reshape(-1).view(np.uint64), kept.reshape(-1).view(np.uint64)
+    else:
+        x, y = _bits(a), _bits(kept)
     return x is not None and y is not None and bool((x == y).all())
+
+
+def _keep(a: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+    """A copy of `a`, in `old` (the previous inference's copy) when it has the same shape."""
+    if old is None or old.shape != a.shape or old.dtype != a.dtype:
+        return np.array(a)
+    np.copyto(old, a)
+    return old
 
 
 @dataclass
@@ -128,11 +142,23 @@ class SharedTile:
     """The tile's own place, to compute its product alone."""
     checked: bool = False
     """Its part was once compared with its own product, bit for bit, and was equal."""
+    seen: list[np.ndarray | None] = field(default_factory=list)
+    """Per constant input, the last array found to be the constant in place: the same
+    object again is that constant (a view's address, shape, strides and dtype are fixed;
+    the runtime hands the same view while the same load or resident buffer stands for it)."""
+    uniform: bool | None = None
+    """Whether its weight, found in place, has all rows equal (None: not known yet). The
+    constant in place cannot change, so this is worked out once."""
 
     def results(self, inputs: list[np.ndarray | None], inference: int) -> Results | None:
         """This tile's outputs from the group's product, or None (it computes alone)."""
-        for position, address, shape, strides, dtype in self.expected:
+        seen = self.seen
+        if not seen:
+            seen.extend([None] * len(self.expected))
+        for i, (position, address, shape, strides, dtype) in enumerate(self.expected):
             a = inputs[position]
+            if a is not None and a is seen[i]:
+                continue
             if (
                 a is None
                 or a.shape != shape
@@ -141,12 +167,21 @@ class SharedTile:
                 or _address(a) != address
             ):
                 return None
+            seen[i] = a
         group = self.group
-        if group.off or _uniform_weight(group.op_type, inputs):
+        if group.off:
+            return None
+        uniform = self.uniform
+        if uniform is None:
+            uniform = _uniform_weight(group.op_type, inputs)
+            if 1 in group.constant:  # the weight is the constant in place
+                self.uniform = uniform
+        if uniform:
             return None
         if group.inference != inference:
+            previous = group.kept or [None] * len(inputs)
             kept = [
-                None if p in group.constant or a is None else np.array(a)
+                None if p in group.constant or a is None else _keep(a, previous[p])
                 for p, a in enumerate(inputs)
             ]
             union = [kept[p] if c is None else c for p, c in enumerate(group.union)]
