@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from compiler_core import compile_model
-from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, progressions
+from compiler_core.lowering.program import box_byte_progressions, box_byte_runs
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
 from tests.codegen_models import conv_net
 
 
@@ -87,14 +88,36 @@ def _replay(calls: list[Call], core_of: list[int]) -> list[tuple[set[int], set[i
     return found
 
 
-def test_a_box_s_byte_runs_become_progressions_of_equal_runs() -> None:
-    rows = [(k * 392, k * 392 + 112) for k in range(128)]
-    assert progressions(rows) == [(0, 112, 392, 128)]
-    assert progressions([(0, 8), (16, 24), (100, 104), (200, 300)]) == [
-        (0, 8, 16, 2),
-        (100, 4, 4, 1),
-        (200, 100, 100, 1),
+def _runs(progressions: Sequence[Progression]) -> list[tuple[int, int]]:
+    return [
+        (lo + k * stride, lo + k * stride + length)
+        for lo, length, stride, count in progressions
+        for k in range(count)
     ]
+
+
+def test_a_box_s_byte_runs_come_as_progressions_of_equal_runs() -> None:
+    # a core's columns of every row of every channel: one strided write
+    buffer = ((0, 1), (0, 128), (0, 1), (0, 56))
+    columns = ((0, 1), (0, 128), (0, 1), (8, 16))
+    assert box_byte_progressions(columns, buffer, "int8") == [(8, 8, 56, 128)]
+    # two rows of each of 8 channels: a run per channel, a channel apart
+    rows = ((0, 1), (0, 8), (2, 4), (0, 56))
+    assert box_byte_progressions(rows, ((0, 1), (0, 8), (0, 7), (0, 56)), "int8") == [
+        (112, 112, 392, 8)
+    ]
+    rng = random.Random(21)
+    for _ in range(500):
+        sides = [rng.randint(1, 9) for _ in range(4)]
+        held = tuple((o, o + side) for o, side in zip((0, 2, 0, 5), sides, strict=True))
+        box = []
+        for o, e in held:
+            a = rng.randint(o, e - 1)
+            box.append((a, rng.randint(a + 1, e)))
+        dtype = rng.choice(["int8", "float16", "float32"])
+        found = box_byte_progressions(tuple(box), held, dtype)
+        assert _runs(found) == box_byte_runs(tuple(box), held, dtype)
+        assert all(stride >= length for _, length, stride, _ in found)
 
 
 def _count_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:

@@ -53,8 +53,8 @@ from compiler_core.lowering.program import (
     SemPost,
     SemWait,
     TensorDesc,
+    box_byte_progressions,
     box_byte_range,
-    box_byte_runs,
     box_nbytes,
     cores_in,
     mask_of,
@@ -62,7 +62,7 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
-from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, progressions
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
@@ -1061,7 +1061,7 @@ def materialize(
         key = (box, buf_box, tensors[tid].dtype)
         runs = runs_of.get(key)
         if runs is None:
-            runs = runs_of[key] = progressions(box_byte_runs(*key))
+            runs = runs_of[key] = box_byte_progressions(*key)
         return buffers[ref[0]].offset + ref[1], runs
 
     def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:

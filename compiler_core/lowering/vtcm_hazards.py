@@ -142,31 +142,6 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
     readers[first : i + 1] = new_readers
 
 
-def progressions(runs: Sequence[tuple[int, int]]) -> list[Progression]:
-    """`runs` as progressions of equal runs, in order (a box's byte runs: one per row)."""
-    out: list[Progression] = []
-    i = 0
-    n = len(runs)
-    while i < n:
-        lo, hi = runs[i]
-        length = hi - lo
-        j = i
-        if i + 1 < n and runs[i + 1][1] - runs[i + 1][0] == length and runs[i + 1][0] >= hi:
-            stride = runs[i + 1][0] - lo
-            j = i + 1
-            while (
-                j + 1 < n
-                and runs[j + 1][0] - runs[j][0] == stride
-                and runs[j + 1][1] - runs[j + 1][0] == length
-            ):
-                j += 1
-        else:
-            stride = length
-        out.append((lo, length, stride, j - i + 1))
-        i = j + 1
-    return out
-
-
 class VtcmHazards:
     """Per byte of every core's VTCM (one address space): the last writer and the readers
     since (ops by global index); each access adds the ops it must wait for to `deps`."""
