@@ -45,6 +45,7 @@ from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.mirrors import Mirrors
 from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
@@ -336,11 +337,14 @@ class Executor:
         decoded: Mapping[int, np.ndarray] | None = None,
         *,
         shared_products: bool = True,
+        mirrored: bool = True,
     ) -> None:
-        """`shared_products` False: every tile computes its own product (runtime/shared.py;
-        the answers are the same, it is slower)."""
+        """`shared_products` False: every tile computes its own product (runtime/shared.py);
+        `mirrored` False: every multicast writes every target (runtime/mirrors.py). The
+        answers are the same either way, it is slower."""
         self.program = program
         self.shared_products = shared_products
+        self.mirrored = mirrored
         self.machine = Machine(program, constants, vtcm_bytes, decoded)
         self.kernels = [
             _Kernel(
@@ -364,6 +368,8 @@ class Executor:
         )
         self.deferred = DeferredLoads(program.num_cores)
         """Whole-buffer constant loads of this inference not copied yet (see deferred.py)."""
+        self.mirrors = Mirrors(self.machine.vtcm)
+        """Multicast boxes written to one target only (see mirrors.py)."""
         self._streams: list[list[tuple[Any, ...]]] | None = None
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
@@ -472,6 +478,7 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.clear()
+        self.mirrors.clear()
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         host_inputs, host_outputs = program.host_ports()
@@ -648,7 +655,7 @@ class Executor:
             return _fault(error)
 
     def _load(self, core: int, instr: DmaLoad, *, defer: bool) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA load of {t.name}")
         if is_encoded_state(t):
@@ -675,6 +682,8 @@ class Executor:
 
             def deferred_step(traffic: Traffic) -> None:
                 for target, dst, (start, end) in dsts:
+                    if mirrors.pending[target]:
+                        mirrors.overwrite(target, start, end, whole=True)
                     deferred.defer(target, start, end, dst, src)
                     copies.wrote(target, start, end, holding)
                 traffic.ddr_read += nbytes
@@ -696,7 +705,7 @@ class Executor:
         constant: int,
     ) -> Step:
         """A load that copies at once."""
-        copies, deferred = self.copies, self.deferred
+        copies, deferred, mirrors = self.copies, self.deferred, self.mirrors
         multicast = nbytes if len(dsts) > 1 else 0
         whole = instr.box == instr.buf_box
         holding = (instr.tensor, instr.box) if t.kind == KIND_CONSTANT and whole else None
@@ -704,6 +713,8 @@ class Executor:
         def step(traffic: Traffic) -> None:
             for target, dst, (start, end) in dsts:
                 deferred.overwrite(target, start, end, whole=whole)
+                if mirrors.pending[target]:
+                    mirrors.overwrite(target, start, end, whole=whole)
                 dst[...] = src
                 copies.wrote(target, start, end, holding)
             traffic.ddr_read += nbytes
@@ -758,7 +769,7 @@ class Executor:
 
     def _load_blocks(self, core: int, instr: DmaLoad, t: TensorDesc) -> Step:
         """A load of MXINT8-stored state: the blocks cross DDR, VTCM gets the values."""
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         store = machine.mx_store(t)
         dsts = self._destinations(self._targets(core, instr.cores), instr, t.dtype)
         nbytes = stored_bytes(t, instr.box)
@@ -769,6 +780,7 @@ class Executor:
             values = store.read(instr.box)
             for target, dst, (start, end) in dsts:
                 deferred.overwrite(target, start, end, whole=whole)
+                mirrors.overwrite(target, start, end, whole=whole)
                 dst[...] = values
                 copies.wrote(target, start, end, None)
             traffic.ddr_read += nbytes
@@ -782,18 +794,19 @@ class Executor:
         dst = self.machine.tensor(t, write=True)[_view(instr.box)]
         src = self.machine.part(core, instr.vtcm, instr.buf_box, instr.box, t.dtype)
         nbytes = _nbytes(instr.box, t.dtype)
-        deferred, start = self.deferred, instr.vtcm
+        deferred, mirrors, start = self.deferred, self.mirrors, instr.vtcm
         end = start + _nbytes(instr.buf_box, t.dtype)
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, start, end)
+            mirrors.settle(core, start, end)
             dst[...] = src
             traffic.ddr_write += nbytes
 
         return step
 
     def _noc_copy(self, core: int, instr: NocCopy) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
         src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
@@ -815,13 +828,28 @@ class Executor:
         # what the copy writes: a slab of the buffer drops the deferred constant rows it
         # covers, a scattered box settles those its span meets
         dst_start, dst_end, covers = _span(instr.vtcm, instr.buf_box, instr.box, t.dtype)
+        # a multicast writes its first target only, the others mirror it (mirrors.py)
+        mirrored = self.mirrored and len(targets) > 1 and not snapshot and nbytes > 0
+        key = (instr.vtcm, buf_end, instr.buf_box, t.dtype)
+        views = {target: dst for target, dst, _ in dsts}
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, read_start, read_end)
+            if mirrors.pending[core]:
+                mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            if every is not None:
+            if mirrored:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                mirrors.multicast(
+                    targets, key, instr.box, (dst_start, dst_end), covers, views, data
+                )
+                if copies.tracking:
+                    for target, _, (start, end) in dsts:
+                        copies.wrote(target, start, end, holding)
+            elif every is not None:
+                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                mirrors.overwrite_many(targets, dst_start, dst_end, whole=covers)
                 every[...] = data
                 if copies.tracking:
                     for target, _, (start, end) in dsts:
@@ -829,6 +857,8 @@ class Executor:
             else:
                 for target, dst, (start, end) in dsts:
                     deferred.overwrite(target, dst_start, dst_end, whole=covers)
+                    if mirrors.pending[target]:
+                        mirrors.overwrite(target, dst_start, dst_end, whole=covers)
                     dst[...] = data
                     copies.wrote(target, start, end, holding)
             traffic.noc += nbytes
@@ -837,7 +867,7 @@ class Executor:
         return step
 
     def _gather(self, core: int, instr: DmaGather) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         tensors = self.program.tensors
         t, out = tensors[instr.tensor], tensors[instr.out]
         index_t = tensors[instr.indices]
@@ -864,6 +894,7 @@ class Executor:
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, index_start, index_end)
+            mirrors.settle(core, index_start, index_end)
             index = index_view.astype(np.int64)
             rows = np.where(index < 0, index + size, index)
             if rows.size and (rows.min() < 0 or rows.max() >= size):
@@ -891,6 +922,7 @@ class Executor:
                     f"{dst.shape}"
                 )
             deferred.overwrite(core, start, end, whole=covers)
+            mirrors.overwrite(core, start, end, whole=covers)
             dst[...] = gathered
             copies.wrote(core, start, end, None)
             traffic.ddr_read += nbytes
@@ -945,11 +977,12 @@ class Executor:
         grids = np.meshgrid(*(np.arange(*instr.box[a]) for a in lead), indexing="ij")
         first = instr.box[0][0]
         nbytes = scattered_bytes(self.program, instr)
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
 
         def step(traffic: Traffic) -> None:
             for start, end in reads:
                 deferred.settle(core, start, end)
+                mirrors.settle(core, start, end)
             values = update() if callable(update) else update
             written = indices() if callable(indices) else indices
             assert values is not None and written is not None
@@ -1005,12 +1038,13 @@ class Executor:
             raise RuntimeFault(f"core {core}: a scatter into {t.name} must write whole MX rows")
         target = None if blocks is not None else self.machine.tensor(t, write=True)
         nbytes = scattered_bytes(self.program, instr)
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
         axis = instr.axis
 
         def step(traffic: Traffic) -> None:
             for start, end in reads:
                 deferred.settle(core, start, end)
+                mirrors.settle(core, start, end)
             values = update() if callable(update) else update
             written = indices() if callable(indices) else indices
             assert values is not None and written is not None
@@ -1147,6 +1181,12 @@ class Executor:
         static: list[np.ndarray | None] = [None if callable(f) else f for f in fetched]
         joins = [(i, f) for i, f in enumerate(fetched) if callable(f)]
         reads = self._reads(kernel, instr)
+        pieces = [  # each read's buffer, as a mirrored one is seen (mirrors.py)
+            (box_shape(piece.box), np.dtype(self.program.tensors[tid].dtype))
+            for tid, operand in zip(desc.inputs, instr.inputs, strict=True)
+            if operand is not None and tid >= 0
+            for piece in operand.pieces
+        ]
         wide = [
             (position, holding, box, acc, instr.inputs[position].pieces[0].vtcm)  # type: ignore[union-attr]
             for position, holding, box, acc in self._wide_operands(core, kernel, instr)
@@ -1163,7 +1203,7 @@ class Executor:
             start, end = self._will_write(core, piece.vtcm, piece.box, t.dtype)
             outs.append((position, dst, start, end, operand.box == piece.box))
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
 
         def step(traffic: Traffic) -> None:
@@ -1174,6 +1214,16 @@ class Executor:
                         deferred.settle(core, start, end)
                     else:
                         src = deferred.source(core, start, end)
+                        if src is not None:
+                            operands[position] = src[index]
+            if mirrors.pending[core]:
+                for (position, start, end, index), (shape, dtype) in zip(
+                    reads, pieces, strict=True
+                ):
+                    if position < 0:
+                        mirrors.settle(core, start, end)
+                    else:
+                        src = mirrors.source(core, start, end, shape, dtype)
                         if src is not None:
                             operands[position] = src[index]
             for i, join in joins:
@@ -1203,6 +1253,8 @@ class Executor:
                         f"for a tile of shape {dst.shape}"
                     )
                 deferred.overwrite(core, start, end, whole=covers)
+                if mirrors.pending[core]:
+                    mirrors.overwrite(core, start, end, whole=covers)
                 dst[...] = result
                 copies.wrote(core, start, end, None)
             if self.probe is not None:

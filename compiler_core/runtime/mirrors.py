@@ -1,0 +1,332 @@
+"""Multicast boxes written once: the targets' bytes in a box stay in one array of the
+runtime's until something reads or writes them otherwise.
+
+An all-gather sends every core's slab of an activation to every core: on 14 cores BERT-base
+writes 0.73 GB of VTCM per inference that way, 14 equal copies of each slab, and each core's
+kernel then reads its whole buffer. So a multicast into a buffer writes the box once, into
+the buffer's mirror (an array of the buffer's bytes), and the targets' bytes in that box are
+the mirror's from then on. That keeps the runtime exactly as strict as if every target had
+been written:
+
+- a kernel operand that is a buffer whose every byte a core holds in its mirror reads the
+  mirror (read-only): the bytes the core would hold, since a box of the mirror changes only
+  by a multicast that also writes it on every core holding it;
+- any other read of mirrored bytes (a NoC source, a store, a joined operand) first copies
+  the boxes it meets from the mirror into the core (`settle`);
+- a write to a core's mirrored bytes (other than a multicast into the same buffer) first
+  copies the rows of the boxes it writes only partly (rows of a box's first axis longer
+  than 1); rows it writes whole are dropped, the others stay mirrored;
+- a multicast into a box of the mirror first copies that box into the cores that hold it
+  and are not its targets;
+- an inference starts with no mirror (its VTCM is zeroed).
+
+A core's bytes outside its mirrored boxes are its own, as before. Byte counts are the
+instructions', as before.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compiler_core.ops.registry import Box, box_shape
+
+Key = tuple[int, int, Box, str]
+"""A buffer: its VTCM bytes [start, end), the box of the tensor it holds, its dtype."""
+
+Spans = dict[Box, tuple[int, int]]
+"""Disjoint boxes of a buffer, each with its byte span (from its first to its last byte)."""
+
+
+def _volume(box: Box) -> int:
+    return int(np.prod(box_shape(box), dtype=np.int64))
+
+
+def _meets(a: Box, b: Box) -> bool:
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+
+
+def _inside(inner: Box, outer: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer, strict=True))
+
+
+@dataclass
+class Mirror:
+    """One buffer's mirrored boxes: `array` holds every box written (`written`: a tiling,
+    the boxes disjoint); the cores in `whole` hold all of them as the array's, those in
+    `held` only the boxes (or parts of boxes) listed there."""
+
+    key: Key
+    array: np.ndarray
+    raw: np.ndarray
+    """The array's bytes."""
+    strides: tuple[int, ...]
+    """Bytes per step of each axis of the buffer (C order)."""
+    written: Spans = field(default_factory=dict)
+    volume: int = 0
+    """Elements of the written boxes."""
+    whole: set[int] = field(default_factory=set)
+    held: dict[int, Spans] = field(default_factory=dict)
+
+    @property
+    def start(self) -> int:
+        return self.key[0]
+
+    @property
+    def end(self) -> int:
+        return self.key[1]
+
+    def index(self, box: Box) -> tuple[slice, ...]:
+        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, self.key[2], strict=True))
+
+    def span(self, box: Box) -> tuple[int, int]:
+        """The bytes from `box`'s first element to its last, in the buffer."""
+        first = last = self.start
+        for (a, b), (o, _), stride in zip(box, self.key[2], self.strides, strict=True):
+            first += (a - o) * stride
+            last += (b - 1 - o) * stride
+        return first, last + self.array.itemsize
+
+    def boxes(self, core: int) -> Spans:
+        """The boxes `core` holds as the array's."""
+        return self.written if core in self.whole else self.held[core]
+
+    def split(self, core: int) -> Spans:
+        """`core`'s boxes, listed for it alone (it is about to hold fewer)."""
+        if core in self.whole:
+            self.whole.discard(core)
+            self.held[core] = dict(self.written)
+        return self.held[core]
+
+
+class Mirrors:
+    """Per core, the mirrors holding some of its bytes: disjoint byte ranges of its VTCM."""
+
+    def __init__(self, vtcm: Sequence[np.ndarray]) -> None:
+        self.vtcm = vtcm
+        self.pending: list[list[int]] = [[] for _ in vtcm]
+        """Per core, the starts of the mirrors holding some of its bytes, sorted."""
+        self._entries: list[dict[int, Mirror]] = [{} for _ in vtcm]
+        self._spare: dict[Key, list[np.ndarray]] = {}
+        """Arrays of the last inference's mirrors, for this one's."""
+        self._made: list[Mirror] = []
+        self.copied = 0
+        """VTCM bytes copied from mirrors into cores (since created)."""
+
+    def clear(self) -> None:
+        """The inference VTCM was zeroed: nothing is mirrored."""
+        for starts, entries in zip(self.pending, self._entries, strict=True):
+            starts.clear()
+            entries.clear()
+        for mirror in self._made:
+            self._spare.setdefault(mirror.key, []).append(mirror.array)
+        self._made.clear()
+
+    def multicast(
+        self,
+        targets: Sequence[int],
+        key: Key,
+        box: Box,
+        span: tuple[int, int],
+        covers: bool,
+        views: dict[int, np.ndarray],
+        data: np.ndarray,
+    ) -> None:
+        """`data` lands in `box` of the buffer `key` on every target (`views`: each
+        target's view of that box; `span`: its bytes, every one written when `covers`)."""
+        start, end = key[0], key[1]
+        found = self._entries[targets[0]].get(start)
+        mirror = found if found is not None and found.key == key else None
+        if (
+            mirror is not None
+            and box not in mirror.written
+            and any(_meets(box, b) for b in mirror.written)
+        ):  # another tiling of the buffer: its cores take their bytes
+            self._dissolve(mirror)
+            mirror = None
+        new = mirror is None or box not in mirror.written
+        if mirror is not None:
+            aimed = set(targets)
+            for core in [c for c in mirror.whole if c not in aimed]:
+                self._release(mirror, core, box)
+            for core in [c for c in mirror.held if c not in aimed]:
+                self._release(mirror, core, box)
+            for core in targets:
+                held = mirror.held.get(core)
+                if held is not None:  # its parts of the box are about to be replaced
+                    for part in [b for b in held if _inside(b, box)]:
+                        del held[part]
+        else:
+            mirror = self._new(key)
+        if new:
+            mirror.written[box] = mirror.span(box)
+            mirror.volume += _volume(box)
+        mirror.array[mirror.index(box)] = data
+        for core in targets:
+            if core in mirror.whole:
+                continue
+            held = mirror.held.get(core)
+            if held is None:
+                for other in self._overlapping(core, start, end):
+                    self._write(other, core, span[0], span[1], whole=covers)
+                if self._overlapping(core, start, end):  # another mirror keeps some bytes
+                    views[core][...] = data
+                    continue
+                insort(self.pending[core], start)
+                self._entries[core][start] = mirror
+                if len(mirror.written) == 1:
+                    mirror.whole.add(core)
+                    continue
+                held = mirror.held[core] = {}
+            held[box] = mirror.written[box]
+
+    def source(
+        self, core: int, start: int, end: int, shape: tuple[int, ...], dtype: np.dtype
+    ) -> np.ndarray | None:
+        """The bytes of the buffer that is exactly [start, end) of `core`, as its mirror's
+        (read-only) when the core holds every one of them there, or None (then the mirrored
+        bytes inside it are copied into the core, and the buffer itself is read)."""
+        mirror = self._entries[core].get(start)
+        if mirror is not None and mirror.end == end and mirror.volume == mirror.array.size:
+            if core in mirror.whole or _complete(mirror, mirror.held[core]):
+                view = mirror.raw.view(dtype).reshape(shape)
+                view.flags.writeable = False
+                return view
+        self.settle(core, start, end)
+        return None
+
+    def settle(self, core: int, start: int, end: int) -> None:
+        """Bytes [start, end) of `core` are about to be read: copy the mirrored boxes they
+        meet into the core (they stay mirrored: the bytes are equal)."""
+        for mirror in self._overlapping(core, start, end):
+            dst = None
+            for box, (first, last) in mirror.boxes(core).items():
+                if first < end and start < last:
+                    if dst is None:
+                        dst = self._buffer(mirror, core)
+                    self._copy(mirror, dst, box)
+
+    def overwrite(self, core: int, start: int, end: int, *, whole: bool) -> None:
+        """Bytes [start, end) of `core` are about to be written (`whole`: every byte of
+        it)."""
+        for mirror in self._overlapping(core, start, end):
+            self._write(mirror, core, start, end, whole=whole)
+
+    def overwrite_many(self, cores: Sequence[int], start: int, end: int, *, whole: bool) -> None:
+        for core in cores:
+            if self.pending[core]:
+                self.overwrite(core, start, end, whole=whole)
+
+    def _new(self, key: Key) -> Mirror:
+        shape, dtype = box_shape(key[2]), np.dtype(key[3])
+        spare = self._spare.get(key)
+        array = spare.pop() if spare else np.empty(shape, dtype)
+        strides = tuple(
+            int(np.prod(shape[a + 1 :], dtype=np.int64)) * dtype.itemsize for a in range(len(shape))
+        )
+        mirror = Mirror(key, array, array.reshape(-1).view(np.uint8), strides)
+        self._made.append(mirror)
+        return mirror
+
+    def _buffer(self, mirror: Mirror, core: int) -> np.ndarray:
+        raw = self.vtcm[core][mirror.start : mirror.end]
+        return raw.view(mirror.array.dtype).reshape(mirror.array.shape)
+
+    def _copy(self, mirror: Mirror, dst: np.ndarray, box: Box) -> None:
+        index = mirror.index(box)
+        dst[index] = mirror.array[index]
+        self.copied += dst[index].nbytes
+
+    def _write(self, mirror: Mirror, core: int, start: int, end: int, *, whole: bool) -> None:
+        """The core's boxes meeting [start, end) are written. A box is taken by rows of its
+        first axis longer than 1 (their spans follow each other): rows outside stay held,
+        rows wholly inside are dropped when `whole`, the others are copied into the core
+        first."""
+        if whole and start <= mirror.start and mirror.end <= end:
+            self._forget(mirror, core)  # every byte it holds is written
+            return
+        boxes = mirror.boxes(core)
+        if not any(first < end and start < last for first, last in boxes.values()):
+            return
+        held = mirror.split(core)
+        dst = self._buffer(mirror, core)
+        for box, (first, last) in [(b, s) for b, s in held.items() if s[0] < end and start < s[1]]:
+            del held[box]
+            axis = next((a for a, (lo, hi) in enumerate(box) if hi - lo > 1), None)
+            if axis is None:
+                if not (whole and start <= first and last <= end):
+                    self._copy(mirror, dst, box)
+                continue
+            lo, hi = box[axis]
+            step = mirror.strides[axis]
+            length = last - first - (hi - lo - 1) * step  # one row's span
+            head = lo + max(0, -(-(start - first - length + 1) // step))  # the first meeting
+            tail = lo + min(hi - lo, (end - 1 - first) // step + 1)  # after the last meeting
+            if head >= tail:  # [start, end) falls between two rows
+                held[box] = (first, last)
+                continue
+            for a, b in ((lo, head), (tail, hi)):
+                if a < b:
+                    part = (*box[:axis], (a, b), *box[axis + 1 :])
+                    held[part] = mirror.span(part)
+            if not whole:
+                self._copy(mirror, dst, (*box[:axis], (head, tail), *box[axis + 1 :]))
+                continue
+            for r in sorted({head, tail - 1}):  # only the end rows can be partly inside
+                row = (*box[:axis], (r, r + 1), *box[axis + 1 :])
+                row_first, row_last = mirror.span(row)
+                if not (start <= row_first and row_last <= end):
+                    self._copy(mirror, dst, row)
+        if not held:
+            self._forget(mirror, core)
+
+    def _release(self, mirror: Mirror, core: int, box: Box) -> None:
+        """The mirror's `box` is about to change and `core` does not receive it: the parts
+        of it the core holds become its own bytes."""
+        if box not in mirror.written:
+            if core in mirror.whole:
+                mirror.split(core)
+            return
+        held = mirror.split(core)
+        dst = None
+        for part in [b for b in held if _inside(b, box)]:
+            del held[part]
+            if dst is None:
+                dst = self._buffer(mirror, core)
+            self._copy(mirror, dst, part)
+        if not held:
+            self._forget(mirror, core)
+
+    def _dissolve(self, mirror: Mirror) -> None:
+        """Every core holding some of the mirror takes those bytes as its own."""
+        for core in [*mirror.whole, *mirror.held]:
+            dst = self._buffer(mirror, core)
+            for box in mirror.boxes(core):
+                self._copy(mirror, dst, box)
+            self._forget(mirror, core)
+
+    def _forget(self, mirror: Mirror, core: int) -> None:
+        mirror.whole.discard(core)
+        mirror.held.pop(core, None)
+        del self._entries[core][mirror.start]
+        self.pending[core].remove(mirror.start)
+
+    def _overlapping(self, core: int, start: int, end: int) -> list[Mirror]:
+        starts = self.pending[core]
+        if not starts:
+            return []
+        entries = self._entries[core]
+        found = []
+        i = bisect_left(starts, end) - 1
+        while i >= 0 and entries[starts[i]].end > start:  # disjoint: ends rise with starts
+            found.append(entries[starts[i]])
+            i -= 1
+        return found
+
+
+def _complete(mirror: Mirror, held: Spans) -> bool:
+    """Whether boxes a core holds cover the whole buffer."""
+    return sum(_volume(b) for b in held) == mirror.array.size
