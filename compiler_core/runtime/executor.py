@@ -832,6 +832,7 @@ class Executor:
         mirrored = self.mirrored and len(targets) > 1 and not snapshot and nbytes > 0
         key = (instr.vtcm, buf_end, instr.buf_box, t.dtype)
         views = {target: dst for target, dst, _ in dsts}
+        aimed = frozenset(targets)
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, read_start, read_end)
@@ -842,7 +843,7 @@ class Executor:
             if mirrored:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
                 mirrors.multicast(
-                    targets, key, instr.box, (dst_start, dst_end), covers, views, data
+                    targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data
                 )
                 if copies.tracking:
                     for target, _, (start, end) in dsts:

@@ -13,9 +13,11 @@ been written:
   by a multicast that also writes it on every core holding it;
 - any other read of mirrored bytes (a NoC source, a store, a joined operand) first copies
   the boxes it meets from the mirror into the core (`settle`);
-- a write to a core's mirrored bytes (other than a multicast into the same buffer) first
-  copies the rows of the boxes it writes only partly (rows of a box's first axis longer
-  than 1); rows it writes whole are dropped, the others stay mirrored;
+- a write of a byte range over a core's mirrored boxes drops the boxes it covers and
+  marks its bytes in the others as the core's own (a box is then held less those, and a
+  read of any of its other bytes first copies it into the core, keeping the core's own
+  bytes); a write of only some bytes of a range (a box of another buffer) copies the boxes
+  it meets into the core first; boxes it does not meet stay mirrored;
 - a multicast into a box of the mirror first copies that box into the cores that hold it
   and are not its targets;
 - an inference starts with no mirror (its VTCM is zeroed).
@@ -49,10 +51,6 @@ def _meets(a: Box, b: Box) -> bool:
     return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
 
 
-def _inside(inner: Box, outer: Box) -> bool:
-    return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer, strict=True))
-
-
 @dataclass
 class Mirror:
     """One buffer's mirrored boxes: `array` holds every box written (`written`: a tiling,
@@ -70,6 +68,9 @@ class Mirror:
     """Elements of the written boxes."""
     whole: set[int] = field(default_factory=set)
     held: dict[int, Spans] = field(default_factory=dict)
+    own: dict[int, dict[Box, list[tuple[int, int]]]] = field(default_factory=dict)
+    """Per core, byte ranges inside held boxes' spans written since (the core's own bytes,
+    sorted and disjoint): a box is held less those."""
 
     @property
     def start(self) -> int:
@@ -128,6 +129,7 @@ class Mirrors:
     def multicast(
         self,
         targets: Sequence[int],
+        aimed: frozenset[int],
         key: Key,
         box: Box,
         span: tuple[int, int],
@@ -135,8 +137,9 @@ class Mirrors:
         views: dict[int, np.ndarray],
         data: np.ndarray,
     ) -> None:
-        """`data` lands in `box` of the buffer `key` on every target (`views`: each
-        target's view of that box; `span`: its bytes, every one written when `covers`)."""
+        """`data` lands in `box` of the buffer `key` on every target (`aimed`: the same, as
+        a set; `views`: each target's view of that box; `span`: its bytes, every one written
+        when `covers`)."""
         start, end = key[0], key[1]
         found = self._entries[targets[0]].get(start)
         mirror = found if found is not None and found.key == key else None
@@ -149,22 +152,18 @@ class Mirrors:
             mirror = None
         new = mirror is None or box not in mirror.written
         if mirror is not None:
-            aimed = set(targets)
-            for core in [c for c in mirror.whole if c not in aimed]:
+            for core in mirror.whole - aimed:
                 self._release(mirror, core, box)
             for core in [c for c in mirror.held if c not in aimed]:
                 self._release(mirror, core, box)
-            for core in targets:
-                held = mirror.held.get(core)
-                if held is not None:  # its parts of the box are about to be replaced
-                    for part in [b for b in held if _inside(b, box)]:
-                        del held[part]
         else:
             mirror = self._new(key)
         if new:
             mirror.written[box] = mirror.span(box)
             mirror.volume += _volume(box)
         mirror.array[mirror.index(box)] = data
+        if aimed <= mirror.whole:
+            return
         for core in targets:
             if core in mirror.whole:
                 continue
@@ -182,6 +181,9 @@ class Mirrors:
                     continue
                 held = mirror.held[core] = {}
             held[box] = mirror.written[box]
+            own = mirror.own.get(core)
+            if own:
+                own.pop(box, None)
 
     def source(
         self, core: int, start: int, end: int, shape: tuple[int, ...], dtype: np.dtype
@@ -191,7 +193,9 @@ class Mirrors:
         bytes inside it are copied into the core, and the buffer itself is read)."""
         mirror = self._entries[core].get(start)
         if mirror is not None and mirror.end == end and mirror.volume == mirror.array.size:
-            if core in mirror.whole or _complete(mirror, mirror.held[core]):
+            if core in mirror.whole or (
+                not mirror.own.get(core) and _complete(mirror, mirror.held[core])
+            ):
                 view = mirror.raw.view(dtype).reshape(shape)
                 view.flags.writeable = False
                 return view
@@ -200,14 +204,26 @@ class Mirrors:
 
     def settle(self, core: int, start: int, end: int) -> None:
         """Bytes [start, end) of `core` are about to be read: copy the mirrored boxes they
-        meet into the core (they stay mirrored: the bytes are equal)."""
+        meet into the core (they stay mirrored: the bytes are equal), but where the bytes
+        read are the core's own."""
         for mirror in self._overlapping(core, start, end):
+            own = mirror.own.get(core, {})
             dst = None
-            for box, (first, last) in mirror.boxes(core).items():
-                if first < end and start < last:
+            for box, (first, last) in list(mirror.boxes(core).items()):
+                if last <= start or end <= first:
+                    continue
+                ranges = own.get(box)
+                if ranges is None:
                     if dst is None:
                         dst = self._buffer(mirror, core)
                     self._copy(mirror, dst, box)
+                    continue
+                lo, hi = max(start, first), min(end, last)
+                if any(a <= lo and hi <= b for a, b in ranges):
+                    continue  # it reads only bytes the core wrote itself
+                self._take(mirror, core, box)
+            if mirror.held.get(core) == {}:
+                self._forget(mirror, core)
 
     def overwrite(self, core: int, start: int, end: int, *, whole: bool) -> None:
         """Bytes [start, end) of `core` are about to be written (`whole`: every byte of
@@ -241,76 +257,71 @@ class Mirrors:
         self.copied += dst[index].nbytes
 
     def _write(self, mirror: Mirror, core: int, start: int, end: int, *, whole: bool) -> None:
-        """The core's boxes meeting [start, end) are written. A box is taken by rows of its
-        first axis longer than 1 (their spans follow each other): rows outside stay held,
-        rows wholly inside are dropped when `whole`, the others are copied into the core
-        first."""
+        """The core's boxes meeting [start, end) are written: those wholly inside are
+        dropped when `whole`, the others keep [start, end) as the core's own bytes (`whole`)
+        or are copied into the core first (a write of some of those bytes); boxes outside
+        stay held."""
         if whole and start <= mirror.start and mirror.end <= end:
             self._forget(mirror, core)  # every byte it holds is written
             return
         boxes = mirror.boxes(core)
-        if not any(first < end and start < last for first, last in boxes.values()):
+        meeting = [(b, s) for b, s in boxes.items() if s[0] < end and start < s[1]]
+        if not meeting:
             return
         held = mirror.split(core)
-        dst = self._buffer(mirror, core)
-        for box, (first, last) in [(b, s) for b, s in held.items() if s[0] < end and start < s[1]]:
-            del held[box]
-            axis = next((a for a, (lo, hi) in enumerate(box) if hi - lo > 1), None)
-            if axis is None:
-                if not (whole and start <= first and last <= end):
-                    self._copy(mirror, dst, box)
-                continue
-            lo, hi = box[axis]
-            step = mirror.strides[axis]
-            length = last - first - (hi - lo - 1) * step  # one row's span
-            head = lo + max(0, -(-(start - first - length + 1) // step))  # the first meeting
-            tail = lo + min(hi - lo, (end - 1 - first) // step + 1)  # after the last meeting
-            if head >= tail:  # [start, end) falls between two rows
-                held[box] = (first, last)
-                continue
-            for a, b in ((lo, head), (tail, hi)):
-                if a < b:
-                    part = (*box[:axis], (a, b), *box[axis + 1 :])
-                    held[part] = mirror.span(part)
-            if not whole:
-                self._copy(mirror, dst, (*box[:axis], (head, tail), *box[axis + 1 :]))
-                continue
-            for r in sorted({head, tail - 1}):  # only the end rows can be partly inside
-                row = (*box[:axis], (r, r + 1), *box[axis + 1 :])
-                row_first, row_last = mirror.span(row)
-                if not (start <= row_first and row_last <= end):
-                    self._copy(mirror, dst, row)
+        for box, (first, last) in meeting:
+            if whole and start <= first and last <= end:
+                del held[box]
+                mirror.own.get(core, {}).pop(box, None)
+            elif whole:
+                ranges = mirror.own.setdefault(core, {}).setdefault(box, [])
+                merged = _merge(ranges, max(start, first), min(end, last))
+                if merged[0][0] <= first and last <= merged[0][1]:  # all of it written since
+                    del held[box]
+                    del mirror.own[core][box]
+                else:
+                    ranges[:] = merged
+            else:
+                self._take(mirror, core, box)
         if not held:
             self._forget(mirror, core)
 
+    def _take(self, mirror: Mirror, core: int, box: Box) -> None:
+        """The core's `box` becomes its own bytes: the mirror's, but where it wrote since."""
+        dst = self._buffer(mirror, core)
+        ranges = mirror.own.get(core, {}).pop(box, None)
+        raw = self.vtcm[core]
+        kept = [(a, b, raw[a:b].copy()) for a, b in ranges or ()]
+        self._copy(mirror, dst, box)
+        for a, b, data in kept:
+            raw[a:b] = data
+        del mirror.held[core][box]
+
     def _release(self, mirror: Mirror, core: int, box: Box) -> None:
-        """The mirror's `box` is about to change and `core` does not receive it: the parts
-        of it the core holds become its own bytes."""
+        """The mirror's `box` is about to change and `core` does not receive it: if it holds
+        the box, the box becomes its own bytes."""
         if box not in mirror.written:
             if core in mirror.whole:
                 mirror.split(core)
             return
         held = mirror.split(core)
-        dst = None
-        for part in [b for b in held if _inside(b, box)]:
-            del held[part]
-            if dst is None:
-                dst = self._buffer(mirror, core)
-            self._copy(mirror, dst, part)
+        if box in held:
+            self._take(mirror, core, box)
         if not held:
             self._forget(mirror, core)
 
     def _dissolve(self, mirror: Mirror) -> None:
         """Every core holding some of the mirror takes those bytes as its own."""
         for core in [*mirror.whole, *mirror.held]:
-            dst = self._buffer(mirror, core)
-            for box in mirror.boxes(core):
-                self._copy(mirror, dst, box)
+            held = mirror.split(core)
+            for box in list(held):
+                self._take(mirror, core, box)
             self._forget(mirror, core)
 
     def _forget(self, mirror: Mirror, core: int) -> None:
         mirror.whole.discard(core)
         mirror.held.pop(core, None)
+        mirror.own.pop(core, None)
         del self._entries[core][mirror.start]
         self.pending[core].remove(mirror.start)
 
@@ -330,3 +341,15 @@ class Mirrors:
 def _complete(mirror: Mirror, held: Spans) -> bool:
     """Whether boxes a core holds cover the whole buffer."""
     return sum(_volume(b) for b in held) == mirror.array.size
+
+
+def _merge(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """Sorted disjoint ranges with [start, end) added (joined with those it meets or
+    touches)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted([*ranges, (start, end)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
