@@ -478,6 +478,8 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.clear()
+        if self.inference:
+            self.mirrors.judge()
         self.mirrors.clear()
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
@@ -840,7 +842,7 @@ class Executor:
                 mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            if mirrored:
+            if mirrored and key not in mirrors.off:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
                 mirrors.multicast(
                     targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data

@@ -116,6 +116,25 @@ class Mirrors:
         self._made: list[Mirror] = []
         self.copied = 0
         """VTCM bytes copied from mirrors into cores (since created)."""
+        self.off: set[Key] = set()
+        """Buffers whose multicasts write every target (see `judge`)."""
+        self._saved: dict[Key, int] = {}
+        self._taken: dict[Key, int] = {}
+        self._judged = False
+
+    def judge(self) -> None:
+        """After a session's first inference: the buffers whose mirrors had more than a
+        16th as many bytes copied out into cores as they spared the multicasts are written
+        on every target from now on (a copy out costs far more per byte than a strided
+        multicast write: it follows a later write of part of a box, a buffer's place reused
+        for another buffer). Which bytes are copied depends on the program's order of
+        instructions, not on the values, so every inference would copy the same."""
+        if self._judged:
+            return
+        self._judged = True
+        self.off = {
+            key for key, saved in self._saved.items() if 16 * self._taken.get(key, 0) > saved
+        }
 
     def clear(self) -> None:
         """The inference VTCM was zeroed: nothing is mirrored."""
@@ -162,6 +181,8 @@ class Mirrors:
             mirror.written[box] = mirror.span(box)
             mirror.volume += _volume(box)
         mirror.array[mirror.index(box)] = data
+        if not self._judged:
+            self._saved[key] = self._saved.get(key, 0) + (len(targets) - 1) * data.nbytes
         if aimed <= mirror.whole:
             return
         for core in targets:
@@ -255,6 +276,8 @@ class Mirrors:
         index = mirror.index(box)
         dst[index] = mirror.array[index]
         self.copied += dst[index].nbytes
+        if not self._judged:
+            self._taken[mirror.key] = self._taken.get(mirror.key, 0) + dst[index].nbytes
 
     def _write(self, mirror: Mirror, core: int, start: int, end: int, *, whole: bool) -> None:
         """The core's boxes meeting [start, end) are written: those wholly inside are
