@@ -39,6 +39,10 @@ from compiler_core.ops.registry import Box, box_shape
 Key = tuple[int, int, Box, str]
 """A buffer: its VTCM bytes [start, end), the box of the tensor it holds, its dtype."""
 
+SPARED = 256 << 10
+"""Bytes a buffer's multicasts must spare on average to be mirrored: the bookkeeping costs
+about what writing that many bytes does."""
+
 Spans = dict[Box, tuple[int, int]]
 """Disjoint boxes of a buffer, each with its byte span (from its first to its last byte)."""
 
@@ -120,6 +124,7 @@ class Mirrors:
         """Buffers whose multicasts write every target (see `judge`)."""
         self._saved: dict[Key, int] = {}
         self._taken: dict[Key, int] = {}
+        self._count: dict[Key, int] = {}
         self._judged = False
 
     def judge(self) -> None:
@@ -133,7 +138,9 @@ class Mirrors:
             return
         self._judged = True
         self.off = {
-            key for key, saved in self._saved.items() if 16 * self._taken.get(key, 0) > saved
+            key
+            for key, saved in self._saved.items()
+            if 16 * self._taken.get(key, 0) > saved or saved < self._count[key] * SPARED
         }
 
     def clear(self) -> None:
@@ -183,6 +190,7 @@ class Mirrors:
         mirror.array[mirror.index(box)] = data
         if not self._judged:
             self._saved[key] = self._saved.get(key, 0) + (len(targets) - 1) * data.nbytes
+            self._count[key] = self._count.get(key, 0) + 1
         if aimed <= mirror.whole:
             return
         for core in targets:
