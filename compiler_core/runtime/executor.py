@@ -8,6 +8,7 @@ instead of being hidden by a lucky interleaving.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType
@@ -370,6 +371,12 @@ class Executor:
         """Whole-buffer constant loads of this inference not copied yet (see deferred.py)."""
         self.mirrors = Mirrors(self.machine.vtcm)
         """Multicast boxes written to one target only (see mirrors.py)."""
+        self._mirrorable: list[tuple[list[int], list[int]]] = [
+            ([], []) for _ in range(program.num_cores)
+        ]
+        """Per core, the VTCM a multicast of the program writes (starts, ends; disjoint,
+        sorted): only there can a core's bytes be mirrored, so only accesses meeting it
+        consult the mirrors."""
         self._streams: list[list[tuple[Any, ...]]] | None = None
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
@@ -529,6 +536,8 @@ class Executor:
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
+            if self.mirrored:
+                self._mirrorable = _multicast_ranges(self.program)
             if self.shared_products:
                 self._shared = plan(
                     self.program,
@@ -598,6 +607,12 @@ class Executor:
             else:
                 out.append(f"core {c} waits on semaphore {instr.sem}")  # type: ignore[union-attr]
         return out
+
+    def _may_mirror(self, core: int, start: int, end: int) -> bool:
+        """Whether VTCM bytes [start, end) of `core` can be mirrored (see `_mirrorable`)."""
+        starts, ends = self._mirrorable[core]
+        i = bisect_left(starts, end) - 1
+        return i >= 0 and ends[i] > start
 
     def _targets(self, core: int, mask: int) -> list[int]:
         cores = cores_in(mask)
@@ -836,9 +851,12 @@ class Executor:
         views = {target: dst for target, dst, _ in dsts}
         aimed = frozenset(targets)
 
+        reads_mirror = self._may_mirror(core, read_start, read_end)
+        meets = [t for t in targets if self._may_mirror(t, dst_start, dst_end)]
+
         def step(traffic: Traffic) -> None:
             deferred.settle(core, read_start, read_end)
-            if mirrors.pending[core]:
+            if reads_mirror and mirrors.pending[core]:
                 mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
@@ -852,7 +870,8 @@ class Executor:
                         copies.wrote(target, start, end, holding)
             elif every is not None:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
-                mirrors.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                if meets:
+                    mirrors.overwrite_many(meets, dst_start, dst_end, whole=covers)
                 every[...] = data
                 if copies.tracking:
                     for target, _, (start, end) in dsts:
@@ -860,7 +879,7 @@ class Executor:
             else:
                 for target, dst, (start, end) in dsts:
                     deferred.overwrite(target, dst_start, dst_end, whole=covers)
-                    if mirrors.pending[target]:
+                    if meets and mirrors.pending[target]:
                         mirrors.overwrite(target, dst_start, dst_end, whole=covers)
                     dst[...] = data
                     copies.wrote(target, start, end, holding)
@@ -1190,6 +1209,11 @@ class Executor:
             if operand is not None and tid >= 0
             for piece in operand.pieces
         ]
+        mirror_reads = [
+            (*read, *piece)
+            for read, piece in zip(reads, pieces, strict=True)
+            if self._may_mirror(core, read[1], read[2])
+        ]
         wide = [
             (position, holding, box, acc, instr.inputs[position].pieces[0].vtcm)  # type: ignore[union-attr]
             for position, holding, box, acc in self._wide_operands(core, kernel, instr)
@@ -1204,7 +1228,16 @@ class Executor:
             piece = operand.pieces[0]
             dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
             start, end = self._will_write(core, piece.vtcm, piece.box, t.dtype)
-            outs.append((position, dst, start, end, operand.box == piece.box))
+            outs.append(
+                (
+                    position,
+                    dst,
+                    start,
+                    end,
+                    operand.box == piece.box,
+                    self._may_mirror(core, start, end),
+                )
+            )
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
         deferred, mirrors = self.deferred, self.mirrors
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
@@ -1219,10 +1252,8 @@ class Executor:
                         src = deferred.source(core, start, end)
                         if src is not None:
                             operands[position] = src[index]
-            if mirrors.pending[core]:
-                for (position, start, end, index), (shape, dtype) in zip(
-                    reads, pieces, strict=True
-                ):
+            if mirror_reads and mirrors.pending[core]:
+                for position, start, end, index, shape, dtype in mirror_reads:
                     if position < 0:
                         mirrors.settle(core, start, end)
                     else:
@@ -1248,7 +1279,7 @@ class Executor:
                     step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
                     value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
-            for position, dst, start, end, covers in outs:
+            for position, dst, start, end, covers, mirrorable in outs:
                 result = np.asarray(results[position])
                 if result.shape != dst.shape:
                     raise RuntimeFault(
@@ -1256,7 +1287,7 @@ class Executor:
                         f"for a tile of shape {dst.shape}"
                     )
                 deferred.overwrite(core, start, end, whole=covers)
-                if mirrors.pending[core]:
+                if mirrorable and mirrors.pending[core]:
                     mirrors.overwrite(core, start, end, whole=covers)
                 dst[...] = result
                 copies.wrote(core, start, end, None)
@@ -1266,6 +1297,34 @@ class Executor:
                 self.on_kernel(core, instr.kernel, instr)
 
         return step
+
+
+def _multicast_ranges(program: Program) -> list[tuple[list[int], list[int]]]:
+    """Per core, the VTCM bytes some multicast NoC copy of the program writes there
+    (merged ranges: starts, ends)."""
+    found: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
+    for stream in program.streams:
+        for instr in stream:
+            if not isinstance(instr, NocCopy):
+                continue
+            targets = [c for c in cores_in(instr.cores) if c < program.num_cores]
+            if len(targets) < 2:
+                continue
+            end = instr.vtcm + _nbytes(instr.buf_box, program.tensors[instr.tensor].dtype)
+            for core in targets:
+                found[core].append((instr.vtcm, end))
+    merged: list[tuple[list[int], list[int]]] = []
+    for ranges in found:
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, end in sorted(ranges):
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        merged.append((starts, ends))
+    return merged
 
 
 def _outer_index(
