@@ -478,6 +478,9 @@ class Executor:
         core at the start of its stream (then `advance` until done, then `finish`)."""
         program, machine = self.program, self.machine
         self.activate()
+        if self.inference == 1 and self.mirrored and not self.mirrors.judged:
+            self.mirrors.judge()  # which buffers stay mirrored: decode the streams again
+            self._streams = None
         self._decoded_streams()  # sets how far inferences write VTCM, zeroed next
         machine.dynamic[:] = 0
         for core, core_mem in enumerate(machine.vtcm):
@@ -485,8 +488,6 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.clear()
-        if self.inference:
-            self.mirrors.judge()
         self.mirrors.clear()
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
@@ -537,8 +538,8 @@ class Executor:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
             if self.mirrored:
-                self._mirrorable = _multicast_ranges(self.program)
-            if self.shared_products:
+                self._mirrorable = _multicast_ranges(self.program, self.mirrors.off)
+            if self.shared_products and not self._shared:
                 self._shared = plan(
                     self.program,
                     [(k.opdef, k.desc.info) for k in self.kernels],
@@ -846,8 +847,14 @@ class Executor:
         # covers, a scattered box settles those its span meets
         dst_start, dst_end, covers = _span(instr.vtcm, instr.buf_box, instr.box, t.dtype)
         # a multicast writes its first target only, the others mirror it (mirrors.py)
-        mirrored = self.mirrored and len(targets) > 1 and not snapshot and nbytes > 0
         key = (instr.vtcm, buf_end, instr.buf_box, t.dtype)
+        mirrored = (
+            self.mirrored
+            and len(targets) > 1
+            and not snapshot
+            and nbytes > 0
+            and key not in self.mirrors.off
+        )
         views = {target: dst for target, dst, _ in dsts}
         aimed = frozenset(targets)
 
@@ -860,7 +867,7 @@ class Executor:
                 mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            if mirrored and key not in mirrors.off:
+            if mirrored:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
                 mirrors.multicast(
                     targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data
@@ -1299,9 +1306,9 @@ class Executor:
         return step
 
 
-def _multicast_ranges(program: Program) -> list[tuple[list[int], list[int]]]:
-    """Per core, the VTCM bytes some multicast NoC copy of the program writes there
-    (merged ranges: starts, ends)."""
+def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], list[int]]]:
+    """Per core, the VTCM bytes some multicast NoC copy of the program writes there, into
+    a buffer not in `off` (merged ranges: starts, ends)."""
     found: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
     for stream in program.streams:
         for instr in stream:
@@ -1310,7 +1317,10 @@ def _multicast_ranges(program: Program) -> list[tuple[list[int], list[int]]]:
             targets = [c for c in cores_in(instr.cores) if c < program.num_cores]
             if len(targets) < 2:
                 continue
-            end = instr.vtcm + _nbytes(instr.buf_box, program.tensors[instr.tensor].dtype)
+            dtype = program.tensors[instr.tensor].dtype
+            end = instr.vtcm + _nbytes(instr.buf_box, dtype)
+            if (instr.vtcm, end, instr.buf_box, dtype) in off:
+                continue
             for core in targets:
                 found[core].append((instr.vtcm, end))
     merged: list[tuple[list[int], list[int]]] = []

@@ -125,7 +125,7 @@ class Mirrors:
         self._saved: dict[Key, int] = {}
         self._taken: dict[Key, int] = {}
         self._count: dict[Key, int] = {}
-        self._judged = False
+        self.judged = False
 
     def judge(self) -> None:
         """After a session's first inference: the buffers whose mirrors had more than a
@@ -134,9 +134,7 @@ class Mirrors:
         multicast write: it follows a later write of part of a box, a buffer's place reused
         for another buffer). Which bytes are copied depends on the program's order of
         instructions, not on the values, so every inference would copy the same."""
-        if self._judged:
-            return
-        self._judged = True
+        self.judged = True
         self.off = {
             key
             for key, saved in self._saved.items()
@@ -188,7 +186,7 @@ class Mirrors:
             mirror.written[box] = mirror.span(box)
             mirror.volume += _volume(box)
         mirror.array[mirror.index(box)] = data
-        if not self._judged:
+        if not self.judged:
             self._saved[key] = self._saved.get(key, 0) + (len(targets) - 1) * data.nbytes
             self._count[key] = self._count.get(key, 0) + 1
         if aimed <= mirror.whole:
@@ -284,7 +282,7 @@ class Mirrors:
         index = mirror.index(box)
         dst[index] = mirror.array[index]
         self.copied += dst[index].nbytes
-        if not self._judged:
+        if not self.judged:
             self._taken[mirror.key] = self._taken.get(mirror.key, 0) + dst[index].nbytes
 
     def _write(self, mirror: Mirror, core: int, start: int, end: int, *, whole: bool) -> None:
