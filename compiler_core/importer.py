@@ -438,14 +438,21 @@ def _confine_external_tensors(
 ) -> None:
     """Every external tensor the IR will read, wherever it sits, resolves inside `folder`
     (or is the model file itself): the check on what is actually opened, after the check of
-    the locations the proto names."""
+    the locations the proto names. Each distinct path is resolved once (a model's weights
+    mostly share one or two files: resolving is a system call per path component)."""
+    confined: set[str] = set()
     for tensor in _ir_tensors(model):
         if not isinstance(tensor, ir.ExternalTensor):
             continue
-        if model_file is not None and Path(tensor.path).resolve() == model_file:
+        path = tensor.path
+        if path in confined:
+            continue
+        if model_file is not None and Path(path).resolve() == model_file:
+            confined.add(path)
             continue
         try:
-            folder.resolve(tensor.path, "external data")
+            folder.resolve(path, "external data")
+            confined.add(path)
         except CompileError:
             raise CompileError(
                 "unsafe_external_data",

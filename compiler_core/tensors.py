@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import BinaryIO
+import os
+from typing import Any, BinaryIO
 
 import onnx_ir as ir
+
+from compiler_core.errors import CompileError
 
 
 def release_mapping(tensor: object) -> None:
@@ -43,6 +46,28 @@ def read_external(tensor: ir.ExternalTensor, files: dict[str, BinaryIO] | None =
     dtype = np.dtype(tensor.dtype.numpy()).newbyteorder("<")
     array = np.frombuffer(raw, dtype=dtype, count=tensor.size).reshape(tensor.shape.numpy())
     return ir.Tensor(array.astype(array.dtype.newbyteorder("=")), name=tensor.name)
+
+
+def read_into(
+    tensor: ir.ExternalTensor, out: Any, files: dict[str, BinaryIO], skip: int = 0
+) -> None:
+    """The tensor's bytes as stored in its file, from byte `skip` on, read into `out` (a
+    writable buffer, filled): a caller that reuses one buffer touches no new pages per
+    tensor. `files`: open files by path (see `read_external`), closed by the caller."""
+    path = str(tensor.path)
+    source = files.get(path)
+    if source is None:
+        source = files[path] = open(path, "rb", buffering=0)  # noqa: SIM115 - see above
+    view = memoryview(out).cast("B")
+    done, offset = 0, (tensor.offset or 0) + skip
+    while done < len(view):
+        got = os.preadv(source.fileno(), [view[done:]], offset + done)
+        if not got:
+            raise CompileError(
+                "external_data_missing",
+                f"external data file '{tensor.location}' ends before tensor {tensor.name!r} does",
+            )
+        done += got
 
 
 def _read_at(source: BinaryIO, tensor: ir.ExternalTensor) -> bytes:

@@ -75,8 +75,19 @@ def test_stats_of_another_qpc_are_said_to_belong_to_it(
     assert main(["compile", *flags, "-aic-num-cores=2"]) == 0
     np.savez(tmp_path / "in.npz", x=np.ones((4, 4), np.float32))
     stats = tmp_path / "stats"
-    assert main(["run", str(other), "--inputs", str(tmp_path / "in.npz"),
-                 "--profiling-out-dir", str(stats)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(other),
+                "--inputs",
+                str(tmp_path / "in.npz"),
+                "--profiling-out-dir",
+                str(stats),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     code, _, err = run(
         capsys, "opstats", "--qpc", str(qpc), "--input-dir", str(stats), "--output-dir", "r"

@@ -17,7 +17,8 @@ QAIC = f"qaic@{qaic_standin.VERSION}"
 
 
 def test_a_job_naming_qaic_waits_for_a_worker_with_the_sdk_and_runs_only_there(
-    farm: FarmServices, tmp_path: Path  # noqa: F811
+    farm: FarmServices,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     sdk = qaic_standin.write_sdk(tmp_path / "qti-aic")
     plain_env = {**farm.env, "QPCFARM_QAIC_SDK": str(tmp_path / "no-sdk")}

@@ -178,9 +178,7 @@ def test_the_reaper_sends_again_what_a_running_quota_held_back_once_there_is_roo
     assert running is not None
     assert fair_share.claim_next(session, a_jobs[1], "w2") is None  # that message ran nothing
     assert fair_share.held_back_ids(session) == []  # no room: nothing to send
-    session.execute(
-        update(CompileJob).where(CompileJob.id == a_jobs[0]).values(status="succeeded")
-    )
+    session.execute(update(CompileJob).where(CompileJob.id == a_jobs[0]).values(status="succeeded"))
     session.commit()
     assert fair_share.held_back_ids(session, quiet_s=0) == [a_jobs[1]]  # room for one
     session.commit()

@@ -106,9 +106,7 @@ def sign_in(client: Any, key: str) -> httpx.Response:
     page = client.get("/sign-in")
     csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
     assert csrf is not None
-    answer: httpx.Response = client.post(
-        "/sign-in", data={"api_key": key, "csrf": csrf.group(1)}
-    )
+    answer: httpx.Response = client.post("/sign-in", data={"api_key": key, "csrf": csrf.group(1)})
     assert answer.status_code == 303, answer.text
     return answer
 

@@ -73,9 +73,7 @@ def test_dump_profile_job_stores_a_profile_that_a_load_profile_job_reuses(local,
     assert job3["cache_hit"] is False
 
 
-def test_calibration_inputs_missing_from_the_upload_are_refused_naming_the_flag(
-    local, local_api
-):
+def test_calibration_inputs_missing_from_the_upload_are_refused_naming_the_flag(local, local_api):
     model = cnn(seed=int(np.random.default_rng().integers(1 << 20)))
     bare = upload(local_api, model.SerializeToString(), "m.onnx")
     answer = submit(

@@ -61,7 +61,11 @@ def submit(session: Session, team: Team, model: Model, cores: int) -> CompileJob
 
 def collect(farm: Farm, session: Session, **kwargs: object) -> retention.Collected:
     return retention.collect(
-        session, farm.store, default_days=None, now=utcnow() + LATER, **kwargs  # type: ignore[arg-type]
+        session,
+        farm.store,
+        default_days=None,
+        now=utcnow() + LATER,
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -314,5 +318,3 @@ def test_over_http_a_full_queue_is_429_the_team_page_shows_usage_and_a_qpc_can_b
         pinned = client.put(f"/v1/qpcs/{qpc_id}/pin")
         assert pinned.status_code == 200 and pinned.json()["pinned"] is True
         assert client.delete(f"/v1/qpcs/{qpc_id}/pin").json()["pinned"] is False
-
-

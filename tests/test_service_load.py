@@ -182,9 +182,11 @@ def test_farm_mode_compiles_identical_submits_to_two_api_processes_once(
     problem = _postgres_problem() or redis_problem()
     if problem is not None:
         pytest.skip(problem)
-    with fresh_postgres_database(postgres_url()) as db_url, redis_server(
-        tmp_path
-    ) as redis, processes(tmp_path) as procs:
+    with (
+        fresh_postgres_database(postgres_url()) as db_url,
+        redis_server(tmp_path) as redis,
+        processes(tmp_path) as procs,
+    ):
         env = service_env(
             QPCFARM_DATA_DIR=str(tmp_path / "data"),
             QPCFARM_DATABASE_URL=db_url,

@@ -275,9 +275,11 @@ def numbers(text: str) -> float:
 
 
 def y_of(driver: Any, selector: str) -> float:
-    return float(driver.execute_script(
-        "return document.querySelector(arguments[0]).getBoundingClientRect().top;", selector
-    ))
+    return float(
+        driver.execute_script(
+            "return document.querySelector(arguments[0]).getBoundingClientRect().top;", selector
+        )
+    )
 
 
 WIDE_TABLES_JS = """
@@ -307,10 +309,12 @@ def assert_fits(driver: Any) -> None:
 
 def broken_flags(driver: Any) -> list[str]:
     """The flags drawn over more than one line (a line may break between flags only)."""
-    return list(driver.execute_script(
-        "return [...document.querySelectorAll('code.flag')]"
-        ".filter(e => e.getClientRects().length > 1).map(e => e.textContent);"
-    ))
+    return list(
+        driver.execute_script(
+            "return [...document.querySelectorAll('code.flag')]"
+            ".filter(e => e.getClientRects().length > 1).map(e => e.textContent);"
+        )
+    )
 
 
 # -------------------------------------------------------------------------------- tests
@@ -389,8 +393,10 @@ def test_upload_compile_watch_live_open_report_download_and_validate(
     assert re.fullmatch(r"[\d.,]+ (B|KiB|MiB)", metrics["final_constants_size"])
     assert css(browser, "tr[data-metric='estimated_latency_us'] th").text == "Estimated latency"
     # Pass times: the passes under their stage, a total of the stages alone.
-    stages = [numbers(r.find_element("css selector", "td").text)
-              for r in css_all(browser, "#pass-times tr.depth-0")]
+    stages = [
+        numbers(r.find_element("css selector", "td").text)
+        for r in css_all(browser, "#pass-times tr.depth-0")
+    ]
     passes = css_all(browser, "#pass-times tr.depth-1")
     assert [r.get_attribute("data-pass") for r in passes][:1] == ["canonicalize"]
     total = numbers(css(browser, "#pass-total td").text)
@@ -601,8 +607,12 @@ def test_a_failed_job_says_where_it_stopped_and_specializations_are_listed(
     assert css(browser, "#job-stage").text == "failed while importing the model"
     assert css(browser, "#job-error .code").text == "dynamic_shape"
 
-    specs = {"specializations": [{"name": "prefill", "symbols": {"batch": 1, "seq": 16}},
-                                 {"name": "decode", "symbols": {"batch": 1, "seq": 1}}]}
+    specs = {
+        "specializations": [
+            {"name": "prefill", "symbols": {"batch": 1, "seq": 16}},
+            {"name": "decode", "symbols": {"batch": 1, "seq": 1}},
+        ]
+    }
     archive = tmp_path / "llm.zip"
     with zipfile.ZipFile(archive, "w") as zf:
         zf.write(model_path, "symbolic.onnx")

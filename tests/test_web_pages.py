@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.api_helpers import form_csrf
 from tests.conftest import tiny_model_bytes
 
 WAIT_S = 60.0
@@ -61,12 +62,10 @@ def site(tmp_path: Path) -> Iterator[Site]:
 
 def csrf_of(client: Any) -> str:
     """The CSRF token the sign-in page hands out (as a cookie and in its form)."""
-    page = client.get("/sign-in")
-    token = re.search(r'name="csrf" value="([^"]+)"', page.text)
-    assert token is not None
+    token = form_csrf(client, "/sign-in")
     if client.cookies.get("qpcfarm_session") is None:  # signed in, it is the session's
-        assert client.cookies.get("qpcfarm_csrf") == token.group(1)
-    return token.group(1)
+        assert client.cookies.get("qpcfarm_csrf") == token
+    return token
 
 
 def signed_in(site: Site, key: str | None = None) -> str:
@@ -75,14 +74,7 @@ def signed_in(site: Site, key: str | None = None) -> str:
     csrf = csrf_of(client)
     answer = client.post("/sign-in", data={"api_key": key or site.key, "csrf": csrf})
     assert answer.status_code == 303
-    return form_csrf(client)
-
-
-def form_csrf(client: Any, page: str = "/") -> str:
-    """The CSRF token of a signed-in page's forms (bound to the session, new at sign-in)."""
-    token = re.search(r'name="csrf" value="([^"]+)"', client.get(page).text)
-    assert token is not None
-    return token.group(1)
+    return form_csrf(client, "/")
 
 
 def submit(site: Site, csrf: str, body: bytes, name: str = "m.onnx", **form: str) -> Any:
@@ -217,7 +209,7 @@ def test_another_teams_job_is_not_found(site: Site) -> None:
     assert site.client.get(f"/jobs/{job_id}").status_code == 404
     assert site.client.get(f"/jobs/{job_id}/live").status_code == 404
     assert job_id not in site.client.get("/jobs/rows").text
-    csrf = form_csrf(site.client)
+    csrf = form_csrf(site.client, "/")
     validate = site.client.post(f"/jobs/{job_id}/validate", data={"csrf": csrf})
     assert validate.status_code == 404
 
@@ -354,7 +346,10 @@ def test_pass_times_are_a_tree_whose_total_counts_the_stages() -> None:
     times = {"import": 0.5, "graph-passes": 0.25, "graph-passes/fold": 0.2, "lower": 0.25}
     tree = pass_times(times)
     assert [(r.name, r.depth) for r in tree.rows] == [
-        ("import", 0), ("graph-passes", 0), ("fold", 1), ("lower", 0)
+        ("import", 0),
+        ("graph-passes", 0),
+        ("fold", 1),
+        ("lower", 0),
     ]
     assert tree.total_ms == "1,000.000" and tree.rows[2].share == "20.0"
 
@@ -390,6 +385,31 @@ def test_the_api_docs_and_their_assets_are_served_by_the_farm(site: Site) -> Non
         asset = site.client.get(f"/docs/assets/{name}")
         assert asset.status_code == 200 and len(asset.content) > 100_000, name
     assert site.client.get("/docs/assets/core.py").status_code == 404
+
+
+def test_a_recompile_refused_by_the_queue_quota_says_when_to_retry_as_the_api_does(
+    site: Site,
+) -> None:
+    from sqlalchemy import update
+
+    from app.domain.db.models import Team
+
+    csrf = signed_in(site)
+    answer = submit(site, csrf, tiny_model_bytes())
+    assert answer.status_code == 303
+    job_id = answer.headers["location"].split("submitted=")[1].split("&")[0]
+    wait_done(site, job_id)
+    with site.app.state.session_factory() as session:
+        session.execute(update(Team).where(Team.name == "alpha").values(max_queued_jobs=0))
+        session.commit()
+    before = job_count(site)
+    refused = site.client.post(
+        f"/jobs/{job_id}/recompile-for-profile", data={"csrf": csrf}, follow_redirects=False
+    )
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"] == "30"
+    assert error_of(refused.text)[0] == "queue_quota"
+    assert job_count(site) == before
 
 
 def test_a_quota_refusal_is_shown_as_the_api_says_it_and_the_team_page_shows_usage(

@@ -36,11 +36,11 @@ from sqlalchemy.orm import Session
 
 from app.domain.db.base import utcnow
 from app.domain.db.models import CompileJob, JobStatus, Team
-from app.domain.timing import STALE_AFTER_S
+from app.domain.timing import FAIR_SHARE_WINDOW_S, STALE_AFTER_S
 from worker import claims
 
-WINDOW_S = 600.0
-"""The default look-back of recent worker time (`QPCFARM_FAIR_SHARE_WINDOW_S`)."""
+WINDOW_S = FAIR_SHARE_WINDOW_S
+"""The default look-back of recent worker time (the settings' `fair_share_window_s`)."""
 PICK_ATTEMPTS = 8
 """Picks tried when other workers keep winning the picked job."""
 

@@ -101,7 +101,7 @@ class Settings(BaseSettings):
     model_cache_bytes: int = 20 * GiB
     """A worker keeps models it read from the database blob store on its local disk, by
     sha256, up to this many bytes (`worker.model_cache`; 0: off)."""
-    fair_share_window_s: float = 600.0
+    fair_share_window_s: float = timing.FAIR_SHARE_WINDOW_S
     """Fair share: a team's recent worker time is what its compiles used in this window."""
 
     @model_validator(mode="after")

@@ -1,6 +1,7 @@
 """How often a job's worker beats, when it is presumed dead, when a lost message is sent
-again, how many times a job is retried: declared once, for the settings' defaults and for the
-worker's functions called without settings (tests, tools)."""
+again, how many times a job is retried, how far back fair share looks: declared once, for
+the settings' defaults and for the worker's functions called without settings (tests,
+tools)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ REQUEUE_AFTER_S = 300.0
 JOB_TIME_LIMIT_S = 3600
 """Hard limit of one job (Celery's `task_time_limit`); the broker's visibility timeout must be
 longer."""
+FAIR_SHARE_WINDOW_S = 600.0
+"""Fair share: a team's recent worker time is what its compiles used in this look-back."""
 MAX_ATTEMPTS = 3
 """Claims a job may take before it is failed as `worker_lost`: a model that kills its worker
 (out of memory, a crash) must not be handed out by the reaper forever."""

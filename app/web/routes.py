@@ -385,7 +385,9 @@ def job_action(
     except ServiceError as exc:
         session.rollback()
         context = {**job_context(session, team, job, settings), "error": exc.to_dict()}
-        return render(request, "job.html", context, exc.status)
+        page = render(request, "job.html", context, exc.status)
+        page.headers.update(exc.headers)  # a quota's Retry-After, as the API says it
+        return page
     return RedirectResponse(target, status_code=303)
 
 

@@ -12,7 +12,6 @@ until the network's weights fit the room left for them.
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import math
@@ -138,6 +137,10 @@ class _Candidate:
     """(kernel signature, cut, first core): equal keys, equal tiles on equal cores."""
     kchoice: ksplit.KChoice | None = None
     """A K split (partial products and their reduction) instead of an output cut."""
+    reads: dict[int, list[tuple[list[tuple[Box, int]], int, int]]] = field(default_factory=dict)
+    """Per operand: each core's distinct input boxes with their elements, their total and
+    how many are not empty; shared by the kernels that share the cut (its tiles), priced
+    against every producer's cut."""
 
 
 def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict[int, int]]:
@@ -612,34 +615,32 @@ class SplitChooser:
         local = producer if kind == "chip" and not ks.reshaped[i] else None
         remote = 0
         pieces = 0
-        producer_ks = self.kernels[ks.producers[i]] if local is not None else ks
-        slot = ks.slots[i]
-        for core, tiles in cand.by_core.items():
-            held: list[Box] = []
-            if local is not None:
+        reads = cand.reads.get(i)
+        if reads is None:
+            reads = cand.reads[i] = _reads(cand.by_core, i)
+        if local is None:  # nothing is read in place: every distinct box moves
+            for _, total, count in reads:
+                remote += total * size
+                pieces += count
+        else:
+            producer_ks = self.kernels[ks.producers[i]]
+            slot = ks.slots[i]
+            for core, (boxes, _, _) in zip(cand.by_core, reads, strict=True):
                 held = self._held(local, producer_ks, core, slot)
-            seen: set[Box] = set()
-            for t in tiles:
-                box = t.in_boxes[i]
-                if box is None or box in seen:
-                    continue
-                seen.add(box)
-                need = 1
-                for a, b in box:
-                    need *= b - a
-                for p in held:
-                    # the overlap of `box` with what the core holds (inlined `_overlap`)
-                    n = 1
-                    for (a0, a1), (b0, b1) in zip(box, p, strict=True):
-                        d = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
-                        if d <= 0:
-                            n = 0
-                            break
-                        n *= d
-                    need -= n
-                if need > 0:
-                    remote += need * size
-                    pieces += 1
+                for box, need in boxes:
+                    for p in held:
+                        # the overlap of `box` with what the core holds (inlined `_overlap`)
+                        n = 1
+                        for (a0, a1), (b0, b1) in zip(box, p, strict=True):
+                            d = (a1 if a1 < b1 else b1) - (a0 if a0 > b0 else b0)
+                            if d <= 0:
+                                n = 0
+                                break
+                            n *= d
+                        need -= n
+                    if need > 0:
+                        remote += need * size
+                        pieces += 1
         if not remote:
             return 0.0, 0.0
         distinct = min(remote, ks.nbytes[i])
@@ -701,9 +702,36 @@ class SplitChooser:
 
 def _fresh(shared: _Candidate) -> _Candidate:
     """A kernel's own copy of a shared candidate: everything shared but its transfer prices."""
-    cand = copy.copy(shared)
+    cand = _Candidate.__new__(_Candidate)
+    cand.__dict__.update(shared.__dict__)  # copy.copy's result, without its __reduce_ex__
     cand.moves = {}
     return cand
+
+
+def _reads(
+    by_core: dict[int, list[TileSpec]], i: int
+) -> list[tuple[list[tuple[Box, int]], int, int]]:
+    """Per core (in `by_core`'s order), the distinct boxes its tiles read of operand `i`,
+    each with its elements; their total elements and how many are not empty."""
+    out: list[tuple[list[tuple[Box, int]], int, int]] = []
+    for tiles in by_core.values():
+        seen: set[Box] = set()
+        boxes: list[tuple[Box, int]] = []
+        total = count = 0
+        for t in tiles:
+            box = t.in_boxes[i]
+            if box is None or box in seen:
+                continue
+            seen.add(box)
+            n = 1
+            for a, b in box:
+                n *= b - a
+            boxes.append((box, n))
+            if n > 0:
+                total += n
+                count += 1
+        out.append((boxes, total, count))
+    return out
 
 
 def _busiest(tiles: list[TileSpec], cycles: list[float]) -> float:

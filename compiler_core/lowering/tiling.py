@@ -23,8 +23,13 @@ from compiler_core.ops.registry import Box, NodeInfo, OpDef, full_box
 ALIGN = 64
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class TileSpec:
+    """One tile of a kernel. Treated as immutable (hashed, shared between kernels and
+    builds), but not declared frozen: a frozen dataclass sets each field through
+    `object.__setattr__`, 4x the construction time, and the split chooser builds ~8,000 of
+    them per ResNet-50 compile."""
+
     out_box: Box
     in_boxes: tuple[Box | None, ...]
     """Base-op inputs first, then the epilogue operands."""

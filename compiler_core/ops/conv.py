@@ -9,6 +9,7 @@ needs (a whole tensor included), so the same code serves whole ops and tiles.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -338,9 +339,31 @@ def conv_compute(
         xg = xg.reshape(xg.shape[0], n_groups, in_per_group, *xg.shape[2:])
         y = _grouped_conv(xg, w, m0 - g0 * out_per_group, out_per_group, rank)
     if bias is not None:
-        y = y + channel_part(bias, tile_box(tile, node, 2), (m0, m1), acc, rank)
+        b = channel_part(bias, tile_box(tile, node, 2), (m0, m1), acc, rank)
+        if y.flags.writeable:  # the product's own fresh array (not a repeated row)
+            np.add(y, b, out=y)
+        else:
+            y = y + b
     assert y.shape == out_tile, (y.shape, out_tile)
     return [y.astype(out_dtype, copy=False)]
+
+
+_SCRATCH = threading.local()
+_SCRATCH_LIMIT = 1 << 26
+"""Bytes of im2col columns kept per thread between products (larger ones are allocated)."""
+
+
+def _columns(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """An uninitialised array for a product's im2col columns, in this thread's scratch
+    memory: the columns live only until the product is taken, and a fresh multi-megabyte
+    array per product costs the kernel's page clearing every time."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > _SCRATCH_LIMIT:
+        return np.empty(shape, dtype=dtype)
+    buf: np.ndarray | None = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
 
 
 def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarray:
@@ -356,7 +379,7 @@ def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarr
     if windows.dtype == acc and taps == 1:
         cols = windows.reshape(n, c, -1)
     else:
-        cols = np.empty(windows.shape, dtype=acc)
+        cols = _columns(windows.shape, acc)
         np.copyto(cols, windows)
         cols = cols.reshape(n, c * taps, -1)
     rows = w.reshape(len(w), c * taps)
@@ -365,6 +388,20 @@ def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarr
     else:
         y = np.matmul(rows, cols)
     return y.reshape(n, len(w), *out_sp)
+
+
+def conv_columns_into(
+    node: NodeInfo, x: np.ndarray, out_box: Box, x_box: Box, out: np.ndarray
+) -> None:
+    """Write an ungrouped conv tile's im2col columns for its one batch entry into `out`
+    (C * taps, output positions of the tile): the matrix `_dense_conv` multiplies, so
+    several tiles' columns side by side make one product (runtime/joins.py)."""
+    wins = _conv_windows(node)
+    rank = len(wins)
+    xw = gather_windows(x, wins, out_box, x_box, 0.0)
+    perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
+    windows = xw.transpose(perm)[0]  # (C, *K, *O)
+    np.copyto(np.reshape(out, windows.shape, copy=False), windows)
 
 
 def _grouped_conv(

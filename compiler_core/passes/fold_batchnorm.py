@@ -11,6 +11,8 @@ elimination.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import BinaryIO
 
 import numpy as np
 import onnx_ir as ir
@@ -24,7 +26,7 @@ from compiler_core.passes.base import (
     replace_value,
     static_dims,
 )
-from compiler_core.tensors import release_mapping
+from compiler_core.tensors import read_into, release_mapping
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +161,17 @@ class FoldBatchNormIntoConvPass(GraphPass):
         return True
 
 
-def scaled_weight(weight: ir.TensorProtocol, scale: np.ndarray, dtype: np.dtype) -> ir.LazyTensor:
+def scaled_weight(weight: ir.TensorProtocol, scale: np.ndarray, dtype: np.dtype) -> ScaledWeight:
     """`weight * scale` per output channel, computed only when the QPC's constants are
     written, so folding a large model never holds old and new weights side by side."""
+    trailing = (1,) * (len(weight.shape) - 1)
+    # Computed in the weights' own precision (fp16 via fp32): a single rounding, as other
+    # compilers fold, and a fraction of the time of an fp64 round trip.
+    work = np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+    factor = scale.reshape(-1, *trailing).astype(work)
 
     def compute() -> ir.TensorProtocol:
         source = np.asarray(weight.numpy())
-        trailing = (1,) * (source.ndim - 1)
-        # Computed in the weights' own precision (fp16 via fp32): a single rounding, as
-        # other compilers fold, and a fraction of the time of an fp64 round trip.
-        work = np.float32 if dtype == np.float16 else dtype
-        factor = scale.reshape(-1, *trailing).astype(work)
         if source.dtype == work and source.flags.aligned:
             product = np.multiply(source, factor)
         else:
@@ -183,7 +185,48 @@ def scaled_weight(weight: ir.TensorProtocol, scale: np.ndarray, dtype: np.dtype)
         release_mapping(weight)  # unmap the source pages now that they are read
         return ir.Tensor(result)  # what ir.tensor makes of an array, without its protocol checks
 
-    return ir.LazyTensor(compute, dtype=weight.dtype, shape=ir.Shape(weight.shape.numpy()))
+    return ScaledWeight(compute, weight, factor, dtype)
+
+
+class ScaledWeight(ir.LazyTensor):
+    """A folded weight: `compute` gives it as a tensor; `scale_into` writes its bytes into a
+    buffer the caller reuses (the QPC writer), with no array of its own and no mapping of the
+    model file: the same products, without the fresh pages of a new array per weight."""
+
+    __slots__ = ("_factor", "_source", "_target")
+
+    def __init__(
+        self,
+        compute: Callable[[], ir.TensorProtocol],
+        source: ir.TensorProtocol,
+        factor: np.ndarray,
+        dtype: np.dtype,
+    ) -> None:
+        super().__init__(compute, dtype=source.dtype, shape=ir.Shape(source.shape.numpy()))
+        self._source = source
+        self._factor = factor
+        self._target = dtype
+
+    def scales_into(self, dtype: np.dtype) -> bool:
+        """Whether `scale_into` can give the weight in `dtype`: its weights are read straight
+        from a file (not mapped) in that dtype, little-endian, and it has bytes."""
+        source = self._source
+        return (
+            isinstance(source, ir.ExternalTensor)
+            and source.raw is None
+            and dtype == self._target == self._factor.dtype == source.dtype.numpy()
+            and dtype.byteorder != ">"
+            and source.nbytes > 0
+        )
+
+    def scale_into(self, out: np.ndarray, files: dict[str, BinaryIO]) -> None:
+        """Write the folded weight's bytes into `out` (uint8, its size; see `scales_into`).
+        `files`: open files by path, shared by the caller's reads."""
+        source = self._source
+        assert isinstance(source, ir.ExternalTensor) and out.nbytes == source.nbytes
+        read_into(source, out, files)
+        product = out.view(self._target).reshape(self._factor.shape[0], -1)
+        np.multiply(product, self._factor.reshape(-1, 1), out=product)
 
 
 def _set_input(

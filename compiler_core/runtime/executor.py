@@ -46,6 +46,7 @@ from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.joins import JoinTile, plan_joins
 from compiler_core.runtime.mirrors import Mirrors
 from compiler_core.runtime.shared import SharedTile, plan
 
@@ -381,9 +382,9 @@ class Executor:
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
         """Per core, the end of the highest VTCM byte an inference may write."""
-        self._shared: dict[tuple[int, int], SharedTile] = {}
-        """Tiles that take their part of one product with others (runtime/shared.py), by
-        (core, position in its stream)."""
+        self._shared: dict[tuple[int, int], SharedTile | JoinTile] = {}
+        """Tiles that take their part of one product with others (runtime/shared.py,
+        runtime/joins.py), by (core, position in its stream)."""
         self.inference = 0
         """Counts inferences begun (a shared product is valid for one)."""
         self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
@@ -540,12 +541,12 @@ class Executor:
             if self.mirrored:
                 self._mirrorable = _multicast_ranges(self.program, self.mirrors.off)
             if self.shared_products and not self._shared:
-                self._shared = plan(
-                    self.program,
-                    [(k.opdef, k.desc.info) for k in self.kernels],
-                    self._constant_view,
-                    self.machine.part,
+                kernels = [(k.opdef, k.desc.info) for k in self.kernels]
+                shared = plan(self.program, kernels, self._constant_view, self.machine.part)
+                joins = plan_joins(
+                    self.program, kernels, self._constant_view, self.machine.part, shared
                 )
+                self._shared = {**shared, **joins}
             streams: list[list[tuple[Any, ...]]] = []
             for core, stream in enumerate(self.program.streams):
                 steps: list[tuple[Any, ...]] = []
@@ -1199,7 +1200,9 @@ class Executor:
                 )
         return reads
 
-    def _kernel(self, core: int, instr: RunKernel, shared: SharedTile | None = None) -> Step:
+    def _kernel(
+        self, core: int, instr: RunKernel, shared: SharedTile | JoinTile | None = None
+    ) -> Step:
         kernel = self.kernels[instr.kernel]
         desc = kernel.desc
         info = desc.info
@@ -1248,6 +1251,14 @@ class Executor:
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
         deferred, mirrors = self.deferred, self.mirrors
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
+        views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        """Per operand position, the deferred constant last handed for it and its view of the
+        operand's box: the same view object while the same load stands for the buffer, so a
+        shared tile recognises its constant in place by identity (runtime/shared.py)."""
+        fusable = bool(outs) and outs[0][0] == 0 and bool(steps) and _fusable(steps[-1][1])
+        chain = steps[:-1] if fusable else steps
+        last: Any = steps[-1][1] if fusable else None
+        last_dtype = np.dtype(last.out_dtype) if fusable else None
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
@@ -1258,7 +1269,10 @@ class Executor:
                     else:
                         src = deferred.source(core, start, end)
                         if src is not None:
-                            operands[position] = src[index]
+                            held = views.get(position)
+                            if held is None or held[0] is not src:
+                                held = views[position] = (src, src[index])
+                            operands[position] = held[1]
             if mirror_reads and mirrors.pending[core]:
                 for position, start, end, index, shape, dtype in mirror_reads:
                     if position < 0:
@@ -1276,17 +1290,37 @@ class Executor:
             results = None if shared is None else shared.results(base, self.inference)
             if results is None:
                 results = compute(info, base, tile)
+            written = False
             if steps:
                 value = results[0]
-                for opdef, epilogue in steps:
+                for opdef, epilogue in chain:
                     step_inputs = [
                         value if ref is None else (None if ref < 0 else operands[ref])
                         for ref in epilogue.inputs  # type: ignore[attr-defined]
                     ]
                     step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
                     value = opdef.compute(step_info, step_inputs, whole)[0]
+                if last is not None:
+                    step_inputs = [
+                        value if ref is None else (None if ref < 0 else operands[ref])
+                        for ref in last.inputs
+                    ]
+                    _, dst, start, end, covers, mirrorable = outs[0]
+                    if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
+                        deferred.overwrite(core, start, end, whole=covers)
+                        if mirrorable and mirrors.pending[core]:
+                            mirrors.overwrite(core, start, end, whole=covers)
+                        _write_fused(last.op_type, step_inputs, dst)
+                        copies.wrote(core, start, end, None)
+                        written = True
+                    else:
+                        opdef = steps[-1][0]
+                        step_info, whole = _epilogue_info(last, step_inputs, value, step_infos)
+                        value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
             for position, dst, start, end, covers, mirrorable in outs:
+                if written and position == 0:
+                    continue
                 result = np.asarray(results[position])
                 if result.shape != dst.shape:
                     raise RuntimeFault(
@@ -1335,6 +1369,42 @@ def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], 
                 ends.append(end)
         merged.append((starts, ends))
     return merged
+
+
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _fusable(epilogue: Any) -> bool:
+    """Whether a kernel's last epilogue step may write its output tile itself (`_fits`)."""
+    return epilogue.domain == "" and epilogue.op_type in ("Relu", "Add")
+
+
+def _fits(
+    epilogue: Any, out_dtype: np.dtype | None, inputs: list[np.ndarray | None], dst: np.ndarray
+) -> bool:
+    """Whether `_write_fused` gives `dst` the bytes the step's own compute would: float32 or
+    float64 operands, result (`out_dtype`, the step's) and tile of one dtype and shape (no
+    widening, rounding or broadcast; anything else runs the step's compute, which also
+    reports a wrong shape)."""
+    dtype = dst.dtype
+    if dtype not in _FUSED_DTYPES or out_dtype != dtype:
+        return False
+    if len(inputs) != (1 if epilogue.op_type == "Relu" else 2):
+        return False
+    return all(a is not None and a.dtype == dtype and a.shape == dst.shape for a in inputs)
+
+
+def _write_fused(op_type: str, inputs: list[np.ndarray | None], dst: np.ndarray) -> None:
+    """A kernel's last epilogue step (Relu, Add) computed into its output tile: the same ufunc
+    on the same operands as the step's compute (activation.py `_relu`, elementwise.py Add),
+    without the array it would return and the copy of it into VTCM."""
+    a, b = inputs[0], inputs[-1]
+    assert a is not None and b is not None
+    with np.errstate(all="ignore"):
+        if op_type == "Relu":
+            np.maximum(a, np.zeros((), dst.dtype), out=dst)
+        else:
+            np.add(a, b, out=dst)
 
 
 def _outer_index(

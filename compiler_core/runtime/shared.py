@@ -86,8 +86,22 @@ def _same_bytes(a: np.ndarray | None, kept: np.ndarray | None) -> bool:
         return a is None and kept is None
     if a.shape != kept.shape or a.dtype != kept.dtype:
         return False
-    x, y = _bits(a), _bits(kept)
+    x: np.ndarray | None
+    y: np.ndarray | None
+    if a.flags.c_contiguous and kept.flags.c_contiguous and a.nbytes % 8 == 0:
+        # the same bytes, compared eight at a time
+        x, y = a.reshape(-1).view(np.uint64), kept.reshape(-1).view(np.uint64)
+    else:
+        x, y = _bits(a), _bits(kept)
     return x is not None and y is not None and bool((x == y).all())
+
+
+def _keep(a: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+    """A copy of `a`, in `old` (the previous inference's copy) when it has the same shape."""
+    if old is None or old.shape != a.shape or old.dtype != a.dtype:
+        return np.array(a)
+    np.copyto(old, a)
+    return old
 
 
 @dataclass
@@ -128,11 +142,23 @@ class SharedTile:
     """The tile's own place, to compute its product alone."""
     checked: bool = False
     """Its part was once compared with its own product, bit for bit, and was equal."""
+    seen: list[np.ndarray | None] = field(default_factory=list)
+    """Per constant input, the last array found to be the constant in place: the same
+    object again is that constant (a view's address, shape, strides and dtype are fixed;
+    the runtime hands the same view while the same load or resident buffer stands for it)."""
+    uniform: bool | None = None
+    """Whether its weight, found in place, has all rows equal (None: not known yet). The
+    constant in place cannot change, so this is worked out once."""
 
     def results(self, inputs: list[np.ndarray | None], inference: int) -> Results | None:
         """This tile's outputs from the group's product, or None (it computes alone)."""
-        for position, address, shape, strides, dtype in self.expected:
+        seen = self.seen
+        if not seen:
+            seen.extend([None] * len(self.expected))
+        for i, (position, address, shape, strides, dtype) in enumerate(self.expected):
             a = inputs[position]
+            if a is not None and a is seen[i]:
+                continue
             if (
                 a is None
                 or a.shape != shape
@@ -141,12 +167,21 @@ class SharedTile:
                 or _address(a) != address
             ):
                 return None
+            seen[i] = a
         group = self.group
-        if group.off or _uniform_weight(group.op_type, inputs):
+        if group.off:
+            return None
+        uniform = self.uniform
+        if uniform is None:
+            uniform = _uniform_weight(group.op_type, inputs)
+            if 1 in group.constant:  # the weight is the constant in place
+                self.uniform = uniform
+        if uniform:
             return None
         if group.inference != inference:
+            previous = group.kept or [None] * len(inputs)
             kept = [
-                None if p in group.constant or a is None else np.array(a)
+                None if p in group.constant or a is None else _keep(a, previous[p])
                 for p, a in enumerate(inputs)
             ]
             union = [kept[p] if c is None else c for p, c in enumerate(group.union)]
@@ -198,6 +233,38 @@ def _resident(program: Program) -> list[dict[int, tuple[int, int, Box]]]:
     return found
 
 
+InPlace = Callable[[int, int, Operand], np.ndarray]
+
+
+def in_place_views(
+    program: Program,
+    constant_view: Callable[[int, Box], np.ndarray],
+    vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
+) -> InPlace:
+    """`in_place(core, tensor, operand)`: the operand as the kernel gets it when it holds
+    that box of the constant: the resident VTCM activation filled with it, else the
+    constant (a deferred load's)."""
+    tensors = program.tensors
+    resident = _resident(program)
+
+    def in_place(core: int, tensor: int, operand: Operand) -> np.ndarray:
+        piece = operand.pieces[0]
+        held = resident[core].get(piece.vtcm)
+        if len(operand.pieces) == 1 and held is not None and held[1:] == (tensor, piece.box):
+            dtype = tensors[tensor].dtype
+            end = piece.vtcm + _volume(piece.box) * np.dtype(dtype).itemsize
+            if held[0] == end <= program.resident:
+                return vtcm_view(core, piece.vtcm, piece.box, operand.box, dtype)
+        return constant_view(tensor, operand.box)
+
+    return in_place
+
+
+def expected_in_place(view: np.ndarray, position: int) -> Expected:
+    """What a constant operand handed in place looks like (see `SharedTile.expected`)."""
+    return (position, _address(view), view.shape, view.strides, view.dtype)
+
+
 def plan(
     program: Program,
     kernels: Sequence[tuple[OpDef, NodeInfo]],
@@ -211,19 +278,7 @@ def plan(
     `vtcm_view(core, offset, buffer box, box, dtype)`: a box of a VTCM buffer. Called after
     activation: a weight activation loaded is read where it lies, in the resident VTCM."""
     tensors = program.tensors
-    resident = _resident(program)
-
-    def in_place(core: int, tensor: int, operand: Operand) -> np.ndarray:
-        """The operand as the kernel gets it when it holds that box of the constant: the
-        resident VTCM activation filled with it, else the constant (a deferred load's)."""
-        piece = operand.pieces[0]
-        held = resident[core].get(piece.vtcm)
-        if len(operand.pieces) == 1 and held is not None and held[1:] == (tensor, piece.box):
-            dtype = tensors[tensor].dtype
-            end = piece.vtcm + _volume(piece.box) * np.dtype(dtype).itemsize
-            if held[0] == end <= program.resident:
-                return vtcm_view(core, piece.vtcm, piece.box, operand.box, dtype)
-        return constant_view(tensor, operand.box)
+    in_place = in_place_views(program, constant_view, vtcm_view)
 
     candidates: dict[tuple[int, tuple[Box | None, ...]], list[tuple[int, int, RunKernel]]]
     candidates = defaultdict(list)
