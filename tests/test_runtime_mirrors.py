@@ -119,3 +119,27 @@ def test_a_multicast_writes_one_array_not_its_targets() -> None:
     mirrors.settle(1, 16, 48)
     np.testing.assert_array_equal(memory[1, 16:48], want)
     assert not memory[[0, 2]].any()
+
+
+def test_buffers_whose_bytes_are_copied_out_are_written_whole_after_the_first_inference() -> None:
+    """Two all-gathers of 512 KiB buffers over 3 cores: one then read whole, the other's
+    place then written a row at a time through another buffer's boxes (its bytes copied
+    out): only the first stays mirrored."""
+    memory = np.zeros((3, 2 << 20), np.uint8)
+    mirrors = Mirrors(list(memory))
+    buf_box: Box = ((0, 4), (0, 128 << 10))
+    for offset in (0, 1 << 20):
+        key = _key(offset, buf_box)
+        for row in range(4):
+            box = ((row, row + 1), (0, 128 << 10))
+            views = {c: _view(memory, c, offset, buf_box, box) for c in range(3)}
+            start, end, covers = _span(offset, buf_box, box, "uint8")
+            data = np.full((1, 128 << 10), row, np.uint8)
+            mirrors.multicast(
+                [0, 1, 2], frozenset(range(3)), key, box, (start, end), covers, views, data
+            )
+    for core in range(3):
+        assert mirrors.source(core, 0, 512 << 10, (512 << 10,), np.dtype(np.uint8)) is not None
+        mirrors.overwrite(core, 1 << 20, (1 << 20) + 1000, whole=False)
+    mirrors.judge()
+    assert mirrors.off == {_key(1 << 20, buf_box)}

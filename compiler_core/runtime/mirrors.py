@@ -23,7 +23,8 @@ been written:
 - an inference starts with no mirror (its VTCM is zeroed).
 
 A core's bytes outside its mirrored boxes are its own, as before. Byte counts are the
-instructions', as before.
+instructions', as before. Which buffers stay mirrored after a session's first inference is
+judged from what that inference spared and copied out (`judge`).
 """
 
 from __future__ import annotations
