@@ -205,8 +205,9 @@ class SplitChooser:
         ]
         """Per kernel: a network's stem (a conv reading the graph input from DDR into a
         4-D map); its ties go to the cut that keeps axis 1 whole (see `_pick`)."""
-        self._times: list[dict[tuple[int, ...], list[float]]] = [{} for _ in kernels]
-        """Per kernel: its candidates' times by the ids of its operands' producers' cuts."""
+        self._times: list[dict[tuple[int, ...], list[float | None]]] = [{} for _ in kernels]
+        """Per kernel: its candidates' times by the ids of its operands' producers' cuts (None:
+        not priced, its bound already above the cheapest; see `_pick`)."""
 
     def cores(self, req: TilingRequest) -> int:
         return min(self.active or req.num_cores, req.num_cores)
@@ -653,24 +654,38 @@ class SplitChooser:
 
     def _pick(self, price: float) -> tuple[list[_Candidate], int]:
         """Each kernel's cheapest cut when a resident byte costs `price` cycles (its weights
-        stream instead where that is cheaper); the resident bytes per core it adds up to."""
+        stream instead where that is cheaper); the resident bytes per core it adds up to.
+
+        A candidate's transfers are priced only if it can still win: its compute plus its
+        weights' price is a lower bound on its total (transfers add a non-negative time, and
+        rounded float additions are monotone), so candidates are visited by that bound and
+        the visit stops at the first whose bound exceeds the cheapest total found; the
+        choice is the one a full pass would make (ties to the first in list order)."""
         chosen: list[_Candidate | None] = [None] * len(self.kernels)
         total = 0
         for k, cands in enumerate(self.candidates):
             best = cands[0]
-            if len(cands) > 1:  # the first of the cheapest, as min() picks
+            if len(cands) > 1:
                 # a kernel's times depend only on its producers' cuts, mostly the same from
-                # one price to the next: kept per choice of producers
+                # one price to the next: kept per choice of producers, each when first needed
                 producers = tuple(id(chosen[s]) if s >= 0 else 0 for _, s in self._moved[k])
                 times = self._times[k].get(producers)
                 if times is None:
-                    times = self._times[k][producers] = [self._time(k, c, chosen) for c in cands]
-                lowest: tuple[float, bool, int] | None = None
+                    times = self._times[k][producers] = [None] * len(cands)
+                extras = [min(price * c.resident, c.stream) for c in cands]
+                bounds = [c.busiest + e for c, e in zip(cands, extras, strict=True)]
+                lowest: tuple[float, bool, int, int] | None = None
                 # a stem's tie goes to the cut that keeps its channels whole: its consumers
                 # (a pool, convs cut by rows) read that in place, a channel cut they gather
                 stem = self._stem[k]
-                for c, t in zip(cands, times, strict=True):
-                    key = (t + min(price * c.resident, c.stream), stem and 1 in c.parts, c.resident)
+                for j in sorted(range(len(cands)), key=bounds.__getitem__):
+                    if lowest is not None and bounds[j] > lowest[0]:
+                        break
+                    c = cands[j]
+                    t = times[j]
+                    if t is None:
+                        t = times[j] = self._time(k, c, chosen)
+                    key = (t + extras[j], stem and 1 in c.parts, c.resident, j)
                     if lowest is None or key < lowest:
                         best, lowest = c, key
             chosen[k] = best
