@@ -423,6 +423,20 @@ def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarr
     return y.reshape(n, len(w), *out_sp)
 
 
+def conv_columns_into(
+    node: NodeInfo, x: np.ndarray, out_box: Box, x_box: Box, out: np.ndarray
+) -> None:
+    """Write an ungrouped conv tile's im2col columns for its one batch entry into `out`
+    (C * taps, output positions of the tile): the matrix `_dense_conv` multiplies, so
+    several tiles' columns side by side make one product (runtime/joins.py)."""
+    wins = _conv_windows(node)
+    rank = len(wins)
+    xw = gather_windows(x, wins, out_box, x_box, 0.0)
+    perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
+    windows = xw.transpose(perm)[0]  # (C, *K, *O)
+    np.copyto(np.reshape(out, windows.shape, copy=False), windows)
+
+
 def _grouped_conv(
     xg: np.ndarray, w: np.ndarray, first: int, per_group: int, rank: int
 ) -> np.ndarray:

@@ -45,6 +45,7 @@ from compiler_core.ops.conv import WIDE_OPERANDS, product_accumulator
 from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.joins import JoinTile, plan_joins
 from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
@@ -368,9 +369,9 @@ class Executor:
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
         """Per core, the end of the highest VTCM byte an inference may write."""
-        self._shared: dict[tuple[int, int], SharedTile] = {}
-        """Tiles that take their part of one product with others (runtime/shared.py), by
-        (core, position in its stream)."""
+        self._shared: dict[tuple[int, int], SharedTile | JoinTile] = {}
+        """Tiles that take their part of one product with others (runtime/shared.py,
+        runtime/joins.py), by (core, position in its stream)."""
         self.inference = 0
         """Counts inferences begun (a shared product is valid for one)."""
         self.retained = {program.tensors[i].name: (i, o) for i, o in program.retained.items()}
@@ -521,12 +522,12 @@ class Executor:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
             if self.shared_products:
-                self._shared = plan(
-                    self.program,
-                    [(k.opdef, k.desc.info) for k in self.kernels],
-                    self._constant_view,
-                    self.machine.part,
+                kernels = [(k.opdef, k.desc.info) for k in self.kernels]
+                shared = plan(self.program, kernels, self._constant_view, self.machine.part)
+                joins = plan_joins(
+                    self.program, kernels, self._constant_view, self.machine.part, shared
                 )
+                self._shared = {**shared, **joins}
             streams: list[list[tuple[Any, ...]]] = []
             for core, stream in enumerate(self.program.streams):
                 steps: list[tuple[Any, ...]] = []
@@ -1136,7 +1137,9 @@ class Executor:
                 )
         return reads
 
-    def _kernel(self, core: int, instr: RunKernel, shared: SharedTile | None = None) -> Step:
+    def _kernel(
+        self, core: int, instr: RunKernel, shared: SharedTile | JoinTile | None = None
+    ) -> Step:
         kernel = self.kernels[instr.kernel]
         desc = kernel.desc
         info = desc.info
