@@ -8,14 +8,15 @@ earlier band's tile runs: that tile can compute the product of both, and the lat
 takes its part, provided that at its own turn its input holds the bytes the product used.
 
 Which bands join at which turn is learned: the cores' order of turns is the same in every
-inference (it depends on the program, not on the data). In each inference one turn is
-tested: when the tile of that turn runs, the input of every later tile not yet joined is
-copied, and each of those tiles compares its own input with the copy at its turn; those
-equal join that turn's product from the next inference on. A tile in a join still compares
-its input with the one the product used, at its own turn, and computes alone when they
-differ (so a missing semaphore wait still shows); its constants must be in place, as for
-shared products (runtime/shared.py), and the first time it takes its part it also computes
-its own product, one bit of difference turning the conv's joins off for the session.
+inference (it depends on the program, not on the data). The session's first inference
+records it; in the second, each tile, at its turn, compares its input with copies of it
+taken at the turns of earlier leading tiles, joins the earliest whose copy is equal, or
+else leads (the inputs of the tiles after it are copied then); the joins apply from the
+third inference on. A tile in a join still compares its input with the one the product
+used, at its own turn, and computes alone (or in its shared product) when they differ, so
+a missing semaphore wait still shows; its constants must be in place, as for shared
+products (runtime/shared.py), and the first time it takes its part it also computes its
+own product, one bit of difference turning the conv's joins off for the session.
 Nothing here moves VTCM or DDR bytes.
 """
 
@@ -78,13 +79,14 @@ class Join:
     ordered: bool = False
     joins: dict[int, int] = field(default_factory=dict)
     """Member -> the turn whose product it takes its part of (learned)."""
+    learning: bool = False
+    """This inference learns the joins (the session's second: the first records the order)."""
+    done: bool = False
+    """The joins were learned (or are being learned)."""
     learned: dict[int, int] = field(default_factory=dict)
     """Joins learned in this inference, used from the next."""
-    tested: int = 0
-    """Turns tested so far (one per inference)."""
-    test_ran: bool = False
-    copies: dict[int, np.ndarray] = field(default_factory=dict)
-    """This inference's test: member -> its input when the tested turn ran."""
+    copies: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    """While learning: member -> its input as it was at each earlier leading turn."""
     inference: int = -1
     turn: int = 0
     kept: dict[tuple[Box, Box], np.ndarray] = field(default_factory=dict)
@@ -119,14 +121,8 @@ class JoinTile:
             join.off = True
             return None if fallback is None else fallback.results(inputs, inference)
         x = inputs[0]
-        copy = join.copies.pop(m, None)
-        if copy is not None and x is not None and _same_bytes(x, copy):
-            join.learned[m] = join.tested
-        if join.ordered and turn == join.tested:  # this inference's test
-            join.test_ran = True
-            for later in join.order[turn + 1 :]:
-                if later not in join.joins:
-                    join.copies[later] = join.members[later].read()
+        if join.learning and x is not None:
+            _learn(join, m, turn, x)
         if x is None or not _constants_in_place(member, inputs):
             return None
         batch = [n for n, t in join.joins.items() if t == turn]
@@ -148,15 +144,27 @@ class JoinTile:
         return [part]
 
 
+def _learn(join: Join, m: int, turn: int, x: np.ndarray) -> None:
+    """The learning inference, at member `m`'s turn: it joins the earliest leading turn
+    whose copy of its input equals its input now; if none, it leads, and the inputs of the
+    tiles after it are copied for them to compare at their turns."""
+    for leader_turn, copy in join.copies.pop(m, []):
+        if _same_bytes(x, copy):
+            join.learned[m] = leader_turn
+            return
+    for later in join.order[turn + 1 :]:
+        join.copies.setdefault(later, []).append((turn, join.members[later].read()))
+
+
 def _begin(join: Join, inference: int) -> None:
-    """A new inference: last inference's test is done, its joins apply from now."""
-    join.joins.update(join.learned)
-    join.learned.clear()
-    if join.test_ran:
-        join.test_ran = False
-        join.tested += 1
-        while join.tested < len(join.order) and join.order[join.tested] in join.joins:
-            join.tested += 1  # a tile that joins an earlier turn leads none
+    """A new inference: the second of the session learns the joins, the later ones use them."""
+    if not join.ordered:  # the last inference did not finish: record the order again
+        join.order.clear()
+    elif join.learning:
+        join.joins = dict(join.learned)
+        join.learning = False
+    elif not join.done:
+        join.learning = join.done = True
     join.copies.clear()
     join.kept.clear()
     join.parts.clear()
