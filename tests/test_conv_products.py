@@ -15,7 +15,9 @@ from compiler_core.ops.registry import NodeInfo
 RNG = np.random.default_rng(5)
 
 
-def _conv(w: np.ndarray, b: np.ndarray, x_shape: tuple[int, ...]) -> tuple[NodeInfo, ort.InferenceSession]:
+def _conv(
+    w: np.ndarray, b: np.ndarray, x_shape: tuple[int, ...]
+) -> tuple[NodeInfo, ort.InferenceSession]:
     out_shape = (x_shape[0], w.shape[0], *x_shape[2:])
     info = NodeInfo(
         op_type="Conv",

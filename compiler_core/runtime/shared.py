@@ -233,6 +233,38 @@ def _resident(program: Program) -> list[dict[int, tuple[int, int, Box]]]:
     return found
 
 
+InPlace = Callable[[int, int, Operand], np.ndarray]
+
+
+def in_place_views(
+    program: Program,
+    constant_view: Callable[[int, Box], np.ndarray],
+    vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
+) -> InPlace:
+    """`in_place(core, tensor, operand)`: the operand as the kernel gets it when it holds
+    that box of the constant: the resident VTCM activation filled with it, else the
+    constant (a deferred load's)."""
+    tensors = program.tensors
+    resident = _resident(program)
+
+    def in_place(core: int, tensor: int, operand: Operand) -> np.ndarray:
+        piece = operand.pieces[0]
+        held = resident[core].get(piece.vtcm)
+        if len(operand.pieces) == 1 and held is not None and held[1:] == (tensor, piece.box):
+            dtype = tensors[tensor].dtype
+            end = piece.vtcm + _volume(piece.box) * np.dtype(dtype).itemsize
+            if held[0] == end <= program.resident:
+                return vtcm_view(core, piece.vtcm, piece.box, operand.box, dtype)
+        return constant_view(tensor, operand.box)
+
+    return in_place
+
+
+def expected_in_place(view: np.ndarray, position: int) -> Expected:
+    """What a constant operand handed in place looks like (see `SharedTile.expected`)."""
+    return (position, _address(view), view.shape, view.strides, view.dtype)
+
+
 def plan(
     program: Program,
     kernels: Sequence[tuple[OpDef, NodeInfo]],
@@ -246,19 +278,7 @@ def plan(
     `vtcm_view(core, offset, buffer box, box, dtype)`: a box of a VTCM buffer. Called after
     activation: a weight activation loaded is read where it lies, in the resident VTCM."""
     tensors = program.tensors
-    resident = _resident(program)
-
-    def in_place(core: int, tensor: int, operand: Operand) -> np.ndarray:
-        """The operand as the kernel gets it when it holds that box of the constant: the
-        resident VTCM activation filled with it, else the constant (a deferred load's)."""
-        piece = operand.pieces[0]
-        held = resident[core].get(piece.vtcm)
-        if len(operand.pieces) == 1 and held is not None and held[1:] == (tensor, piece.box):
-            dtype = tensors[tensor].dtype
-            end = piece.vtcm + _volume(piece.box) * np.dtype(dtype).itemsize
-            if held[0] == end <= program.resident:
-                return vtcm_view(core, piece.vtcm, piece.box, operand.box, dtype)
-        return constant_view(tensor, operand.box)
+    in_place = in_place_views(program, constant_view, vtcm_view)
 
     candidates: dict[tuple[int, tuple[Box | None, ...]], list[tuple[int, int, RunKernel]]]
     candidates = defaultdict(list)

@@ -1,0 +1,366 @@
+"""Row bands of one conv computed as one product, at the first turn their inputs are final.
+
+On 14 cores a conv is split into row bands (and output-channel halves), one tile per core,
+each read from its own core's VTCM. Cores run in turn, so a band's tile runs at its core's
+turn, with a thin product (ResNet-50's layer 3: 28 output positions per band, half the
+speed BLAS reaches on a whole layer). Often a later band's input is already final when an
+earlier band's tile runs: that tile can compute the product of both, and the later tile
+takes its part, provided that at its own turn its input holds the bytes the product used.
+
+Which bands join at which turn is learned: the cores' order of turns is the same in every
+inference (it depends on the program, not on the data). The session's first inference
+records it; in the second, each tile, at its turn, compares its input with copies of it
+taken at the turns of earlier leading tiles, joins the earliest whose copy is equal, or
+else leads (the inputs of the tiles after it are copied then); the joins apply from the
+third inference on. A tile in a join still compares its input with the one the product
+used, at its own turn, and computes alone (or in its shared product) when they differ, so
+a missing semaphore wait still shows; its constants must be in place, as for shared
+products (runtime/shared.py), and the first time it takes its part it also computes its
+own product, one bit of difference turning the conv's joins off for the session.
+Nothing here moves VTCM or DDR bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compiler_core.lowering.program import KIND_CONSTANT, Operand, Program, RunKernel
+from compiler_core.ops.conv import conv_columns_into, uniform_rows
+from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
+from compiler_core.runtime.shared import (
+    Compute,
+    Expected,
+    SharedTile,
+    _address,
+    _same_bytes,
+    expected_in_place,
+    in_place_views,
+)
+
+THIN = 100
+"""Output positions of a band up to which joining pays: below this BLAS runs well under
+its speed on whole layers (ResNet-50 on 14 cores: 28-position bands at 73-92 GFLOP/s,
+112-448 at 110-125, whole layers about 145), above it the copies and compares a join adds
+cost about what the larger product saves."""
+
+
+@dataclass
+class Member:
+    """One tile of a joined conv."""
+
+    core: int
+    out_box: Box
+    x_box: Box
+    read: Callable[[], np.ndarray]
+    """A copy of its input as its core's VTCM holds it now (read at another tile's turn)."""
+    expected: tuple[Expected, ...]
+    tile: TileCtx
+    fallback: SharedTile | None
+    """Its shared product (channel halves of one band), when it does not join."""
+    checked: bool = False
+
+
+@dataclass
+class Join:
+    """The tiles of one conv, and what the session learned of their turns."""
+
+    info: NodeInfo
+    compute: Compute
+    weight: np.ndarray
+    """The whole weight (the constant, read-only), as (output channels, C * taps)."""
+    bias: np.ndarray | None
+    members: list[Member]
+    order: list[int] = field(default_factory=list)
+    """Members by turn, as the first inference ran them."""
+    ordered: bool = False
+    joins: dict[int, int] = field(default_factory=dict)
+    """Member -> the turn whose product it takes its part of (learned)."""
+    learning: bool = False
+    """This inference learns the joins (the session's second: the first records the order)."""
+    done: bool = False
+    """The joins were learned (or are being learned)."""
+    learned: dict[int, int] = field(default_factory=dict)
+    """Joins learned in this inference, used from the next."""
+    copies: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    """While learning: member -> its input as it was at each earlier leading turn."""
+    inference: int = -1
+    turn: int = 0
+    kept: dict[tuple[Box, Box], np.ndarray] = field(default_factory=dict)
+    """This inference's joined inputs, by (input box, output box) of a band."""
+    parts: dict[int, np.ndarray] = field(default_factory=dict)
+    """This inference's joined outputs, by member."""
+    off: bool = False
+    taken: int = 0
+
+
+@dataclass
+class JoinTile:
+    """A conv tile that may take its part of a joined product (`results`, as SharedTile)."""
+
+    join: Join
+    member: int
+
+    def results(self, inputs: list[np.ndarray | None], inference: int) -> list[np.ndarray] | None:
+        join, m = self.join, self.member
+        member = join.members[m]
+        fallback = member.fallback
+        if join.off:
+            return None if fallback is None else fallback.results(inputs, inference)
+        if join.inference != inference:
+            _begin(join, inference)
+        turn = join.turn
+        join.turn += 1
+        if not join.ordered:
+            join.order.append(m)
+            join.ordered = len(join.order) == len(join.members)
+        elif join.order[turn] != m:  # not the order learned: no joins in this session
+            join.off = True
+            return None if fallback is None else fallback.results(inputs, inference)
+        x = inputs[0]
+        if join.learning and x is not None:
+            _learn(join, m, turn, x)
+        if x is None or not _constants_in_place(member, inputs):
+            return None
+        batch = [n for n, t in join.joins.items() if t == turn]
+        if batch and m not in join.joins:
+            _compute(join, [m, *batch], x)
+        part = join.parts.pop(m, None)
+        if part is None:
+            return None if fallback is None else fallback.results(inputs, inference)
+        kept = join.kept.get((member.x_box, member.out_box[2:]))
+        if kept is None or not _same_bytes(x, kept):
+            return None if fallback is None else fallback.results(inputs, inference)
+        if not member.checked:
+            own = np.asarray(join.compute(join.info, inputs, member.tile)[0])
+            if not _same_bytes(own, part):
+                join.off = True
+                return [own]
+            member.checked = True
+        join.taken += 1
+        return [part]
+
+
+def _learn(join: Join, m: int, turn: int, x: np.ndarray) -> None:
+    """The learning inference, at member `m`'s turn: it joins the earliest leading turn
+    whose copy of its input equals its input now; if none, it leads, and the inputs of the
+    tiles after it are copied for them to compare at their turns."""
+    for leader_turn, copy in join.copies.pop(m, []):
+        if _same_bytes(x, copy):
+            join.learned[m] = leader_turn
+            return
+    for later in join.order[turn + 1 :]:
+        join.copies.setdefault(later, []).append((turn, join.members[later].read()))
+
+
+def _begin(join: Join, inference: int) -> None:
+    """A new inference: the second of the session learns the joins, the later ones use them."""
+    if not join.ordered:  # the last inference did not finish: record the order again
+        join.order.clear()
+    elif join.learning:
+        join.joins = dict(join.learned)
+        join.learning = False
+    elif not join.done:
+        join.learning = join.done = True
+    join.copies.clear()
+    join.kept.clear()
+    join.parts.clear()
+    join.inference, join.turn = inference, 0
+
+
+def _constants_in_place(member: Member, inputs: Sequence[np.ndarray | None]) -> bool:
+    for position, address, shape, strides, dtype in member.expected:
+        a = inputs[position]
+        if (
+            a is None
+            or a.shape != shape
+            or a.strides != strides
+            or a.dtype != dtype
+            or _address(a) != address
+        ):
+            return False
+    return True
+
+
+def _compute(join: Join, batch: list[int], own: np.ndarray) -> None:
+    """The product of the bands of `batch` (the first is the running tile, reading `own`;
+    the others read their cores' VTCM as it is now), each member's part kept."""
+    members = join.members
+    bands: dict[tuple[Box, Box], tuple[int, int]] = {}
+    width = 0
+    for i, m in enumerate(batch):
+        member = members[m]
+        key = (member.x_box, member.out_box[2:])
+        if key not in bands:
+            count = int(np.prod(box_shape(member.out_box[2:]), dtype=np.int64))
+            join.kept[key] = np.array(own) if i == 0 else member.read()
+            bands[key] = (width, count)
+            width += count
+    lo = min(members[m].out_box[1][0] for m in batch)
+    hi = max(members[m].out_box[1][1] for m in batch)
+    columns = np.empty((join.weight.shape[1], width), dtype=np.float32)
+    done = set()
+    for m in batch:
+        member = members[m]
+        key = (member.x_box, member.out_box[2:])
+        if key not in done:
+            done.add(key)
+            start, count = bands[key]
+            x = join.kept[key]
+            conv_columns_into(
+                join.info, x, member.out_box, member.x_box, columns[:, start : start + count]
+            )
+    y = np.matmul(join.weight[lo:hi], columns)
+    if join.bias is not None:
+        np.add(y, join.bias[lo:hi, None], out=y)
+    y.flags.writeable = False
+    for m in batch:
+        member = members[m]
+        start, count = bands[(member.x_box, member.out_box[2:])]
+        (c0, c1), spatial = member.out_box[1], box_shape(member.out_box[2:])
+        join.parts[m] = y[c0 - lo : c1 - lo, start : start + count].reshape((1, c1 - c0, *spatial))
+
+
+def plan_joins(
+    program: Program,
+    kernels: Sequence[tuple[OpDef, NodeInfo]],
+    constant_view: Callable[[int, Box], np.ndarray],
+    vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
+    shared: dict[tuple[int, int], SharedTile],
+) -> dict[tuple[int, int], JoinTile]:
+    """The conv tiles that may join, by (core, position in the core's stream): float32
+    ungrouped 2-D convs of batch 1 split into two or more row bands, one tile per core,
+    input read whole from one VTCM buffer, constant weight (and bias) in place."""
+    tensors = program.tensors
+    in_place = in_place_views(program, constant_view, vtcm_view)
+    tiles: dict[int, list[tuple[int, int, RunKernel]]] = defaultdict(list)
+    for core, stream in enumerate(program.streams):
+        for index, instr in enumerate(stream):
+            if isinstance(instr, RunKernel) and 0 <= instr.kernel < len(kernels):
+                tiles[instr.kernel].append((core, index, instr))
+    found: dict[tuple[int, int], JoinTile] = {}
+    for kernel, members in tiles.items():
+        opdef, info = kernels[kernel]
+        desc = program.kernels[kernel]
+        if not _joinable(program, opdef, info, desc.inputs, members):
+            continue
+        w_id = desc.inputs[1]
+        weight = constant_view(w_id, tuple((0, d) for d in tensors[w_id].shape))
+        rows = weight.reshape(len(weight), -1)
+        bias = None
+        if len(info.in_shapes) > 2 and desc.inputs[2] >= 0:
+            b_id = desc.inputs[2]
+            bias = constant_view(b_id, tuple((0, d) for d in tensors[b_id].shape))
+        join = Join(info=info, compute=opdef.compute, weight=rows, bias=bias, members=[])
+        for core, index, instr in members:
+            act = instr.inputs[0]
+            assert act is not None
+            read = _reader(core, act, tensors[desc.inputs[0]].dtype, vtcm_view)
+            expected = []
+            for p in (1, 2)[: len(info.in_shapes) - 1]:
+                operand = instr.inputs[p]
+                if operand is not None:
+                    expected.append(expected_in_place(in_place(core, desc.inputs[p], operand), p))
+            (c0, c1) = instr.out_box[1]
+            n_base = len(info.in_shapes)
+            tile = TileCtx(
+                out_box=instr.out_box,
+                in_boxes=tuple(None if op is None else op.box for op in instr.inputs[:n_base]),
+            )
+            member = Member(
+                core=core,
+                out_box=instr.out_box,
+                x_box=act.box,
+                read=read,
+                expected=tuple(expected),
+                tile=tile,
+                fallback=shared.get((core, index)),
+            )
+            if uniform_rows(rows[c0:c1]):  # the kernel repeats one row: it stays alone
+                continue
+            found[(core, index)] = JoinTile(join, len(join.members))
+            join.members.append(member)
+    return found
+
+
+def _joinable(
+    program: Program,
+    opdef: OpDef,
+    info: NodeInfo,
+    inputs: tuple[int, ...],
+    members: list[tuple[int, int, RunKernel]],
+) -> bool:
+    tensors = program.tensors
+    if opdef.op_type != "Conv" or int(info.attr("group", 1)) != 1 or len(members) < 2:
+        return False
+    out_shape = info.out_shapes[0]
+    if len(out_shape) != 4 or out_shape[0] != 1 or info.out_dtypes[0] != "float32":
+        return False
+    if any(d != "float32" for d in info.in_dtypes if d is not None):
+        return False
+    if inputs[0] < 0 or tensors[inputs[0]].kind == KIND_CONSTANT:
+        return False
+    for p in (1, 2)[: len(info.in_shapes) - 1]:
+        if inputs[p] < 0 or tensors[inputs[p]].kind != KIND_CONSTANT:
+            return False
+    boxes = []
+    for _, _, instr in members:
+        act = instr.inputs[0]
+        if act is None or not _covered(act) or len(instr.outputs) != 1:
+            return False
+        if list(opdef.input_boxes(info, instr.out_box))[0] != act.box:
+            return False
+        w = instr.inputs[1]
+        if w is None or w.box[1:] != tuple((0, d) for d in info.in_shapes[1][1:]):  # type: ignore[index]
+            return False
+        boxes.append(instr.out_box)
+    if len({(b[2], b[3]) for b in boxes}) < 2:  # one band: shared products cover it
+        return False
+    if max(int(np.prod(box_shape(b[2:]), dtype=np.int64)) for b in boxes) > THIN:
+        return False
+    volume = sum(int(np.prod(box_shape(b), dtype=np.int64)) for b in boxes)
+    return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
+
+
+def _covered(operand: Operand) -> bool:
+    """Whether the operand's pieces cover its box exactly (as the kernel's own check)."""
+    total = 0
+    for piece in operand.pieces:
+        common = _intersect(piece.box, operand.box)
+        if common is None:
+            return False
+        total += int(np.prod(box_shape(common), dtype=np.int64))
+    return total == int(np.prod(box_shape(operand.box), dtype=np.int64))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _reader(
+    core: int,
+    operand: Operand,
+    dtype: str,
+    vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
+) -> Callable[[], np.ndarray]:
+    """A copy of the operand's bytes in `core`'s VTCM, joined from its pieces."""
+    box = operand.box
+    parts = []
+    for piece in operand.pieces:
+        common = _intersect(piece.box, box)
+        assert common is not None
+        where = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(common, box, strict=True))
+        parts.append((where, vtcm_view(core, piece.vtcm, piece.box, common, dtype)))
+    shape = box_shape(box)
+
+    def read() -> np.ndarray:
+        out = np.empty(shape, dtype=np.dtype(dtype))
+        for where, src in parts:
+            out[where] = src
+        return out
+
+    return read
