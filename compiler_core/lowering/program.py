@@ -587,45 +587,63 @@ def _box_bytes(box: Box) -> bytes:
     return struct.pack(f"<B{2 * len(box)}q", len(box), *(x for pair in box for x in pair))
 
 
+_PIECES = struct.Struct("<BI").pack
+_VTCM = struct.Struct("<Q").pack
+
+
 def _pack_operand(out: list[bytes], operand: Operand | None) -> None:
     if operand is None:
         out.append(b"\x00")
         return
-    out.append(struct.pack("<BI", 1, len(operand.pieces)))
-    _pack_box(out, operand.box)
+    out.append(_PIECES(1, len(operand.pieces)))
+    out.append(_box_bytes(operand.box))
     for piece in operand.pieces:
-        out.append(struct.pack("<Q", piece.vtcm))
-        _pack_box(out, piece.box)
+        out.append(_VTCM(piece.vtcm))
+        out.append(_box_bytes(piece.box))
+
+
+_WAIT = struct.Struct("<BII").pack
+_POST = struct.Struct("<BI").pack
+_LOAD = struct.Struct("<BIiQQ").pack
+_STORE = struct.Struct("<BIiQ").pack
+_NOC = struct.Struct("<BIiQQQ").pack
+_KERNEL = struct.Struct("<BI").pack
+_COUNT = struct.Struct("<I").pack
 
 
 def _pack_stream(stream: list[Instr]) -> list[bytes]:
+    """Each instruction's bytes; its type tested in order of frequency (a stream is
+    mostly semaphore waits and posts, transfers and kernel runs)."""
     body: list[bytes] = []
+    put = body.append
+    box_bytes = _box_bytes
     for instr in stream:
-        if isinstance(instr, DmaLoad):
-            body.append(
-                struct.pack("<BIiQQ", _OP_LOAD, instr.tensor, instr.kernel, instr.vtcm, instr.cores)
-            )
-            _pack_box(body, instr.box)
-            _pack_box(body, instr.buf_box)
-        elif isinstance(instr, DmaStore):
-            body.append(struct.pack("<BIiQ", _OP_STORE, instr.tensor, instr.kernel, instr.vtcm))
-            _pack_box(body, instr.box)
-            _pack_box(body, instr.buf_box)
+        if isinstance(instr, SemWait):
+            put(_WAIT(_OP_WAIT, instr.sem, instr.count))
+        elif isinstance(instr, SemPost):
+            put(_POST(_OP_POST, instr.sem))
         elif isinstance(instr, NocCopy):
-            body.append(
-                struct.pack(
-                    "<BIiQQQ",
-                    _OP_NOC,
-                    instr.tensor,
-                    instr.kernel,
-                    instr.src_vtcm,
-                    instr.vtcm,
-                    instr.cores,
-                )
-            )
-            _pack_box(body, instr.box)
-            _pack_box(body, instr.src_box)
-            _pack_box(body, instr.buf_box)
+            put(_NOC(_OP_NOC, instr.tensor, instr.kernel, instr.src_vtcm, instr.vtcm, instr.cores))
+            put(box_bytes(instr.box))
+            put(box_bytes(instr.src_box))
+            put(box_bytes(instr.buf_box))
+        elif isinstance(instr, RunKernel):
+            put(_KERNEL(_OP_KERNEL, instr.kernel))
+            put(box_bytes(instr.out_box))
+            put(_COUNT(len(instr.inputs)))
+            for operand in instr.inputs:
+                _pack_operand(body, operand)
+            put(_COUNT(len(instr.outputs)))
+            for operand in instr.outputs:
+                _pack_operand(body, operand)
+        elif isinstance(instr, DmaLoad):
+            put(_LOAD(_OP_LOAD, instr.tensor, instr.kernel, instr.vtcm, instr.cores))
+            put(box_bytes(instr.box))
+            put(box_bytes(instr.buf_box))
+        elif isinstance(instr, DmaStore):
+            put(_STORE(_OP_STORE, instr.tensor, instr.kernel, instr.vtcm))
+            put(box_bytes(instr.box))
+            put(box_bytes(instr.buf_box))
         elif isinstance(instr, DmaGather):
             body.append(
                 struct.pack(
@@ -658,17 +676,6 @@ def _pack_stream(stream: list[Instr]) -> list[bytes]:
             _pack_box(body, instr.box)
             _pack_operand(body, instr.update)
             _pack_operand(body, instr.indices)
-        elif isinstance(instr, RunKernel):
-            body.append(struct.pack("<BI", _OP_KERNEL, instr.kernel))
-            _pack_box(body, instr.out_box)
-            body.append(struct.pack("<I", len(instr.inputs)))
-            for operand in instr.inputs:
-                _pack_operand(body, operand)
-            body.append(struct.pack("<I", len(instr.outputs)))
-            for operand in instr.outputs:
-                _pack_operand(body, operand)
-        elif isinstance(instr, SemPost):
-            body.append(struct.pack("<BI", _OP_POST, instr.sem))
         elif isinstance(instr, LinkSend):
             body.append(
                 struct.pack(
@@ -677,12 +684,11 @@ def _pack_stream(stream: list[Instr]) -> list[bytes]:
             )
             _pack_box(body, instr.box)
             _pack_box(body, instr.dst_box)
-        elif isinstance(instr, LinkWait):
+        else:
+            assert isinstance(instr, LinkWait)
             body.append(
                 struct.pack("<BIiI", _OP_LINK_WAIT, instr.tensor, instr.kernel, instr.count)
             )
-        else:
-            body.append(struct.pack("<BII", _OP_WAIT, instr.sem, instr.count))
     return body
 
 
