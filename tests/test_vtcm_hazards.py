@@ -195,3 +195,15 @@ def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(
     assert len(strided) > 100 and taken["_carve"]
     found = _replay(calls, core_of[0])
     assert all(got == want for got, want in found)
+
+
+def test_a_strided_write_makes_periods_of_a_long_segment_past_a_short_one() -> None:
+    # the first run falls in a short segment; the ones past it, in one long segment
+    hazards = VtcmHazards([0, 0, 1])
+    deps: set[int] = set()
+    hazards.write(0, 100, 0, deps)
+    hazards.write_runs(0, [(0, 8, 56, 64)], 1, deps)
+    assert any(block.period == 56 for block in hazards.blocks)
+    read: set[int] = set()
+    hazards.read(0, 64 * 56, 2, read)
+    assert read == {0, 1}

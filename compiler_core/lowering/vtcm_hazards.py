@@ -245,6 +245,26 @@ class VtcmHazards:
                     if n >= STRIDED_MIN:  # periods of one segment: the next turn writes them
                         self._carve(i, j, lo, n, stride)
                         continue
+                    # a later segment holding that many periods: the runs before it, then it
+                    need = (STRIDED_MIN + 1) * stride
+                    top = lo0 + (last + 1) * stride
+                    x = j + 1
+                    while x < len(offs) and offs[x] < top:
+                        if (offs[x + 1] if x + 1 < len(offs) else end) - offs[x] >= need:
+                            break
+                        x += 1
+                    else:
+                        x = 0
+                    if x:
+                        stop = -(-(offs[x] - lo0) // stride)  # the first run from there
+                        runs = [
+                            (lo0 + y * stride, lo0 + y * stride + length) for y in range(k, stop)
+                        ]
+                        _write(b, runs, end, op, deps)
+                        if len(b.offs) > PLAIN_MAX:
+                            self._halve(i)
+                        k = stop
+                        continue
                 runs = [(lo0 + x * stride, lo0 + x * stride + length) for x in range(k, last + 1)]
                 _write(b, runs, end, op, deps)
                 if len(b.offs) > PLAIN_MAX:
