@@ -248,11 +248,10 @@ class VtcmHazards:
                     # a later segment holding that many periods: the runs before it, then it
                     need = (STRIDED_MIN + 1) * stride
                     top = lo0 + (last + 1) * stride
-                    x = j + 1
-                    while x < len(offs) and offs[x] < top:
-                        if (offs[x + 1] if x + 1 < len(offs) else end) - offs[x] >= need:
+                    segs = len(offs)
+                    for x in range(j + 1, bisect.bisect_left(offs, top, j + 1)):
+                        if (offs[x + 1] if x + 1 < segs else end) - offs[x] >= need:
                             break
-                        x += 1
                     else:
                         x = 0
                     if x:
