@@ -45,12 +45,13 @@ from compiler_core.runtime.shared import (
     in_place_views,
 )
 
-THIN = 112
+THIN = 100
 """Output positions of a band up to which joining pays (ResNet-50 on 14 cores, thread CPU
-per conv shape, joins of every width against none): layers 2 and 3 (112 and 28 positions
-per band) gain, 3 to 30%, where BLAS runs thin bands well under its whole-layer speed;
-layer 1's 224-448-position bands lose 5-40%: the copies and compares a join adds cost more
-than the larger product saves."""
+per conv shape, joins of every width against none, 3 runs): layer 3's 28-position bands
+gain up to 25% (the 3x3 convs 36-39 -> 26-31 ms), where BLAS runs thin bands well under
+its whole-layer speed; layer 2's 112-position bands are even (-2.6 to +2.0 ms of about
+55), layer 1's 224-448-position bands lose 5-40%: the copies and compares a join adds,
+and a product matrix that leaves the L2 cache, cost more than the larger product saves."""
 
 
 @dataclass
