@@ -1,9 +1,13 @@
-"""The split chooser's caches (issue 25, compile time): transfer prices shared by alike
-kernels, kept per producer cut, and each kernel's candidate times kept per choice of its
-producers' cuts across the price search must pick exactly what pricing every candidate afresh
-picks, at every price the search may try and in any order."""
+"""The split chooser's caches and shortcuts (issue 25, compile time): transfer prices shared by
+alike kernels, kept per producer cut, each kernel's candidate times kept per choice of its
+producers' cuts across the price search, transfers priced only for cuts whose compute and
+weight price can still win, and tiles built only for the cuts the search visits, must pick
+exactly what pricing every candidate afresh picks, at every price the search may try and in
+any order."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import onnx
@@ -12,6 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering import splits
+from compiler_core.lowering.tiling import _ranges
+from compiler_core.ops.conv import conv_grid_boxes, conv_input_boxes
+from compiler_core.ops.registry import NodeInfo
 
 
 def _network() -> onnx.ModelProto:
@@ -45,11 +52,14 @@ def _network() -> onnx.ModelProto:
 
 
 def _fresh_pick(chooser: splits.SplitChooser, price: float) -> list[splits._Candidate]:
-    """Each kernel's cheapest candidate, every transfer priced again (no cache but `_held`'s
-    boxes), in the chooser's arithmetic order."""
+    """Each kernel's cheapest candidate, every candidate built and every transfer priced again
+    (no cache but `_held`'s boxes), in the chooser's arithmetic order."""
     chosen: list[splits._Candidate | None] = [None] * len(chooser.kernels)
     for k, cands in enumerate(chooser.candidates):
         ks = chooser.kernels[k]
+        for c in cands:
+            if c.tiles is None:
+                chooser._ready(c)
 
         def cost(c: splits._Candidate, k: int = k, ks: splits.KernelSplit = ks) -> tuple:
             move = 0.0
@@ -81,6 +91,9 @@ def test_the_cached_price_search_picks_what_pricing_afresh_picks(
     assert seen
     chooser = seen[0]
     assert any(len(c) > 1 for c in chooser.candidates)  # there is a choice to make
+    # the search skipped work: cuts it never built, transfers it never priced
+    assert any(c.tiles is None for cands in chooser.candidates for c in cands)
+    assert any(t is None for times in chooser._times for ts in times.values() for t in ts)
     picks = set()
     # in no monotone order, caches warm; the negative prices (a reward per resident byte, which
     # the chooser never asks for) make a network this small change its cuts, and so its
@@ -92,3 +105,49 @@ def test_the_cached_price_search_picks_what_pricing_afresh_picks(
         assert used == sum(c.resident for c in fresh if price * c.resident <= c.stream)
         picks.add(tuple(id(c) for c in cached))
     assert len(picks) > 1  # the price changes the cuts, so producers' cuts vary between picks
+
+
+CONVS = [
+    # (input shape, weight shape, attributes, bias)
+    ((2, 8, 13, 11), (12, 8, 3, 3), {"pads": [1, 1, 1, 1]}, True),
+    # grouped, strided, dilated, uneven pads: channel cuts straddle groups
+    ((1, 8, 17, 9), (16, 2, 3, 3), {"group": 4, "strides": [2, 2], "pads": [0, 1, 2, 1]}, False),
+    ((1, 8, 17, 9), (16, 2, 3, 2), {"group": 4, "dilations": [2, 3], "pads": [2, 0, 1, 3]}, True),
+    ((1, 6, 9), (6, 1, 5), {"group": 6, "pads": [2, 2]}, True),  # depthwise, 1-d
+    ((1, 2, 3), (2, 2, 1), {"pads": [4, 4]}, False),  # edge tiles made only of padding
+    ((1, 4, 5, 6, 7), (8, 4, 3, 1, 2), {"strides": [2, 1, 3]}, True),  # 3-d
+]
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "attrs", "bias"), CONVS)
+def test_a_conv_grid_cut_reads_the_boxes_each_of_its_tiles_reads(
+    x_shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict, bias: bool
+) -> None:
+    """`conv_grid_boxes` (the split chooser's whole-cut path) must give, tile for tile, what
+    `conv_input_boxes` gives one tile: the chosen tiles and their working sets depend on it."""
+    rank = len(x_shape) - 2
+    pads = attrs.get("pads", [0] * 2 * rank)
+    strides = attrs.get("strides", [1] * rank)
+    dilations = attrs.get("dilations", [1] * rank)
+    spatial = [
+        (x_shape[2 + a] + pads[a] + pads[a + rank] - dilations[a] * (w_shape[2 + a] - 1) - 1)
+        // strides[a]
+        + 1
+        for a in range(rank)
+    ]
+    out_shape = (x_shape[0], w_shape[0], *spatial)
+    info = NodeInfo(
+        op_type="Conv",
+        name="conv",
+        attrs=attrs,
+        in_shapes=(x_shape, w_shape, (w_shape[0],) if bias else None),
+        in_dtypes=("float32", "float32", "float32" if bias else None),
+        out_shapes=(out_shape,),
+        out_dtypes=("float32",),
+    )
+    cuts = [{}, {0: 2}, {1: 3}, {1: 5, 2: 2}, {a: min(d, 3 + a) for a, d in enumerate(out_shape)}]
+    cuts.append({a: d for a, d in enumerate(out_shape)})  # one element per tile
+    for parts in cuts:
+        ranges = [_ranges(d, min(d, parts.get(a, 1))) for a, d in enumerate(out_shape)]
+        grid = list(conv_grid_boxes(info, ranges))
+        assert grid == [conv_input_boxes(info, box) for box in itertools.product(*ranges)], parts

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +28,7 @@ from compiler_core.lowering.tiling import (
     Probes,
     TileSpec,
     TilingRequest,
+    _ranges,
     assign_cores,
     fit_tiles,
     output_boxes,
@@ -35,7 +36,7 @@ from compiler_core.lowering.tiling import (
     tiles_of,
 )
 from compiler_core.lowering.tiling import _tile as _tile_spec
-from compiler_core.ops.registry import Box, box_shape
+from compiler_core.ops.registry import Box, box_shape, full_box
 
 DESCRIPTOR = 24
 LAUNCH = 16
@@ -120,7 +121,8 @@ class KernelSplit:
 @dataclass
 class _Candidate:
     parts: dict[int, int]
-    tiles: list[TileSpec]
+    tiles: list[TileSpec] | None
+    """None until built (`SplitChooser._ready`); with it `by_core`, `resident`, `stream`."""
     compute: dict[int, float]
     resident: int
     """Weight bytes every core gives this kernel if its weights stay resident."""
@@ -183,7 +185,11 @@ class SplitChooser:
         self.noc = device.noc_bandwidth_bytes_per_s / device.clock_hz
         self.ddr = device.ddr_bandwidth_bytes_per_s / device.clock_hz
         self._cuts: dict[Hashable, list[dict[int, int]]] = {}
-        self._tiled: dict[Hashable, tuple[list[TileSpec], list[float]]] = {}
+        self._shaped: dict[Hashable, list[float]] = {}
+        self._plain: dict[Hashable, list[TileSpec]] = {}
+        self._unbuilt: dict[Hashable, tuple[KernelSplit, Hashable, Hashable, int]] = {}
+        """Shared candidates not built yet: the kernel to build from (any of the signature's:
+        alike), its signature, cut and first core."""
         self._priced: dict[Hashable, _Candidate] = {}
         self._moves: dict[Hashable, tuple[float, float]] = {}
         self._kshared: dict[Hashable, list[_Candidate]] = {}
@@ -205,8 +211,9 @@ class SplitChooser:
         ]
         """Per kernel: a network's stem (a conv reading the graph input from DDR into a
         4-D map); its ties go to the cut that keeps axis 1 whole (see `_pick`)."""
-        self._times: list[dict[tuple[int, ...], list[float]]] = [{} for _ in kernels]
-        """Per kernel: its candidates' times by the ids of its operands' producers' cuts."""
+        self._times: list[dict[tuple[int, ...], list[float | None]]] = [{} for _ in kernels]
+        """Per kernel: its candidates' times by the ids of its operands' producers' cuts (None:
+        not priced, its bound already above the cheapest; see `_pick`)."""
 
     def cores(self, req: TilingRequest) -> int:
         return min(self.active or req.num_cores, req.num_cores)
@@ -312,21 +319,30 @@ class SplitChooser:
         )
         return per_core * (cost.cycles + LAUNCH)
 
-    def _tiles(
-        self, ks: KernelSplit, parts: dict[int, int], sig: Hashable
-    ) -> tuple[list[TileSpec], list[float]]:
-        """The tiles of a cut (cores not assigned) and each one's compute cycles, shared by
-        kernels with the same signature."""
-        key = (sig, tuple(sorted(parts.items())))
-        found = self._tiled.get(key)
+    def _cycles(
+        self, ks: KernelSplit, parts: dict[int, int], cut: Hashable, sig: Hashable
+    ) -> list[float]:
+        """Each tile's compute cycles, in tile order, without building the tiles: a tile's
+        cycles are its shape's (priced on the first tile of that shape, the only one built),
+        and a cut's tiles have few shapes (a uniform cut's differ only at its edges). Shared
+        by kernels with the same signature."""
+        key = (sig, cut)
+        found = self._shaped.get(key)
         if found is not None:
             return found
         req = ks.request
-        tiles = tiles_of(req, parts)
+        info = req.info
+        if parts:
+            per_axis = [_ranges(d, parts.get(a, 1)) for a, d in enumerate(info.out_shapes[0])]
+            lengths = [[hi - lo for lo, hi in ranges] for ranges in per_axis]
+            shapes: Iterable[tuple[int, ...]] = itertools.product(*lengths)
+            boxes: Iterable[Box] = itertools.product(*per_axis)
+        else:  # one tile, the whole output (as `tiles_of` cuts it)
+            whole = full_box(info.out_shapes[0]) if info.out_shapes else ()
+            shapes, boxes = [tuple(b - a for a, b in whole)], [whole]
         costs: dict[tuple[int, ...], float] = {}
         cycles: list[float] = []
-        for t in tiles:
-            shape = tuple(b - a for a, b in t.out_box)
+        for shape, box in zip(shapes, boxes, strict=True):
             c = costs.get(shape)
             if c is None:
                 c = costs[shape] = (
@@ -335,8 +351,8 @@ class SplitChooser:
                         ks.unit,
                         ks.macs,
                         ks.epilogue,
-                        t.out_box,
-                        t.in_boxes,
+                        box,
+                        _tile_spec(req, box).in_boxes,
                         req.opdef,
                         self.device,
                         ks.epilogue_ops,
@@ -344,23 +360,57 @@ class SplitChooser:
                     + LAUNCH
                 )
             cycles.append(c)
-        self._tiled[key] = (tiles, cycles)
-        return tiles, cycles
+        self._shaped[key] = cycles
+        return cycles
 
     def _candidate(self, ks: KernelSplit, parts: dict[int, int], sig: Hashable) -> _Candidate:
-        """A cut priced: per-core compute and the weight bytes it keeps or streams. Kernels
-        of one signature share it (fewer tiles than cores: the same first core too); only
-        the transfer prices, which depend on the producers, are the kernel's own."""
+        """A cut priced: per-core compute now; its tiles, and the weight bytes it keeps or
+        streams, when the price search first needs them (`_ready`: most cuts of a kernel
+        lose on compute alone and are never built). Kernels of one signature share it
+        (fewer tiles than cores: the same first core too); only the transfer prices, which
+        depend on the producers, are the kernel's own."""
         req = ks.request
-        plain, cycles = self._tiles(ks, parts, sig)
+        cut = tuple(sorted(parts.items()))
+        cycles = self._cycles(ks, parts, cut, sig)
         cores = self.cores(req)
-        first = req.rotate % cores if len(plain) < cores else 0
-        key = (sig, tuple(sorted(parts.items())), first)
+        n = len(cycles)
+        first = req.rotate % cores if n < cores else 0
+        key = (sig, cut, first)
         shared = self._priced.get(key)
         if shared is None:
-            shared = self._priced[key] = self._price(ks, parts, plain, cycles)
+            # each core's compute as `assign_cores` deals the tiles and `_price_assigned`
+            # adds them up (the same order: the same sums)
+            compute: dict[int, float] = {}
+            for i, c in enumerate(cycles):
+                core = (i * cores // n) if n >= cores else (first + i) % cores
+                if core in compute:
+                    compute[core] += c
+                else:
+                    compute[core] = 0.0 + c
+            shared = self._priced[key] = _Candidate(
+                parts, None, compute, 0, 0.0, busiest=max(compute.values(), default=0.0)
+            )
             shared.key = key
+            self._unbuilt[key] = (ks, sig, cut, first)
         return _fresh(shared)
+
+    def _ready(self, cand: _Candidate) -> None:
+        """Build `cand`'s tiles, cores and resident weights if no kernel sharing its cut has
+        (see `_candidate`), and give them to this kernel's copy."""
+        shared = self._priced[cand.key]
+        if shared.tiles is None:
+            ks, sig, cut, first = self._unbuilt.pop(cand.key)
+            req = ks.request
+            plain = self._plain.get((sig, cut))
+            if plain is None:
+                plain = self._plain[(sig, cut)] = tiles_of(req, shared.parts)
+            tiles = assign_cores(plain, self.cores(req), first)
+            built = self._price_assigned(ks, shared.parts, tiles, self._shaped[(sig, cut)])
+            assert built.compute == shared.compute
+            shared.tiles, shared.by_core = tiles, built.by_core
+            shared.resident, shared.stream = built.resident, built.stream
+        cand.tiles, cand.by_core = shared.tiles, shared.by_core
+        cand.resident, cand.stream = shared.resident, shared.stream
 
     # ------------------------------------------------------------------------- K splits
 
@@ -491,13 +541,6 @@ class SplitChooser:
             assert failure is not None
             raise failure
         return best[1], best[2]
-
-    def _price(
-        self, ks: KernelSplit, parts: dict[int, int], plain: list[TileSpec], cycles: list[float]
-    ) -> _Candidate:
-        req = ks.request
-        tiles = assign_cores(plain, self.cores(req), req.rotate)
-        return self._price_assigned(ks, parts, tiles, cycles)
 
     def _price_assigned(
         self, ks: KernelSplit, parts: dict[int, int], tiles: list[TileSpec], cycles: list[float]
@@ -653,26 +696,56 @@ class SplitChooser:
 
     def _pick(self, price: float) -> tuple[list[_Candidate], int]:
         """Each kernel's cheapest cut when a resident byte costs `price` cycles (its weights
-        stream instead where that is cheaper); the resident bytes per core it adds up to."""
+        stream instead where that is cheaper); the resident bytes per core it adds up to.
+
+        A candidate's transfers are priced only if it can still win: its compute plus its
+        weights' price is a lower bound on its total (transfers add a non-negative time, and
+        rounded float additions are monotone), so candidates are visited by that bound and
+        the visit stops at the first whose bound exceeds the cheapest total found; the
+        choice is the one a full pass would make (ties to the first in list order)."""
         chosen: list[_Candidate | None] = [None] * len(self.kernels)
         total = 0
         for k, cands in enumerate(self.candidates):
             best = cands[0]
-            if len(cands) > 1:  # the first of the cheapest, as min() picks
+            if len(cands) > 1:
                 # a kernel's times depend only on its producers' cuts, mostly the same from
-                # one price to the next: kept per choice of producers
+                # one price to the next: kept per choice of producers, each when first needed
                 producers = tuple(id(chosen[s]) if s >= 0 else 0 for _, s in self._moved[k])
                 times = self._times[k].get(producers)
                 if times is None:
-                    times = self._times[k][producers] = [self._time(k, c, chosen) for c in cands]
-                lowest: tuple[float, bool, int] | None = None
+                    times = self._times[k][producers] = [None] * len(cands)
+                # a cut not built yet has no weight price: its compute alone bounds it
+                # (a negative price, which only tests ask for, bounds nothing)
+                unbuilt = 0.0 if price >= 0 else -math.inf
+                bounds = [
+                    c.busiest + unbuilt
+                    if c.tiles is None
+                    else c.busiest + min(price * c.resident, c.stream)
+                    for c in cands
+                ]
+                lowest: tuple[float, bool, int, int] | None = None
                 # a stem's tie goes to the cut that keeps its channels whole: its consumers
                 # (a pool, convs cut by rows) read that in place, a channel cut they gather
                 stem = self._stem[k]
-                for c, t in zip(cands, times, strict=True):
-                    key = (t + min(price * c.resident, c.stream), stem and 1 in c.parts, c.resident)
+                for j in sorted(range(len(cands)), key=bounds.__getitem__):
+                    if lowest is not None and bounds[j] > lowest[0]:
+                        break
+                    c = cands[j]
+                    if c.tiles is None:
+                        self._ready(c)
+                    t = times[j]
+                    if t is None:
+                        t = times[j] = self._time(k, c, chosen)
+                    key = (
+                        t + min(price * c.resident, c.stream),
+                        stem and 1 in c.parts,
+                        c.resident,
+                        j,
+                    )
                     if lowest is None or key < lowest:
                         best, lowest = c, key
+            if best.tiles is None:
+                self._ready(best)
             chosen[k] = best
             if price * best.resident <= best.stream:
                 total += best.resident
@@ -697,7 +770,7 @@ class SplitChooser:
                     low = mid
             picked = best
         self.picked = picked
-        return [list(c.tiles) for c in picked]
+        return [list(c.tiles) for c in picked if c.tiles is not None]
 
 
 def _fresh(shared: _Candidate) -> _Candidate:

@@ -77,9 +77,14 @@ def _ranges(size: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _tile(req: TilingRequest, out_box: Box) -> TileSpec:
+    return _tile_reading(req, out_box, tuple(req.opdef.input_boxes(req.info, out_box)))
+
+
+def _tile_reading(req: TilingRequest, out_box: Box, in_boxes: tuple[Box | None, ...]) -> TileSpec:
+    """The tile of `out_box` whose op reads `in_boxes`: the epilogue's operands added, and
+    its working set."""
     # the split chooser asks for thousands of tiles: one loop, no generator per sum
     info = req.info
-    in_boxes = tuple(req.opdef.input_boxes(info, out_box))
     if req.opdef.ddr_to_ddr:  # DMA between DDR regions: no VTCM working set
         return TileSpec(out_box=out_box, in_boxes=in_boxes, working_set=0)
     if req.extra_shapes:
@@ -200,7 +205,16 @@ def tiles_of(req: TilingRequest, parts: dict[int, int]) -> list[TileSpec]:
         tile = _tile(req, full_box(info.out_shapes[0]) if info.out_shapes else ())
         _check_fits(req, tile.working_set)
         return [tile]
-    tiles = [_tile(req, b) for b in _tiles_for(req, parts)]
+    grid = req.opdef.grid_input_boxes
+    if grid is None:
+        tiles = [_tile(req, b) for b in _tiles_for(req, parts)]
+    else:  # the op works its boxes out axis by axis, for the whole grid at once
+        shape = info.out_shapes[0]
+        per_axis = [_ranges(d, parts.get(a, 1)) for a, d in enumerate(shape)]
+        tiles = [
+            _tile_reading(req, b, tuple(boxes))
+            for b, boxes in zip(itertools.product(*per_axis), grid(info, per_axis), strict=True)
+        ]
     budget = req.budget
     for t in tiles:
         if t.working_set > budget:

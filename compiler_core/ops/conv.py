@@ -8,9 +8,10 @@ needs (a whole tensor included), so the same code serves whole ops and tiles.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -310,6 +311,38 @@ def conv_input_boxes(node: NodeInfo, out_box: Box) -> list[Box | None]:
     return boxes
 
 
+def conv_grid_boxes(
+    node: NodeInfo, ranges: Sequence[Sequence[tuple[int, int]]]
+) -> Iterator[list[Box | None]]:
+    """`conv_input_boxes` of each tile of a grid cut, in `itertools.product` order: the input
+    rows and columns worked out once per spatial range, the channels, weights and bias once
+    per output-channel range (tiles of one range share those boxes)."""
+    geo = node.derived.get("conv_box_geometry")
+    if geo is None:
+        geo = node.derived["conv_box_geometry"] = _box_geometry(node)
+    per_channels: list[tuple[tuple[int, int], Box, Box | None]] = []
+    for m0, m1 in ranges[1]:
+        if geo.group == 1:
+            channels = geo.channels
+        else:
+            g0, g1 = m0 // geo.out_per_group, (m1 - 1) // geo.out_per_group + 1
+            channels = (g0 * geo.in_per_group, g1 * geo.in_per_group)
+        bias: Box | None = ((m0, m1),) if geo.bias else None
+        per_channels.append((channels, ((m0, m1), *geo.kernel), bias))
+    spatial = [
+        [
+            clip_range(o0 * stride - pad_begin, (o1 - 1) * stride - pad_begin + span, size)
+            for o0, o1 in axis
+        ]
+        for (stride, pad_begin, span, size), axis in zip(geo.windows, ranges[2:], strict=True)
+    ]
+    for batch in ranges[0]:
+        for channels, weights, bias in per_channels:
+            for rest in itertools.product(*spatial):
+                x_box = (batch, channels, *rest)
+                yield [x_box, weights] if bias is None else [x_box, weights, bias]
+
+
 def conv_compute(
     node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
 ) -> list[np.ndarray]:
@@ -463,6 +496,7 @@ register(
     tags=frozenset({WIDE_OPERANDS}),
     split_axes=conv_split_axes,
     input_boxes=conv_input_boxes,
+    grid_input_boxes=conv_grid_boxes,
     macs=conv_macs,
     hmx_shape=conv_hmx,
     doc="N-d convolution (1-3 spatial dims): pads, auto_pad, strides, dilations, group.",

@@ -15,7 +15,7 @@ kernel, and a compile imports only the modules of the ops its graph uses.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,9 @@ class TileCtx:
 Compute = Callable[[NodeInfo, list[np.ndarray | None], TileCtx], list[np.ndarray]]
 SplitAxes = Callable[[NodeInfo], list[int]]
 InputBoxes = Callable[[NodeInfo, Box], list[Box | None]]
+GridInputBoxes = Callable[
+    [NodeInfo, Sequence[Sequence[tuple[int, int]]]], Iterator[list[Box | None]]
+]
 Macs = Callable[[NodeInfo], int]
 
 
@@ -179,6 +182,11 @@ class OpDef:
     unit: str = "hvx"
     split_axes: SplitAxes = no_split
     input_boxes: InputBoxes = whole_inputs
+    grid_input_boxes: GridInputBoxes | None = None
+    """`input_boxes` of every tile of a grid cut (per output axis, its ranges), in
+    `itertools.product` order; for ops whose input boxes are worked out axis by axis, so that
+    each axis's part is computed once per range, not once per tile (the split chooser builds
+    thousands of tiles). None: `input_boxes` per tile."""
     macs: Macs = output_elements
     hmx_shape: TileHmx | None = None
     """For HMX ops: the matrix-product shape of a tile (None: priced at full efficiency)."""

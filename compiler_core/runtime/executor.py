@@ -8,6 +8,7 @@ instead of being hidden by a lucky interleaving.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import EllipsisType
@@ -46,6 +47,7 @@ from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.joins import JoinTile, plan_joins
+from compiler_core.runtime.mirrors import Mirrors
 from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
@@ -337,11 +339,14 @@ class Executor:
         decoded: Mapping[int, np.ndarray] | None = None,
         *,
         shared_products: bool = True,
+        mirrored: bool = True,
     ) -> None:
-        """`shared_products` False: every tile computes its own product (runtime/shared.py;
-        the answers are the same, it is slower)."""
+        """`shared_products` False: every tile computes its own product (runtime/shared.py);
+        `mirrored` False: every multicast writes every target (runtime/mirrors.py). The
+        answers are the same either way, it is slower."""
         self.program = program
         self.shared_products = shared_products
+        self.mirrored = mirrored
         self.machine = Machine(program, constants, vtcm_bytes, decoded)
         self.kernels = [
             _Kernel(
@@ -365,6 +370,14 @@ class Executor:
         )
         self.deferred = DeferredLoads(program.num_cores)
         """Whole-buffer constant loads of this inference not copied yet (see deferred.py)."""
+        self.mirrors = Mirrors(self.machine.vtcm)
+        """Multicast boxes written to one target only (see mirrors.py)."""
+        self._mirrorable: list[tuple[list[int], list[int]]] = [
+            ([], []) for _ in range(program.num_cores)
+        ]
+        """Per core, the VTCM a multicast of the program writes (starts, ends; disjoint,
+        sorted): only there can a core's bytes be mirrored, so only accesses meeting it
+        consult the mirrors."""
         self._streams: list[list[tuple[Any, ...]]] | None = None
         """The inference streams, decoded on the first run."""
         self._written_end = [0] * program.num_cores
@@ -466,6 +479,9 @@ class Executor:
         core at the start of its stream (then `advance` until done, then `finish`)."""
         program, machine = self.program, self.machine
         self.activate()
+        if self.inference == 1 and self.mirrored and not self.mirrors.judged:
+            self.mirrors.judge()  # which buffers stay mirrored: decode the streams again
+            self._streams = None
         self._decoded_streams()  # sets how far inferences write VTCM, zeroed next
         machine.dynamic[:] = 0
         for core, core_mem in enumerate(machine.vtcm):
@@ -473,6 +489,7 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.clear()
+        self.mirrors.clear()
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         host_inputs, host_outputs = program.host_ports()
@@ -521,7 +538,9 @@ class Executor:
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
-            if self.shared_products:
+            if self.mirrored:
+                self._mirrorable = _multicast_ranges(self.program, self.mirrors.off)
+            if self.shared_products and not self._shared:
                 kernels = [(k.opdef, k.desc.info) for k in self.kernels]
                 shared = plan(self.program, kernels, self._constant_view, self.machine.part)
                 joins = plan_joins(
@@ -591,6 +610,12 @@ class Executor:
                 out.append(f"core {c} waits on semaphore {instr.sem}")  # type: ignore[union-attr]
         return out
 
+    def _may_mirror(self, core: int, start: int, end: int) -> bool:
+        """Whether VTCM bytes [start, end) of `core` can be mirrored (see `_mirrorable`)."""
+        starts, ends = self._mirrorable[core]
+        i = bisect_left(starts, end) - 1
+        return i >= 0 and ends[i] > start
+
     def _targets(self, core: int, mask: int) -> list[int]:
         cores = cores_in(mask)
         if not cores or cores[-1] >= self.program.num_cores:
@@ -649,7 +674,7 @@ class Executor:
             return _fault(error)
 
     def _load(self, core: int, instr: DmaLoad, *, defer: bool) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"DMA load of {t.name}")
         if is_encoded_state(t):
@@ -676,6 +701,8 @@ class Executor:
 
             def deferred_step(traffic: Traffic) -> None:
                 for target, dst, (start, end) in dsts:
+                    if mirrors.pending[target]:
+                        mirrors.overwrite(target, start, end, whole=True)
                     deferred.defer(target, start, end, dst, src)
                     copies.wrote(target, start, end, holding)
                 traffic.ddr_read += nbytes
@@ -697,7 +724,7 @@ class Executor:
         constant: int,
     ) -> Step:
         """A load that copies at once."""
-        copies, deferred = self.copies, self.deferred
+        copies, deferred, mirrors = self.copies, self.deferred, self.mirrors
         multicast = nbytes if len(dsts) > 1 else 0
         whole = instr.box == instr.buf_box
         holding = (instr.tensor, instr.box) if t.kind == KIND_CONSTANT and whole else None
@@ -705,6 +732,8 @@ class Executor:
         def step(traffic: Traffic) -> None:
             for target, dst, (start, end) in dsts:
                 deferred.overwrite(target, start, end, whole=whole)
+                if mirrors.pending[target]:
+                    mirrors.overwrite(target, start, end, whole=whole)
                 dst[...] = src
                 copies.wrote(target, start, end, holding)
             traffic.ddr_read += nbytes
@@ -759,7 +788,7 @@ class Executor:
 
     def _load_blocks(self, core: int, instr: DmaLoad, t: TensorDesc) -> Step:
         """A load of MXINT8-stored state: the blocks cross DDR, VTCM gets the values."""
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         store = machine.mx_store(t)
         dsts = self._destinations(self._targets(core, instr.cores), instr, t.dtype)
         nbytes = stored_bytes(t, instr.box)
@@ -770,6 +799,7 @@ class Executor:
             values = store.read(instr.box)
             for target, dst, (start, end) in dsts:
                 deferred.overwrite(target, start, end, whole=whole)
+                mirrors.overwrite(target, start, end, whole=whole)
                 dst[...] = values
                 copies.wrote(target, start, end, None)
             traffic.ddr_read += nbytes
@@ -783,18 +813,19 @@ class Executor:
         dst = self.machine.tensor(t, write=True)[_view(instr.box)]
         src = self.machine.part(core, instr.vtcm, instr.buf_box, instr.box, t.dtype)
         nbytes = _nbytes(instr.box, t.dtype)
-        deferred, start = self.deferred, instr.vtcm
+        deferred, mirrors, start = self.deferred, self.mirrors, instr.vtcm
         end = start + _nbytes(instr.buf_box, t.dtype)
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, start, end)
+            mirrors.settle(core, start, end)
             dst[...] = src
             traffic.ddr_write += nbytes
 
         return step
 
     def _noc_copy(self, core: int, instr: NocCopy) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         t = self.program.tensors[instr.tensor]
         _check_box(instr.box, t.shape, f"NoC copy of {t.name}")
         src = machine.part(core, instr.src_vtcm, instr.src_box, instr.box, t.dtype)
@@ -816,13 +847,39 @@ class Executor:
         # what the copy writes: a slab of the buffer drops the deferred constant rows it
         # covers, a scattered box settles those its span meets
         dst_start, dst_end, covers = _span(instr.vtcm, instr.buf_box, instr.box, t.dtype)
+        # a multicast writes its first target only, the others mirror it (mirrors.py)
+        key = (instr.vtcm, buf_end, instr.buf_box, t.dtype)
+        mirrored = (
+            self.mirrored
+            and len(targets) > 1
+            and not snapshot
+            and nbytes > 0
+            and key not in self.mirrors.off
+        )
+        views = {target: dst for target, dst, _ in dsts}
+        aimed = frozenset(targets)
+
+        reads_mirror = self._may_mirror(core, read_start, read_end)
+        meets = [t for t in targets if self._may_mirror(t, dst_start, dst_end)]
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, read_start, read_end)
+            if reads_mirror and mirrors.pending[core]:
+                mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
-            if every is not None:
+            if mirrored:
                 deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                mirrors.multicast(
+                    targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data
+                )
+                if copies.tracking:
+                    for target, _, (start, end) in dsts:
+                        copies.wrote(target, start, end, holding)
+            elif every is not None:
+                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                if meets:
+                    mirrors.overwrite_many(meets, dst_start, dst_end, whole=covers)
                 every[...] = data
                 if copies.tracking:
                     for target, _, (start, end) in dsts:
@@ -830,6 +887,8 @@ class Executor:
             else:
                 for target, dst, (start, end) in dsts:
                     deferred.overwrite(target, dst_start, dst_end, whole=covers)
+                    if meets and mirrors.pending[target]:
+                        mirrors.overwrite(target, dst_start, dst_end, whole=covers)
                     dst[...] = data
                     copies.wrote(target, start, end, holding)
             traffic.noc += nbytes
@@ -838,7 +897,7 @@ class Executor:
         return step
 
     def _gather(self, core: int, instr: DmaGather) -> Step:
-        machine, copies, deferred = self.machine, self.copies, self.deferred
+        machine, copies, deferred, mirrors = self.machine, self.copies, self.deferred, self.mirrors
         tensors = self.program.tensors
         t, out = tensors[instr.tensor], tensors[instr.out]
         index_t = tensors[instr.indices]
@@ -865,6 +924,7 @@ class Executor:
 
         def step(traffic: Traffic) -> None:
             deferred.settle(core, index_start, index_end)
+            mirrors.settle(core, index_start, index_end)
             index = index_view.astype(np.int64)
             rows = np.where(index < 0, index + size, index)
             if rows.size and (rows.min() < 0 or rows.max() >= size):
@@ -892,6 +952,7 @@ class Executor:
                     f"{dst.shape}"
                 )
             deferred.overwrite(core, start, end, whole=covers)
+            mirrors.overwrite(core, start, end, whole=covers)
             dst[...] = gathered
             copies.wrote(core, start, end, None)
             traffic.ddr_read += nbytes
@@ -946,11 +1007,12 @@ class Executor:
         grids = np.meshgrid(*(np.arange(*instr.box[a]) for a in lead), indexing="ij")
         first = instr.box[0][0]
         nbytes = scattered_bytes(self.program, instr)
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
 
         def step(traffic: Traffic) -> None:
             for start, end in reads:
                 deferred.settle(core, start, end)
+                mirrors.settle(core, start, end)
             values = update() if callable(update) else update
             written = indices() if callable(indices) else indices
             assert values is not None and written is not None
@@ -1006,12 +1068,13 @@ class Executor:
             raise RuntimeFault(f"core {core}: a scatter into {t.name} must write whole MX rows")
         target = None if blocks is not None else self.machine.tensor(t, write=True)
         nbytes = scattered_bytes(self.program, instr)
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
         axis = instr.axis
 
         def step(traffic: Traffic) -> None:
             for start, end in reads:
                 deferred.settle(core, start, end)
+                mirrors.settle(core, start, end)
             values = update() if callable(update) else update
             written = indices() if callable(indices) else indices
             assert values is not None and written is not None
@@ -1150,6 +1213,17 @@ class Executor:
         static: list[np.ndarray | None] = [None if callable(f) else f for f in fetched]
         joins = [(i, f) for i, f in enumerate(fetched) if callable(f)]
         reads = self._reads(kernel, instr)
+        pieces = [  # each read's buffer, as a mirrored one is seen (mirrors.py)
+            (box_shape(piece.box), np.dtype(self.program.tensors[tid].dtype))
+            for tid, operand in zip(desc.inputs, instr.inputs, strict=True)
+            if operand is not None and tid >= 0
+            for piece in operand.pieces
+        ]
+        mirror_reads = [
+            (*read, *piece)
+            for read, piece in zip(reads, pieces, strict=True)
+            if self._may_mirror(core, read[1], read[2])
+        ]
         wide = [
             (position, holding, box, acc, instr.inputs[position].pieces[0].vtcm)  # type: ignore[union-attr]
             for position, holding, box, acc in self._wide_operands(core, kernel, instr)
@@ -1164,9 +1238,18 @@ class Executor:
             piece = operand.pieces[0]
             dst = self.machine.part(core, piece.vtcm, piece.box, operand.box, t.dtype, write=True)
             start, end = self._will_write(core, piece.vtcm, piece.box, t.dtype)
-            outs.append((position, dst, start, end, operand.box == piece.box))
+            outs.append(
+                (
+                    position,
+                    dst,
+                    start,
+                    end,
+                    operand.box == piece.box,
+                    self._may_mirror(core, start, end),
+                )
+            )
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
-        deferred = self.deferred
+        deferred, mirrors = self.deferred, self.mirrors
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
         views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per operand position, the deferred constant last handed for it and its view of the
@@ -1190,6 +1273,14 @@ class Executor:
                             if held is None or held[0] is not src:
                                 held = views[position] = (src, src[index])
                             operands[position] = held[1]
+            if mirror_reads and mirrors.pending[core]:
+                for position, start, end, index, shape, dtype in mirror_reads:
+                    if position < 0:
+                        mirrors.settle(core, start, end)
+                    else:
+                        src = mirrors.source(core, start, end, shape, dtype)
+                        if src is not None:
+                            operands[position] = src[index]
             for i, join in joins:
                 operands[i] = join()
             base = operands[:n_base]
@@ -1214,9 +1305,11 @@ class Executor:
                         value if ref is None else (None if ref < 0 else operands[ref])
                         for ref in last.inputs
                     ]
-                    _, dst, start, end, covers = outs[0]
+                    _, dst, start, end, covers, mirrorable = outs[0]
                     if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
                         deferred.overwrite(core, start, end, whole=covers)
+                        if mirrorable and mirrors.pending[core]:
+                            mirrors.overwrite(core, start, end, whole=covers)
                         _write_fused(last.op_type, step_inputs, dst)
                         copies.wrote(core, start, end, None)
                         written = True
@@ -1225,7 +1318,7 @@ class Executor:
                         step_info, whole = _epilogue_info(last, step_inputs, value, step_infos)
                         value = opdef.compute(step_info, step_inputs, whole)[0]
                 results = [value, *results[1:]]
-            for position, dst, start, end, covers in outs:
+            for position, dst, start, end, covers, mirrorable in outs:
                 if written and position == 0:
                     continue
                 result = np.asarray(results[position])
@@ -1235,6 +1328,8 @@ class Executor:
                         f"for a tile of shape {dst.shape}"
                     )
                 deferred.overwrite(core, start, end, whole=covers)
+                if mirrorable and mirrors.pending[core]:
+                    mirrors.overwrite(core, start, end, whole=covers)
                 dst[...] = result
                 copies.wrote(core, start, end, None)
             if self.probe is not None:
@@ -1243,6 +1338,37 @@ class Executor:
                 self.on_kernel(core, instr.kernel, instr)
 
         return step
+
+
+def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], list[int]]]:
+    """Per core, the VTCM bytes some multicast NoC copy of the program writes there, into
+    a buffer not in `off` (merged ranges: starts, ends)."""
+    found: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
+    for stream in program.streams:
+        for instr in stream:
+            if not isinstance(instr, NocCopy):
+                continue
+            targets = [c for c in cores_in(instr.cores) if c < program.num_cores]
+            if len(targets) < 2:
+                continue
+            dtype = program.tensors[instr.tensor].dtype
+            end = instr.vtcm + _nbytes(instr.buf_box, dtype)
+            if (instr.vtcm, end, instr.buf_box, dtype) in off:
+                continue
+            for core in targets:
+                found[core].append((instr.vtcm, end))
+    merged: list[tuple[list[int], list[int]]] = []
+    for ranges in found:
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, end in sorted(ranges):
+            if ends and start <= ends[-1]:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        merged.append((starts, ends))
+    return merged
 
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
