@@ -20,9 +20,8 @@ Three steps, each on the whole program:
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -54,8 +53,8 @@ from compiler_core.lowering.program import (
     SemPost,
     SemWait,
     TensorDesc,
+    box_byte_progressions,
     box_byte_range,
-    box_byte_runs,
     box_nbytes,
     cores_in,
     mask_of,
@@ -63,6 +62,7 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
@@ -950,188 +950,6 @@ VTCM_SPAN = 1 << 34
 """Each core's VTCM gets its own window of the one address space the hazards are kept in."""
 
 
-PAGE_SHIFT = 16
-"""The hazards keep each 64 KiB page of VTCM in its own segment lists: a split shifts only
-its page's segments (one list per core's VTCM held ~1,200 segments on ResNet-50 at 14 cores,
-and its 155,000 splits per compile moved them all; one list for every core, 14 times that)."""
-
-
-class _VtcmHazards:
-    """Per byte range of some core's VTCM: the op that last wrote it and those that read it
-    since (ops as global indices). A range across pages is kept as its piece in each: a
-    segment cut at a page's edge is two segments with the same writer and readers, which
-    every later read or write meets together, so the ordering is the same."""
-
-    def __init__(self, core_of: list[int]) -> None:
-        self.pages: dict[int, _Segments] = {}
-        self.core_of = core_of
-
-    def _page(self, page: int) -> _Segments:
-        found = self.pages.get(page)
-        if found is None:
-            found = self.pages[page] = _Segments(page << PAGE_SHIFT)
-        return found
-
-    def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
-        page = lo >> PAGE_SHIFT
-        last = (hi - 1) >> PAGE_SHIFT if hi > lo else page
-        while True:
-            end = (page + 1) << PAGE_SHIFT
-            self._page(page).read(lo, hi if hi < end else end, op, deps, self.core_of)
-            if page >= last:
-                return
-            page += 1
-            lo = end
-
-    def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
-        self.write_runs(0, ((lo, hi),), op, deps)
-
-    def write_runs(
-        self, base: int, runs: Iterable[tuple[int, int]], op: int, deps: set[int]
-    ) -> None:
-        """`write` of each run `(lo, hi)` offset by `base`, in one call (a transfer's byte
-        runs, up to 128 per box and core)."""
-        pieces: list[tuple[int, int]] = []
-        page = -1
-        for lo, hi in runs:
-            lo += base
-            hi += base
-            if hi <= lo:  # an empty run: as `_Segments.write` has it, alone
-                self._flush(page, pieces, op, deps)
-                self._page(lo >> PAGE_SHIFT).write(lo, hi, op, deps)
-                continue
-            while True:  # the run's piece in each page it crosses
-                at = lo >> PAGE_SHIFT
-                if at != page:
-                    self._flush(page, pieces, op, deps)
-                    page = at
-                end = (at + 1) << PAGE_SHIFT
-                if hi <= end:
-                    pieces.append((lo, hi))
-                    break
-                pieces.append((lo, end))
-                lo = end
-        self._flush(page, pieces, op, deps)
-
-    def _flush(self, page: int, pieces: list[tuple[int, int]], op: int, deps: set[int]) -> None:
-        if pieces:
-            self._page(page).write_all(pieces, op, deps)
-            pieces.clear()
-
-
-class _Segments:
-    """One page of VTCM: segment starts, each segment's last writer (-1: none) and its
-    readers since."""
-
-    def __init__(self, start: int) -> None:
-        self.bounds: list[int] = [start]
-        self.writer: list[int] = [-1]
-        self.readers: list[tuple[int, ...]] = [()]
-
-    def _split(self, at: int) -> int:
-        i = bisect.bisect_right(self.bounds, at) - 1
-        if self.bounds[i] == at:
-            return i
-        self.bounds.insert(i + 1, at)
-        self.writer.insert(i + 1, self.writer[i])
-        self.readers.insert(i + 1, self.readers[i])
-        return i + 1
-
-    def read(self, lo: int, hi: int, op: int, deps: set[int], core_of: list[int]) -> None:
-        writer, readers = self.writer, self.readers
-        core = core_of[op]
-        # segments next to each other mostly share their readers: each distinct list once
-        renewed: dict[tuple[int, ...], tuple[int, ...]] = {}
-        for i in range(self._split(lo), self._split(hi)):
-            if writer[i] >= 0:
-                deps.add(writer[i])
-            # each core's latest reader stands for its earlier ones (a post is a fence)
-            old = readers[i]
-            new = renewed.get(old)
-            if new is None:
-                new = renewed[old] = (*(r for r in old if core_of[r] != core), op)
-            readers[i] = new
-
-    def write_all(self, runs: list[tuple[int, int]], op: int, deps: set[int]) -> None:
-        """`write` of each run in turn, in one pass over the segments: the runs are not
-        empty and, ascending and disjoint, each meets only segments the runs before it left
-        as they were, so the segments they cover are rebuilt at once (same bounds, writers,
-        readers and `deps` as run by run)."""
-        for (_, hi), (lo, _) in zip(runs, runs[1:], strict=False):
-            if lo < hi:  # not ascending: run by run
-                for lo, hi in runs:
-                    self.write(lo, hi, op, deps)
-                return
-        bounds, writer, readers = self.bounds, self.writer, self.readers
-        count = len(bounds)
-        first = i = bisect.bisect_right(bounds, runs[0][0]) - 1
-        pos = bounds[i]
-        end = bounds[i + 1] if i + 1 < count else -1  # -1: the last segment, unbounded
-        new_bounds: list[int] = []
-        new_writer: list[int] = []
-        new_readers: list[tuple[int, ...]] = []
-        for lo, hi in runs:
-            while end != -1 and end <= lo:  # segments wholly before the run, as they are
-                new_bounds.append(pos)
-                new_writer.append(writer[i])
-                new_readers.append(readers[i])
-                i += 1
-                pos = end
-                end = bounds[i + 1] if i + 1 < count else -1
-            if pos < lo:  # the part of segment i before the run
-                new_bounds.append(pos)
-                new_writer.append(writer[i])
-                new_readers.append(readers[i])
-            while True:  # the segments the run meets
-                if writer[i] >= 0:
-                    deps.add(writer[i])
-                deps.update(readers[i])
-                if end == -1 or end >= hi:
-                    break
-                i += 1
-                end = bounds[i + 1] if i + 1 < count else -1
-            new_bounds.append(lo)
-            new_writer.append(op)
-            new_readers.append(())
-            pos = hi
-            if end == hi:  # segment i ends with the run: the next one is current
-                i += 1
-                end = bounds[i + 1] if i + 1 < count else -1
-        # the rest of the current segment
-        new_bounds.append(pos)
-        new_writer.append(writer[i])
-        new_readers.append(readers[i])
-        bounds[first : i + 1] = new_bounds
-        writer[first : i + 1] = new_writer
-        readers[first : i + 1] = new_readers
-
-    def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
-        bounds, writer, readers = self.bounds, self.writer, self.readers
-        # `_split` at lo and at hi, inlined (a compile writes ~160,000 runs)
-        first = bisect.bisect_right(bounds, lo) - 1
-        if bounds[first] != lo:
-            first += 1
-            bounds.insert(first, lo)
-            writer.insert(first, writer[first - 1])
-            readers.insert(first, readers[first - 1])
-        last = bisect.bisect_right(bounds, hi, first) - 1
-        if bounds[last] != hi:
-            last += 1
-            bounds.insert(last, hi)
-            writer.insert(last, writer[last - 1])
-            readers.insert(last, readers[last - 1])
-        for i in range(first, last):
-            if writer[i] >= 0:
-                deps.add(writer[i])
-            deps.update(readers[i])
-        # one segment for the whole written range
-        del bounds[first + 1 : last]
-        del writer[first + 1 : last]
-        del readers[first + 1 : last]
-        writer[first] = op
-        readers[first] = ()
-
-
 class _DdrHazards:
     """Per DDR tensor (root): the boxes written and read, and by which ops; tensors that
     reuse each other's bytes (liveness-based DDR reuse) conflict as a whole."""
@@ -1234,14 +1052,17 @@ def materialize(
             n = sizes[(box, dtype)] = box_nbytes(box, dtype)
         return lo, lo + n
 
-    def part(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> list[tuple[int, int]]:
-        """The bytes a transfer of `box` touches in the buffer holding `buf_box`: parts that
-        cores fill side by side (each its channels, or its columns of every row) are ordered
-        only where they share bytes."""
-        base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
-        return [
-            (base + lo, base + hi) for lo, hi in box_byte_runs(box, buf_box, tensors[tid].dtype)
-        ]
+    runs_of: dict[tuple[Box, Box, str], list[Progression]] = {}
+
+    def part(ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, list[Progression]]:
+        """The bytes a transfer of `box` touches in the buffer holding `buf_box` (from the
+        buffer's offset): parts that cores fill side by side (each its channels, or its
+        columns of every row) are ordered only where they share bytes."""
+        key = (box, buf_box, tensors[tid].dtype)
+        runs = runs_of.get(key)
+        if runs is None:
+            runs = runs_of[key] = box_byte_progressions(*key)
+        return buffers[ref[0]].offset + ref[1], runs
 
     def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
         """From the first byte of `box` to its last: what a read of it is ordered by (a
@@ -1252,7 +1073,7 @@ def materialize(
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
-    vtcm = _VtcmHazards(ddr.core_of)
+    vtcm = VtcmHazards(ddr.core_of)
     ops = schedule.ops
     position: list[int] = []
     counts = [0] * cores
@@ -1267,11 +1088,10 @@ def materialize(
         if op.kind == LOAD:
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
-            runs = part(0, op.dst, op.dst_box, op.box, op.tensor)
+            offset, runs = part(op.dst, op.dst_box, op.box, op.tensor)
             end = span(0, op.dst, op.dst_box, op.tensor)[1]
             for target in cores_in(op.mask):
-                base = target * VTCM_SPAN
-                vtcm.write_runs(base, runs, index, deps)
+                vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == STORE:
@@ -1281,11 +1101,10 @@ def materialize(
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
             vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
-            runs = part(0, op.dst, op.dst_box, op.box, op.tensor)
+            offset, runs = part(op.dst, op.dst_box, op.box, op.tensor)
             end = span(0, op.dst, op.dst_box, op.tensor)[1]
             for target in cores_in(op.mask):
-                base = target * VTCM_SPAN
-                vtcm.write_runs(base, runs, index, deps)
+                vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == SCATTER:

@@ -144,6 +144,49 @@ def box_byte_runs(box: Box, buf_box: Box, dtype: str) -> list[tuple[int, int]]:
     return runs
 
 
+ByteProgression = tuple[int, int, int, int]
+"""Equal byte runs `(lo, length, stride, count)`: `[lo + k stride, lo + k stride + length)`."""
+
+
+def box_byte_progressions(box: Box, buf_box: Box, dtype: str) -> list[ByteProgression]:
+    """`box_byte_runs` as progressions of equal runs, in the same order: the runs along the
+    innermost axis outside them are one, and rows of them that go on at the same stride join
+    it (the emitter's hazard walk takes a core's columns of every row as one strided write,
+    without making the runs one by one)."""
+    rel = [(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True)]
+    if any(b <= a for a, b in rel):
+        return []
+    shape = [e - o for o, e in buf_box]
+    k = len(shape)
+    while k > 1 and rel[k - 1] == (0, shape[k - 1]):
+        k -= 1
+    outer = rel[: k - 1]
+    if math.prod(b - a for a, b in outer) > BYTE_RUNS or not outer:
+        lo, hi = box_byte_range(box, buf_box, dtype)
+        return [(lo, hi - lo, hi - lo, 1)]
+    size = _itemsize(dtype)
+    inner = math.prod(shape[k:])
+    lo, hi = rel[k - 1]
+    length = (hi - lo) * inner * size
+    strides = [math.prod(shape[i + 1 :]) for i in range(k - 1)]
+    (a, b), step = outer[-1], strides[-1] * size
+    n = b - a
+    out: list[ByteProgression] = []
+    for index in itertools.product(*(range(x, y) for x, y in outer[:-1])):
+        base = (sum(i * st for i, st in zip(index, strides, strict=False)) + a * strides[-1]) * size
+        base += lo * inner * size
+        if out:  # the row goes on from the last progression's last run?
+            first, _, stride, count = out[-1]
+            gap = base - (first + (count - 1) * stride)
+            if count == 1:
+                stride = gap
+            if gap == stride and (n == 1 or step == stride):
+                out[-1] = (first, length, stride, count + n)
+                continue
+        out.append((base, length, step if n > 1 else length, n))
+    return out
+
+
 @functools.cache
 def _itemsize(dtype: str) -> int:
     """Bytes per element (asked for every transfer and tile: numpy's dtype lookup is not free)."""

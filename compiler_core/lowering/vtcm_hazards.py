@@ -1,0 +1,418 @@
+"""Hazards between VTCM accesses: per byte, the op that last wrote it and those that read it
+since, kept so that a transfer's strided byte runs cost about as much as one run.
+
+`materialize` (emit.py) orders each transfer by the bytes it touches: up to 128 equal runs a
+fixed stride apart when cores fill a shared buffer side by side (each its columns of every
+row). The address space is cut into blocks, sorted by start and tiling it:
+
+- a *plain* block holds segments (absolute starts, each with its writer and readers), as
+  many as `PLAIN_MAX`, and is halved past that so an insert shifts few of them;
+- a *periodic* block repeats one period's segments (starts within the period) `count` times.
+
+A strided write into a plain block's uniform segment makes a periodic block whose period is
+the stride, and a later strided write with the same stride at a phase that fits in a period
+changes that one period's segments for all the periods it covers. An access that meets a
+periodic block otherwise takes the periods it touches apart (a single period or a run of
+whole ones), and a strided write with another stride turns the block into plain segments.
+Only the representation differs from byte-by-byte bookkeeping: every byte has the same
+writer and readers, so every access finds the same ops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+END = 1 << 62
+"""The end of the address space (each core's VTCM has a 2**34-byte window in it)."""
+
+PLAIN_MAX = 64
+"""Segments a plain block holds before it is halved."""
+
+STRIDED_MIN = 4
+"""Runs of one strided write, falling in one uniform segment, that make a periodic block."""
+
+REGRID_MAX = 8
+"""A periodic block is seen with a period up to this many of its own to suit a stride."""
+
+Readers = tuple[int, ...]
+Progression = tuple[int, int, int, int]
+"""Equal runs `(lo, length, stride, count)`: `[lo + k stride, lo + k stride + length)`."""
+
+
+class _Block:
+    """Segments: `offs` (absolute when plain, `period` 0; else within one period, from 0),
+    each one's last writer (-1: none) and readers since; a periodic block has `count`
+    periods."""
+
+    __slots__ = ("count", "offs", "period", "readers", "writer")
+
+    def __init__(
+        self, period: int, count: int, offs: list[int], writer: list[int], readers: list[Readers]
+    ) -> None:
+        self.period = period
+        self.count = count
+        self.offs = offs
+        self.writer = writer
+        self.readers = readers
+
+
+def _cut(b: _Block, at: int) -> int:
+    """The index of the segment starting at `at`, splitting the one that holds it."""
+    offs = b.offs
+    i = bisect.bisect_right(offs, at) - 1
+    if offs[i] == at:
+        return i
+    offs.insert(i + 1, at)
+    b.writer.insert(i + 1, b.writer[i])
+    b.readers.insert(i + 1, b.readers[i])
+    return i + 1
+
+
+def _read(
+    b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int], core_of: list[int]
+) -> None:
+    """A read of `[lo, hi)` in `b`'s segments (which end at `lim`)."""
+    first = _cut(b, lo)
+    last = _cut(b, hi) if hi < lim else len(b.offs)
+    writer, readers = b.writer, b.readers
+    core = core_of[op]
+    # segments next to each other mostly share their readers: each distinct tuple once
+    renewed: dict[Readers, Readers] = {}
+    for i in range(first, last):
+        w = writer[i]
+        if w >= 0:
+            deps.add(w)
+        # each core's latest reader stands for its earlier ones (a post is a fence)
+        old = readers[i]
+        new = renewed.get(old)
+        if new is None:
+            new = renewed[old] = (*(r for r in old if core_of[r] != core), op)
+        readers[i] = new
+
+
+def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: set[int]) -> None:
+    """A write of each run (ascending, disjoint, not empty, before `lim`) in one pass over
+    `b`'s segments: those the runs cover are rebuilt at once."""
+    offs, writer, readers = b.offs, b.writer, b.readers
+    count = len(offs)
+    first = i = bisect.bisect_right(offs, runs[0][0]) - 1
+    pos = offs[i]
+    end = offs[i + 1] if i + 1 < count else lim
+    new_offs: list[int] = []
+    new_writer: list[int] = []
+    new_readers: list[Readers] = []
+    for lo, hi in runs:
+        while end <= lo:  # segments wholly before the run, as they are
+            new_offs.append(pos)
+            new_writer.append(writer[i])
+            new_readers.append(readers[i])
+            i += 1
+            pos = end
+            end = offs[i + 1] if i + 1 < count else lim
+        if pos < lo:  # the part of segment i before the run
+            new_offs.append(pos)
+            new_writer.append(writer[i])
+            new_readers.append(readers[i])
+        while True:  # the segments the run meets
+            w = writer[i]
+            if w >= 0:
+                deps.add(w)
+            deps.update(readers[i])
+            if end >= hi:
+                break
+            i += 1
+            end = offs[i + 1] if i + 1 < count else lim
+        new_offs.append(lo)
+        new_writer.append(op)
+        new_readers.append(())
+        pos = hi
+        if end == hi:  # segment i ends with the run: the next one is current
+            i += 1
+            if i == count:
+                break
+            end = offs[i + 1] if i + 1 < count else lim
+    if i < count:  # the rest of the current segment
+        new_offs.append(pos)
+        new_writer.append(writer[i])
+        new_readers.append(readers[i])
+    offs[first : i + 1] = new_offs
+    writer[first : i + 1] = new_writer
+    readers[first : i + 1] = new_readers
+
+
+class VtcmHazards:
+    """Per byte of every core's VTCM (one address space): the last writer and the readers
+    since (ops by global index); each access adds the ops it must wait for to `deps`."""
+
+    def __init__(self, core_of: list[int]) -> None:
+        self.starts: list[int] = [0]
+        self.blocks: list[_Block] = [_Block(0, 1, [0], [-1], [()])]
+        self.core_of = core_of
+        """The core of every op, by global index."""
+
+    def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        if hi > lo:
+            self._span(lo, hi, op, deps, True)
+
+    def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        if hi > lo:
+            self._span(lo, hi, op, deps, False)
+
+    def write_runs(self, base: int, runs: Sequence[Progression], op: int, deps: set[int]) -> None:
+        """A write of each progression's runs, offset by `base` (a transfer's bytes)."""
+        for lo, length, stride, count in runs:
+            if length <= 0:
+                continue
+            if count == 1 or stride == length:
+                self._span(base + lo, base + lo + length * count, op, deps, False)
+            elif stride > length:
+                self._strided(base + lo, length, stride, count, op, deps)
+            else:  # overlapping runs: one by one
+                for k in range(count):
+                    at = base + lo + k * stride
+                    self._span(at, at + length, op, deps, False)
+
+    # ------------------------------------------------------------------ accesses
+    def _span(self, lo: int, hi: int, op: int, deps: set[int], read: bool) -> None:
+        starts, blocks, core_of = self.starts, self.blocks, self.core_of
+        i = first = bisect.bisect_right(starts, lo) - 1
+        pos = lo
+        while pos < hi:
+            b = blocks[i]
+            start = starts[i]
+            end = starts[i + 1] if i + 1 < len(starts) else END
+            period = b.period
+            if not period:
+                stop = hi if hi < end else end
+                if read:
+                    _read(b, pos, stop, end, op, deps, core_of)
+                else:
+                    _write(b, ((pos, stop),), end, op, deps)
+                if len(b.offs) > PLAIN_MAX:
+                    self._halve(i)
+                    i += 1
+                i += 1
+                pos = end
+                continue
+            q, phase = divmod(pos - start, period)
+            stop = (hi if hi < end else end) - start
+            if phase or stop < (q + 1) * period:  # within period q
+                i = self._periods(i, q, q + 1)
+                stop -= q * period
+                stop = stop if stop < period else period
+                if read:
+                    _read(blocks[i], phase, stop, period, op, deps, core_of)
+                else:
+                    _write(blocks[i], ((phase, stop),), period, op, deps)
+            else:  # whole periods
+                i = self._periods(i, q, stop // period)
+                if read:
+                    _read(blocks[i], 0, period, period, op, deps, core_of)
+                else:
+                    _write(blocks[i], ((0, period),), period, op, deps)
+                    blocks[i] = _Block(0, 1, [starts[i]], [op], [()])
+            i += 1
+            pos = starts[i] if i < len(starts) else END
+        if not read:
+            self._join(first - 1, i)
+
+    def _strided(
+        self, lo0: int, length: int, stride: int, count: int, op: int, deps: set[int]
+    ) -> None:
+        """A write of `[lo0 + k stride, lo0 + k stride + length)` for k < count."""
+        starts, blocks = self.starts, self.blocks
+        k = 0
+        while k < count:
+            lo = lo0 + k * stride
+            i = bisect.bisect_right(starts, lo) - 1
+            b = blocks[i]
+            start = starts[i]
+            end = starts[i + 1] if i + 1 < len(starts) else END
+            period = b.period
+            if not period:
+                last = min(count - 1, (end - length - lo0) // stride)  # the last run inside
+                if last < k:  # run k crosses the block's end
+                    self._span(lo, lo + length, op, deps, False)
+                    k += 1
+                    continue
+                if last - k + 1 >= STRIDED_MIN:
+                    offs = b.offs
+                    j = bisect.bisect_right(offs, lo) - 1
+                    seg_end = offs[j + 1] if j + 1 < len(offs) else end
+                    n = min(last - k + 1, (seg_end - lo) // stride)
+                    if n >= STRIDED_MIN:  # periods of one segment: the next turn writes them
+                        self._carve(i, j, lo, n, stride)
+                        continue
+                runs = [(lo0 + x * stride, lo0 + x * stride + length) for x in range(k, last + 1)]
+                _write(b, runs, end, op, deps)
+                if len(b.offs) > PLAIN_MAX:
+                    self._halve(i)
+                k = last + 1
+                continue
+            q, phase = divmod(lo - start, period)
+            first = phase % stride  # the phase of the period's first run
+            if period % stride or first + length > stride:  # runs cross periods
+                if not self._regrid(i, lo, length, stride, count - k):
+                    self._expand(i)
+                continue
+            per = period // stride  # runs in a period
+            if phase != first or count - k < per:  # the runs in period q
+                n = min(count - k, (period - phase + stride - 1) // stride)
+                i = self._periods(i, q, q + 1)
+                runs = [(phase + x * stride, phase + x * stride + length) for x in range(n)]
+                _write(blocks[i], runs, period, op, deps)
+                k += n
+                continue
+            n = min(b.count - q, (count - k) // per)  # whole periods: one's segments for all
+            i = self._periods(i, q, q + n)
+            runs = [(first + x * stride, first + x * stride + length) for x in range(per)]
+            _write(blocks[i], runs, period, op, deps)
+            k += n * per
+
+    # ------------------------------------------------------------------ block surgery
+    def _periods(self, i: int, q0: int, q1: int) -> int:
+        """Periods `[q0, q1)` of periodic block i as a block of their own, with lists of its
+        own (blocks split off one another share theirs); its index."""
+        b = self.blocks[i]
+        start = self.starts[i]
+        period = b.period
+        new_starts: list[int] = []
+        new_blocks: list[_Block] = []
+        if q0 > 0:
+            new_starts.append(start)
+            new_blocks.append(_Block(period, q0, b.offs, b.writer, b.readers))
+        at = i + len(new_blocks)
+        new_starts.append(start + q0 * period)
+        new_blocks.append(_Block(period, q1 - q0, b.offs[:], b.writer[:], b.readers[:]))
+        if q1 < b.count:
+            new_starts.append(start + q1 * period)
+            new_blocks.append(_Block(period, b.count - q1, b.offs, b.writer, b.readers))
+        self.starts[i : i + 1] = new_starts
+        self.blocks[i : i + 1] = new_blocks
+        return at
+
+    def _carve(self, i: int, j: int, lo: int, n: int, stride: int) -> None:
+        """`n` periods of `stride` bytes from `lo`, inside segment j of plain block i, as a
+        periodic block."""
+        b = self.blocks[i]
+        hi = lo + n * stride
+        end = self.starts[i + 1] if i + 1 < len(self.starts) else END
+        offs, writer, readers = b.offs, b.writer, b.readers
+        new_starts: list[int] = []
+        new_blocks: list[_Block] = []
+        keep = j + 1 if offs[j] < lo else j  # the segments before `lo`
+        if keep:
+            new_starts.append(offs[0])
+            new_blocks.append(_Block(0, 1, offs[:keep], writer[:keep], readers[:keep]))
+        new_starts.append(lo)
+        new_blocks.append(_Block(stride, n, [0], [writer[j]], [readers[j]]))
+        if hi < end:
+            new_starts.append(hi)
+            if j + 1 < len(offs) and offs[j + 1] == hi:
+                rest = _Block(0, 1, offs[j + 1 :], writer[j + 1 :], readers[j + 1 :])
+            else:
+                rest = _Block(0, 1, [hi, *offs[j + 1 :]], writer[j:], readers[j:])
+            new_blocks.append(rest)
+        self.starts[i : i + 1] = new_starts
+        self.blocks[i : i + 1] = new_blocks
+
+    def _regrid(self, i: int, lo: int, length: int, stride: int, left: int) -> bool:
+        """Periodic block i seen from `lo` with a period both its own and `stride` divide,
+        for as many whole such periods as the `left` runs from `lo` fill; whether it was."""
+        b = self.blocks[i]
+        start, period = self.starts[i], b.period
+        grid = math.lcm(period, stride)
+        if grid > REGRID_MAX * period:
+            return False
+        end = start + period * b.count
+        fit = min(left, (end - length - lo) // stride + 1)  # runs inside the block
+        n = min((end - lo) // grid, fit // (grid // stride))
+        if n < 1:
+            return False
+        q, phase = divmod(lo - start, period)
+        offs, writer, readers = b.offs, b.writer, b.readers
+        j = bisect.bisect_right(offs, phase) - 1  # the segment at `phase`
+        keep = j + 1 if offs[j] < phase else j  # the segments that start before it
+        order = list(range(j, len(offs)))
+        rel = [0, *(offs[x] - phase for x in range(j + 1, len(offs)))]
+        order += range(keep)  # the period's start, after its end
+        rel += (offs[x] + period - phase for x in range(keep))
+        reps = range(0, grid, period)
+        inner = _Block(
+            grid,
+            n,
+            [x + r for r in reps for x in rel],
+            [writer[x] for _ in reps for x in order],
+            [readers[x] for _ in reps for x in order],
+        )
+        new_starts: list[int] = []
+        new_blocks: list[_Block] = []
+        if q:
+            new_starts.append(start)
+            new_blocks.append(_Block(period, q, offs, writer, readers))
+        at = start + q * period
+        if phase:  # the start of period q, before `lo`
+            new_starts.append(at)
+            new_blocks.append(
+                _Block(0, 1, [at + x for x in offs[:keep]], writer[:keep], readers[:keep])
+            )
+        new_starts.append(lo)
+        new_blocks.append(inner)
+        q += n * (grid // period)  # the period holding the end of the new block
+        at = start + q * period
+        if phase:  # the rest of period q
+            new_starts.append(at + phase)
+            rest = [at + phase, *(at + x for x in offs[j + 1 :])]
+            new_blocks.append(_Block(0, 1, rest, writer[j:], readers[j:]))
+            q += 1
+        if q < b.count:
+            new_starts.append(start + q * period)
+            new_blocks.append(_Block(period, b.count - q, offs, writer, readers))
+        self.starts[i : i + 1] = new_starts
+        self.blocks[i : i + 1] = new_blocks
+        return True
+
+    def _expand(self, i: int) -> None:
+        """Periodic block i as plain blocks of its segments."""
+        b = self.blocks[i]
+        start, period = self.starts[i], b.period
+        offs: list[int] = []
+        for q in range(b.count):
+            at = start + q * period
+            offs += [at + o for o in b.offs]
+        writer = b.writer * b.count
+        readers = b.readers * b.count
+        step = PLAIN_MAX // 2
+        self.starts[i : i + 1] = offs[::step]
+        self.blocks[i : i + 1] = [
+            _Block(0, 1, offs[x : x + step], writer[x : x + step], readers[x : x + step])
+            for x in range(0, len(offs), step)
+        ]
+
+    def _halve(self, i: int) -> None:
+        b = self.blocks[i]
+        h = len(b.offs) // 2
+        rest = _Block(0, 1, b.offs[h:], b.writer[h:], b.readers[h:])
+        del b.offs[h:], b.writer[h:], b.readers[h:]
+        self.starts.insert(i + 1, rest.offs[0])
+        self.blocks.insert(i + 1, rest)
+
+    def _join(self, i: int, last: int) -> None:
+        """Neighbouring plain blocks among `[i, last]` as one, while it stays small (a large
+        write leaves one block per block it covered)."""
+        blocks, starts = self.blocks, self.starts
+        i = max(i, 0)
+        last = min(last, len(blocks) - 1)
+        while i < last:
+            a, b = blocks[i], blocks[i + 1]
+            if a.period or b.period or len(a.offs) + len(b.offs) > PLAIN_MAX:
+                i += 1
+                continue
+            skip = 1 if a.writer[-1] == b.writer[0] and a.readers[-1] == b.readers[0] else 0
+            a.offs += b.offs[skip:]
+            a.writer += b.writer[skip:]
+            a.readers += b.readers[skip:]
+            del blocks[i + 1], starts[i + 1]
+            last -= 1
