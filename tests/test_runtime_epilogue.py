@@ -10,12 +10,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler_core import compile_model
 from compiler_core.lowering.program import EpilogueDesc
 from compiler_core.ops import REGISTRY, TileCtx
 from compiler_core.ops.registry import NodeInfo
-from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime.executor import Executor, _fits, _write_fused
+from tests.runtime_helpers import compiled_program
 
 RNG = np.random.default_rng(11)
 
@@ -125,12 +124,7 @@ def _residual_block() -> onnx.ModelProto:
 @pytest.mark.parametrize("cores", [1, 4])
 def test_fused_epilogues_compute_what_onnx_runtime_does(cores: int) -> None:
     model = _residual_block()
-    result = compile_model(model, [f"-aic-num-cores={cores}"])
-    try:
-        with load_qpc(result.qpc_path) as qpc:
-            program, constants = qpc.program(), bytes(qpc.segments["constants.bin"])
-    finally:
-        result.cleanup()
+    program, constants = compiled_program(model, f"-aic-num-cores={cores}")
     assert any(k.epilogue and k.epilogue[-1].op_type == "Relu" for k in program.kernels)
     executor = Executor(program, constants, 8_323_072)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

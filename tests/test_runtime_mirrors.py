@@ -87,8 +87,7 @@ def test_every_read_sees_what_writing_every_target_leaves(seed: int) -> None:
                 mirrors.settle(core, start, end)
                 np.testing.assert_array_equal(lazy[core, start:end], eager[core, start:end])
             else:  # a kernel reading the whole buffer, as another tensor's shape
-                shape = (key[1] - key[0],)
-                seen = mirrors.source(core, key[0], key[1], shape, np.dtype(np.uint8))
+                seen = mirrors.source(core, key[0], key[1])
                 if seen is None:
                     seen = lazy[core, key[0] : key[1]]
                 np.testing.assert_array_equal(seen, eager[core, key[0] : key[1]])
@@ -113,7 +112,7 @@ def test_a_multicast_writes_one_array_not_its_targets() -> None:
     assert not memory.any()
     want = np.repeat(np.arange(1, 5, dtype=np.uint8), 8)
     for core in range(3):
-        seen = mirrors.source(core, 16, 48, (32,), np.dtype(np.uint8))
+        seen = mirrors.source(core, 16, 48)
         assert seen is not None and not seen.flags.writeable
         np.testing.assert_array_equal(seen, want)
     mirrors.settle(1, 16, 48)
@@ -139,7 +138,7 @@ def test_buffers_whose_bytes_are_copied_out_are_written_whole_after_the_first_in
                 [0, 1, 2], frozenset(range(3)), key, box, (start, end), covers, views, data
             )
     for core in range(3):
-        assert mirrors.source(core, 0, 512 << 10, (512 << 10,), np.dtype(np.uint8)) is not None
+        assert mirrors.source(core, 0, 512 << 10) is not None
         mirrors.overwrite(core, 1 << 20, (1 << 20) + 1000, whole=False)
     mirrors.judge()
     assert mirrors.off == {_key(1 << 20, buf_box)}

@@ -12,13 +12,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compiler_core import compile_model
-from compiler_core.lowering.program import Program, SemWait
+from compiler_core.lowering.program import SemWait
 from compiler_core.ops import REGISTRY, TileCtx
 from compiler_core.ops.registry import NodeInfo
-from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime.executor import Executor
 from compiler_core.runtime.shared import Compute, Group, SharedTile
+from tests.runtime_helpers import compiled_program
 
 VTCM = 8_323_072
 RNG = np.random.default_rng(7)
@@ -65,15 +64,6 @@ def _pointwise_convs() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _compiled(model: onnx.ModelProto, cores: int) -> tuple[Program, bytes]:
-    result = compile_model(model, [f"-aic-num-cores={cores}"])
-    try:
-        with load_qpc(result.qpc_path) as qpc:
-            return qpc.program(), bytes(qpc.segments["constants.bin"])
-    finally:
-        result.cleanup()
-
-
 def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return np.asarray(session.run(None, feeds)[0])
@@ -95,7 +85,7 @@ def test_weight_split_tiles_take_their_parts_of_one_product_bit_for_bit(
     model: object, shape: tuple[int, ...], cores: int
 ) -> None:
     onnx_model = model()  # type: ignore[operator]
-    program, constants = _compiled(onnx_model, cores)
+    program, constants = compiled_program(onnx_model, f"-aic-num-cores={cores}")
     shared = Executor(program, constants, VTCM)
     alone = Executor(program, constants, VTCM, shared_products=False)
     for _ in range(2):  # a second inference recomputes the product from its own inputs
@@ -110,13 +100,15 @@ def test_weight_split_tiles_take_their_parts_of_one_product_bit_for_bit(
 def test_large_weight_split_products_are_computed_once() -> None:
     """BERT-sized thin products (each tile 128 x 256 x 128) sum as the whole product does:
     after the first inference's check every tile takes its part."""
-    program, constants = _compiled(_projection(), 4)
+    program, constants = compiled_program(_projection(), "-aic-num-cores=4")
     executor = Executor(program, constants, VTCM)
     for _ in range(2):
         executor.run({"x": RNG.standard_normal((1, 128, 256)).astype(np.float32)})
-    groups = {id(t.group): t.group for t in executor._shared.values()}
+    tiles = [t for t in executor._shared.values() if isinstance(t, SharedTile)]
+    assert len(tiles) == len(executor._shared)  # a MatMul's tiles share, none joins
+    groups = {id(t.group): t.group for t in tiles}
     assert groups and not any(g.off for g in groups.values())
-    assert sum(g.taken for g in groups.values()) == 2 * len(executor._shared)
+    assert sum(g.taken for g in groups.values()) == 2 * len(tiles)
 
 
 def test_without_its_waits_a_program_computes_what_its_tiles_would_alone() -> None:
@@ -124,7 +116,7 @@ def test_without_its_waits_a_program_computes_what_its_tiles_would_alone() -> No
     tile compares what it reads with the group's, so the (wrong) answer is the one every
     tile computing alone gives."""
     onnx_model = _projection()
-    program, constants = _compiled(onnx_model, 4)
+    program, constants = compiled_program(onnx_model, "-aic-num-cores=4")
     broken = dataclasses.replace(
         program, streams=[[i for i in s if not isinstance(i, SemWait)] for s in program.streams]
     )

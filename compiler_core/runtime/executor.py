@@ -538,8 +538,6 @@ class Executor:
     def _decoded_streams(self) -> list[list[tuple[Any, ...]]]:
         if self._streams is None:
             self._written_end = [self.program.resident] * self.program.num_cores
-            if self.mirrored:
-                self._mirrorable = _multicast_ranges(self.program, self.mirrors.off)
             if self.shared_products and not self._shared:
                 kernels = [(k.opdef, k.desc.info) for k in self.kernels]
                 shared = plan(self.program, kernels, self._constant_view, self.machine.part)
@@ -547,6 +545,10 @@ class Executor:
                     self.program, kernels, self._constant_view, self.machine.part, shared
                 )
                 self._shared = {**shared, **joins}
+                # joined tiles copy each other's inputs from VTCM directly (joins.py)
+                self.mirrors.off |= _joined_buffers(self.program, list(joins))
+            if self.mirrored:
+                self._mirrorable = _multicast_ranges(self.program, self.mirrors.off)
             streams: list[list[tuple[Any, ...]]] = []
             for core, stream in enumerate(self.program.streams):
                 steps: list[tuple[Any, ...]] = []
@@ -1251,6 +1253,8 @@ class Executor:
         compute, steps, copies = kernel.opdef.compute, kernel.steps, self.copies
         deferred, mirrors = self.deferred, self.mirrors
         step_infos: dict[tuple[Any, ...], tuple[NodeInfo, TileCtx]] = {}
+        mirrored: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        """Per operand position, the mirror last handed for it and its view of the operand."""
         views: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         """Per operand position, the deferred constant last handed for it and its view of the
         operand's box: the same view object while the same load stands for the buffer, so a
@@ -1278,9 +1282,13 @@ class Executor:
                     if position < 0:
                         mirrors.settle(core, start, end)
                     else:
-                        src = mirrors.source(core, start, end, shape, dtype)
-                        if src is not None:
-                            operands[position] = src[index]
+                        raw = mirrors.source(core, start, end)
+                        if raw is not None:
+                            seen = mirrored.get(position)
+                            if seen is None or seen[0] is not raw:
+                                view = raw.view(dtype).reshape(shape)[index]
+                                seen = mirrored[position] = (raw, view)
+                            operands[position] = seen[1]
             for i, join in joins:
                 operands[i] = join()
             base = operands[:n_base]
@@ -1338,6 +1346,38 @@ class Executor:
                 self.on_kernel(core, instr.kernel, instr)
 
         return step
+
+
+def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Any]:
+    """The multicast buffers (as mirrors.py names them) that meet an input of a joined tile
+    (core, position in its stream) on its core: those must be written on every target."""
+    reads: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
+    for core, at in joined:
+        instr = program.streams[core][at]
+        if not isinstance(instr, RunKernel):
+            continue
+        inputs = program.kernels[instr.kernel].inputs
+        for tid, operand in zip(inputs, instr.inputs, strict=True):
+            if operand is None or tid < 0:
+                continue
+            for piece in operand.pieces:
+                end = piece.vtcm + _nbytes(piece.box, program.tensors[tid].dtype)
+                reads[core].append((piece.vtcm, end))
+    found: set[Any] = set()
+    for stream in program.streams:
+        for instr in stream:
+            if not isinstance(instr, NocCopy):
+                continue
+            dtype = program.tensors[instr.tensor].dtype
+            end = instr.vtcm + _nbytes(instr.buf_box, dtype)
+            if any(
+                start < end and instr.vtcm < stop
+                for core in cores_in(instr.cores)
+                if core < program.num_cores
+                for start, stop in reads[core]
+            ):
+                found.add((instr.vtcm, end, instr.buf_box, dtype))
+    return found
 
 
 def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], list[int]]]:

@@ -9,12 +9,16 @@ takes its part, provided that at its own turn its input holds the bytes the prod
 
 Which bands join at which turn is learned: the cores' order of turns is the same in every
 inference (it depends on the program, not on the data). The session's first inference
-records it; in the second, each tile, at its turn, compares its input with copies of it
-taken at the turns of earlier leading tiles, joins the earliest whose copy is equal, or
-else leads (the inputs of the tiles after it are copied then); the joins apply from the
-third inference on. A tile in a join still compares its input with the one the product
-used, at its own turn, and computes alone (or in its shared product) when they differ, so
-a missing semaphore wait still shows; its constants must be in place, as for shared
+records it; in the second, at each tile's turn, the inputs of the tiles after it are read
+and kept where they changed since the last read, and each tile joins the product of the
+turn since which its input has held its bytes (a rolling join: that turn's tile may itself
+take its part of an earlier product), or else computes its own; the joins apply from the
+third inference on. A 1x1 conv at stride 1 reads its bands straight into the product's
+matrix (its columns are its input), and the tiles compare their inputs with those.
+
+A tile in a join still compares its input with the one the product used, at its own turn,
+and computes alone (or in its shared product) when they differ, so a missing semaphore
+wait still shows; its constants must be in place, as for shared
 products (runtime/shared.py), and the first time it takes its part it also computes its
 own product, one bit of difference turning the conv's joins off for the session.
 Nothing here moves VTCM or DDR bytes.
@@ -42,10 +46,12 @@ from compiler_core.runtime.shared import (
 )
 
 THIN = 100
-"""Output positions of a band up to which joining pays: below this BLAS runs well under
-its speed on whole layers (ResNet-50 on 14 cores: 28-position bands at 73-92 GFLOP/s,
-112-448 at 110-125, whole layers about 145), above it the copies and compares a join adds
-cost about what the larger product saves."""
+"""Output positions of a band up to which joining pays (ResNet-50 on 14 cores, thread CPU
+per conv shape, joins of every width against none, 3 runs): layer 3's 28-position bands
+gain up to 25% (the 3x3 convs 36-39 -> 26-31 ms), where BLAS runs thin bands well under
+its whole-layer speed; layer 2's 112-position bands are even (-2.6 to +2.0 ms of about
+55), layer 1's 224-448-position bands lose 5-40%: the copies and compares a join adds,
+and a product matrix that leaves the L2 cache, cost more than the larger product saves."""
 
 
 @dataclass
@@ -55,8 +61,9 @@ class Member:
     core: int
     out_box: Box
     x_box: Box
-    read: Callable[[], np.ndarray]
-    """A copy of its input as its core's VTCM holds it now (read at another tile's turn)."""
+    read: Callable[[np.ndarray | None], np.ndarray]
+    """A copy of its input as its core's VTCM holds it now (read at another tile's turn),
+    into the array given (of the input's shape) or a new one."""
     expected: tuple[Expected, ...]
     tile: TileCtx
     fallback: SharedTile | None
@@ -74,6 +81,9 @@ class Join:
     """The whole weight (the constant, read-only), as (output channels, C * taps)."""
     bias: np.ndarray | None
     members: list[Member]
+    pointwise: bool
+    """A 1x1 conv at stride 1 whose bands read their own positions: a band's columns are
+    its input, read straight into the product's matrix."""
     order: list[int] = field(default_factory=list)
     """Members by turn, as the first inference ran them."""
     ordered: bool = False
@@ -85,14 +95,14 @@ class Join:
     """The joins were learned (or are being learned)."""
     learned: dict[int, int] = field(default_factory=dict)
     """Joins learned in this inference, used from the next."""
-    copies: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
-    """While learning: member -> its input as it was at each earlier leading turn."""
+    batches: dict[int, list[int]] = field(default_factory=dict)
+    """Turn -> the members whose product it computes (its own tile first if it is one)."""
+    copies: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+    """While learning: member -> its input as last read, and the first turn it was so."""
     inference: int = -1
     turn: int = 0
-    kept: dict[tuple[Box, Box], np.ndarray] = field(default_factory=dict)
-    """This inference's joined inputs, by (input box, output box) of a band."""
-    parts: dict[int, np.ndarray] = field(default_factory=dict)
-    """This inference's joined outputs, by member."""
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """This inference's joined outputs, by member, with the input its product read."""
     off: bool = False
     taken: int = 0
 
@@ -125,14 +135,14 @@ class JoinTile:
             _learn(join, m, turn, x)
         if x is None or not _constants_in_place(member, inputs):
             return None
-        batch = [n for n, t in join.joins.items() if t == turn]
-        if batch and m not in join.joins:
-            _compute(join, [m, *batch], x)
-        part = join.parts.pop(m, None)
-        if part is None:
+        batch = join.batches.get(turn)
+        if batch is not None:
+            _compute(join, batch, m, x)
+        joined = join.parts.pop(m, None)
+        if joined is None:
             return None if fallback is None else fallback.results(inputs, inference)
-        kept = join.kept.get((member.x_box, member.out_box[2:]))
-        if kept is None or not _same_bytes(x, kept):
+        part, kept = joined
+        if kept is not x and not _same_bytes(x, kept):
             return None if fallback is None else fallback.results(inputs, inference)
         if not member.checked:
             own = np.asarray(join.compute(join.info, inputs, member.tile)[0])
@@ -145,15 +155,18 @@ class JoinTile:
 
 
 def _learn(join: Join, m: int, turn: int, x: np.ndarray) -> None:
-    """The learning inference, at member `m`'s turn: it joins the earliest leading turn
-    whose copy of its input equals its input now; if none, it leads, and the inputs of the
-    tiles after it are copied for them to compare at their turns."""
-    for leader_turn, copy in join.copies.pop(m, []):
-        if _same_bytes(x, copy):
-            join.learned[m] = leader_turn
-            return
+    """The learning inference, at member `m`'s turn: it joins the product of the earliest
+    turn since which its input has held the bytes it holds now (a rolling join: any
+    earlier tile's turn, not only a leading one's); if none, it computes its own. The
+    inputs of the tiles after it are read now, and kept where they changed."""
+    seen = join.copies.pop(m, None)
+    if seen is not None and _same_bytes(x, seen[1]):
+        join.learned[m] = seen[0]
     for later in join.order[turn + 1 :]:
-        join.copies.setdefault(later, []).append((turn, join.members[later].read()))
+        now = join.members[later].read(None)
+        copy = join.copies.get(later)
+        if copy is None or not _same_bytes(now, copy[1]):
+            join.copies[later] = (turn, now)
 
 
 def _begin(join: Join, inference: int) -> None:
@@ -165,8 +178,8 @@ def _begin(join: Join, inference: int) -> None:
         join.learning = False
     elif not join.done:
         join.learning = join.done = True
+    join.batches = _batches(join)
     join.copies.clear()
-    join.kept.clear()
     join.parts.clear()
     join.inference, join.turn = inference, 0
 
@@ -185,43 +198,67 @@ def _constants_in_place(member: Member, inputs: Sequence[np.ndarray | None]) -> 
     return True
 
 
-def _compute(join: Join, batch: list[int], own: np.ndarray) -> None:
-    """The product of the bands of `batch` (the first is the running tile, reading `own`;
-    the others read their cores' VTCM as it is now), each member's part kept."""
+def _batches(join: Join) -> dict[int, list[int]]:
+    """Turn -> the members computed at it: those joined to it, after its own tile unless
+    that one takes its part of an earlier turn's product."""
+    found: dict[int, list[int]] = defaultdict(list)
+    for m, turn in sorted(join.joins.items()):
+        found[turn].append(m)
+    for turn, batch in found.items():
+        if turn < len(join.order) and join.order[turn] not in join.joins:
+            batch.insert(0, join.order[turn])
+    return dict(found)
+
+
+def _compute(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
+    """The product of the bands of `batch` (member `m`, the running tile, reads `own`; the
+    others read their cores' VTCM as it is now), each member's part kept with its input."""
     members = join.members
-    bands: dict[tuple[Box, Box], tuple[int, int]] = {}
+    bands: dict[tuple[Box, Box], tuple[int, int, np.ndarray]] = {}
     width = 0
-    for i, m in enumerate(batch):
-        member = members[m]
-        key = (member.x_box, member.out_box[2:])
+    for n in batch:
+        key = (members[n].x_box, members[n].out_box[2:])
         if key not in bands:
-            count = int(np.prod(box_shape(member.out_box[2:]), dtype=np.int64))
-            join.kept[key] = np.array(own) if i == 0 else member.read()
-            bands[key] = (width, count)
+            count = int(np.prod(box_shape(key[1]), dtype=np.int64))
+            bands[key] = (width, count, own)
             width += count
-    lo = min(members[m].out_box[1][0] for m in batch)
-    hi = max(members[m].out_box[1][1] for m in batch)
     columns = np.empty((join.weight.shape[1], width), dtype=np.float32)
     done = set()
-    for m in batch:
-        member = members[m]
+    for n in batch:
+        member = members[n]
         key = (member.x_box, member.out_box[2:])
-        if key not in done:
-            done.add(key)
-            start, count = bands[key]
-            x = join.kept[key]
-            conv_columns_into(
-                join.info, x, member.out_box, member.x_box, columns[:, start : start + count]
-            )
+        if key in done:
+            continue
+        done.add(key)
+        start, count, _ = bands[key]
+        into = columns[:, start : start + count]
+        if join.pointwise:  # the columns are the input: read it there, kept there
+            x = np.reshape(into, box_shape(member.x_box), copy=False)
+            if n == m:
+                np.copyto(x, own)
+            else:
+                member.read(x)
+            bands[key] = (start, count, own if n == m else x)
+        else:
+            x = own if n == m else member.read(None)
+            bands[key] = (start, count, x)
+            conv_columns_into(join.info, x, member.out_box, member.x_box, into)
+    lo = min(members[n].out_box[1][0] for n in batch)
+    hi = max(members[n].out_box[1][1] for n in batch)
     y = np.matmul(join.weight[lo:hi], columns)
     if join.bias is not None:
         np.add(y, join.bias[lo:hi, None], out=y)
     y.flags.writeable = False
-    for m in batch:
-        member = members[m]
-        start, count = bands[(member.x_box, member.out_box[2:])]
+    snapshot: np.ndarray | None = None
+    for n in batch:
+        member = members[n]
+        start, count, x = bands[(member.x_box, member.out_box[2:])]
+        if x is own and n != m:  # another tile compares with `own` later: keep its bytes
+            snapshot = np.array(own) if snapshot is None else snapshot
+            x = snapshot
         (c0, c1), spatial = member.out_box[1], box_shape(member.out_box[2:])
-        join.parts[m] = y[c0 - lo : c1 - lo, start : start + count].reshape((1, c1 - c0, *spatial))
+        part = y[c0 - lo : c1 - lo, start : start + count].reshape((1, c1 - c0, *spatial))
+        join.parts[n] = (part, x)
 
 
 def plan_joins(
@@ -254,7 +291,14 @@ def plan_joins(
         if len(info.in_shapes) > 2 and desc.inputs[2] >= 0:
             b_id = desc.inputs[2]
             bias = constant_view(b_id, tuple((0, d) for d in tensors[b_id].shape))
-        join = Join(info=info, compute=opdef.compute, weight=rows, bias=bias, members=[])
+        join = Join(
+            info=info,
+            compute=opdef.compute,
+            weight=rows,
+            bias=bias,
+            members=[],
+            pointwise=_pointwise(info, members),
+        )
         for core, index, instr in members:
             act = instr.inputs[0]
             assert act is not None
@@ -325,6 +369,16 @@ def _joinable(
     return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
 
 
+def _pointwise(info: NodeInfo, members: list[tuple[int, int, RunKernel]]) -> bool:
+    """A 1x1 kernel at stride 1 whose tiles read the positions they write."""
+    kernel = info.in_shapes[1][2:]  # type: ignore[index]
+    if any(k != 1 for k in kernel) or any(int(v) != 1 for v in info.attr("strides", [])):
+        return False
+    return all(
+        i.inputs[0] is not None and i.inputs[0].box[2:] == i.out_box[2:] for *_, i in members
+    )
+
+
 def _covered(operand: Operand) -> bool:
     """Whether the operand's pieces cover its box exactly (as the kernel's own check)."""
     total = 0
@@ -346,8 +400,9 @@ def _reader(
     operand: Operand,
     dtype: str,
     vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
-) -> Callable[[], np.ndarray]:
-    """A copy of the operand's bytes in `core`'s VTCM, joined from its pieces."""
+) -> Callable[[np.ndarray | None], np.ndarray]:
+    """A copy of the operand's bytes in `core`'s VTCM, joined from its pieces (into `out`
+    when given)."""
     box = operand.box
     parts = []
     for piece in operand.pieces:
@@ -357,8 +412,9 @@ def _reader(
         parts.append((where, vtcm_view(core, piece.vtcm, piece.box, common, dtype)))
     shape = box_shape(box)
 
-    def read() -> np.ndarray:
-        out = np.empty(shape, dtype=np.dtype(dtype))
+    def read(out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            out = np.empty(shape, dtype=np.dtype(dtype))
         for where, src in parts:
             out[where] = src
         return out

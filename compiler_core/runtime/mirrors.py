@@ -122,7 +122,8 @@ class Mirrors:
         self.copied = 0
         """VTCM bytes copied from mirrors into cores (since created)."""
         self.off: set[Key] = set()
-        """Buffers whose multicasts write every target (see `judge`)."""
+        """Buffers whose multicasts write every target (see `judge`; the executor adds
+        those joined conv tiles read, which copy each other's inputs from VTCM)."""
         self._saved: dict[Key, int] = {}
         self._taken: dict[Key, int] = {}
         self._count: dict[Key, int] = {}
@@ -136,7 +137,7 @@ class Mirrors:
         for another buffer). Which bytes are copied depends on the program's order of
         instructions, not on the values, so every inference would copy the same."""
         self.judged = True
-        self.off = {
+        self.off |= {
             key
             for key, saved in self._saved.items()
             if 16 * self._taken.get(key, 0) > saved or saved < self._count[key] * SPARED
@@ -213,20 +214,17 @@ class Mirrors:
             if own:
                 own.pop(box, None)
 
-    def source(
-        self, core: int, start: int, end: int, shape: tuple[int, ...], dtype: np.dtype
-    ) -> np.ndarray | None:
+    def source(self, core: int, start: int, end: int) -> np.ndarray | None:
         """The bytes of the buffer that is exactly [start, end) of `core`, as its mirror's
-        (read-only) when the core holds every one of them there, or None (then the mirrored
-        bytes inside it are copied into the core, and the buffer itself is read)."""
+        (read-only uint8; the same array while the mirror stands) when the core holds every
+        one of them there, or None (then the mirrored bytes inside it are copied into the
+        core, and the buffer itself is read)."""
         mirror = self._entries[core].get(start)
         if mirror is not None and mirror.end == end and mirror.volume == mirror.array.size:
             if core in mirror.whole or (
                 not mirror.own.get(core) and _complete(mirror, mirror.held[core])
             ):
-                view = mirror.raw.view(dtype).reshape(shape)
-                view.flags.writeable = False
-                return view
+                return mirror.raw
         self.settle(core, start, end)
         return None
 
@@ -271,7 +269,9 @@ class Mirrors:
         strides = tuple(
             int(np.prod(shape[a + 1 :], dtype=np.int64)) * dtype.itemsize for a in range(len(shape))
         )
-        mirror = Mirror(key, array, array.reshape(-1).view(np.uint8), strides)
+        raw = array.reshape(-1).view(np.uint8)
+        raw.flags.writeable = False  # kernels are handed views of it
+        mirror = Mirror(key, array, raw, strides)
         self._made.append(mirror)
         return mirror
 
