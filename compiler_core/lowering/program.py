@@ -116,32 +116,8 @@ def box_byte_range(box: Box, buf_box: Box, dtype: str) -> tuple[int, int]:
 
 
 BYTE_RUNS = 128
-"""At most this many contiguous runs are tracked apart for one box (`box_byte_runs`)."""
-
-
-def box_byte_runs(box: Box, buf_box: Box, dtype: str) -> list[tuple[int, int]]:
-    """The contiguous byte runs of `box` in a row-major buffer holding `buf_box`: one per
-    position of the axes outside the run (a block of rows and columns is one run per row);
-    `box_byte_range`'s span when there would be more than `BYTE_RUNS`."""
-    rel = [(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True)]
-    if any(b <= a for a, b in rel):
-        return []
-    shape = [e - o for o, e in buf_box]
-    k = len(shape)
-    while k > 1 and rel[k - 1] == (0, shape[k - 1]):
-        k -= 1
-    outer = rel[: k - 1]
-    if math.prod(b - a for a, b in outer) > BYTE_RUNS or not outer:
-        return [box_byte_range(box, buf_box, dtype)]
-    size = _itemsize(dtype)
-    inner = math.prod(shape[k:])
-    lo, hi = rel[k - 1]
-    strides = [math.prod(shape[i + 1 :]) for i in range(k - 1)]
-    runs = []
-    for index in itertools.product(*(range(a, b) for a, b in outer)):
-        base = sum(i * st for i, st in zip(index, strides, strict=True)) + lo * inner
-        runs.append((base * size, (base + (hi - lo) * inner) * size))
-    return runs
+"""At most this many contiguous runs are tracked apart for one box (`box_byte_progressions`):
+past it, the box is ordered by its first-to-last span."""
 
 
 ByteProgression = tuple[int, int, int, int]
@@ -149,10 +125,12 @@ ByteProgression = tuple[int, int, int, int]
 
 
 def box_byte_progressions(box: Box, buf_box: Box, dtype: str) -> list[ByteProgression]:
-    """`box_byte_runs` as progressions of equal runs, in the same order: the runs along the
-    innermost axis outside them are one, and rows of them that go on at the same stride join
-    it (the emitter's hazard walk takes a core's columns of every row as one strided write,
-    without making the runs one by one)."""
+    """The contiguous byte runs of `box` in a row-major buffer holding `buf_box` (one per
+    position of the axes outside the run: a block of rows and columns is a run per row), in
+    order, as progressions of equal runs: the runs along the innermost axis outside them are
+    one, and rows of them that go on at the same stride join it (the emitter's hazard walk
+    takes a core's columns of every row as one strided write, without making the runs one by
+    one). Past `BYTE_RUNS` runs, `box_byte_range`'s span as one run."""
     rel = [(a - o, b - o) for (a, b), (o, _) in zip(box, buf_box, strict=True)]
     if any(b <= a for a, b in rel):
         return []
