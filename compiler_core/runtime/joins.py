@@ -39,10 +39,10 @@ from compiler_core.runtime.shared import (
     Compute,
     Expected,
     SharedTile,
-    _address,
     _same_bytes,
     expected_in_place,
     in_place_views,
+    is_in_place,
 )
 
 THIN = 100
@@ -185,17 +185,7 @@ def _begin(join: Join, inference: int) -> None:
 
 
 def _constants_in_place(member: Member, inputs: Sequence[np.ndarray | None]) -> bool:
-    for position, address, shape, strides, dtype in member.expected:
-        a = inputs[position]
-        if (
-            a is None
-            or a.shape != shape
-            or a.strides != strides
-            or a.dtype != dtype
-            or _address(a) != address
-        ):
-            return False
-    return True
+    return all(is_in_place(inputs[e[0]], e) for e in member.expected)
 
 
 def _batches(join: Join) -> dict[int, list[int]]:

@@ -155,17 +155,11 @@ class SharedTile:
         seen = self.seen
         if not seen:
             seen.extend([None] * len(self.expected))
-        for i, (position, address, shape, strides, dtype) in enumerate(self.expected):
-            a = inputs[position]
+        for i, expected in enumerate(self.expected):
+            a = inputs[expected[0]]
             if a is not None and a is seen[i]:
                 continue
-            if (
-                a is None
-                or a.shape != shape
-                or a.strides != strides
-                or a.dtype != dtype
-                or _address(a) != address
-            ):
+            if not is_in_place(a, expected):
                 return None
             seen[i] = a
         group = self.group
@@ -263,6 +257,18 @@ def in_place_views(
 def expected_in_place(view: np.ndarray, position: int) -> Expected:
     """What a constant operand handed in place looks like (see `SharedTile.expected`)."""
     return (position, _address(view), view.shape, view.strides, view.dtype)
+
+
+def is_in_place(a: np.ndarray | None, expected: Expected) -> bool:
+    """Whether `a` is the view `expected` describes (the constant still where it was)."""
+    _, address, shape, strides, dtype = expected
+    return (
+        a is not None
+        and a.shape == shape
+        and a.strides == strides
+        and a.dtype == dtype
+        and _address(a) == address
+    )
 
 
 def plan(
