@@ -118,7 +118,8 @@ def test_a_light_cnn_that_overflows_float16_is_traced_to_the_first_node_past_its
     proto.graph.output.extend(helper.make_empty_tensor_value_info(o) for _, o in produced)
     values = run_onnxruntime(proto, feeds)
     first = next(
-        name for (name, _), value in zip(produced, values, strict=True)
+        name
+        for (name, _), value in zip(produced, values, strict=True)
         if np.abs(value).max() > 65504
     )
     assert first in blamed, (first, blamed)

@@ -446,8 +446,9 @@ def test_fp16_conversion_clips_out_of_range_constants_with_one_warning() -> None
     assert warning["code"] == "fp16_clipped"
     assert "big" in warning["message"] and "ok" not in warning["message"]
     (reader,) = (n.name for n in model.graph if n.op_type == "Mul")
-    assert warning["nodes"] == [reader] and f"FP32NodeInstanceNames: [{reader}]" in (
-        warning["suggestion"]
+    assert (
+        warning["nodes"] == [reader]
+        and f"FP32NodeInstanceNames: [{reader}]" in (warning["suggestion"])
     )
     big = model.graph.initializers["big"].const_value
     assert big is not None
