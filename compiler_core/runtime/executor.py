@@ -47,7 +47,7 @@ from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.joins import JoinTile, plan_joins
-from compiler_core.runtime.mirrors import Mirrors
+from compiler_core.runtime.mirrors import Key, Mirrors
 from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
@@ -850,7 +850,7 @@ class Executor:
         # covers, a scattered box settles those its span meets
         dst_start, dst_end, covers = _span(instr.vtcm, instr.buf_box, instr.box, t.dtype)
         # a multicast writes its first target only, the others mirror it (mirrors.py)
-        key = (instr.vtcm, buf_end, instr.buf_box, t.dtype)
+        key = _buffer_key(self.program, instr)
         mirrored = (
             self.mirrored
             and len(targets) > 1
@@ -1302,17 +1302,11 @@ class Executor:
             if steps:
                 value = results[0]
                 for opdef, epilogue in chain:
-                    step_inputs = [
-                        value if ref is None else (None if ref < 0 else operands[ref])
-                        for ref in epilogue.inputs  # type: ignore[attr-defined]
-                    ]
+                    step_inputs = _step_operands(epilogue, value, operands)
                     step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
                     value = opdef.compute(step_info, step_inputs, whole)[0]
                 if last is not None:
-                    step_inputs = [
-                        value if ref is None else (None if ref < 0 else operands[ref])
-                        for ref in last.inputs
-                    ]
+                    step_inputs = _step_operands(last, value, operands)
                     _, dst, start, end, covers, mirrorable = outs[0]
                     if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
                         deferred.overwrite(core, start, end, whole=covers)
@@ -1348,7 +1342,7 @@ class Executor:
         return step
 
 
-def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Any]:
+def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Key]:
     """The multicast buffers (as mirrors.py names them) that meet an input of a joined tile
     (core, position in its stream) on its core: those must be written on every target."""
     reads: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
@@ -1368,19 +1362,25 @@ def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Any]
         for instr in stream:
             if not isinstance(instr, NocCopy):
                 continue
-            dtype = program.tensors[instr.tensor].dtype
-            end = instr.vtcm + _nbytes(instr.buf_box, dtype)
+            key = _buffer_key(program, instr)
+            end = key[1]
             if any(
                 start < end and instr.vtcm < stop
                 for core in cores_in(instr.cores)
                 if core < program.num_cores
                 for start, stop in reads[core]
             ):
-                found.add((instr.vtcm, end, instr.buf_box, dtype))
+                found.add(key)
     return found
 
 
-def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], list[int]]]:
+def _buffer_key(program: Program, instr: NocCopy) -> Key:
+    """The buffer a NoC copy writes, as mirrors.py names it (`mirrors.Key`)."""
+    dtype = program.tensors[instr.tensor].dtype
+    return (instr.vtcm, instr.vtcm + _nbytes(instr.buf_box, dtype), instr.buf_box, dtype)
+
+
+def _multicast_ranges(program: Program, off: set[Key]) -> list[tuple[list[int], list[int]]]:
     """Per core, the VTCM bytes some multicast NoC copy of the program writes there, into
     a buffer not in `off` (merged ranges: starts, ends)."""
     found: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
@@ -1391,12 +1391,11 @@ def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], 
             targets = [c for c in cores_in(instr.cores) if c < program.num_cores]
             if len(targets) < 2:
                 continue
-            dtype = program.tensors[instr.tensor].dtype
-            end = instr.vtcm + _nbytes(instr.buf_box, dtype)
-            if (instr.vtcm, end, instr.buf_box, dtype) in off:
+            key = _buffer_key(program, instr)
+            if key in off:
                 continue
             for core in targets:
-                found[core].append((instr.vtcm, end))
+                found[core].append((instr.vtcm, key[1]))
     merged: list[tuple[list[int], list[int]]] = []
     for ranges in found:
         starts: list[int] = []
@@ -1409,6 +1408,16 @@ def _multicast_ranges(program: Program, off: set[Any]) -> list[tuple[list[int], 
                 ends.append(end)
         merged.append((starts, ends))
     return merged
+
+
+def _step_operands(
+    epilogue: Any, value: np.ndarray, operands: list[np.ndarray | None]
+) -> list[np.ndarray | None]:
+    """An epilogue step's inputs: the value so far (ref None), none (ref < 0) or the
+    kernel's operand at ref."""
+    return [
+        value if ref is None else (None if ref < 0 else operands[ref]) for ref in epilogue.inputs
+    ]
 
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
