@@ -14,11 +14,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering.placement import CodegenPolicy
-from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, RunKernel
+from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, RunKernel, SemWait
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor
-from compiler_core.runtime.deferred import DeferredLoads
+from compiler_core.runtime.deferred import DeferredLoads, ReplayFault
 from compiler_core.runtime.executor import _span
+from tests.models import transformer_encoder
 
 VTCM = 8_323_072
 
@@ -136,3 +137,104 @@ def test_a_box_spans_its_first_to_last_byte_and_a_slab_writes_all_of_them() -> N
     assert _span(100, buf, buf, "int8") == (100, 124, True)
     assert _span(100, buf, ((1, 1), (0, 6)), "float32") == (100, 100, True)
     assert _span(100, (), (), "float32") == (100, 104, True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_replayed_inference_leaves_what_looking_the_records_up_leaves(seed: int) -> None:
+    """Random accesses in the same order in three inferences, each on a zeroed memory: the
+    first is recorded and the next two replay it; every read, and the whole memory after
+    each, agree with an eagerly copied memory."""
+    rng = np.random.default_rng(seed)
+    size = 400
+    for _ in range(100):
+        ops = list(_random_ops(rng, size))
+        values = [rng.integers(1, 255, end - start, dtype=np.uint8) for _, start, end, _ in ops]
+        deferred = DeferredLoads(1)
+        lazy = np.zeros(size, np.uint8)
+        for inference in range(3):
+            eager = np.zeros(size, np.uint8)
+            lazy[:] = 0
+            deferred.start(fresh=inference == 0)
+            for (kind, start, end, row), value in zip(ops, values, strict=True):
+                n = end - start
+                if kind == "defer":
+                    src = value.reshape(n // row, row)
+                    src.flags.writeable = False
+                    eager[start:end] = value
+                    deferred.defer(0, start, end, lazy[start:end].reshape(n // row, row), src)
+                elif kind == "write":
+                    eager[start:end] = value
+                    deferred.overwrite(0, start, end, whole=True)
+                    lazy[start:end] = value
+                elif kind == "write-some":
+                    eager[start:end:2] = value[::2]
+                    deferred.overwrite(0, start, end, whole=False)
+                    lazy[start:end:2] = value[::2]
+                else:
+                    deferred.settle(0, start, end)
+                    np.testing.assert_array_equal(lazy[start:end], eager[start:end])
+            deferred.settle(0, 0, size)
+            deferred.finish()
+            np.testing.assert_array_equal(lazy, eager)
+            assert not deferred.pending[0]
+
+
+def test_an_access_out_of_the_recorded_order_is_a_fault() -> None:
+    deferred = DeferredLoads(1)
+    memory = np.zeros(16, np.uint8)
+    src = np.ones((4, 4), np.uint8)
+    deferred.start(fresh=True)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), src)
+    deferred.settle(0, 0, 4)
+    deferred.finish()
+    deferred.start(fresh=False)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), src)
+    with pytest.raises(ReplayFault):
+        deferred.settle(0, 4, 8)
+    deferred.start(fresh=False)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), src)
+    with pytest.raises(ReplayFault):
+        deferred.finish()  # one access short
+
+
+def _without_waits(program: Program) -> Program:
+    return dataclasses.replace(
+        program, streams=[[i for i in s if not isinstance(i, SemWait)] for s in program.streams]
+    )
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_replayed_inferences_compute_and_leave_what_looked_up_ones_do(
+    tampered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test transformer on 4 cores with its weights streamed (deferred loads, NoC
+    copies and multicasts over their buffers), and the same program without its semaphore
+    waits (a wrong answer): from the third inference on the accesses replay the second's
+    and never look the records up, and every inference's outputs, VTCM and byte counts
+    equal those of an executor that always looks them up."""
+    model = transformer_encoder()
+    result = compile_model(model, ["-aic-num-cores=4"], policy=CodegenPolicy(residency=False))
+    try:
+        with load_qpc(result.qpc_path) as qpc:
+            program = qpc.program()
+            constants = bytes(qpc.segments["constants.bin"])
+    finally:
+        result.cleanup()
+    if tampered:
+        program = _without_waits(program)
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 64)).astype(np.float32)}
+    replayed, looked_up = Executor(program, constants, VTCM), Executor(program, constants, VTCM)
+    looked_up.deferred.replay = False
+    for inference in range(4):
+        if inference == 2:
+
+            def looks_up(*args: object) -> bool:
+                raise AssertionError("a replayed access looked the records up")
+
+            monkeypatch.setattr(replayed.deferred, "_meets", looks_up)
+        got, want = replayed.run(feeds), looked_up.run(feeds)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value)
+        for mine, theirs in zip(replayed.machine.vtcm, looked_up.machine.vtcm, strict=True):
+            np.testing.assert_array_equal(mine, theirs)
+        assert [t.as_row() for t in replayed.traffic] == [t.as_row() for t in looked_up.traffic]

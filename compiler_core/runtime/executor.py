@@ -482,13 +482,14 @@ class Executor:
         if self.inference == 1 and self.mirrored and not self.mirrors.judged:
             self.mirrors.judge()  # which buffers stay mirrored: decode the streams again
             self._streams = None
+        fresh = self._streams is None
         self._decoded_streams()  # sets how far inferences write VTCM, zeroed next
         machine.dynamic[:] = 0
         for core, core_mem in enumerate(machine.vtcm):
             # an inference writes VTCM below _written_end only, so this restores all zeros
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
-        self.deferred.clear()
+        self.deferred.start(fresh=fresh)
         self.mirrors.clear()
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
@@ -529,6 +530,7 @@ class Executor:
     def finish(self) -> dict[str, np.ndarray]:
         """The finished inference's host outputs by name."""
         program = self.program
+        self.deferred.finish()
         _, host_outputs = program.host_ports()
         return {
             program.tensors[t].name: self.machine.tensor(program.tensors[t]).copy()
