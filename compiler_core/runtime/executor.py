@@ -1262,7 +1262,9 @@ class Executor:
         operand's box: the same view object while the same load stands for the buffer, so a
         shared tile recognises its constant in place by identity (runtime/shared.py)."""
         fusable = bool(outs) and outs[0][0] == 0 and bool(steps) and _fusable(steps[-1][1])
-        chain = steps[:-1] if fusable else steps
+        chain: list[tuple[OpDef, Any, np.dtype | None]] = [
+            (opdef, e, _direct(e)) for opdef, e in (steps[:-1] if fusable else steps)
+        ]
         last: Any = steps[-1][1] if fusable else None
         last_dtype = np.dtype(last.out_dtype) if fusable else None
 
@@ -1303,8 +1305,13 @@ class Executor:
             written = False
             if steps:
                 value = results[0]
-                for opdef, epilogue in chain:
+                for opdef, epilogue, direct in chain:
                     step_inputs = _step_operands(epilogue, value, operands)
+                    if direct is not None:
+                        found = _direct_step(epilogue.op_type, direct, step_inputs)
+                        if found is not None:
+                            value = found
+                            continue
                     step_info, whole = _epilogue_info(epilogue, step_inputs, value, step_infos)
                     value = opdef.compute(step_info, step_inputs, whole)[0]
                 if last is not None:
@@ -1424,38 +1431,78 @@ def _step_operands(
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
+_UFUNCS: dict[str, np.ufunc] = {
+    "Relu": np.maximum,
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": np.divide,
+}
+"""The ufunc each such step's own compute calls on float operands (activation.py `_relu`,
+elementwise.py's Add, Sub, Mul and Div: `int_div` divides floats with `np.divide`)."""
+
 
 def _fusable(epilogue: Any) -> bool:
     """Whether a kernel's last epilogue step may write its output tile itself (`_fits`)."""
-    return epilogue.domain == "" and epilogue.op_type in ("Relu", "Add")
+    return epilogue.domain == "" and epilogue.op_type in _UFUNCS
+
+
+def _direct(epilogue: Any) -> np.dtype | None:
+    """The dtype in which an epilogue step is its ufunc on its operands as they are (float32
+    or float64 in and out: nothing widened or rounded), or None (it runs its own compute)."""
+    dtype = np.dtype(epilogue.out_dtype)
+    if not _fusable(epilogue) or epilogue.op_type == "Relu" or dtype not in _FUSED_DTYPES:
+        return None
+    return dtype
 
 
 def _fits(
     epilogue: Any, out_dtype: np.dtype | None, inputs: list[np.ndarray | None], dst: np.ndarray
 ) -> bool:
     """Whether `_write_fused` gives `dst` the bytes the step's own compute would: float32 or
-    float64 operands, result (`out_dtype`, the step's) and tile of one dtype and shape (no
-    widening, rounding or broadcast; anything else runs the step's compute, which also
-    reports a wrong shape)."""
+    float64 operands, result (`out_dtype`, the step's) and tile of one dtype, the operands
+    broadcasting to the tile's shape (no widening or rounding; anything else runs the step's
+    compute, which also reports a wrong shape)."""
     dtype = dst.dtype
     if dtype not in _FUSED_DTYPES or out_dtype != dtype:
         return False
     if len(inputs) != (1 if epilogue.op_type == "Relu" else 2):
         return False
-    return all(a is not None and a.dtype == dtype and a.shape == dst.shape for a in inputs)
+    if not all(a is not None and a.dtype == dtype for a in inputs):
+        return False
+    a, b = inputs[0], inputs[-1]
+    assert a is not None and b is not None
+    if a.shape == b.shape:
+        return a.shape == dst.shape
+    try:
+        return np.broadcast_shapes(a.shape, b.shape) == dst.shape
+    except ValueError:
+        return False
 
 
 def _write_fused(op_type: str, inputs: list[np.ndarray | None], dst: np.ndarray) -> None:
-    """A kernel's last epilogue step (Relu, Add) computed into its output tile: the same ufunc
-    on the same operands as the step's compute (activation.py `_relu`, elementwise.py Add),
-    without the array it would return and the copy of it into VTCM."""
+    """A kernel's last epilogue step (Relu, Add, Sub, Mul, Div) computed into its output tile:
+    the same ufunc on the same operands as the step's compute (`_UFUNCS`), without the array
+    it would return and the copy of it into VTCM."""
     a, b = inputs[0], inputs[-1]
     assert a is not None and b is not None
     with np.errstate(all="ignore"):
         if op_type == "Relu":
             np.maximum(a, np.zeros((), dst.dtype), out=dst)
         else:
-            np.add(a, b, out=dst)
+            _UFUNCS[op_type](a, b, out=dst)
+
+
+def _direct_step(
+    op_type: str, dtype: np.dtype, inputs: list[np.ndarray | None]
+) -> np.ndarray | None:
+    """An epilogue step's value as its ufunc gives it (`_direct`), when its two operands are
+    of its dtype; None: it runs its own compute."""
+    a, b = inputs[0], inputs[-1]
+    if len(inputs) != 2 or a is None or b is None or a.dtype != dtype or b.dtype != dtype:
+        return None
+    with np.errstate(all="ignore"):
+        return _UFUNCS[op_type](a, b)  # type: ignore[no-any-return]
 
 
 def _outer_index(
