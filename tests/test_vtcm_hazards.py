@@ -1,8 +1,10 @@
 """The emitter's VTCM hazards (`lowering/vtcm_hazards.py`) find, for every access, exactly the
 ops that byte-by-byte bookkeeping finds: the last writer of each byte read, and the last writer
 and readers since of each byte written (each core's latest reader standing for its earlier
-ones). Periodic blocks are a representation only; these tests compare every access's ops with
-a plain sorted segment list, on random strided traffic and on a 14-core compile's own."""
+ones), when every core reads only its own window of the address space, as the emitter's cores
+read only their own VTCM. Periodic blocks and one reader per byte are a representation only;
+these tests compare every access's ops with a plain sorted segment list that keeps each
+core's readers, on random strided traffic and on a 14-core compile's own."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from compiler_core import compile_model
+from compiler_core.lowering.emit import VTCM_SPAN
 from compiler_core.lowering.program import BYTE_RUNS, box_byte_progressions, box_byte_range
 from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
 from tests.codegen_models import conv_net
@@ -70,9 +73,10 @@ Call = tuple[str, int, int | list[Progression], int]
 """("r", lo, hi, op) or ("w", base, progressions, op)."""
 
 
-def _replay(calls: list[Call], core_of: list[int]) -> list[tuple[set[int], set[int]]]:
-    """Each call's ops from the hazards and from the reference."""
-    hazards, reference = VtcmHazards(core_of), _Reference(core_of)
+def _replay(calls: list[Call], core_of: list[int], window: int) -> list[tuple[set[int], set[int]]]:
+    """Each call's ops from the hazards and from the reference (the hazards' "no op", -1,
+    left out)."""
+    hazards, reference = VtcmHazards(core_of, window), _Reference(core_of)
     found = []
     for kind, a, b, op in calls:
         got: set[int] = set()
@@ -85,6 +89,7 @@ def _replay(calls: list[Call], core_of: list[int]) -> list[tuple[set[int], set[i
             assert isinstance(b, list)
             hazards.write_runs(a, b, op, got)
             reference.write_runs(a, b, op, want)
+        got.discard(-1)
         found.append((got, want))
     return found
 
@@ -161,11 +166,12 @@ def test_random_strided_traffic_finds_the_ops_bytes_would(monkeypatch: pytest.Mo
     core_of: list[int] = []
     calls: list[Call] = []
     for op in range(3000):
-        core_of.append(rng.randrange(cores))
-        window = rng.randrange(cores) << 20
+        core = rng.randrange(cores)
+        core_of.append(core)
+        window = rng.randrange(cores) << 20  # any core's, for a write
         roll = rng.random()
-        if roll < 0.3:  # a read of a span: a kernel's operand, a store's part
-            lo = window + rng.randrange(0, 60_000)
+        if roll < 0.3:  # a read of a span in its own core's: a kernel's operand, a store's part
+            lo = (core << 20) + rng.randrange(0, 60_000)
             calls.append(("r", lo, lo + rng.choice([1, 56, 300, 5_000, 40_000]), op))
         elif roll < 0.45:  # a write of a span: a kernel's output, a whole box
             lo = window + rng.randrange(0, 60_000)
@@ -177,7 +183,7 @@ def test_random_strided_traffic_finds_the_ops_bytes_would(monkeypatch: pytest.Mo
             phase = rng.randrange(0, stride - length + 1, 56)
             at = window + rng.choice([0, 4_096, 50_000]) + phase
             calls.append(("w", at, [(0, length, stride, rng.choice([2, 5, 64, 128]))], op))
-    found = _replay(calls, core_of)
+    found = _replay(calls, core_of, 1 << 20)
     assert all(got == want for got, want in found)
     assert sum(len(want) for _, want in found) > 3000  # the traffic does conflict
     assert all(taken[name] for name in ("_carve", "_expand", "_periods", "_regrid"))
@@ -186,21 +192,23 @@ def test_random_strided_traffic_finds_the_ops_bytes_would(monkeypatch: pytest.Mo
 def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Small maps cut by columns on 14 cores: each core multicasts its columns of every row."""
+    """Small maps cut by columns on 14 cores: each core multicasts its columns of every row.
+    Every walk of the compile (one per program it emits) is replayed on its own."""
     taken = _count_paths(monkeypatch)
-    calls: list[Call] = []
-    core_of: list[list[int]] = []  # the compile's, filled as its ops are walked
+    walks: dict[int, tuple[list[int], list[Call]]] = {}  # by hazards: its ops' cores, calls
     read, write_runs = VtcmHazards.read, VtcmHazards.write_runs
 
+    def recorded(self: VtcmHazards, call: Call) -> None:
+        walks.setdefault(id(self), (self.core_of, []))[1].append(call)
+
     def recorded_read(self: VtcmHazards, lo: int, hi: int, op: int, deps: set[int]) -> None:
-        calls.append(("r", lo, hi, op))
+        recorded(self, ("r", lo, hi, op))
         read(self, lo, hi, op, deps)
 
     def recorded_write_runs(
         self: VtcmHazards, base: int, runs: Sequence[Progression], op: int, deps: set[int]
     ) -> None:
-        core_of[:] = [self.core_of]
-        calls.append(("w", base, list(runs), op))
+        recorded(self, ("w", base, list(runs), op))
         write_runs(self, base, runs, op, deps)
 
     def recorded_write(self: VtcmHazards, lo: int, hi: int, op: int, deps: set[int]) -> None:
@@ -211,19 +219,21 @@ def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(
     monkeypatch.setattr(VtcmHazards, "write", recorded_write)
     compile_model(conv_net(batch=1, channels=32, size=28), ["-aic-num-cores=14"])
     monkeypatch.undo()
+    calls = [call for _, walk in walks.values() for call in walk]
     strided = [runs for _, _, runs, _ in calls if isinstance(runs, list) and runs[0][3] > 1]
     assert len(strided) > 100 and taken["_carve"]
-    found = _replay(calls, core_of[0])
-    assert all(got == want for got, want in found)
+    for core_of, walk in walks.values():
+        found = _replay(walk, core_of, VTCM_SPAN)
+        assert all(got == want for got, want in found)
 
 
 def test_a_strided_write_makes_periods_of_a_long_segment_past_a_short_one() -> None:
     # the first run falls in a short segment; the ones past it, in one long segment
-    hazards = VtcmHazards([0, 0, 1])
+    hazards = VtcmHazards([1, 1, 0], 1 << 20)
     deps: set[int] = set()
     hazards.write(0, 100, 0, deps)
     hazards.write_runs(0, [(0, 8, 56, 64)], 1, deps)
     assert any(block.period == 56 for block in hazards.blocks)
     read: set[int] = set()
     hazards.read(0, 64 * 56, 2, read)
-    assert read == {0, 1}
+    assert read - {-1} == {0, 1}

@@ -1073,7 +1073,7 @@ def materialize(
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
-    vtcm = VtcmHazards(ddr.core_of)
+    vtcm = VtcmHazards(ddr.core_of, VTCM_SPAN)
     ops = schedule.ops
     position: list[int] = []
     counts = [0] * cores
@@ -1142,6 +1142,7 @@ def materialize(
                 vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
                 vtcm_used[c] = max(vtcm_used[c], hi)
         deps.discard(index)
+        deps.discard(-1)
         mine = clocks[c]
         latest: dict[int, int] = {}  # core -> its latest op this one depends on
         core_of = ddr.core_of

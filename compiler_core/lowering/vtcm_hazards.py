@@ -1,5 +1,9 @@
-"""Hazards between VTCM accesses: per byte, the op that last wrote it and those that read it
-since, kept so that a transfer's strided byte runs cost about as much as one run.
+"""Hazards between VTCM accesses: per byte, the op that last wrote it and the latest op that
+read it since, kept so that a transfer's strided byte runs cost about as much as one run.
+
+Each byte is read by the ops of one core only (a core reads only its own VTCM; other cores
+write into it, by DMA or NoC), so its latest reader stands for all the earlier ones: a post
+is a fence of everything its core did before.
 
 `materialize` (emit.py) orders each transfer by the bytes it touches: up to 128 equal runs a
 fixed stride apart when cores fill a shared buffer side by side (each its columns of every
@@ -36,20 +40,19 @@ STRIDED_MIN = 4
 REGRID_MAX = 8
 """A periodic block is seen with a period up to this many of its own to suit a stride."""
 
-Readers = tuple[int, ...]
 Progression = tuple[int, int, int, int]
 """Equal runs `(lo, length, stride, count)`: `[lo + k stride, lo + k stride + length)`."""
 
 
 class _Block:
     """Segments: `offs` (absolute when plain, `period` 0; else within one period, from 0),
-    each one's last writer (-1: none) and readers since; a periodic block has `count`
+    each one's last writer and latest reader since (-1: none); a periodic block has `count`
     periods."""
 
     __slots__ = ("count", "offs", "period", "readers", "writer")
 
     def __init__(
-        self, period: int, count: int, offs: list[int], writer: list[int], readers: list[Readers]
+        self, period: int, count: int, offs: list[int], writer: list[int], readers: list[int]
     ) -> None:
         self.period = period
         self.count = count
@@ -70,26 +73,12 @@ def _cut(b: _Block, at: int) -> int:
     return i + 1
 
 
-def _read(
-    b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int], core_of: list[int]
-) -> None:
+def _read(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -> None:
     """A read of `[lo, hi)` in `b`'s segments (which end at `lim`)."""
     first = _cut(b, lo)
     last = _cut(b, hi) if hi < lim else len(b.offs)
-    writer, readers = b.writer, b.readers
-    core = core_of[op]
-    # segments next to each other mostly share their readers: each distinct tuple once
-    renewed: dict[Readers, Readers] = {}
-    for i in range(first, last):
-        w = writer[i]
-        if w >= 0:
-            deps.add(w)
-        # each core's latest reader stands for its earlier ones (a post is a fence)
-        old = readers[i]
-        new = renewed.get(old)
-        if new is None:
-            new = renewed[old] = (*(r for r in old if core_of[r] != core), op)
-        readers[i] = new
+    deps.update(b.writer[first:last])
+    b.readers[first:last] = [op] * (last - first)
 
 
 def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: set[int]) -> None:
@@ -102,7 +91,7 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
     end = offs[i + 1] if i + 1 < count else lim
     new_offs: list[int] = []
     new_writer: list[int] = []
-    new_readers: list[Readers] = []
+    new_readers: list[int] = []
     for lo, hi in runs:
         while end <= lo:  # segments wholly before the run, as they are
             new_offs.append(pos)
@@ -116,17 +105,15 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
             new_writer.append(writer[i])
             new_readers.append(readers[i])
         while True:  # the segments the run meets
-            w = writer[i]
-            if w >= 0:
-                deps.add(w)
-            deps.update(readers[i])
+            deps.add(writer[i])
+            deps.add(readers[i])
             if end >= hi:
                 break
             i += 1
             end = offs[i + 1] if i + 1 < count else lim
         new_offs.append(lo)
         new_writer.append(op)
-        new_readers.append(())
+        new_readers.append(-1)
         pos = hi
         if end == hi:  # segment i ends with the run: the next one is current
             i += 1
@@ -143,16 +130,20 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
 
 
 class VtcmHazards:
-    """Per byte of every core's VTCM (one address space): the last writer and the readers
-    since (ops by global index); each access adds the ops it must wait for to `deps`."""
+    """Per byte of every core's VTCM (one address space, a `window` of it per core): the last
+    writer and the latest reader since (ops by global index); each access adds the ops it
+    must wait for to `deps`, and -1 (no op) when a byte it meets has none."""
 
-    def __init__(self, core_of: list[int]) -> None:
+    def __init__(self, core_of: list[int], window: int) -> None:
         self.starts: list[int] = [0]
-        self.blocks: list[_Block] = [_Block(0, 1, [0], [-1], [()])]
+        self.blocks: list[_Block] = [_Block(0, 1, [0], [-1], [-1])]
         self.core_of = core_of
         """The core of every op, by global index."""
+        self.window = window
 
     def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        """A read by `op` of bytes in its own core's window."""
+        assert lo // self.window == self.core_of[op], "a core reads only its own VTCM"
         if hi > lo:
             self._span(lo, hi, op, deps, True)
 
@@ -176,7 +167,7 @@ class VtcmHazards:
 
     # ------------------------------------------------------------------ accesses
     def _span(self, lo: int, hi: int, op: int, deps: set[int], read: bool) -> None:
-        starts, blocks, core_of = self.starts, self.blocks, self.core_of
+        starts, blocks = self.starts, self.blocks
         i = first = bisect.bisect_right(starts, lo) - 1
         pos = lo
         while pos < hi:
@@ -187,7 +178,7 @@ class VtcmHazards:
             if not period:
                 stop = hi if hi < end else end
                 if read:
-                    _read(b, pos, stop, end, op, deps, core_of)
+                    _read(b, pos, stop, end, op, deps)
                 else:
                     _write(b, ((pos, stop),), end, op, deps)
                 if len(b.offs) > PLAIN_MAX:
@@ -203,16 +194,16 @@ class VtcmHazards:
                 stop -= q * period
                 stop = stop if stop < period else period
                 if read:
-                    _read(blocks[i], phase, stop, period, op, deps, core_of)
+                    _read(blocks[i], phase, stop, period, op, deps)
                 else:
                     _write(blocks[i], ((phase, stop),), period, op, deps)
             else:  # whole periods
                 i = self._periods(i, q, stop // period)
                 if read:
-                    _read(blocks[i], 0, period, period, op, deps, core_of)
+                    _read(blocks[i], 0, period, period, op, deps)
                 else:
                     _write(blocks[i], ((0, period),), period, op, deps)
-                    blocks[i] = _Block(0, 1, [starts[i]], [op], [()])
+                    blocks[i] = _Block(0, 1, [starts[i]], [op], [-1])
             i += 1
             pos = starts[i] if i < len(starts) else END
         if not read:
