@@ -14,12 +14,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering.placement import CodegenPolicy
-from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, RunKernel, SemWait
+from compiler_core.lowering.program import DmaLoad, DmaStore, Instr, Program, RunKernel
 from compiler_core.qpc.container import load_qpc
 from compiler_core.runtime import Executor
-from compiler_core.runtime.deferred import DeferredLoads, ReplayFault
+from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.executor import _span
-from tests.models import transformer_encoder
+from compiler_core.runtime.replay import ReplayFault
 
 VTCM = 8_323_072
 
@@ -195,46 +195,3 @@ def test_an_access_out_of_the_recorded_order_is_a_fault() -> None:
     deferred.defer(0, 0, 16, memory.reshape(4, 4), src)
     with pytest.raises(ReplayFault):
         deferred.finish()  # one access short
-
-
-def _without_waits(program: Program) -> Program:
-    return dataclasses.replace(
-        program, streams=[[i for i in s if not isinstance(i, SemWait)] for s in program.streams]
-    )
-
-
-@pytest.mark.parametrize("tampered", [False, True])
-def test_replayed_inferences_compute_and_leave_what_looked_up_ones_do(
-    tampered: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The test transformer on 4 cores with its weights streamed (deferred loads, NoC
-    copies and multicasts over their buffers), and the same program without its semaphore
-    waits (a wrong answer): from the third inference on the accesses replay the second's
-    and never look the records up, and every inference's outputs, VTCM and byte counts
-    equal those of an executor that always looks them up."""
-    model = transformer_encoder()
-    result = compile_model(model, ["-aic-num-cores=4"], policy=CodegenPolicy(residency=False))
-    try:
-        with load_qpc(result.qpc_path) as qpc:
-            program = qpc.program()
-            constants = bytes(qpc.segments["constants.bin"])
-    finally:
-        result.cleanup()
-    if tampered:
-        program = _without_waits(program)
-    feeds = {"x": np.random.default_rng(1).standard_normal((2, 16, 64)).astype(np.float32)}
-    replayed, looked_up = Executor(program, constants, VTCM), Executor(program, constants, VTCM)
-    looked_up.deferred.replay = False
-    for inference in range(4):
-        if inference == 2:
-
-            def looks_up(*args: object) -> bool:
-                raise AssertionError("a replayed access looked the records up")
-
-            monkeypatch.setattr(replayed.deferred, "_meets", looks_up)
-        got, want = replayed.run(feeds), looked_up.run(feeds)
-        for name, value in want.items():
-            np.testing.assert_array_equal(got[name], value)
-        for mine, theirs in zip(replayed.machine.vtcm, looked_up.machine.vtcm, strict=True):
-            np.testing.assert_array_equal(mine, theirs)
-        assert [t.as_row() for t in replayed.traffic] == [t.as_row() for t in looked_up.traffic]

@@ -142,3 +142,73 @@ def test_buffers_whose_bytes_are_copied_out_are_written_whole_after_the_first_in
         mirrors.overwrite(core, 1 << 20, (1 << 20) + 1000, whole=False)
     mirrors.judge()
     assert mirrors.off == {_key(1 << 20, buf_box)}
+
+
+def _random_accesses(rng: np.random.Generator) -> list[tuple[int, int, Box, Box, list[int]]]:
+    """40 random (kind, offset, buffer box, box, cores) accesses as the test above makes
+    them: kinds 0-1 multicast `box` to `cores`, the others take a byte range of `cores[0]`
+    (its [start, end) as the box's one axis)."""
+    accesses = []
+    for _ in range(40):
+        kind = int(rng.integers(5))
+        offset, buf_box = BUFFERS[int(rng.integers(len(BUFFERS)))]
+        if kind <= 1:
+            tiling = _tilings(buf_box)[int(rng.integers(2))]
+            box = tiling[int(rng.integers(len(tiling)))]
+            count = int(rng.integers(2, CORES + 1))
+            targets = sorted(int(c) for c in rng.choice(CORES, count, replace=False))
+            accesses.append((kind, offset, buf_box, box, targets))
+            continue
+        start = int(rng.integers(0, SIZE - 1))
+        end = int(rng.integers(start + 1, min(SIZE, start + 48) + 1))
+        accesses.append((kind, offset, buf_box, ((start, end),), [int(rng.integers(CORES))]))
+    return accesses
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replayed_inferences_read_what_writing_every_target_leaves(seed: int) -> None:
+    """The same random accesses in three inferences, each on a zeroed memory and with new
+    data: the first is recorded, the next two replay it (writing their own data), and every
+    read, and the whole memory once settled, agree with an eagerly written memory."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        accesses = _random_accesses(rng)
+        wholes = [bool(rng.integers(2)) for _ in accesses]
+        lazy = np.zeros((CORES, SIZE), np.uint8)
+        mirrors = Mirrors(list(lazy))
+        for inference in range(3):
+            eager = np.zeros((CORES, SIZE), np.uint8)
+            lazy[:] = 0
+            mirrors.start(fresh=inference == 0)
+            for (kind, offset, buf_box, box, cores), whole in zip(accesses, wholes, strict=True):
+                key = _key(offset, buf_box)
+                if kind <= 1:
+                    shape = tuple(b - a for a, b in box)
+                    data = rng.integers(1, 255, shape, dtype=np.uint8)
+                    for core in cores:
+                        _view(eager, core, offset, buf_box, box)[...] = data
+                    start, end, covers = _span(offset, buf_box, box, "uint8")
+                    views = {core: _view(lazy, core, offset, buf_box, box) for core in cores}
+                    mirrors.multicast(
+                        cores, frozenset(cores), key, box, (start, end), covers, views, data
+                    )
+                    continue
+                core, ((start, end),) = cores[0], box
+                if kind == 2:
+                    step = 1 if whole else 2
+                    value = rng.integers(1, 255, end - start, dtype=np.uint8)[::step]
+                    eager[core, start:end:step] = value
+                    mirrors.overwrite(core, start, end, whole=whole)
+                    lazy[core, start:end:step] = value
+                elif kind == 3:
+                    mirrors.settle(core, start, end)
+                    np.testing.assert_array_equal(lazy[core, start:end], eager[core, start:end])
+                else:
+                    seen = mirrors.source(core, key[0], key[1])
+                    if seen is None:
+                        seen = lazy[core, key[0] : key[1]]
+                    np.testing.assert_array_equal(seen, eager[core, key[0] : key[1]])
+            for core in range(CORES):
+                mirrors.settle(core, 0, SIZE)
+            mirrors.finish()
+            np.testing.assert_array_equal(lazy, eager)

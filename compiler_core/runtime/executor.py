@@ -490,7 +490,7 @@ class Executor:
             core_mem[program.resident : self._written_end[core]] = 0
         self.copies.forget_scratch()
         self.deferred.start(fresh=fresh)
-        self.mirrors.clear()
+        self.mirrors.start(fresh=fresh)
         self.inference += 1
         self.traffic = [Traffic() for _ in range(program.num_cores)]
         host_inputs, host_outputs = program.host_ports()
@@ -531,6 +531,7 @@ class Executor:
         """The finished inference's host outputs by name."""
         program = self.program
         self.deferred.finish()
+        self.mirrors.finish()
         _, host_outputs = program.host_ports()
         return {
             program.tensors[t].name: self.machine.tensor(program.tensors[t]).copy()

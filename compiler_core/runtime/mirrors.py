@@ -24,7 +24,9 @@ been written:
 
 A core's bytes outside its mirrored boxes are its own, as before. Byte counts are the
 instructions', as before. Which buffers stay mirrored after a session's first inference is
-judged from what that inference spared and copied out (`judge`).
+judged from what that inference spared and copied out (`judge`). What the mirrors do at an
+access follows from the order of the accesses alone, so an inference that runs to its end
+is recorded and the later ones replay it (see replay.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import EllipsisType
 
 import numpy as np
 
 from compiler_core.ops.registry import Box, box_shape
+from compiler_core.runtime.replay import Replay
 
 Key = tuple[int, int, Box, str]
 """A buffer: its VTCM bytes [start, end), the box of the tensor it holds, its dtype."""
@@ -85,8 +89,12 @@ class Mirror:
     def end(self) -> int:
         return self.key[1]
 
-    def index(self, box: Box) -> tuple[slice, ...]:
-        return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, self.key[2], strict=True))
+    def index(self, box: Box) -> tuple[slice | EllipsisType, ...]:
+        """`box` of the buffer's array (a view, 0-d arrays included)."""
+        return (
+            *(slice(a - o, b - o) for (a, b), (o, _) in zip(box, self.key[2], strict=True)),
+            Ellipsis,
+        )
 
     def span(self, box: Box) -> tuple[int, int]:
         """The bytes from `box`'s first element to its last, in the buffer."""
@@ -109,9 +117,10 @@ class Mirror:
 
 
 class Mirrors:
-    """Per core, the mirrors holding some of its bytes: disjoint byte ranges of its VTCM."""
+    """Per core, the mirrors holding some of its bytes: disjoint byte ranges of its VTCM
+    (`replay` False: every inference looks them up; see replay.py)."""
 
-    def __init__(self, vtcm: Sequence[np.ndarray]) -> None:
+    def __init__(self, vtcm: Sequence[np.ndarray], replay: bool = True) -> None:
         self.vtcm = vtcm
         self.pending: list[list[int]] = [[] for _ in vtcm]
         """Per core, the starts of the mirrors holding some of its bytes, sorted."""
@@ -128,6 +137,7 @@ class Mirrors:
         self._taken: dict[Key, int] = {}
         self._count: dict[Key, int] = {}
         self.judged = False
+        self.replay = Replay(replay)
 
     def judge(self) -> None:
         """After a session's first inference: the buffers whose mirrors had more than a
@@ -144,13 +154,24 @@ class Mirrors:
         }
 
     def clear(self) -> None:
-        """The inference VTCM was zeroed: nothing is mirrored."""
-        for starts, entries in zip(self.pending, self._entries, strict=True):
-            starts.clear()
+        """The inference VTCM was zeroed: nothing is mirrored (and nothing recorded)."""
+        self.pending = [[] for _ in self.pending]
+        for entries in self._entries:
             entries.clear()
         for mirror in self._made:
             self._spare.setdefault(mirror.key, []).append(mirror.array)
         self._made.clear()
+        self.replay.stop()
+
+    def start(self, *, fresh: bool) -> None:
+        """An inference begins with its VTCM zeroed: it replays the recorded one, or is
+        recorded (`fresh`: the streams were decoded anew)."""
+        self.clear()
+        self.replay.start(fresh=fresh)
+
+    def finish(self) -> None:
+        """The inference ran to its end (a recorded one is what the next ones replay)."""
+        self.replay.finish()
 
     def multicast(
         self,
@@ -166,6 +187,24 @@ class Mirrors:
         """`data` lands in `box` of the buffer `key` on every target (`aimed`: the same, as
         a set; `views`: each target's view of that box; `span`: its bytes, every one written
         when `covers`)."""
+        replay = self.replay
+        if replay.replaying is not None:
+            replay.follow(self.pending, span[0], span[1], data)
+            return
+        self._multicast(targets, aimed, key, box, span, covers, views, data)
+        replay.record(self.pending, span[0], span[1])
+
+    def _multicast(
+        self,
+        targets: Sequence[int],
+        aimed: frozenset[int],
+        key: Key,
+        box: Box,
+        span: tuple[int, int],
+        covers: bool,
+        views: dict[int, np.ndarray],
+        data: np.ndarray,
+    ) -> None:
         start, end = key[0], key[1]
         found = self._entries[targets[0]].get(start)
         mirror = found if found is not None and found.key == key else None
@@ -187,7 +226,7 @@ class Mirrors:
         if new:
             mirror.written[box] = mirror.span(box)
             mirror.volume += _volume(box)
-        mirror.array[mirror.index(box)] = data
+        self.replay.write_data(mirror.array[mirror.index(box)], data)
         if not self.judged:
             self._saved[key] = self._saved.get(key, 0) + (len(targets) - 1) * data.nbytes
             self._count[key] = self._count.get(key, 0) + 1
@@ -201,8 +240,9 @@ class Mirrors:
                 for other in self._overlapping(core, start, end):
                     self._write(other, core, span[0], span[1], whole=covers)
                 if self._overlapping(core, start, end):  # another mirror keeps some bytes
-                    views[core][...] = data
+                    self.replay.write_data(views[core], data)
                     continue
+                self.replay.touch(core, bool(self.pending[core]))
                 insort(self.pending[core], start)
                 self._entries[core][start] = mirror
                 if len(mirror.written) == 1:
@@ -219,19 +259,35 @@ class Mirrors:
         (read-only uint8; the same array while the mirror stands) when the core holds every
         one of them there, or None (then the mirrored bytes inside it are copied into the
         core, and the buffer itself is read)."""
+        replay = self.replay
+        if replay.replaying is not None:
+            access = replay.follow(self.pending, start, end)
+            self.copied += access.copied
+            found: np.ndarray | None = access.result
+            return found
         mirror = self._entries[core].get(start)
         if mirror is not None and mirror.end == end and mirror.volume == mirror.array.size:
             if core in mirror.whole or (
                 not mirror.own.get(core) and _complete(mirror, mirror.held[core])
             ):
+                replay.record(self.pending, start, end, mirror.raw)
                 return mirror.raw
-        self.settle(core, start, end)
+        self._settle(core, start, end)
+        replay.record(self.pending, start, end)
         return None
 
     def settle(self, core: int, start: int, end: int) -> None:
         """Bytes [start, end) of `core` are about to be read: copy the mirrored boxes they
         meet into the core (they stay mirrored: the bytes are equal), but where the bytes
         read are the core's own."""
+        replay = self.replay
+        if replay.replaying is not None:
+            self.copied += replay.follow(self.pending, start, end).copied
+            return
+        self._settle(core, start, end)
+        replay.record(self.pending, start, end)
+
+    def _settle(self, core: int, start: int, end: int) -> None:
         for mirror in self._overlapping(core, start, end):
             own = mirror.own.get(core, {})
             dst = None
@@ -254,13 +310,23 @@ class Mirrors:
     def overwrite(self, core: int, start: int, end: int, *, whole: bool) -> None:
         """Bytes [start, end) of `core` are about to be written (`whole`: every byte of
         it)."""
+        replay = self.replay
+        if replay.replaying is not None:
+            self.copied += replay.follow(self.pending, start, end).copied
+            return
         for mirror in self._overlapping(core, start, end):
             self._write(mirror, core, start, end, whole=whole)
+        replay.record(self.pending, start, end)
 
     def overwrite_many(self, cores: Sequence[int], start: int, end: int, *, whole: bool) -> None:
+        replay = self.replay
+        if replay.replaying is not None:
+            self.copied += replay.follow(self.pending, start, end).copied
+            return
         for core in cores:
-            if self.pending[core]:
-                self.overwrite(core, start, end, whole=whole)
+            for mirror in self._overlapping(core, start, end):
+                self._write(mirror, core, start, end, whole=whole)
+        replay.record(self.pending, start, end)
 
     def _new(self, key: Key) -> Mirror:
         shape, dtype = box_shape(key[2]), np.dtype(key[3])
@@ -279,12 +345,18 @@ class Mirrors:
         raw = self.vtcm[core][mirror.start : mirror.end]
         return raw.view(mirror.array.dtype).reshape(mirror.array.shape)
 
-    def _copy(self, mirror: Mirror, dst: np.ndarray, box: Box) -> None:
+    def _copy(
+        self, mirror: Mirror, dst: np.ndarray, box: Box, kept: tuple[np.ndarray, ...] = ()
+    ) -> None:
+        """Copy `box` from the mirror into `dst` (the core's buffer), but for the `kept`
+        bytes."""
         index = mirror.index(box)
-        dst[index] = mirror.array[index]
-        self.copied += dst[index].nbytes
+        part = dst[index]
+        self.replay.write(part, mirror.array[index], kept)
+        self.copied += part.nbytes
+        self.replay.copied += part.nbytes
         if not self.judged:
-            self._taken[mirror.key] = self._taken.get(mirror.key, 0) + dst[index].nbytes
+            self._taken[mirror.key] = self._taken.get(mirror.key, 0) + part.nbytes
 
     def _write(self, mirror: Mirror, core: int, start: int, end: int, *, whole: bool) -> None:
         """The core's boxes meeting [start, end) are written: those wholly inside are
@@ -321,10 +393,7 @@ class Mirrors:
         dst = self._buffer(mirror, core)
         ranges = mirror.own.get(core, {}).pop(box, None)
         raw = self.vtcm[core]
-        kept = [(a, b, raw[a:b].copy()) for a, b in ranges or ()]
-        self._copy(mirror, dst, box)
-        for a, b, data in kept:
-            raw[a:b] = data
+        self._copy(mirror, dst, box, tuple(raw[a:b] for a, b in ranges or ()))
         del mirror.held[core][box]
 
     def _release(self, mirror: Mirror, core: int, box: Box) -> None:
@@ -349,6 +418,7 @@ class Mirrors:
             self._forget(mirror, core)
 
     def _forget(self, mirror: Mirror, core: int) -> None:
+        self.replay.touch(core, True)
         mirror.whole.discard(core)
         mirror.held.pop(core, None)
         mirror.own.pop(core, None)

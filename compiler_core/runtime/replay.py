@@ -1,0 +1,143 @@
+"""Bookkeeping recorded in one inference and replayed by the later ones.
+
+The deferred loads (deferred.py) and the mirrors (mirrors.py) keep records of VTCM byte
+ranges, and what they do at an access (which bytes they write into a core, which view they
+hand a kernel, whether a core has records left) follows from the order of the accesses and
+their byte ranges alone, never from the bytes. A program's streams access VTCM in the same
+order in every inference: the cores run until blocked in turn, and what blocks them is
+semaphore counts, not data. So an inference that runs to its end is recorded, access by
+access, and the later ones replay that list instead of looking the records up, which is
+most of what the records cost on many cores. An access out of the recorded order (another
+byte range, more or fewer accesses) is a `ReplayFault`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Write = tuple[np.ndarray, np.ndarray | None, tuple[np.ndarray, ...]]
+"""(destination, source, kept): `source` (None: the data the access is given) written into
+`destination` but for the bytes of the `kept` views, which keep what they held."""
+
+HELD: list[int] = [-1]
+"""The `pending` entry of a core with records while an inference replays (never changed:
+the executor only asks whether a core has any)."""
+
+
+class Access(NamedTuple):
+    """One recorded access: its byte range, what it wrote, its result, the cores whose
+    records it emptied (False) or started (True) and the bytes it counts as copied."""
+
+    start: int
+    end: int
+    writes: tuple[Write, ...]
+    result: Any
+    pending: tuple[tuple[int, bool], ...]
+    copied: int
+
+
+class ReplayFault(RuntimeError):
+    """An inference accessed VTCM out of the order the recorded one did."""
+
+
+class Replay:
+    """The recording and replaying of one bookkeeping object's accesses (`enabled` False:
+    every inference looks its records up; the answers are the same)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.plan: list[Access] | None = None
+        """The accesses of the last inference recorded to its end."""
+        self.replaying: list[Access] | None = None
+        """`plan` while this inference replays it."""
+        self.at = 0
+        """The next access to replay."""
+        self.trace: list[Access] | None = None
+        """This inference's accesses, while it records them."""
+        self.writes: list[Write] = []
+        self.touched: dict[int, bool] = {}
+        """Cores whose records the access changes, with whether each had any before."""
+        self.copied = 0
+        """Bytes the access counts as copied."""
+
+    def start(self, *, fresh: bool) -> None:
+        """An inference begins: it replays the recorded one, or is recorded (`fresh`: the
+        streams were decoded anew, so nothing recorded applies)."""
+        if fresh or not self.enabled:
+            self.plan = None
+        self.at = 0
+        self.replaying = self.plan
+        self.trace = [] if self.plan is None else None
+
+    def stop(self) -> None:
+        """Neither replay nor record (until the next `start`)."""
+        self.replaying = self.trace = None
+
+    def finish(self) -> None:
+        """The inference ran to its end: a recorded one is what the next ones replay."""
+        if self.replaying is not None and self.at != len(self.replaying):
+            raise ReplayFault(
+                f"an inference made {self.at} accesses, the recorded one {len(self.replaying)}"
+            )
+        if self.trace is not None:
+            self.plan = self.trace
+        self.stop()
+
+    def follow(
+        self, pending: list[list[int]], start: int, end: int, data: np.ndarray | None = None
+    ) -> Access:
+        """Replay the next recorded access, which must be of the same bytes (`pending`:
+        the owner's, set as the access left it; `data`: this access's, for the writes of
+        the access's data)."""
+        plan, at = self.replaying, self.at
+        assert plan is not None
+        if at >= len(plan) or plan[at].start != start or plan[at].end != end:
+            raise ReplayFault(f"access {at} to [{start}, {end}) out of the recorded order")
+        access = plan[at]
+        self.at = at + 1
+        for dst, src, kept in access.writes:
+            if kept:
+                saved = [k.copy() for k in kept]
+                dst[...] = src
+                for k, before in zip(kept, saved, strict=True):
+                    k[...] = before
+            else:
+                dst[...] = data if src is None else src
+        for core, held in access.pending:
+            pending[core] = HELD if held else []
+        return access
+
+    def write(self, dst: np.ndarray, src: np.ndarray, kept: tuple[np.ndarray, ...] = ()) -> None:
+        """Write `src` into `dst` but for the `kept` bytes, and note it for the record."""
+        saved = [k.copy() for k in kept]
+        dst[...] = src
+        for k, before in zip(kept, saved, strict=True):
+            k[...] = before
+        self.writes.append((dst, src, kept))
+
+    def write_data(self, dst: np.ndarray, data: np.ndarray) -> None:
+        """Write the data the access is given into `dst` (each replay writes its own)."""
+        dst[...] = data
+        self.writes.append((dst, None, ()))
+
+    def touch(self, core: int, had: bool) -> None:
+        """The access is about to change `core`'s records (`had`: whether it has any)."""
+        self.touched.setdefault(core, had)
+
+    def record(self, pending: list[list[int]], start: int, end: int, result: Any = None) -> None:
+        """End an access (of bytes [start, end)): recorded, when this inference is."""
+        writes, touched = self.writes, self.touched
+        if self.trace is not None:
+            changed = tuple(
+                (core, bool(pending[core]))
+                for core, had in touched.items()
+                if bool(pending[core]) != had
+            )
+            self.trace.append(Access(start, end, tuple(writes), result, changed, self.copied))
+        if writes:
+            writes.clear()
+        if touched:
+            touched.clear()
+        self.copied = 0
