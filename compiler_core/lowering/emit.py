@@ -394,47 +394,58 @@ class _Builder:
         for o, tid in enumerate(desc.outputs):
             if tid < 0 or kt.scatter:
                 continue
-            dtype = self.dtype(tid)
-            if tid in self.placement.chip:
+            on_chip = tid in self.placement.chip
+            layout = self.memo.outputs.get((kt.k, o, on_chip))
+            if layout is None:
+                layout = self.memo.outputs[(kt.k, o, on_chip)] = self._layout(kt, o, on_chip)
+            size, tiles = layout
+            if on_chip:
                 last = max(
                     (step_of(c, True) for c in self.consumers.get(tid, [])), default=kt.compute
                 )
-                sizes = {
-                    c: sum(
-                        align(box_nbytes(_tile_out_boxes(graph, kt.k, t)[o] or (), dtype))
-                        for t in ts
-                    )
-                    for c, ts in kt.by_core.items()
-                }
-                size = max(sizes.values())
                 buf = self.buffer(size, kt.compute, last, f"output of {desc.name}", root=tid)
                 self.chip_bytes[tid] = size
                 slots = []
-                for c, ts in sorted(kt.by_core.items()):
-                    delta = 0
-                    for j, t in enumerate(ts):
-                        box = _tile_out_boxes(graph, kt.k, t)[o]
-                        assert box is not None
-                        out.refs[(c, j, o)] = (buf, delta)
-                        slots.append(_Slot(c, box, (buf, delta)))
-                        delta += align(box_nbytes(box, dtype))
+                for c, j, box, delta in tiles:
+                    out.refs[(c, j, o)] = (buf, delta)
+                    slots.append(_Slot(c, box, (buf, delta)))
                 self.slots[tid] = slots
                 if graph.tensors[tid].kind == KIND_OUTPUT:
                     out.stores.append(o)  # a graph output its consumers read on chip
             else:
                 out.stores.append(o)
-                size = max(
-                    box_nbytes(_tile_out_boxes(graph, kt.k, t)[o] or (), dtype)
-                    for t in graph.kernels[kt.k].tiles
-                )
                 bufs = [
                     self.buffer(size, kt.first, kt.compute, f"output tile of {desc.name}")
                     for _ in range(kt.parities)
                 ]
-                for c, ts in kt.by_core.items():
-                    for j in range(len(ts)):
-                        out.refs[(c, j, o)] = (bufs[j % kt.parities], 0)
+                for c, j, _, _ in tiles:
+                    out.refs[(c, j, o)] = (bufs[j % kt.parities], 0)
         return out
+
+    def _layout(self, kt: _KernelTiles, o: int, on_chip: bool) -> _Layout:
+        """Output `o`'s buffer bytes and its tiles (core, step, box, byte offset): on chip,
+        each core's tiles one after another in one buffer; else one tile's scratch (the
+        largest)."""
+        dtype = self.dtype(kt.desc.outputs[o])
+        tiles: list[tuple[int, int, Box, int]] = []
+        if on_chip:
+            size = 0
+            for c, ts in sorted(kt.by_core.items()):
+                delta = 0
+                for j, t in enumerate(ts):
+                    box = _tile_out_boxes(self.graph, kt.k, t)[o]
+                    assert box is not None
+                    tiles.append((c, j, box, delta))
+                    delta += align(box_nbytes(box, dtype))
+                size = max(size, delta)
+            return size, tuple(tiles)
+        size = max(
+            box_nbytes(_tile_out_boxes(self.graph, kt.k, t)[o] or (), dtype)
+            for t in self.graph.kernels[kt.k].tiles
+        )
+        for c, ts in kt.by_core.items():
+            tiles.extend((c, j, (), 0) for j in range(len(ts)))
+        return size, tuple(tiles)
 
     def _inputs(self, kt: _KernelTiles) -> _Inputs:
         """Where each input comes from: resident weights, on-chip activations (NoC copies
@@ -775,45 +786,67 @@ class _Builder:
         by_core: dict[int, list[TileSpec]],
         operand: dict[tuple[int, int, int], TileInput],
     ) -> None:
-        """Operands of an on-chip activation: the producer's own buffers where the data is
-        local; otherwise NoC copies pushed by the producing cores, into halo slots (a few
-        neighbours' rows) or a gather buffer (most of the tensor, multicast to every core)."""
+        """Operands of an on-chip activation (see `_chip_plan`): the buffer that receives
+        what the tiles read from other cores, the NoC copies that fill it and each tile's
+        parts. A buffers-only build only creates the buffer."""
+        key = (k, i)
+        plan = self.memo.chip.get(key)
+        if plan is None:  # the same in every build: tiles and producers' slots are fixed
+            plan = self.memo.chip[key] = self._chip_plan(k, i, tid, root, by_core)
+        buf = -1
+        if plan.size:
+            first = step_of(k, False) - (1 if self.placement.prefetch else 0)
+            buf = self.buffer(plan.size, first, step_of(k, True), plan.what)
+        if self.buffers_only:
+            return
+        slots = self.slots[root]
+        for n, part, delta, dst_box, cores, fanned in plan.pushes:
+            for group in self.fan(list(cores)) if fanned else [list(cores)]:
+                self.push(root, slots[n], part, (buf, delta), dst_box, group)
+        for c, j, box, parts in plan.reads:
+            operand[(c, j, i)] = TileInput(
+                box,
+                tuple(
+                    Part(slots[n].ref if n >= 0 else (buf, delta), held) for n, delta, held in parts
+                ),
+            )
+
+    def _chip_plan(
+        self, k: int, i: int, tid: int, root: int, by_core: dict[int, list[TileSpec]]
+    ) -> _ChipPlan:
+        """How kernel k's tiles read input `i`, an on-chip activation: in the producer's own
+        buffers where the data is local; otherwise through NoC copies pushed by the
+        producing cores, into halo slots (a few neighbours' rows) or a gather buffer (most
+        of the tensor, multicast to every core)."""
         graph = self.graph
         name = graph.kernels[k].desc.name
         slots = self.slots[root]
         dtype = self.dtype(tid)
         root_t: LTensor = graph.tensors[root]
-        reshaped = graph.tensors[tid].shape != root_t.shape
-        compute = step_of(k, True)
-        first = step_of(k, False) - (1 if self.placement.prefetch else 0)
-        if reshaped:
+        reads: list[tuple[int, int, Box, tuple[tuple[int, int, Box], ...]]] = []
+        if graph.tensors[tid].shape != root_t.shape:  # read through a reshape: all of it
             whole_root = full_box(root_t.shape)
             whole = full_box(graph.tensors[tid].shape)
-            local = {
-                c
-                for c, ts in by_core.items()
-                if len(slots) == 1 and slots[0].core == c and slots[0].box == whole_root
-            }
-            if len(local) == len(by_core):
-                for c, ts in by_core.items():
-                    for j, t in enumerate(ts):
-                        box = t.in_boxes[i]
-                        if box is not None:
-                            operand[(c, j, i)] = TileInput(box, (Part(slots[0].ref, whole),))
-                return
-            size = box_nbytes(whole_root, dtype)
-            buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
-            for slot in slots:
-                for cores in self.fan(sorted(by_core)):
-                    self.push(root, slot, slot.box, (buf, 0), whole_root, cores)
+            local = len(slots) == 1 and slots[0].box == whole_root
+            if local and all(c == slots[0].core for c in by_core):
+                held: tuple[tuple[int, int, Box], ...] = ((0, 0, whole),)
+                size = 0
+                pushes: list[tuple[int, Box, int, Box, tuple[int, ...], bool]] = []
+            else:
+                held = ((-1, 0, whole),)
+                size = box_nbytes(whole_root, dtype)
+                every = tuple(sorted(by_core))
+                pushes = [(n, s.box, 0, whole_root, every, True) for n, s in enumerate(slots)]
             for c, ts in by_core.items():
                 for j, t in enumerate(ts):
                     box = t.in_boxes[i]
                     if box is not None:
-                        operand[(c, j, i)] = TileInput(box, (Part((buf, 0), whole),))
-            return
+                        reads.append((c, j, box, held))
+            return _ChipPlan(
+                size, f"{root_t.name} gathered for {name}", tuple(pushes), tuple(reads)
+            )
 
-        needs: dict[tuple[int, int], tuple[Box, list[_Slot], list[_Slot]]] = {}
+        needs: list[tuple[int, int, Box, list[int], list[int]]] = []
         most_remote = 0
         wanted_at: list[tuple[int, int, Box]] = [
             (c, j, box)
@@ -821,58 +854,50 @@ class _Builder:
             for j, t in enumerate(ts)
             if (box := t.in_boxes[i]) is not None
         ]
-        hits = self.memo.hits.get((k, i))
-        if hits is None:  # the same in every build: tiles and producers' slots are fixed
-            hits = self.memo.hits[(k, i)] = _meeting(slots, [box for _, _, box in wanted_at])
+        hits = _meeting(slots, [box for _, _, box in wanted_at])
         for (c, j, box), found in zip(wanted_at, hits, strict=True):
-            hit = [slots[n] for n in found]
-            mine = [s for s in hit if s.core == c]
-            remote = [s for s in hit if s.core != c]
-            needs[(c, j)] = (box, mine, remote)
+            mine = [n for n in found if slots[n].core == c]
+            remote = [n for n in found if slots[n].core != c]
+            needs.append((c, j, box, mine, remote))
             most_remote = max(most_remote, len(remote))
         if most_remote == 0:
-            for (c, j), (box, mine, _) in needs.items():
-                operand[(c, j, i)] = TileInput(box, tuple(Part(s.ref, s.box) for s in mine))
-            return
+            for c, j, box, mine, _ in needs:
+                reads.append((c, j, box, tuple((n, 0, slots[n].box) for n in mine)))
+            return _ChipPlan(0, "", (), tuple(reads))
         if most_remote <= 2:
             # halo: each remote part that a tile reads lands in a slot of its own
             layout: dict[int, int] = defaultdict(int)
-            pieces: list[tuple[int, int, _Slot, Box, int]] = []
-            for (c, j), (box, _, remote) in sorted(needs.items()):
-                for s in remote:
-                    part = intersect(s.box, box)
+            halo: list[tuple[int, Box, int, Box, tuple[int, ...], bool]] = []
+            extra: dict[tuple[int, int], list[tuple[int, int, Box]]] = defaultdict(list)
+            for c, j, box, _, remote in sorted(needs, key=lambda need: need[:2]):
+                for n in remote:
+                    part = intersect(slots[n].box, box)
                     assert part is not None
-                    pieces.append((c, j, s, part, layout[c]))
+                    halo.append((n, part, layout[c], part, (c,), False))
+                    extra[(c, j)].append((-1, layout[c], part))
                     layout[c] += align(box_nbytes(part, dtype))
-            buf = self.buffer(max(layout.values()), first, compute, f"halo of {name}")
-            extra: dict[tuple[int, int], list[Part]] = defaultdict(list)
-            for c, j, s, part, delta in pieces:
-                self.push(root, s, part, (buf, delta), part, [c])
-                extra[(c, j)].append(Part((buf, delta), part))
-            for (c, j), (box, mine, _) in needs.items():
-                parts = (*(Part(s.ref, s.box) for s in mine), *extra[(c, j)])
-                operand[(c, j, i)] = TileInput(box, parts)
-            return
+            for c, j, box, mine, _ in needs:
+                parts = (*((n, 0, slots[n].box) for n in mine), *extra[(c, j)])
+                reads.append((c, j, box, parts))
+            return _ChipPlan(max(layout.values()), f"halo of {name}", tuple(halo), tuple(reads))
         # gather: each core receives the bounding box of what its tiles read
-        wanted: dict[int, Box] = {}
-        for c in by_core:
-            boxes = [needs[(c, j)][0] for j in range(len(by_core[c])) if (c, j) in needs]
-            if boxes:
-                wanted[c] = bounding_box(boxes)
+        per_core: dict[int, list[Box]] = defaultdict(list)
+        for c, _, box, _, _ in needs:
+            per_core[c].append(box)
+        wanted = {c: bounding_box(boxes) for c, boxes in per_core.items()}
         size = max(box_nbytes(b, dtype) for b in wanted.values())
-        buf = self.buffer(size, first, compute, f"{root_t.name} gathered for {name}")
         by_box: dict[Box, list[int]] = defaultdict(list)
         for c, b in sorted(wanted.items()):
             by_box[b].append(c)
-        for slot in slots:
+        gather: list[tuple[int, Box, int, Box, tuple[int, ...], bool]] = []
+        for n, slot in enumerate(slots):
             for g_box, all_cores in by_box.items():
                 part = intersect(slot.box, g_box)
-                if part is None:
-                    continue
-                for cores in self.fan(all_cores):
-                    self.push(root, slot, part, (buf, 0), g_box, cores)
-        for (c, j), (box, _, _) in needs.items():
-            operand[(c, j, i)] = TileInput(box, (Part((buf, 0), wanted[c]),))
+                if part is not None:
+                    gather.append((n, part, 0, g_box, tuple(all_cores), True))
+        for c, j, box, _, _ in needs:
+            reads.append((c, j, box, ((-1, 0, wanted[c]),)))
+        return _ChipPlan(size, f"{root_t.name} gathered for {name}", tuple(gather), tuple(reads))
 
 
 def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
@@ -904,15 +929,37 @@ class _KernelBuffers:
     weight_tail: tuple[int, int] | None
 
 
+_Layout = tuple[int, tuple[tuple[int, int, Box, int], ...]]
+"""An output's buffer bytes and its tiles as (core, step, box, byte offset in the buffer)."""
+
+
+class _ChipPlan(NamedTuple):
+    """How a kernel's tiles read one on-chip activation (`_Builder._chip_plan`), by its
+    producer's slots (their index in `_Builder.slots`): the same in every build of the
+    graph, where only buffer ids differ."""
+
+    size: int
+    """Bytes of the buffer that receives parts from other cores (0: none, all read in
+    place)."""
+    what: str
+    pushes: tuple[tuple[int, Box, int, Box, tuple[int, ...], bool], ...]
+    """NoC copies: (slot, part sent, byte offset in the buffer, box the destination holds,
+    cores receiving, whether those cores are fanned out as `_Builder.fan` decides)."""
+    reads: tuple[tuple[int, int, Box, tuple[tuple[int, int, Box], ...]], ...]
+    """(core, step, box read, parts as (slot, or -1 for the buffer; byte offset in the
+    buffer; box the part holds))."""
+
+
 @dataclass
 class BuildMemo:
     """What one build of a graph's schedule found that the next build of it can reuse:
     placement builds the schedule again after every spill decision, and most kernels come
     out the same each time."""
 
-    hits: dict[tuple[int, int], list[list[int]]] = field(default_factory=dict)
-    """(kernel, input slot) -> for each tile reading an on-chip activation, the producer's
-    slots it meets."""
+    outputs: dict[tuple[int, int, bool], _Layout] = field(default_factory=dict)
+    """(kernel, output slot, whether on chip) -> its buffer's layout (`_Builder._layout`)."""
+    chip: dict[tuple[int, int], _ChipPlan] = field(default_factory=dict)
+    """(kernel, input slot) -> how its tiles read that on-chip activation."""
     kernels: dict[tuple[int, Hashable], _KernelBuffers] = field(default_factory=dict)
     """(kernel, buffers signature) -> what its buffers-only build did."""
 
