@@ -1,9 +1,9 @@
 """The split chooser's caches and shortcuts (issue 25, compile time): transfer prices shared by
 alike kernels, kept per producer cut, each kernel's candidate times kept per choice of its
 producers' cuts across the price search, transfers priced only for cuts whose compute and
-weight price can still win, and tiles built only for the cuts the search visits, must pick
-exactly what pricing every candidate afresh picks, at every price the search may try and in
-any order."""
+weight price can still win, and boxes cut only for the cuts the search visits (tiles built
+only for those it picks), must pick exactly what pricing every candidate afresh picks, at
+every price the search may try and in any order."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering import splits
-from compiler_core.lowering.tiling import _ranges
+from compiler_core.lowering.tiling import _ranges, assign_cores, cut_tiles, tiles_of
 from compiler_core.ops.conv import conv_grid_boxes, conv_input_boxes
 from compiler_core.ops.registry import NodeInfo
 
@@ -58,7 +58,7 @@ def _fresh_pick(chooser: splits.SplitChooser, price: float) -> list[splits._Cand
     for k, cands in enumerate(chooser.candidates):
         ks = chooser.kernels[k]
         for c in cands:
-            if c.tiles is None:
+            if not c.built:
                 chooser._ready(c)
 
         def cost(c: splits._Candidate, k: int = k, ks: splits.KernelSplit = ks) -> tuple:
@@ -92,7 +92,7 @@ def test_the_cached_price_search_picks_what_pricing_afresh_picks(
     chooser = seen[0]
     assert any(len(c) > 1 for c in chooser.candidates)  # there is a choice to make
     # the search skipped work: cuts it never built, transfers it never priced
-    assert any(c.tiles is None for cands in chooser.candidates for c in cands)
+    assert any(not c.built for cands in chooser.candidates for c in cands)
     assert any(t is None for times in chooser._times for ts in times.values() for t in ts)
     picks = set()
     # in no monotone order, caches warm; the negative prices (a reward per resident byte, which
@@ -105,6 +105,66 @@ def test_the_cached_price_search_picks_what_pricing_afresh_picks(
         assert used == sum(c.resident for c in fresh if price * c.resident <= c.stream)
         picks.add(tuple(id(c) for c in cached))
     assert len(picks) > 1  # the price changes the cuts, so producers' cuts vary between picks
+
+
+def _residual() -> onnx.ModelProto:
+    """A conv whose residual Add and Relu fuse into it (an epilogue operand), a strided conv
+    and a Gemm with a bias."""
+    rng = np.random.default_rng(3)
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1] * 4),
+        helper.make_node("Add", ["c0", "x"], ["s0"]),
+        helper.make_node("Relu", ["s0"], ["r0"]),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], pads=[1] * 4, strides=[2, 2]),
+        helper.make_node("GlobalAveragePool", ["c1"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "fc", "bias"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 28, 28])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+        [weight("w0", 64, 64, 3, 3), weight("w1", 128, 64, 3, 3), weight("fc", 128, 10)]
+        + [weight("bias", 10)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("cores", [4, 14])
+def test_a_cut_is_priced_on_the_boxes_and_cores_its_built_tiles_have(
+    cores: int, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """Cuts are priced on their boxes alone (`cut_tiles`) and only the picked ones are built
+    (`tiles_of`, `assign_cores`): every cut of every kernel, built, must have the boxes and
+    cores it was priced on, the epilogue's operands included."""
+    seen: list[splits.SplitChooser] = []
+    choose = splits.SplitChooser.choose
+
+    def recording(self: splits.SplitChooser) -> object:
+        seen.append(self)
+        return choose(self)
+
+    monkeypatch.setattr(splits.SplitChooser, "choose", recording)
+    compile_model(_residual(), [f"-aic-num-cores={cores}", f"-aic-binary-dir={tmp_path}"])
+    chooser = seen[0]
+    checked = 0
+    for ks, cands in zip(chooser.kernels, chooser.candidates, strict=True):
+        req = ks.request
+        for c in cands:
+            if c.kchoice is not None:
+                continue
+            first = c.key[2]
+            built = assign_cores(tiles_of(req, c.parts), chooser.cores(req), first)
+            priced = cut_tiles(req, c.parts, chooser.cores(req), first)
+            assert priced == [(t.out_box, t.in_boxes, t.core) for t in built], c.parts
+            checked += 1
+    assert checked > len(chooser.kernels)
+    assert any(len(ks.request.extra_shapes) for ks in chooser.kernels)  # an epilogue operand
 
 
 CONVS = [

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from compiler_core.lowering.tiling import (
     TilingRequest,
     _ranges,
     assign_cores,
+    cut_tiles,
     fit_tiles,
     output_boxes,
     split_axes,
@@ -118,17 +120,30 @@ class KernelSplit:
     empty when no step is an integer one)."""
 
 
+class _Tiled(Protocol):
+    """What pricing reads of a tile: a `TileSpec` or a `tiling.CutTile`."""
+
+    @property
+    def out_box(self) -> Box: ...
+    @property
+    def in_boxes(self) -> tuple[Box | None, ...]: ...
+    @property
+    def core(self) -> int: ...
+
+
 @dataclass
 class _Candidate:
     parts: dict[int, int]
     tiles: list[TileSpec] | None
-    """None until built (`SplitChooser._ready`); with it `by_core`, `resident`, `stream`."""
+    """The kernel's tiles: None until the cut is picked (`SplitChooser.choose`)."""
     compute: dict[int, float]
     resident: int
     """Weight bytes every core gives this kernel if its weights stay resident."""
     stream: float
     """Cycles per inference its weights take if they stream from DDR instead."""
-    by_core: dict[int, list[TileSpec]] = field(default_factory=dict)
+    by_core: dict[int, list[_Tiled]] = field(default_factory=dict)
+    built: bool = False
+    """`by_core`, `resident` and `stream` known (`SplitChooser._ready`)."""
     moves: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     """Transfer cycles per (operand, id of its producer's chosen cut)."""
     held: dict[tuple[int, int], Box | None] = field(default_factory=dict)
@@ -186,7 +201,6 @@ class SplitChooser:
         self.ddr = device.ddr_bandwidth_bytes_per_s / device.clock_hz
         self._cuts: dict[Hashable, list[dict[int, int]]] = {}
         self._shaped: dict[Hashable, list[float]] = {}
-        self._plain: dict[Hashable, list[TileSpec]] = {}
         self._unbuilt: dict[Hashable, tuple[KernelSplit, Hashable, Hashable, int]] = {}
         """Shared candidates not built yet: the kernel to build from (any of the signature's:
         alike), its signature, cut and first core."""
@@ -395,22 +409,31 @@ class SplitChooser:
         return _fresh(shared)
 
     def _ready(self, cand: _Candidate) -> None:
-        """Build `cand`'s tiles, cores and resident weights if no kernel sharing its cut has
-        (see `_candidate`), and give them to this kernel's copy."""
+        """Cut `cand`'s boxes over the cores and price its resident weights if no kernel
+        sharing its cut has (see `_candidate`), and give them to this kernel's copy."""
         shared = self._priced[cand.key]
-        if shared.tiles is None:
-            ks, sig, cut, first = self._unbuilt.pop(cand.key)
+        if not shared.built:
+            ks, sig, cut, first = self._unbuilt[cand.key]
             req = ks.request
-            plain = self._plain.get((sig, cut))
-            if plain is None:
-                plain = self._plain[(sig, cut)] = tiles_of(req, shared.parts)
-            tiles = assign_cores(plain, self.cores(req), first)
+            tiles = cut_tiles(req, shared.parts, self.cores(req), first)
             built = self._price_assigned(ks, shared.parts, tiles, self._shaped[(sig, cut)])
             assert built.compute == shared.compute
-            shared.tiles, shared.by_core = tiles, built.by_core
+            shared.by_core, shared.built = built.by_core, True
             shared.resident, shared.stream = built.resident, built.stream
-        cand.tiles, cand.by_core = shared.tiles, shared.by_core
+        cand.by_core, cand.built = shared.by_core, True
         cand.resident, cand.stream = shared.resident, shared.stream
+
+    def _tiles(self, cand: _Candidate) -> list[TileSpec]:
+        """The tiles of a picked cut, each checked against VTCM; built once per shared cut."""
+        if cand.tiles is not None:
+            return cand.tiles
+        shared = self._priced[cand.key]
+        if shared.tiles is None:
+            ks, _, _, first = self._unbuilt.pop(cand.key)
+            req = ks.request
+            shared.tiles = assign_cores(tiles_of(req, shared.parts), self.cores(req), first)
+        cand.tiles = shared.tiles
+        return cand.tiles
 
     # ------------------------------------------------------------------------- K splits
 
@@ -461,6 +484,7 @@ class SplitChooser:
         reduce, r_cycles = self._k_tiles(r_req, {}, cores, "hvx", r_macs, r_epilogue, reduction)
         tiles = ksplit.as_kernel_operands(req.info, len(ks.inputs), partial, reduce)
         cand = self._price_assigned(ks, {}, tiles, [*p_cycles, *r_cycles])
+        cand.tiles = tiles
         cand.busiest = ksplit.HOP + ksplit.MARGIN * (
             _busiest(partial, p_cycles) + reduction(reduce) + _busiest(reduce, r_cycles)
         )
@@ -543,11 +567,11 @@ class SplitChooser:
         return best[1], best[2]
 
     def _price_assigned(
-        self, ks: KernelSplit, parts: dict[int, int], tiles: list[TileSpec], cycles: list[float]
+        self, ks: KernelSplit, parts: dict[int, int], tiles: Sequence[_Tiled], cycles: list[float]
     ) -> _Candidate:
         req = ks.request
         compute: dict[int, float] = {}
-        by_core: dict[int, list[TileSpec]] = {}
+        by_core: dict[int, list[_Tiled]] = {}
         resident: dict[int, dict[int, list[Box]]] = {}
         dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
         kinds = ks.kinds
@@ -592,7 +616,7 @@ class SplitChooser:
         held: dict[tuple[int, int], Box | None] = {}
         busiest = max(compute.values(), default=0.0)
         return _Candidate(
-            parts, tiles, compute, weight_bytes, stream, by_core, held=held, busiest=busiest
+            parts, None, compute, weight_bytes, stream, by_core, True, held=held, busiest=busiest
         )
 
     def _held(self, cand: _Candidate, ks: KernelSplit, core: int, slot: int) -> list[Box]:
@@ -718,9 +742,9 @@ class SplitChooser:
                 # (a negative price, which only tests ask for, bounds nothing)
                 unbuilt = 0.0 if price >= 0 else -math.inf
                 bounds = [
-                    c.busiest + unbuilt
-                    if c.tiles is None
-                    else c.busiest + min(price * c.resident, c.stream)
+                    c.busiest + min(price * c.resident, c.stream)
+                    if c.built
+                    else c.busiest + unbuilt
                     for c in cands
                 ]
                 lowest: tuple[float, bool, int, int] | None = None
@@ -731,7 +755,7 @@ class SplitChooser:
                     if lowest is not None and bounds[j] > lowest[0]:
                         break
                     c = cands[j]
-                    if c.tiles is None:
+                    if not c.built:
                         self._ready(c)
                     t = times[j]
                     if t is None:
@@ -744,7 +768,7 @@ class SplitChooser:
                     )
                     if lowest is None or key < lowest:
                         best, lowest = c, key
-            if best.tiles is None:
+            if not best.built:
                 self._ready(best)
             chosen[k] = best
             if price * best.resident <= best.stream:
@@ -770,7 +794,7 @@ class SplitChooser:
                     low = mid
             picked = best
         self.picked = picked
-        return [list(c.tiles) for c in picked if c.tiles is not None]
+        return [list(self._tiles(c)) for c in picked]
 
 
 def _fresh(shared: _Candidate) -> _Candidate:
@@ -782,7 +806,7 @@ def _fresh(shared: _Candidate) -> _Candidate:
 
 
 def _reads(
-    by_core: dict[int, list[TileSpec]], i: int
+    by_core: dict[int, list[_Tiled]], i: int
 ) -> list[tuple[list[tuple[Box, int]], int, int]]:
     """Per core (in `by_core`'s order), the distinct boxes its tiles read of operand `i`,
     each with its elements; their total elements and how many are not empty."""

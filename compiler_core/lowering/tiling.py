@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +36,15 @@ class TileSpec:
     """Base-op inputs first, then the epilogue operands."""
     working_set: int
     core: int = 0
+
+
+class CutTile(NamedTuple):
+    """A tile of a cut as the split chooser prices it: its boxes and core, without the
+    working set a `TileSpec` carries (most cuts priced are never picked)."""
+
+    out_box: Box
+    in_boxes: tuple[Box | None, ...]
+    core: int
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,37 @@ def tiles_of(req: TilingRequest, parts: dict[int, int]) -> list[TileSpec]:
     for t in tiles:
         if t.working_set > budget:
             _check_fits(req, t.working_set)
+    return tiles
+
+
+def cut_tiles(
+    req: TilingRequest, parts: dict[int, int], num_cores: int, rotate: int
+) -> list[CutTile]:
+    """The boxes and cores `assign_cores(tiles_of(req, parts), num_cores, rotate)` gives each
+    tile: what pricing a cut needs, without the working sets (checked when a cut is picked
+    and its tiles built)."""
+    info = req.info
+    opdef = req.opdef
+    if not parts:
+        boxes = [full_box(info.out_shapes[0]) if info.out_shapes else ()]
+        inputs: Iterable[Sequence[Box | None]] = [opdef.input_boxes(info, boxes[0])]
+    else:
+        per_axis = [_ranges(d, parts.get(a, 1)) for a, d in enumerate(info.out_shapes[0])]
+        boxes = list(itertools.product(*per_axis))
+        grid = opdef.grid_input_boxes
+        inputs = (
+            (opdef.input_boxes(info, b) for b in boxes) if grid is None else grid(info, per_axis)
+        )
+    extra = req.extra_shapes if not opdef.ddr_to_ddr else ()
+    out_shape = info.out_shapes[0] if extra else ()
+    n = len(boxes)
+    tiles = []
+    for t, (box, base) in enumerate(zip(boxes, inputs, strict=True)):
+        in_boxes = tuple(base)
+        if extra:
+            in_boxes += tuple(broadcast_input_box(s, out_shape, box) for s in extra)
+        core = (t * num_cores // n) if n >= num_cores else (rotate + t) % num_cores
+        tiles.append(CutTile(box, in_boxes, core))
     return tiles
 
 
