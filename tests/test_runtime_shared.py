@@ -104,8 +104,13 @@ def test_large_weight_split_products_are_computed_once() -> None:
     executor = Executor(program, constants, VTCM)
     for _ in range(2):
         executor.run({"x": RNG.standard_normal((1, 128, 256)).astype(np.float32)})
-    tiles = [t for t in executor._shared.values() if isinstance(t, SharedTile)]
-    assert len(tiles) == len(executor._shared)  # a MatMul's tiles share, none joins
+    # a row band's tiles may join other bands (joins.py), from the third inference on:
+    # until then a joining tile that shares computes in its group
+    found = [
+        t if isinstance(t, SharedTile) else t.join.members[t.member].fallback
+        for t in executor._shared.values()
+    ]
+    tiles = [t for t in found if t is not None]
     groups = {id(t.group): t.group for t in tiles}
     assert groups and not any(g.off for g in groups.values())
     assert sum(g.taken for g in groups.values()) == 2 * len(tiles)

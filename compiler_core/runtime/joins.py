@@ -1,4 +1,5 @@
-"""Row bands of one conv computed as one product, at the first turn their inputs are final.
+"""Row bands of one conv or MatMul computed as one product, at the first turn their inputs
+are final.
 
 On 14 cores a conv is split into row bands (and output-channel halves), one tile per core,
 each read from its own core's VTCM. Cores run in turn, so a band's tile runs at its core's
@@ -15,6 +16,12 @@ turn since which its input has held its bytes (a rolling join: that turn's tile 
 take its part of an earlier product), or else computes its own; the joins apply from the
 third inference on. A 1x1 conv at stride 1 reads its bands straight into the product's
 matrix (its columns are its input), and the tiles compare their inputs with those.
+
+A MatMul by a constant matrix split into row bands (BERT-base's attention output projection
+on 14 cores: 7 bands of 18 or 19 rows, each by two column halves; its feed-forward output:
+2 bands of 64 rows) joins the same way: the bands' input rows are read straight into the
+rows of one left matrix, multiplied by the weight columns of all the joined tiles (one
+product of 128 rows instead of 7 thin ones, each of which packed the whole weight again).
 
 A tile in a join still compares its input with the one the product used, at its own turn,
 and computes alone (or in its shared product) when they differ, so a missing semaphore
@@ -84,6 +91,9 @@ class Join:
     pointwise: bool
     """A 1x1 conv at stride 1 whose bands read their own positions: a band's columns are
     its input, read straight into the product's matrix."""
+    matmul: bool = False
+    """A MatMul by a constant matrix (`weight`: K x N): its bands are rows of its input,
+    read straight into the rows of the product's left matrix."""
     order: list[int] = field(default_factory=list)
     """Members by turn, as the first inference ran them."""
     ordered: bool = False
@@ -203,6 +213,9 @@ def _batches(join: Join) -> dict[int, list[int]]:
 def _compute(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
     """The product of the bands of `batch` (member `m`, the running tile, reads `own`; the
     others read their cores' VTCM as it is now), each member's part kept with its input."""
+    if join.matmul:
+        _matmul_product(join, batch, m, own)
+        return
     members = join.members
     bands: dict[tuple[Box, Box], tuple[int, int, np.ndarray]] = {}
     width = 0
@@ -251,6 +264,48 @@ def _compute(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
         join.parts[n] = (part, x)
 
 
+def _matmul_product(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
+    """`_compute` for a MatMul: the bands' inputs (rows of the whole input) stacked into one
+    left matrix, multiplied by the weight columns of all their tiles."""
+    members = join.members
+    bands: dict[Box, tuple[int, int, np.ndarray]] = {}
+    rows = 0
+    for n in batch:
+        key = members[n].x_box
+        if key not in bands:
+            count = box_shape(key)[-2]
+            bands[key] = (rows, count, own)
+            rows += count
+    matrix = np.empty((rows, join.weight.shape[0]), dtype=np.float32)
+    done = set()
+    for n in batch:
+        member = members[n]
+        if member.x_box in done:  # a band of several tiles: read once
+            continue
+        done.add(member.x_box)
+        start, count, _ = bands[member.x_box]
+        x = np.reshape(matrix[start : start + count], box_shape(member.x_box), copy=False)
+        if n == m:
+            np.copyto(x, own)
+        else:
+            member.read(x)
+        bands[member.x_box] = (start, count, own if n == m else x)
+    lo = min(members[n].out_box[-1][0] for n in batch)
+    hi = max(members[n].out_box[-1][1] for n in batch)
+    y = np.matmul(matrix, join.weight[:, lo:hi])
+    y.flags.writeable = False
+    snapshot: np.ndarray | None = None
+    for n in batch:
+        member = members[n]
+        start, count, x = bands[member.x_box]
+        if x is own and n != m:  # another tile compares with `own` later: keep its bytes
+            snapshot = np.array(own) if snapshot is None else snapshot
+            x = snapshot
+        c0, c1 = member.out_box[-1]
+        part = y[start : start + count, c0 - lo : c1 - lo].reshape(box_shape(member.out_box))
+        join.parts[n] = (part, x)
+
+
 def plan_joins(
     program: Program,
     kernels: Sequence[tuple[OpDef, NodeInfo]],
@@ -258,9 +313,10 @@ def plan_joins(
     vtcm_view: Callable[[int, int, Box, Box, str], np.ndarray],
     shared: dict[tuple[int, int], SharedTile],
 ) -> dict[tuple[int, int], JoinTile]:
-    """The conv tiles that may join, by (core, position in the core's stream): float32
-    ungrouped 2-D convs of batch 1 split into two or more row bands, one tile per core,
-    input read whole from one VTCM buffer, constant weight (and bias) in place."""
+    """The tiles that may join, by (core, position in the core's stream): float32
+    ungrouped 2-D convs of batch 1 split into two or more thin row bands, and float32
+    MatMuls by a constant matrix split into two or more row bands; one tile per core, input
+    read whole from one VTCM buffer, constant weight (and bias) in place."""
     tensors = program.tensors
     in_place = in_place_views(program, constant_view, vtcm_view)
     tiles: dict[int, list[tuple[int, int, RunKernel]]] = defaultdict(list)
@@ -272,11 +328,13 @@ def plan_joins(
     for kernel, members in tiles.items():
         opdef, info = kernels[kernel]
         desc = program.kernels[kernel]
-        if not _joinable(program, opdef, info, desc.inputs, members):
+        matmul = opdef.op_type == "MatMul"
+        joinable = _joinable_matmul if matmul else _joinable
+        if not joinable(program, opdef, info, desc.inputs, members):
             continue
         w_id = desc.inputs[1]
         weight = constant_view(w_id, tuple((0, d) for d in tensors[w_id].shape))
-        rows = weight.reshape(len(weight), -1)
+        rows = weight if matmul else weight.reshape(len(weight), -1)
         bias = None
         if len(info.in_shapes) > 2 and desc.inputs[2] >= 0:
             b_id = desc.inputs[2]
@@ -287,7 +345,8 @@ def plan_joins(
             weight=rows,
             bias=bias,
             members=[],
-            pointwise=_pointwise(info, members),
+            pointwise=not matmul and _pointwise(info, members),
+            matmul=matmul,
         )
         for core, index, instr in members:
             act = instr.inputs[0]
@@ -298,7 +357,7 @@ def plan_joins(
                 operand = instr.inputs[p]
                 if operand is not None:
                     expected.append(expected_in_place(in_place(core, desc.inputs[p], operand), p))
-            (c0, c1) = instr.out_box[1]
+            (c0, c1) = instr.out_box[-1 if matmul else 1]
             n_base = len(info.in_shapes)
             tile = TileCtx(
                 out_box=instr.out_box,
@@ -313,8 +372,8 @@ def plan_joins(
                 tile=tile,
                 fallback=shared.get((core, index)),
             )
-            if uniform_rows(rows[c0:c1]):  # the kernel repeats one row: it stays alone
-                continue
+            if uniform_rows(rows[:, c0:c1].T if matmul else rows[c0:c1]):
+                continue  # the kernel repeats one row (column): it stays alone
             found[(core, index)] = JoinTile(join, len(join.members))
             join.members.append(member)
     return found
@@ -356,6 +415,45 @@ def _joinable(
     if max(int(np.prod(box_shape(b[2:]), dtype=np.int64)) for b in boxes) > THIN:
         return False
     volume = sum(int(np.prod(box_shape(b), dtype=np.int64)) for b in boxes)
+    return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
+
+
+def _joinable_matmul(
+    program: Program,
+    opdef: OpDef,
+    info: NodeInfo,
+    inputs: tuple[int, ...],
+    members: list[tuple[int, int, RunKernel]],
+) -> bool:
+    """A float32 MatMul of an activation whose leading axes are all 1 by a constant matrix,
+    split into two or more row bands, each tile reading whole rows from one VTCM buffer and
+    the weight columns of its output."""
+    tensors = program.tensors
+    a, b = info.in_shapes[0], info.in_shapes[1]
+    out_shape = info.out_shapes[0]
+    if len(members) < 2 or a is None or b is None or len(b) != 2 or len(a) < 2:
+        return False
+    if len(out_shape) != len(a) or any(d != 1 for d in out_shape[:-2]):
+        return False
+    if info.out_dtypes[0] != "float32" or any(d != "float32" for d in info.in_dtypes[:2]):
+        return False
+    if inputs[0] < 0 or tensors[inputs[0]].kind == KIND_CONSTANT:
+        return False
+    if inputs[1] < 0 or tensors[inputs[1]].kind != KIND_CONSTANT:
+        return False
+    boxes = []
+    for _, _, instr in members:
+        act, w = instr.inputs[0], instr.inputs[1]
+        if act is None or w is None or not _covered(act) or len(instr.outputs) != 1:
+            return False
+        if list(opdef.input_boxes(info, instr.out_box))[0] != act.box:
+            return False
+        if w.box != ((0, b[0]), instr.out_box[-1]):
+            return False
+        boxes.append(instr.out_box)
+    if len({box[-2] for box in boxes}) < 2:  # one band: shared products cover it
+        return False
+    volume = sum(int(np.prod(box_shape(box), dtype=np.int64)) for box in boxes)
     return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
 
 
