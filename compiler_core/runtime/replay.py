@@ -69,7 +69,7 @@ class Replay:
             self.plan = None
         self.at = 0
         self.replaying = self.plan
-        self.trace = [] if self.plan is None else None
+        self.trace = [] if self.plan is None and self.enabled else None
 
     def stop(self) -> None:
         """Neither replay nor record (until the next `start`)."""
