@@ -97,18 +97,21 @@ Rewriter = Callable[[memoryview, int, int], bytes | None]
 
 
 def _rewrite(buf: memoryview, start: int, end: int, children: dict[int, Rewriter]) -> bytes | None:
-    """Re-encode a message, rewriting the sub-messages of `children`; None if nothing changed."""
+    """Re-encode a message, rewriting the sub-messages of `children`; None if nothing changed.
+    The fields between two rewritten ones are copied as one run."""
     out: list[bytes] = []
-    changed = False
+    kept = start  # where the run of unchanged fields not yet copied starts
     for field, wire, field_start, value_start, value_end in _fields(buf, start, end):
         rewrite = children.get(field) if wire == _LEN else None
         new = rewrite(buf, value_start, value_end) if rewrite else None
-        if new is None:
-            out.append(bytes(buf[field_start:value_end]))
-        else:
+        if new is not None:
+            out.append(bytes(buf[kept:field_start]))
             out.append(_len_field(field, new))
-            changed = True
-    return b"".join(out) if changed else None
+            kept = value_end
+    if not out:
+        return None
+    out.append(bytes(buf[kept:end]))
+    return b"".join(out)
 
 
 @dataclass
@@ -116,29 +119,28 @@ class Stripped:
     data: bytes
     moved: int
     """How many raw_data fields now point into the model file."""
-    had_external: bool
-    """The model already referenced external data files of its own."""
 
 
 def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024) -> Stripped:
     """The model's bytes with every `raw_data` of at least `threshold` bytes (initializers
     and Constant-node tensors) replaced by an external reference into `location`.
 
-    Raises WireError when the bytes are not a well-formed message; nothing is copied until
+    Raises WireError when the bytes are not a well-formed message (those it walks: a message
+    shorter than `threshold` cannot hold such a field and is skipped); nothing is copied until
     the whole walk succeeded.
     """
 
-    counts = {"moved": 0, "external": 0}
+    counts = {"moved": 0}
 
     def tensor(buf: memoryview, start: int, end: int) -> bytes | None:
+        if end - start < threshold:
+            return None
         keep: list[bytes] = []
         moved: tuple[int, int] | None = None
         for field, wire, field_start, value_start, value_end in _fields(buf, start, end):
             if field == _TENSOR_RAW_DATA and wire == _LEN and value_end - value_start >= threshold:
                 moved = (value_start, value_end - value_start)
             elif field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
-                if field == _TENSOR_EXTERNAL_DATA:
-                    counts["external"] += 1
                 return None  # already external: leave it as it is
             else:
                 keep.append(bytes(buf[field_start:value_end]))
@@ -157,17 +159,17 @@ def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024)
         return b"".join(keep)
 
     def attribute(buf: memoryview, start: int, end: int) -> bytes | None:
+        if end - start < threshold:
+            return None
         return _rewrite(buf, start, end, {_ATTRIBUTE_TENSOR: tensor})
 
     def node(buf: memoryview, start: int, end: int) -> bytes | None:
+        if end - start < threshold:
+            return None
         return _rewrite(buf, start, end, {_NODE_ATTRIBUTE: attribute})
 
     def graph(buf: memoryview, start: int, end: int) -> bytes | None:
         return _rewrite(buf, start, end, {_GRAPH_INITIALIZER: tensor, _GRAPH_NODE: node})
 
     result = _rewrite(data, 0, len(data), {_MODEL_GRAPH: graph})
-    return Stripped(
-        data=bytes(data) if result is None else result,
-        moved=counts["moved"],
-        had_external=counts["external"] > 0,
-    )
+    return Stripped(data=bytes(data) if result is None else result, moved=counts["moved"])
