@@ -16,7 +16,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from compiler_core import compile_model
 from compiler_core.lowering import splits
-from compiler_core.lowering.tiling import _ranges, assign_cores, cut_tiles, tiles_of
+from compiler_core.lowering.tiling import (
+    _middle_longest,
+    _ranges,
+    assign_cores,
+    cut_tiles,
+    tiles_of,
+)
 from compiler_core.ops.conv import conv_grid_boxes, conv_input_boxes
 from compiler_core.ops.registry import NodeInfo
 
@@ -165,6 +171,20 @@ def test_a_cut_is_priced_on_the_boxes_and_cores_its_built_tiles_have(
             checked += 1
     assert checked > len(chooser.kernels)
     assert any(len(ks.request.extra_shapes) for ks in chooser.kernels)  # an epilogue operand
+
+
+def test_a_cut_is_probed_on_its_longest_range_nearest_the_middle() -> None:
+    """`fit_tiles` probes one tile per trial cut: along every axis the longest range, of those
+    the one nearest the middle (the first of two as near), as picking from every range does."""
+    for size in range(0, 70):
+        for parts in range(1, size + 4):
+            ranges = _ranges(size, parts)
+            longest = max(hi - lo for lo, hi in ranges)
+            nearest = min(
+                (i for i, (lo, hi) in enumerate(ranges) if hi - lo == longest),
+                key=lambda i, middle=parts // 2: abs(i - middle),
+            )
+            assert _middle_longest(size, parts) == ranges[nearest], (size, parts)
 
 
 CONVS = [

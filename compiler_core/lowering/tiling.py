@@ -134,16 +134,25 @@ def _probe(req: TilingRequest, parts: dict[int, int]) -> tuple[int, int]:
     shape = req.info.out_shapes[0]
     box = []
     for a, d in enumerate(shape):
-        ranges = _ranges(d, parts.get(a, 1))
-        longest = max(hi - lo for lo, hi in ranges)
-        middle = len(ranges) // 2
-        pick = min(
-            (i for i, (lo, hi) in enumerate(ranges) if hi - lo == longest),
-            key=lambda i: abs(i - middle),
-        )
-        box.append(ranges[pick])
+        p = parts.get(a, 1)
+        box.append(_middle_longest(d, p))
     tile = _tile(req, tuple(box))
     return tile.working_set, _nbytes(tuple(box), req.info.out_dtypes[0])
+
+
+def _middle_longest(size: int, parts: int) -> tuple[int, int]:
+    """Of `_ranges(size, parts)`, the longest nearest the middle one (`parts // 2`; of two
+    as near, the first), found by looking outward from the middle: ranges are `size //
+    parts` or one longer, and the longer ones are spread evenly."""
+    middle = parts // 2
+    longest = -(-size // parts)
+    for k in range(parts):
+        for i in (middle - k, middle + k) if k else (middle,):
+            if 0 <= i < parts:
+                lo, hi = size * i // parts, size * (i + 1) // parts
+                if hi - lo == longest:
+                    return lo, hi
+    raise AssertionError("no range has the longest length")
 
 
 def split_axes(req: TilingRequest) -> list[int]:
