@@ -1353,8 +1353,12 @@ class Executor:
 
 
 def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Key]:
-    """The multicast buffers (as mirrors.py names them) that meet an input of a joined tile
-    (core, position in its stream) on its core: those must be written on every target."""
+    """The multicast buffers (as mirrors.py names them) whose bytes are an input of a joined
+    tile (core, position in its stream) on its core: those must be written on every target.
+    A buffer that only shares VTCM with such an input (the place reused at another time)
+    stays mirrorable: a join reads a tile's input before its turn only to learn or to
+    compute ahead, and a tile never takes a part computed from bytes other than those it
+    reads at its own turn."""
     reads: list[list[tuple[int, int]]] = [[] for _ in range(program.num_cores)]
     for core, at in joined:
         instr = program.streams[core][at]
@@ -1375,7 +1379,7 @@ def _joined_buffers(program: Program, joined: list[tuple[int, int]]) -> set[Key]
             key = _buffer_key(program, instr)
             end = key[1]
             if any(
-                start < end and instr.vtcm < stop
+                start == instr.vtcm and stop == end
                 for core in cores_in(instr.cores)
                 if core < program.num_cores
                 for start, stop in reads[core]

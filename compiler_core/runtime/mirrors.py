@@ -131,8 +131,8 @@ class Mirrors:
         self.copied = 0
         """VTCM bytes copied from mirrors into cores (since created)."""
         self.off: set[Key] = set()
-        """Buffers whose multicasts write every target (see `judge`; the executor adds
-        those joined conv tiles read, which copy each other's inputs from VTCM)."""
+        """Buffers whose multicasts write every target (see `judge`; the executor adds those
+        whose bytes joined tiles read, which copy each other's inputs from VTCM)."""
         self._saved: dict[Key, int] = {}
         self._taken: dict[Key, int] = {}
         self._count: dict[Key, int] = {}
