@@ -93,20 +93,26 @@ class Replay:
         the access's data)."""
         plan, at = self.replaying, self.at
         assert plan is not None
-        if at >= len(plan) or plan[at].start != start or plan[at].end != end:
-            raise ReplayFault(f"access {at} to [{start}, {end}) out of the recorded order")
+        if at >= len(plan):
+            raise ReplayFault(f"access {at} to [{start}, {end}) beyond the recorded ones")
         access = plan[at]
+        if access[0] != start or access[1] != end:
+            raise ReplayFault(f"access {at} to [{start}, {end}) out of the recorded order")
         self.at = at + 1
-        for dst, src, kept in access.writes:
-            if kept:
-                saved = [k.copy() for k in kept]
-                dst[...] = src
-                for k, before in zip(kept, saved, strict=True):
-                    k[...] = before
-            else:
-                dst[...] = data if src is None else src
-        for core, held in access.pending:
-            pending[core] = HELD if held else []
+        writes = access[2]
+        if writes:
+            for dst, src, kept in writes:
+                if kept:
+                    saved = [k.copy() for k in kept]
+                    dst[...] = src
+                    for k, before in zip(kept, saved, strict=True):
+                        k[...] = before
+                else:
+                    dst[...] = data if src is None else src
+        changes = access[4]
+        if changes:
+            for core, held in changes:
+                pending[core] = HELD if held else []
         return access
 
     def write(self, dst: np.ndarray, src: np.ndarray, kept: tuple[np.ndarray, ...] = ()) -> None:
