@@ -461,6 +461,20 @@ def test_layer_norm_axis_and_optional_outputs():
     check("LayerNormalization", [rand(3, 6), rand(6), rand(6)], outputs=3, expect_split=False)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("axes", [(2,), (1, 2), (0, 1, 2)])
+def test_layer_norm_means_are_numpys_own_bit_for_bit(dtype: type, axes: tuple[int, ...]) -> None:
+    """The kernel's sum-then-divide mean (norm.py `_mean`) is `ndarray.mean`, so the layer
+    norm of a tile keeps the bytes it had when it called `mean`."""
+    from compiler_core.ops.norm import _mean
+
+    x = (np.random.default_rng(4).standard_normal((3, 5, 77)) * 100 + 7).astype(dtype)
+    count = int(np.prod([x.shape[a] for a in axes]))
+    want = x.mean(axis=axes, keepdims=True)
+    got = _mean(x, axes, count)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+
+
 def test_lrn_splits_channels_with_halo():
     for size in (3, 5):
         check("LRN", [rand(2, 7, 4, 5)], size=size, alpha=0.01, beta=0.6, bias=2.0)

@@ -6,6 +6,7 @@ Statistics are computed in fp32 (fp64 for fp64 inputs) and cast back, as ONNX Ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -294,19 +295,37 @@ def layer_norm_compute(
     x = _x_tile(node, inputs, tile, axes)
     acc = np.float64 if x.dtype == np.float64 else np.float32
     xa = x.astype(acc, copy=False)
-    mean = xa.mean(axis=axes, keepdims=True)
-    var = ((xa - mean) ** 2).mean(axis=axes, keepdims=True)
+    count = math.prod(xa.shape[a] for a in axes)
+    mean = _mean(xa, axes, count)
+    centred = xa - mean
+    var = _mean(centred**2, axes, count)
     inv_std = 1.0 / np.sqrt(var + acc(node.attr("epsilon", 1e-5)))
-    y = (xa - mean) * inv_std
+    y = np.multiply(centred, inv_std, out=centred)
     scale, bias = inputs[1], inputs[2] if len(inputs) > 2 else None
     assert scale is not None
-    y = y * scale.astype(acc, copy=False)
+    y = _into(np.multiply, y, scale.astype(acc, copy=False))
     if bias is not None:
-        y = y + bias.astype(acc, copy=False)
+        y = _into(np.add, y, bias.astype(acc, copy=False))
     outputs = [y.astype(x.dtype, copy=False)]
     for value, dtype in zip((mean, inv_std), node.out_dtypes[1:], strict=False):
         outputs.append(value.astype(dtype, copy=False))
     return outputs
+
+
+def _mean(x: np.ndarray, axes: tuple[int, ...], count: int) -> np.ndarray:
+    """`x.mean(axis=axes, keepdims=True)` as numpy computes it (the sum, then a division by
+    the count as an intp, in place), without its argument handling: the same bytes."""
+    total = np.add.reduce(x, axis=axes, keepdims=True)
+    return np.true_divide(total, np.intp(count), out=total, casting="unsafe")
+
+
+def _into(ufunc: np.ufunc, y: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """`ufunc(y, v)`, into `y` (a fresh array of the result's dtype) when `v` broadcasts to
+    it: the same values without another array, which a tile pays for in cache misses."""
+    if v.dtype == y.dtype and v.ndim <= y.ndim:
+        if all(n in (1, m) for n, m in zip(v.shape[::-1], y.shape[::-1], strict=False)):
+            return ufunc(y, v, out=y)  # type: ignore[no-any-return]
+    return ufunc(y, v)  # type: ignore[no-any-return]
 
 
 def rms_norm_compute(
