@@ -1099,24 +1099,30 @@ def materialize(
             n = sizes[(box, dtype)] = box_nbytes(box, dtype)
         return lo, lo + n
 
-    runs_of: dict[tuple[Box, Box, str], list[Progression]] = {}
+    runs_of: dict[tuple[Box, Box, str], tuple[list[Progression], int]] = {}
 
-    def part(ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, list[Progression]]:
+    def part(ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, list[Progression], int]:
         """The bytes a transfer of `box` touches in the buffer holding `buf_box` (from the
         buffer's offset): parts that cores fill side by side (each its channels, or its
-        columns of every row) are ordered only where they share bytes."""
+        columns of every row) are ordered only where they share bytes; and the buffer's end."""
         key = (box, buf_box, tensors[tid].dtype)
-        runs = runs_of.get(key)
-        if runs is None:
-            runs = runs_of[key] = box_byte_progressions(*key)
-        return buffers[ref[0]].offset + ref[1], runs
+        found = runs_of.get(key)
+        if found is None:
+            found = runs_of[key] = (box_byte_progressions(*key), box_nbytes(buf_box, key[2]))
+        offset = buffers[ref[0]].offset + ref[1]
+        return offset, found[0], offset + found[1]
+
+    ranges: dict[tuple[Box, Box, str], tuple[int, int]] = {}
 
     def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
         """From the first byte of `box` to its last: what a read of it is ordered by (a
         read's span orders it after the writes it needs and costs one segment)."""
         base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
-        lo, hi = box_byte_range(box, buf_box, tensors[tid].dtype)
-        return base + lo, base + hi
+        key = (box, buf_box, tensors[tid].dtype)
+        found = ranges.get(key)
+        if found is None:
+            found = ranges[key] = box_byte_range(*key)
+        return base + found[0], base + found[1]
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
@@ -1128,15 +1134,15 @@ def materialize(
     clock_at: list[tuple[int, ...]] = []
     waits: list[list[tuple[int, int]]] = []
     post_after: dict[int, int] = {}
+    core_of = ddr.core_of
     for index, op in enumerate(ops):
         c = op.core
-        ddr.core_of.append(c)
+        core_of.append(c)
         deps: set[int] = set()
         if op.kind == LOAD:
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
-            offset, runs = part(op.dst, op.dst_box, op.box, op.tensor)
-            end = span(0, op.dst, op.dst_box, op.tensor)[1]
+            offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
             for target in cores_in(op.mask):
                 vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
@@ -1148,8 +1154,7 @@ def materialize(
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
             vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
-            offset, runs = part(op.dst, op.dst_box, op.box, op.tensor)
-            end = span(0, op.dst, op.dst_box, op.tensor)[1]
+            offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
             for target in cores_in(op.mask):
                 vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
@@ -1188,15 +1193,11 @@ def materialize(
                 lo, hi = span(0, result.ref, result.held, tid)
                 vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
                 vtcm_used[c] = max(vtcm_used[c], hi)
-        deps.discard(index)
         deps.discard(-1)
         mine = clocks[c]
-        latest: dict[int, int] = {}  # core -> its latest op this one depends on
-        core_of = ddr.core_of
-        for d in deps:
-            dc = core_of[d]
-            if dc != c and (dc not in latest or position[d] > position[latest[dc]]):
-                latest[dc] = d
+        # core -> its latest op this one depends on (a core's ops are in program order)
+        latest = {core_of[d]: d for d in sorted(deps)}
+        latest.pop(c, None)  # this op's core, the op itself among them
         mine_waits: list[tuple[int, int]] = []
         for dc in sorted(latest):
             d = latest[dc]
@@ -1219,16 +1220,17 @@ def materialize(
     # the program repeats a few hundred distinct boxes thousands of times: one tuple each
     # (the program outlives the compile, and each tuple is one more object to collect)
     boxes: dict[Box, Box] = {}
+    operands: dict[TileInput, Operand] = {}
     for index, op in enumerate(ops):
         stream = streams[op.core]
         for sem, _ in waits[index]:
             stream.append(SemWait(sem=sem, count=1))
-        stream.append(_instr(op, at, id_map, boxes, graph))
+        stream.append(_instr(op, at, id_map, boxes, operands, graph))
         if index in post_after:
             stream.append(SemPost(sem=post_after[index]))
     setup: list[list[Instr]] = [[] for _ in range(cores)]
     for op in schedule.setup:
-        setup[op.core].append(_instr(op, at, id_map, boxes))
+        setup[op.core].append(_instr(op, at, id_map, boxes, operands))
     for c in range(cores):
         vtcm_used[c] = max(vtcm_used[c], resident if resident else 0)
     return streams, setup, len(post_after), vtcm_used
@@ -1239,9 +1241,11 @@ def _instr(
     resolve: Callable[[BufRef], int],
     id_map: dict[int, int],
     boxes: dict[Box, Box],
+    operands: dict[TileInput, Operand],
     graph: LoweredGraph | None = None,
 ) -> Instr:
-    """The instruction of `op`, its boxes the ones of `boxes` (equal boxes: one object)."""
+    """The instruction of `op`, its boxes the ones of `boxes` and its inputs the ones of
+    `operands` (equal boxes, equal operands: one object each)."""
     one = boxes.setdefault
     if op.kind == LOAD:
         assert op.dst is not None
@@ -1297,22 +1301,26 @@ def _instr(
             buf_box=op.dst_box,
             kernel=op.kernel,
         )
-    ins = tuple(
-        None
-        if operand is None
-        else Operand(
-            one(operand.box, operand.box),
-            tuple(Piece(resolve(ref), one(box, box)) for ref, box in operand.parts),
-        )
-        for operand in op.inputs
-    )
+    ins: list[Operand | None] = []
+    for operand in op.inputs:
+        if operand is None:
+            ins.append(None)
+            continue
+        made = operands.get(operand)
+        if made is None:  # tiles read the same operand (a resident weight's box) many times
+            made = operands[operand] = Operand(
+                one(operand.box, operand.box),
+                tuple(Piece(resolve(ref), one(box, box)) for ref, box in operand.parts),
+            )
+        ins.append(made)
     if op.kind == SCATTER:
         assert graph is not None
         desc = graph.kernels[op.kernel].desc
         # imported here: importing the compiler loads no op module (ops load on lookup)
-        from compiler_core.ops.in_place_scatter import dma_axis, operands
+        from compiler_core.ops.in_place_scatter import dma_axis
+        from compiler_core.ops.in_place_scatter import operands as scatter_operands
 
-        u, i = operands(desc.info.op_type)
+        u, i = scatter_operands(desc.info.op_type)
         update, indices = ins[u], ins[i]
         assert update is not None and indices is not None
         return DmaScatter(
@@ -1332,7 +1340,7 @@ def _instr(
         for out in op.outputs
     )
     return RunKernel(
-        kernel=op.kernel, out_box=one(op.out_box, op.out_box), inputs=ins, outputs=outs
+        kernel=op.kernel, out_box=one(op.out_box, op.out_box), inputs=tuple(ins), outputs=outs
     )
 
 

@@ -47,18 +47,26 @@ Progression = tuple[int, int, int, int]
 class _Block:
     """Segments: `offs` (absolute when plain, `period` 0; else within one period, from 0),
     each one's last writer and latest reader since (-1: none); a periodic block has `count`
-    periods."""
+    periods. `own`: no other block holds its lists (periodic blocks split off one another
+    share theirs until one is written)."""
 
-    __slots__ = ("count", "offs", "period", "readers", "writer")
+    __slots__ = ("count", "offs", "own", "period", "readers", "writer")
 
     def __init__(
-        self, period: int, count: int, offs: list[int], writer: list[int], readers: list[int]
+        self,
+        period: int,
+        count: int,
+        offs: list[int],
+        writer: list[int],
+        readers: list[int],
+        own: bool = True,
     ) -> None:
         self.period = period
         self.count = count
         self.offs = offs
         self.writer = writer
         self.readers = readers
+        self.own = own
 
 
 def _cut(b: _Block, at: int) -> int:
@@ -79,6 +87,25 @@ def _read(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -> Non
     last = _cut(b, hi) if hi < lim else len(b.offs)
     deps.update(b.writer[first:last])
     b.readers[first:last] = [op] * (last - first)
+
+
+def _write_one(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -> None:
+    """A write of `[lo, hi)` (not empty, before `lim`) in `b`'s segments: those it meets are
+    found by bisection and replaced by slice (a run meets one or two segments, mostly)."""
+    offs, writer, readers = b.offs, b.writer, b.readers
+    i = bisect.bisect_right(offs, lo) - 1
+    j = bisect.bisect_left(offs, hi, i + 1)  # segments i .. j - 1 meet the run
+    deps.update(writer[i:j])
+    deps.update(readers[i:j])
+    if (offs[j] if j < len(offs) else lim) > hi:  # the rest of segment j - 1, after the run
+        offs.insert(j, hi)
+        writer.insert(j, writer[j - 1])
+        readers.insert(j, readers[j - 1])
+    if offs[i] < lo:  # the part of segment i before the run
+        i += 1
+    offs[i:j] = (lo,)
+    writer[i:j] = (op,)
+    readers[i:j] = (-1,)
 
 
 def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: set[int]) -> None:
@@ -144,8 +171,18 @@ class VtcmHazards:
     def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         """A read by `op` of bytes in its own core's window."""
         assert lo // self.window == self.core_of[op], "a core reads only its own VTCM"
-        if hi > lo:
+        if hi <= lo:
+            return
+        starts = self.starts
+        i = bisect.bisect_right(starts, lo) - 1
+        b = self.blocks[i]
+        end = starts[i + 1] if i + 1 < len(starts) else END
+        if b.period or hi > end:  # a periodic block, or more than one block
             self._span(lo, hi, op, deps, True)
+            return
+        _read(b, lo, hi, end, op, deps)  # in one plain block, mostly
+        if len(b.offs) > PLAIN_MAX:
+            self._halve(i)
 
     def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         if hi > lo:
@@ -180,7 +217,7 @@ class VtcmHazards:
                 if read:
                     _read(b, pos, stop, end, op, deps)
                 else:
-                    _write(b, ((pos, stop),), end, op, deps)
+                    _write_one(b, pos, stop, end, op, deps)
                 if len(b.offs) > PLAIN_MAX:
                     self._halve(i)
                     i += 1
@@ -196,13 +233,13 @@ class VtcmHazards:
                 if read:
                     _read(blocks[i], phase, stop, period, op, deps)
                 else:
-                    _write(blocks[i], ((phase, stop),), period, op, deps)
+                    _write_one(blocks[i], phase, stop, period, op, deps)
             else:  # whole periods
                 i = self._periods(i, q, stop // period)
                 if read:
                     _read(blocks[i], 0, period, period, op, deps)
                 else:
-                    _write(blocks[i], ((0, period),), period, op, deps)
+                    _write_one(blocks[i], 0, period, period, op, deps)
                     blocks[i] = _Block(0, 1, [starts[i]], [op], [-1])
             i += 1
             pos = starts[i] if i < len(starts) else END
@@ -286,19 +323,22 @@ class VtcmHazards:
         """Periods `[q0, q1)` of periodic block i as a block of their own, with lists of its
         own (blocks split off one another share theirs); its index."""
         b = self.blocks[i]
+        if b.own and q0 == 0 and q1 == b.count:  # all of a block that shares nothing: itself
+            return i
         start = self.starts[i]
         period = b.period
         new_starts: list[int] = []
         new_blocks: list[_Block] = []
+        own = b.own and (q0 == 0 or q1 == b.count)  # the rest of b in one block
         if q0 > 0:
             new_starts.append(start)
-            new_blocks.append(_Block(period, q0, b.offs, b.writer, b.readers))
+            new_blocks.append(_Block(period, q0, b.offs, b.writer, b.readers, own))
         at = i + len(new_blocks)
         new_starts.append(start + q0 * period)
         new_blocks.append(_Block(period, q1 - q0, b.offs[:], b.writer[:], b.readers[:]))
         if q1 < b.count:
             new_starts.append(start + q1 * period)
-            new_blocks.append(_Block(period, b.count - q1, b.offs, b.writer, b.readers))
+            new_blocks.append(_Block(period, b.count - q1, b.offs, b.writer, b.readers, own))
         self.starts[i : i + 1] = new_starts
         self.blocks[i : i + 1] = new_blocks
         return at
@@ -361,7 +401,7 @@ class VtcmHazards:
         new_blocks: list[_Block] = []
         if q:
             new_starts.append(start)
-            new_blocks.append(_Block(period, q, offs, writer, readers))
+            new_blocks.append(_Block(period, q, offs, writer, readers, False))
         at = start + q * period
         if phase:  # the start of period q, before `lo`
             new_starts.append(at)
@@ -379,7 +419,7 @@ class VtcmHazards:
             q += 1
         if q < b.count:
             new_starts.append(start + q * period)
-            new_blocks.append(_Block(period, b.count - q, offs, writer, readers))
+            new_blocks.append(_Block(period, b.count - q, offs, writer, readers, False))
         self.starts[i : i + 1] = new_starts
         self.blocks[i : i + 1] = new_blocks
         return True
