@@ -169,17 +169,19 @@ def _random_accesses(rng: np.random.Generator) -> list[tuple[int, int, Box, Box,
 def test_replayed_inferences_read_what_writing_every_target_leaves(seed: int) -> None:
     """The same random accesses in three inferences, each on a zeroed memory and with new
     data: the first is recorded, the next two replay it (writing their own data), and every
-    read, and the whole memory once settled, agree with an eagerly written memory."""
+    read, and the whole memory once settled, agree with an eagerly written memory; the
+    bytes copied out of mirrors are those the mirrors count when they look records up."""
     rng = np.random.default_rng(seed)
     for _ in range(60):
         accesses = _random_accesses(rng)
         wholes = [bool(rng.integers(2)) for _ in accesses]
-        lazy = np.zeros((CORES, SIZE), np.uint8)
-        mirrors = Mirrors(list(lazy))
+        lazy, looked = np.zeros((CORES, SIZE), np.uint8), np.zeros((CORES, SIZE), np.uint8)
+        mirrors, lookup = Mirrors(list(lazy)), Mirrors(list(looked), replay=False)
         for inference in range(3):
             eager = np.zeros((CORES, SIZE), np.uint8)
-            lazy[:] = 0
+            lazy[:] = looked[:] = 0
             mirrors.start(fresh=inference == 0)
+            lookup.start(fresh=True)
             for (kind, offset, buf_box, box, cores), whole in zip(accesses, wholes, strict=True):
                 key = _key(offset, buf_box)
                 if kind <= 1:
@@ -188,27 +190,34 @@ def test_replayed_inferences_read_what_writing_every_target_leaves(seed: int) ->
                     for core in cores:
                         _view(eager, core, offset, buf_box, box)[...] = data
                     start, end, covers = _span(offset, buf_box, box, "uint8")
-                    views = {core: _view(lazy, core, offset, buf_box, box) for core in cores}
-                    mirrors.multicast(
-                        cores, frozenset(cores), key, box, (start, end), covers, views, data
-                    )
+                    for mirror, memory in ((mirrors, lazy), (lookup, looked)):
+                        views = {c: _view(memory, c, offset, buf_box, box) for c in cores}
+                        mirror.multicast(
+                            cores, frozenset(cores), key, box, (start, end), covers, views, data
+                        )
                     continue
                 core, ((start, end),) = cores[0], box
                 if kind == 2:
                     step = 1 if whole else 2
                     value = rng.integers(1, 255, end - start, dtype=np.uint8)[::step]
                     eager[core, start:end:step] = value
-                    mirrors.overwrite(core, start, end, whole=whole)
-                    lazy[core, start:end:step] = value
+                    for mirror, memory in ((mirrors, lazy), (lookup, looked)):
+                        mirror.overwrite(core, start, end, whole=whole)
+                        memory[core, start:end:step] = value
                 elif kind == 3:
                     mirrors.settle(core, start, end)
+                    lookup.settle(core, start, end)
                     np.testing.assert_array_equal(lazy[core, start:end], eager[core, start:end])
                 else:
                     seen = mirrors.source(core, key[0], key[1])
                     if seen is None:
                         seen = lazy[core, key[0] : key[1]]
                     np.testing.assert_array_equal(seen, eager[core, key[0] : key[1]])
+                    lookup.source(core, key[0], key[1])
+                assert mirrors.copied == lookup.copied
             for core in range(CORES):
                 mirrors.settle(core, 0, SIZE)
+                lookup.settle(core, 0, SIZE)
             mirrors.finish()
+            assert mirrors.copied == lookup.copied
             np.testing.assert_array_equal(lazy, eager)

@@ -189,7 +189,7 @@ class Mirrors:
         when `covers`)."""
         replay = self.replay
         if replay.replaying is not None:
-            replay.follow(self.pending, span[0], span[1], data)
+            self.copied += replay.follow(self.pending, span[0], span[1], data).copied
             return
         self._multicast(targets, aimed, key, box, span, covers, views, data)
         replay.record(self.pending, span[0], span[1])
