@@ -1124,6 +1124,14 @@ def materialize(
             found = ranges[key] = box_byte_range(*key)
         return base + found[0], base + found[1]
 
+    masks: dict[int, list[int]] = {}
+
+    def targets_of(mask: int) -> list[int]:
+        found = masks.get(mask)
+        if found is None:
+            found = masks[mask] = cores_in(mask)
+        return found
+
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
     vtcm = VtcmHazards(ddr.core_of, VTCM_SPAN)
@@ -1143,7 +1151,7 @@ def materialize(
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
-            for target in cores_in(op.mask):
+            for target in targets_of(op.mask):
                 vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
@@ -1155,7 +1163,7 @@ def materialize(
             assert op.src is not None and op.dst is not None
             vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
-            for target in cores_in(op.mask):
+            for target in targets_of(op.mask):
                 vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end

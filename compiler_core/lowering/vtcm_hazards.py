@@ -186,7 +186,7 @@ class VtcmHazards:
 
     def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         if hi > lo:
-            self._span(lo, hi, op, deps, False)
+            self._put(lo, hi, op, deps)
 
     def write_runs(self, base: int, runs: Sequence[Progression], op: int, deps: set[int]) -> None:
         """A write of each progression's runs, offset by `base` (a transfer's bytes)."""
@@ -194,7 +194,7 @@ class VtcmHazards:
             if length <= 0:
                 continue
             if count == 1 or stride == length:
-                self._span(base + lo, base + lo + length * count, op, deps, False)
+                self._put(base + lo, base + lo + length * count, op, deps)
             elif stride > length:
                 self._strided(base + lo, length, stride, count, op, deps)
             else:  # overlapping runs: one by one
@@ -203,6 +203,22 @@ class VtcmHazards:
                     self._span(at, at + length, op, deps, False)
 
     # ------------------------------------------------------------------ accesses
+    def _put(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        """A write of `[lo, hi)` (not empty)."""
+        starts = self.starts
+        i = bisect.bisect_right(starts, lo) - 1
+        b = self.blocks[i]
+        end = starts[i + 1] if i + 1 < len(starts) else END
+        if b.period or hi > end:  # a periodic block, or more than one block
+            self._span(lo, hi, op, deps, False)
+            return
+        _write_one(b, lo, hi, end, op, deps)  # in one plain block, mostly
+        last = i + 1
+        if len(b.offs) > PLAIN_MAX:
+            self._halve(i)
+            last += 1
+        self._join(i - 1, last)
+
     def _span(self, lo: int, hi: int, op: int, deps: set[int], read: bool) -> None:
         starts, blocks = self.starts, self.blocks
         i = first = bisect.bisect_right(starts, lo) - 1
