@@ -148,6 +148,8 @@ class _Candidate:
     """Transfer cycles per (operand, id of its producer's chosen cut)."""
     held: dict[tuple[int, int], Box | None] = field(default_factory=dict)
     held_all: dict[tuple[int, int], list[Box]] = field(default_factory=dict)
+    held_by_core: dict[int, dict[int, list[Box]]] = field(default_factory=dict)
+    """Per output slot, `_held`'s boxes of every core with tiles."""
     key: Hashable = None
     busiest: float = 0.0
     """The busiest core's compute cycles."""
@@ -572,7 +574,6 @@ class SplitChooser:
         req = ks.request
         compute: dict[int, float] = {}
         by_core: dict[int, list[_Tiled]] = {}
-        resident: dict[int, dict[int, list[Box]]] = {}
         dtypes = (*req.info.in_dtypes, *req.extra_dtypes)
         kinds = ks.kinds
         weights = [i for i, kind in enumerate(kinds) if kind == "constant" and i not in req.indexed]
@@ -585,29 +586,25 @@ class SplitChooser:
             else:
                 found.append(t)
                 compute[core] += c
-            in_boxes = t.in_boxes
-            for i in weights:
-                if i >= len(in_boxes):
-                    break
-                box = in_boxes[i]
-                if box is not None:
-                    resident.setdefault(i, {}).setdefault(core, []).append(box)
         weight_bytes = 0
         streamed = 0
         engine = 0
-        for i, per_core in resident.items():
+        for i in weights:
             worst = 0
             dtype = dtypes[i]
             distinct: set[Box] = set()
-            for boxes in per_core.values():
-                unique = set(boxes)
+            for ts in by_core.values():
+                # a core's tiles mostly read one box of a weight (their output channels)
+                unique = {
+                    box for t in ts if i < len(t.in_boxes) and (box := t.in_boxes[i]) is not None
+                }
                 if len(unique) == 1:
                     (only,) = unique
                     nbytes = _bytes(only, dtype)
                     worst = max(worst, nbytes)
                     engine = max(engine, nbytes)
-                else:
-                    worst = max(worst, _bytes(bounding_box(boxes), dtype))
+                elif unique:
+                    worst = max(worst, _bytes(bounding_box(list(unique)), dtype))
                     engine = max(engine, sum(_bytes(b, dtype) for b in unique))
                 distinct |= unique
             weight_bytes += worst
@@ -637,6 +634,15 @@ class SplitChooser:
                 cand.held_all[key] = boxes
         found = cand.held[key]
         return [found] if found is not None else cand.held_all.get(key, [])
+
+    def _held_by_core(self, cand: _Candidate, ks: KernelSplit, slot: int) -> dict[int, list[Box]]:
+        """`_held` of every core with tiles (the others hold nothing), once per slot."""
+        found = cand.held_by_core.get(slot)
+        if found is None:
+            found = cand.held_by_core[slot] = {
+                core: self._held(cand, ks, core, slot) for core in cand.by_core
+            }
+        return found
 
     # -------------------------------------------------------------------------- pricing
 
@@ -690,10 +696,9 @@ class SplitChooser:
                 remote += total * size
                 pieces += count
         else:
-            producer_ks = self.kernels[ks.producers[i]]
-            slot = ks.slots[i]
+            held_by_core = self._held_by_core(local, self.kernels[ks.producers[i]], ks.slots[i])
             for core, (boxes, _, _) in zip(cand.by_core, reads, strict=True):
-                held = self._held(local, producer_ks, core, slot)
+                held = held_by_core.get(core, ())
                 for box, need in boxes:
                     for p in held:
                         # the overlap of `box` with what the core holds (inlined `_overlap`)
