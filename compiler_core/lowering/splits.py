@@ -172,14 +172,16 @@ def _factorizations(n: int, axes: list[int], limit: dict[int, int]) -> list[dict
     return out
 
 
-def _products(n: int, r: int) -> list[tuple[int, ...]]:
+@functools.cache
+def _products(n: int, r: int) -> tuple[tuple[int, ...], ...]:
+    """Every way to write `n` as an ordered product of `r` factors (read-only: shared)."""
     if r == 1:
-        return [(n,)]
+        return ((n,),)
     out: list[tuple[int, ...]] = []
     for d in range(1, n + 1):
         if n % d == 0:
             out.extend((d, *rest) for rest in _products(n // d, r - 1))
-    return out
+    return tuple(out)
 
 
 class SplitChooser:
