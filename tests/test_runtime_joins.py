@@ -107,11 +107,15 @@ def test_joined_bands_give_each_tile_its_own_product_bit_for_bit(kind: str, core
     joins = _joins(joined)
     assert joins and any(j.joins for j in joins), "no band joined another's product"
     assert all(j.matmul == (kind == "matmul") for j in joins)
-    assert sum(j.taken for j in joins if not j.off) > 0
-    if cores == 14 and kind == "conv":  # the 1x1 conv's bands are read into the product
-        assert any(j.pointwise and j.taken and not j.off for j in joins)
-    if kind == "matmul":  # every band's input is final at the first tile's turn
-        assert any(len(j.batches) == 1 and not j.off for j in joins)
+    if kind == "conv":
+        assert sum(j.taken for j in joins if not j.off) > 0
+        if cores == 14:  # the 1x1 conv's bands are read into the product's matrix
+            assert any(j.pointwise and j.taken and not j.off for j in joins)
+    else:  # every band's input is final at the first tile's turn: one product
+        assert any(len(j.batches) == 1 for j in joins)
+        # each join took parts, or its first check found that BLAS sums the joined product
+        # otherwise than a band's (OpenBLAS's Haswell kernels do; its SkylakeX ones do not)
+        assert all(j.taken or j.off for j in joins)
 
 
 @pytest.mark.parametrize("kind", ["conv", "matmul"])
