@@ -17,7 +17,7 @@ from compiler_core.ops import REGISTRY, TileCtx
 from compiler_core.ops.registry import NodeInfo
 from compiler_core.runtime.executor import Executor
 from compiler_core.runtime.shared import Compute, Group, SharedTile
-from tests.runtime_helpers import compiled_program
+from tests.runtime_helpers import blas_splits_exactly, compiled_program
 
 VTCM = 8_323_072
 RNG = np.random.default_rng(7)
@@ -112,8 +112,12 @@ def test_large_weight_split_products_are_computed_once() -> None:
     ]
     tiles = [t for t in found if t is not None]
     groups = {id(t.group): t.group for t in tiles}
-    assert groups and not any(g.off for g in groups.values())
-    assert sum(g.taken for g in groups.values()) == 2 * len(tiles)
+    assert groups
+    if blas_splits_exactly(128, 256, 512, bands=4, by_rows=False):
+        assert not any(g.off for g in groups.values())
+        assert sum(g.taken for g in groups.values()) == 2 * len(tiles)
+    else:  # the first inference's check finds each group's parts differ: all compute alone
+        assert all(g.off and g.taken == 0 for g in groups.values())
 
 
 def test_without_its_waits_a_program_computes_what_its_tiles_would_alone() -> None:
@@ -170,18 +174,26 @@ def _matmul_group(
     return group, tiles
 
 
+def _by_element(info: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx) -> list[np.ndarray]:
+    """A MatMul that sums each output element alone (no BLAS), so a column block's product
+    is the whole product's part bit for bit on every machine."""
+    a, b = inputs
+    assert a is not None and b is not None
+    return [np.einsum("...ij,jk->...ik", a, b)]
+
+
 def test_a_tile_takes_its_part_only_with_the_same_activation_and_the_weight_in_place() -> None:
     w = RNG.standard_normal((16, 8)).astype(np.float32)
     w.flags.writeable = False
     x = RNG.standard_normal((5, 16)).astype(np.float32)
-    group, (first, second) = _matmul_group(w, x.shape)
+    group, (first, second) = _matmul_group(w, x.shape, _by_element)
     part = first.results([x, w[:, :4]], inference=1)
     assert part is not None
-    np.testing.assert_array_equal(_bits(part[0]), _bits(x @ w[:, :4]))
+    np.testing.assert_array_equal(_bits(part[0]), _bits(np.einsum("ij,jk->ik", x, w[:, :4])))
     # the same bytes: its part, bit for bit what its own product gives
     same = second.results([x.copy(), w[:, 4:]], inference=1)
     assert same is not None
-    np.testing.assert_array_equal(_bits(same[0]), _bits(x @ w[:, 4:]))
+    np.testing.assert_array_equal(_bits(same[0]), _bits(np.einsum("ij,jk->ik", x, w[:, 4:])))
     # one bit of the activation differs, or -0.0 for 0.0: it computes alone
     flipped = x.copy()
     flipped.view(np.uint32)[2, 3] ^= 1
