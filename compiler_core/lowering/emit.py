@@ -1229,13 +1229,14 @@ def materialize(
     # (the program outlives the compile, and each tuple is one more object to collect)
     boxes: dict[Box, Box] = {}
     operands: dict[TileInput, Operand] = {}
+    wait_on = [SemWait(sem, 1) for sem in range(len(post_after))]  # a post is waited on ~3x
     for index, op in enumerate(ops):
         stream = streams[op.core]
         for sem, _ in waits[index]:
-            stream.append(SemWait(sem=sem, count=1))
+            stream.append(wait_on[sem])
         stream.append(_instr(op, at, id_map, boxes, operands, graph))
         if index in post_after:
-            stream.append(SemPost(sem=post_after[index]))
+            stream.append(SemPost(post_after[index]))
     setup: list[list[Instr]] = [[] for _ in range(cores)]
     for op in schedule.setup:
         setup[op.core].append(_instr(op, at, id_map, boxes, operands))

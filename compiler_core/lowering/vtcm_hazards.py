@@ -330,8 +330,11 @@ class VtcmHazards:
                 continue
             n = min(b.count - q, (count - k) // per)  # whole periods: one's segments for all
             i = self._periods(i, q, q + n)
-            runs = [(first + x * stride, first + x * stride + length) for x in range(per)]
-            _write(blocks[i], runs, period, op, deps)
+            if per == 1:  # the stride is the period, mostly
+                _write_one(blocks[i], first, first + length, period, op, deps)
+            else:
+                runs = [(first + x * stride, first + x * stride + length) for x in range(per)]
+                _write(blocks[i], runs, period, op, deps)
             k += n * per
 
     # ------------------------------------------------------------------ block surgery
