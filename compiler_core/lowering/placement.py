@@ -109,19 +109,21 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                 continue
             cost = 0
             traffic = 0
-            distinct: set = set()
             sizes: dict[Box, int] = {}
             for boxes in per_core.values():
-                cost = max(cost, box_nbytes(bounding_box(boxes), dtype))
                 previous = None
+                loads = 0
                 for b in boxes:
                     if b != previous:
                         n = sizes.get(b)
                         if n is None:
                             n = sizes[b] = box_nbytes(b, dtype)
                         traffic += n
-                        distinct.add(b)
+                        loads += 1
                     previous = b
+                # a core that loads one box (its tiles' output channels) keeps just that box
+                held = sizes[boxes[0]] if loads == 1 else box_nbytes(bounding_box(boxes), dtype)
+                cost = max(cost, held)
             if gathered:  # a lookup table streams only the rows it is asked for
                 cost = max(
                     box_nbytes(b, dtype) for tile in lk.tiles if (b := tile.in_boxes[i]) is not None

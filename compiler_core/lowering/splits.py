@@ -74,6 +74,8 @@ def _volume(box: Box) -> int:
 
 def bounding_box(boxes: list[Box]) -> Box:
     """The smallest box holding every box of `boxes` (not empty)."""
+    if len(boxes) == 1:  # the usual case: a core's one box of a weight
+        return tuple(boxes[0])
     lo = [a for a, _ in boxes[0]]
     hi = [b for _, b in boxes[0]]
     for box in boxes[1:]:
