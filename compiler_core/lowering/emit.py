@@ -1200,7 +1200,8 @@ def materialize(
                     continue
                 lo, hi = span(0, result.ref, result.held, tid)
                 vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
-                vtcm_used[c] = max(vtcm_used[c], hi)
+                if hi > vtcm_used[c]:
+                    vtcm_used[c] = hi
         deps.discard(-1)
         mine = clocks[c]
         # core -> its latest op this one depends on (a core's ops are in program order)
@@ -1217,7 +1218,8 @@ def materialize(
             for x in range(cores):
                 if snapshot[x] > mine[x]:
                     mine[x] = snapshot[x]
-            mine[dc] = max(mine[dc], position[d])
+            if position[d] > mine[dc]:
+                mine[dc] = position[d]
         waits.append(mine_waits)
         position.append(counts[c])
         counts[c] += 1

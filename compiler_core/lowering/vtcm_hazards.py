@@ -276,7 +276,8 @@ class VtcmHazards:
             end = starts[i + 1] if i + 1 < len(starts) else END
             period = b.period
             if not period:
-                last = min(count - 1, (end - length - lo0) // stride)  # the last run inside
+                last = (end - length - lo0) // stride  # the last run inside
+                last = last if last < count else count - 1
                 if last < k:  # run k crosses the block's end
                     self._span(lo, lo + length, op, deps, False)
                     k += 1
@@ -285,7 +286,8 @@ class VtcmHazards:
                     offs = b.offs
                     j = bisect.bisect_right(offs, lo) - 1
                     seg_end = offs[j + 1] if j + 1 < len(offs) else end
-                    n = min(last - k + 1, (seg_end - lo) // stride)
+                    n = (seg_end - lo) // stride
+                    n = n if n <= last - k else last - k + 1
                     if n >= STRIDED_MIN:  # periods of one segment: the next turn writes them
                         self._carve(i, j, lo, n, stride)
                         continue
@@ -322,13 +324,15 @@ class VtcmHazards:
                 continue
             per = period // stride  # runs in a period
             if phase != first or count - k < per:  # the runs in period q
-                n = min(count - k, (period - phase + stride - 1) // stride)
+                n = (period - phase + stride - 1) // stride
+                n = n if n < count - k else count - k
                 i = self._periods(i, q, q + 1)
                 runs = [(phase + x * stride, phase + x * stride + length) for x in range(n)]
                 _write(blocks[i], runs, period, op, deps)
                 k += n
                 continue
-            n = min(b.count - q, (count - k) // per)  # whole periods: one's segments for all
+            n = (count - k) // per  # whole periods: one's segments for all
+            n = n if n < b.count - q else b.count - q
             i = self._periods(i, q, q + n)
             if per == 1:  # the stride is the period, mostly
                 _write_one(blocks[i], first, first + length, period, op, deps)
@@ -472,8 +476,8 @@ class VtcmHazards:
         """Neighbouring plain blocks among `[i, last]` as one, while it stays small (a large
         write leaves one block per block it covered)."""
         blocks, starts = self.blocks, self.starts
-        i = max(i, 0)
-        last = min(last, len(blocks) - 1)
+        i = i if i > 0 else 0
+        last = last if last < len(blocks) else len(blocks) - 1
         while i < last:
             a, b = blocks[i], blocks[i + 1]
             if a.period or b.period or len(a.offs) + len(b.offs) > PLAIN_MAX:
