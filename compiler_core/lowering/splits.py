@@ -372,7 +372,7 @@ class SplitChooser:
                         ks.macs,
                         ks.epilogue,
                         box,
-                        _tile_spec(req, box).in_boxes,
+                        () if ks.unit == "hmx" else _tile_spec(req, box).in_boxes,  # as `_quick`
                         req.opdef,
                         self.device,
                         ks.epilogue_ops,
