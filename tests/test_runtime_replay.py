@@ -12,7 +12,9 @@ import pytest
 from compiler_core.lowering.placement import CodegenPolicy
 from compiler_core.lowering.program import Program, SemWait
 from compiler_core.runtime import Executor, mirrors
+from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.executor import _multicast_ranges
+from compiler_core.runtime.replay import Replay
 from tests.models import transformer_encoder
 from tests.runtime_helpers import compiled_program
 
@@ -65,3 +67,90 @@ def test_replayed_inferences_compute_and_leave_what_looked_up_ones_do(
     if not tampered:  # some multicasts stay mirrored, and the replay writes their boxes
         assert any(starts for starts, _ in _multicast_ranges(program, replayed.mirrors.off))
         assert any(access.writes for access in plan)
+
+
+def _recorded(deferred: DeferredLoads, accesses: list[tuple[int, int]]) -> Replay:
+    """`deferred` records one inference: a buffer deferred over bytes [0, 16), then
+    `accesses` (settles), then its end; the replay of the next inference has begun."""
+    memory = np.zeros(16, np.uint8)
+    deferred.start(fresh=True)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    for start, end in accesses:
+        deferred.settle(0, start, end)
+    deferred.finish()
+    deferred.start(fresh=False)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    return deferred.replay
+
+
+def test_a_call_sites_accesses_that_did_nothing_are_stepped_over_in_the_replays() -> None:
+    """Settles of bytes no deferred buffer covers write nothing and change no record: the
+    span of them is stepped over in the replay that comes to it in its order, and that
+    replay still ends where the recorded inference did."""
+    deferred = DeferredLoads(1)
+    memory = np.zeros(16, np.uint8)
+    deferred.start(fresh=True)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    at = deferred.replay.mark()
+    assert at == 1
+    deferred.settle(0, 16, 32)
+    deferred.settle(0, 32, 48)
+    span = deferred.replay.span(at, [(0, "handed")])
+    deferred.finish()
+    assert span is not None and (span.at, span.length, span.handed) == (1, 2, ((0, "handed"),))
+    deferred.start(fresh=False)
+    assert not deferred.replay.skip(span)  # not yet come to: the defer comes first
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    assert deferred.replay.skip(span)
+    deferred.finish()  # every access replayed
+    deferred.start(fresh=True)  # a new recording: the old span applies no more
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    assert not deferred.replay.skip(span)
+
+
+def test_a_call_sites_accesses_that_wrote_bytes_are_never_stepped_over() -> None:
+    """A settle that writes deferred bytes into VTCM (each replay must write them again)
+    makes no span; nor does an inference that is not recorded."""
+    deferred = DeferredLoads(1)
+    memory = np.zeros(16, np.uint8)
+    deferred.start(fresh=True)
+    deferred.defer(0, 0, 16, memory.reshape(4, 4), np.ones((4, 4), np.uint8))
+    at = deferred.replay.mark()
+    assert at is not None
+    deferred.settle(0, 16, 32)
+    deferred.settle(0, 0, 4)  # writes row 0
+    assert deferred.replay.span(at, []) is None
+    deferred.finish()
+    deferred.start(fresh=False)
+    assert deferred.replay.mark() is None
+
+
+def test_replayed_kernels_step_over_their_accesses_that_did_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The test transformer on 4 cores with its weights streamed: from the third inference
+    on, kernels step over their recorded deferred-load accesses that did nothing (fewer
+    accesses followed one by one than recorded), and the outputs equal those of an
+    executor that replays nothing."""
+    program, constants = compiled_program(
+        transformer_encoder(), "-aic-num-cores=4", policy=CodegenPolicy(residency=False)
+    )
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 16, 64)).astype(np.float32)}
+    replayed, looked_up = Executor(program, constants, VTCM), Executor(program, constants, VTCM)
+    looked_up.deferred.replay.enabled = looked_up.mirrors.replay.enabled = False
+    followed = 0
+    follow = Replay.follow
+
+    def counted(self: Replay, *args: object) -> object:
+        nonlocal followed
+        followed += self is replayed.deferred.replay
+        return follow(self, *args)  # type: ignore[arg-type]
+
+    for inference in range(3):
+        if inference == 2:
+            monkeypatch.setattr(Replay, "follow", counted)
+        got, want = replayed.run(feeds), looked_up.run(feeds)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value)
+    plan = replayed.deferred.replay.plan
+    assert plan is not None and 0 < followed < len(plan)

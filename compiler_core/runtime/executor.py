@@ -48,6 +48,7 @@ from compiler_core.runtime.copies import ConstantCopies, Holding
 from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.joins import JoinTile, plan_joins
 from compiler_core.runtime.mirrors import Key, Mirrors
+from compiler_core.runtime.replay import Span
 from compiler_core.runtime.shared import SharedTile, plan
 
 if TYPE_CHECKING:
@@ -704,12 +705,24 @@ class Executor:
             src = src.view()
             src.flags.writeable = False  # kernels may be handed it in place of the buffer
 
+            skips: list[Span | None] = [None, None]
+            """As a kernel's (`_kernel`): this load's accesses to the deferred loads and to
+            the mirrors in the recorded inference, when they did nothing."""
+
             def deferred_step(traffic: Traffic) -> None:
+                d_replay, m_replay = deferred.replay, mirrors.replay
+                d_mark, m_mark = d_replay.mark(), m_replay.mark()
+                d_skip, m_skip = d_replay.skip(skips[0]), m_replay.skip(skips[1])
                 for target, dst, (start, end) in dsts:
-                    if mirrors.pending[target]:
+                    if not m_skip and mirrors.pending[target]:
                         mirrors.overwrite(target, start, end, whole=True)
-                    deferred.defer(target, start, end, dst, src)
+                    if not d_skip:
+                        deferred.defer(target, start, end, dst, src)
                     copies.wrote(target, start, end, holding)
+                if d_mark is not None:
+                    skips[0] = d_replay.span(d_mark, [])
+                if m_mark is not None:
+                    skips[1] = m_replay.span(m_mark, [])
                 traffic.ddr_read += nbytes
                 traffic.ddr_read_constant += constant
                 traffic.multicast += multicast
@@ -867,23 +880,35 @@ class Executor:
         reads_mirror = self._may_mirror(core, read_start, read_end)
         meets = [t for t in targets if self._may_mirror(t, dst_start, dst_end)]
 
+        skips: list[Span | None] = [None, None]
+        """As a kernel's (`_kernel`): this copy's accesses to the deferred loads and to the
+        mirrors in the recorded inference, when they did nothing, for the replays to step
+        over."""
+
         def step(traffic: Traffic) -> None:
-            deferred.settle(core, read_start, read_end)
-            if reads_mirror and mirrors.pending[core]:
+            d_replay, m_replay = deferred.replay, mirrors.replay
+            d_mark, m_mark = d_replay.mark(), m_replay.mark()
+            d_skip, m_skip = d_replay.skip(skips[0]), m_replay.skip(skips[1])
+            if not d_skip:
+                deferred.settle(core, read_start, read_end)
+            if reads_mirror and not m_skip and mirrors.pending[core]:
                 mirrors.settle(core, read_start, read_end)
             data = src.copy() if snapshot else src
             holding = whole if whole and copies.holds(core, instr.src_vtcm, whole) else None
             if mirrored:
-                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
-                mirrors.multicast(
-                    targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data
-                )
+                if not d_skip:
+                    deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                if not m_skip:
+                    mirrors.multicast(
+                        targets, aimed, key, instr.box, (dst_start, dst_end), covers, views, data
+                    )
                 if copies.tracking:
                     for target, _, (start, end) in dsts:
                         copies.wrote(target, start, end, holding)
             elif every is not None:
-                deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
-                if meets:
+                if not d_skip:
+                    deferred.overwrite_many(targets, dst_start, dst_end, whole=covers)
+                if meets and not m_skip:
                     mirrors.overwrite_many(meets, dst_start, dst_end, whole=covers)
                 every[...] = data
                 if copies.tracking:
@@ -891,11 +916,16 @@ class Executor:
                         copies.wrote(target, start, end, holding)
             else:
                 for target, dst, (start, end) in dsts:
-                    deferred.overwrite(target, dst_start, dst_end, whole=covers)
-                    if meets and mirrors.pending[target]:
+                    if not d_skip:
+                        deferred.overwrite(target, dst_start, dst_end, whole=covers)
+                    if meets and not m_skip and mirrors.pending[target]:
                         mirrors.overwrite(target, dst_start, dst_end, whole=covers)
                     dst[...] = data
                     copies.wrote(target, start, end, holding)
+            if d_mark is not None:
+                skips[0] = d_replay.span(d_mark, [])
+            if m_mark is not None:
+                skips[1] = m_replay.span(m_mark, [])
             traffic.noc += nbytes
             traffic.multicast += multicast
 
@@ -1268,32 +1298,64 @@ class Executor:
         ]
         last: Any = steps[-1][1] if fusable else None
         last_dtype = np.dtype(last.out_dtype) if fusable else None
+        indices = {position: index for position, _, _, index in reads}
+        layouts = {position: (shape, dtype) for position, _, _, _, shape, dtype in mirror_reads}
+        skips: list[Span | None] = [None, None, None, None]
+        """This step's accesses in the recorded inference, when they did nothing
+        (replay.Span): the operands' reads (deferred loads, mirrors), then the outputs'
+        writes (the same). The replays step over them and hand the operands the same
+        constants and mirrors the accesses would."""
+
+        def constant(position: int, src: np.ndarray) -> np.ndarray:
+            held = views.get(position)
+            if held is None or held[0] is not src:
+                held = views[position] = (src, src[indices[position]])
+            return held[1]
+
+        def mirror(position: int, raw: np.ndarray) -> np.ndarray:
+            seen = mirrored.get(position)
+            if seen is None or seen[0] is not raw:
+                shape, dtype = layouts[position]
+                view = raw.view(dtype).reshape(shape)[indices[position]]
+                seen = mirrored[position] = (raw, view)
+            return seen[1]
 
         def step(traffic: Traffic) -> None:
             operands = list(static)
-            if deferred.pending[core]:
-                for position, start, end, index in reads:
+            d_replay, m_replay = deferred.replay, mirrors.replay
+            d_mark, m_mark = d_replay.mark(), m_replay.mark()
+            d_handed: list[tuple[int, np.ndarray]] = []
+            m_handed: list[tuple[int, np.ndarray]] = []
+            d_skip = d_replay.skip(skips[0])
+            if d_skip:
+                for position, src in skips[0].handed:  # type: ignore[union-attr]
+                    operands[position] = constant(position, src)
+            elif deferred.pending[core]:
+                for position, start, end, _ in reads:
                     if position < 0:
                         deferred.settle(core, start, end)
                     else:
                         src = deferred.source(core, start, end)
                         if src is not None:
-                            held = views.get(position)
-                            if held is None or held[0] is not src:
-                                held = views[position] = (src, src[index])
-                            operands[position] = held[1]
-            if mirror_reads and mirrors.pending[core]:
-                for position, start, end, index, shape, dtype in mirror_reads:
+                            operands[position] = constant(position, src)
+                            d_handed.append((position, src))
+            m_skip = m_replay.skip(skips[1])
+            if m_skip:
+                for position, raw in skips[1].handed:  # type: ignore[union-attr]
+                    operands[position] = mirror(position, raw)
+            elif mirror_reads and mirrors.pending[core]:
+                for position, start, end, _, _, _ in mirror_reads:
                     if position < 0:
                         mirrors.settle(core, start, end)
                     else:
                         raw = mirrors.source(core, start, end)
                         if raw is not None:
-                            seen = mirrored.get(position)
-                            if seen is None or seen[0] is not raw:
-                                view = raw.view(dtype).reshape(shape)[index]
-                                seen = mirrored[position] = (raw, view)
-                            operands[position] = seen[1]
+                            operands[position] = mirror(position, raw)
+                            m_handed.append((position, raw))
+            if d_mark is not None:
+                skips[0] = d_replay.span(d_mark, d_handed)
+            if m_mark is not None:
+                skips[1] = m_replay.span(m_mark, m_handed)
             for i, join in joins:
                 operands[i] = join()
             base = operands[:n_base]
@@ -1303,6 +1365,8 @@ class Executor:
             results = None if shared is None else shared.results(base, self.inference)
             if results is None:
                 results = compute(info, base, tile)
+            d_mark, m_mark = d_replay.mark(), m_replay.mark()  # the outputs' writes
+            d_skip, m_skip = d_replay.skip(skips[2]), m_replay.skip(skips[3])
             written = False
             if steps:
                 value = results[0]
@@ -1319,8 +1383,9 @@ class Executor:
                     step_inputs = _step_operands(last, value, operands)
                     _, dst, start, end, covers, mirrorable = outs[0]
                     if self.probe is None and _fits(last, last_dtype, step_inputs, dst):
-                        deferred.overwrite(core, start, end, whole=covers)
-                        if mirrorable and mirrors.pending[core]:
+                        if not d_skip:
+                            deferred.overwrite(core, start, end, whole=covers)
+                        if mirrorable and not m_skip and mirrors.pending[core]:
                             mirrors.overwrite(core, start, end, whole=covers)
                         _write_fused(last.op_type, step_inputs, dst)
                         copies.wrote(core, start, end, None)
@@ -1339,11 +1404,16 @@ class Executor:
                         f"kernel {desc.name} ({info.op_type}) produced shape {result.shape} "
                         f"for a tile of shape {dst.shape}"
                     )
-                deferred.overwrite(core, start, end, whole=covers)
-                if mirrorable and mirrors.pending[core]:
+                if not d_skip:
+                    deferred.overwrite(core, start, end, whole=covers)
+                if mirrorable and not m_skip and mirrors.pending[core]:
                     mirrors.overwrite(core, start, end, whole=covers)
                 dst[...] = result
                 copies.wrote(core, start, end, None)
+            if d_mark is not None:
+                skips[2] = d_replay.span(d_mark, [])
+            if m_mark is not None:
+                skips[3] = m_replay.span(m_mark, [])
             if self.probe is not None:
                 self.probe.kernel(instr.kernel, operands, results)
             if self.on_kernel is not None:

@@ -38,6 +38,17 @@ class Access(NamedTuple):
     copied: int
 
 
+class Span(NamedTuple):
+    """One call site's run of accesses in a recorded inference that did nothing (wrote no
+    bytes, changed no core's records, copied nothing), with what its reads were handed."""
+
+    plan: list[Access]
+    at: int
+    length: int
+    handed: tuple[tuple[int, Any], ...]
+    """(operand position, the view the access handed for it), in the order handed."""
+
+
 class ReplayFault(RuntimeError):
     """An inference accessed VTCM out of the order the recorded one did."""
 
@@ -114,6 +125,29 @@ class Replay:
             for core, held in changes:
                 pending[core] = HELD if held else []
         return access
+
+    def mark(self) -> int | None:
+        """Where the next access goes in the inference being recorded (None: none is)."""
+        return None if self.trace is None else len(self.trace)
+
+    def span(self, at: int, handed: list[tuple[int, Any]]) -> Span | None:
+        """A call site's accesses from `at` (a `mark`) to now, when none of them does
+        anything a replay must redo (else None): the replays may then `skip` them."""
+        trace = self.trace
+        assert trace is not None
+        for access in trace[at:]:
+            if access.writes or access.pending or access.copied:
+                return None
+        return Span(trace, at, len(trace) - at, tuple(handed))
+
+    def skip(self, span: Span | None) -> bool:
+        """Replay a call site's recorded accesses that did nothing by stepping over them:
+        only when this inference replays that very recording and has come to them in its
+        order (else False: the site makes its accesses, which `follow` checks)."""
+        if span is None or self.replaying is not span.plan or self.at != span.at:
+            return False
+        self.at += span.length
+        return True
 
     def write(self, dst: np.ndarray, src: np.ndarray, kept: tuple[np.ndarray, ...] = ()) -> None:
         """Write `src` into `dst` but for the `kept` bytes, and note it for the record."""
