@@ -25,42 +25,28 @@ end is recorded and the later ones replay it (see replay.py).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from typing import NamedTuple
 
 import numpy as np
 
-from compiler_core.runtime.replay import Replay
+from compiler_core.runtime.replay import CoreRanges
 
 
-class DeferredLoads:
-    """Per core, the deferred buffers: disjoint byte ranges [start, end) of its VTCM, each
-    with the VTCM view it stands for and the constant view that fills it (`replay` False:
-    every inference looks them up; see replay.py)."""
+class Deferred(NamedTuple):
+    """A deferred buffer: bytes [start, end) of a core's VTCM, the VTCM view they are and
+    the constant view that fills them."""
 
-    def __init__(self, num_cores: int, replay: bool = True) -> None:
-        self.pending: list[list[int]] = [[] for _ in range(num_cores)]
-        """Per core, the starts of its deferred buffers, sorted (empty: nothing deferred)."""
-        self._entries: list[dict[int, tuple[int, np.ndarray, np.ndarray]]] = [
-            {} for _ in range(num_cores)
-        ]
-        """Per core, by start: (end, VTCM view, constant view)."""
-        self.replay = Replay(replay)
+    start: int
+    end: int
+    dst: np.ndarray
+    src: np.ndarray
 
-    def clear(self) -> None:
-        """The inference VTCM was zeroed: nothing is deferred (and nothing recorded)."""
-        self.pending = [[] for _ in self.pending]
-        for entries in self._entries:
-            entries.clear()
-        self.replay.stop()
 
-    def start(self, *, fresh: bool) -> None:
-        """An inference begins with its VTCM zeroed: it replays the recorded one, or is
-        recorded (`fresh`: the streams were decoded anew)."""
-        self.clear()
-        self.replay.start(fresh=fresh)
-
-    def finish(self) -> None:
-        """The inference ran to its end (a recorded one is what the next ones replay)."""
-        self.replay.finish()
+class DeferredLoads(CoreRanges[Deferred]):
+    """Per core, the deferred buffers: disjoint byte ranges [start, end) of its VTCM
+    (`pending`: their starts, sorted; empty: nothing deferred), each with the VTCM view it
+    stands for and the constant view that fills it (`replay` False: every inference looks
+    them up; see replay.py)."""
 
     def defer(self, core: int, start: int, end: int, dst: np.ndarray, src: np.ndarray) -> None:
         """The whole buffer `dst` ([start, end) of `core`'s VTCM) now holds `src`."""
@@ -81,9 +67,9 @@ class DeferredLoads:
             found: np.ndarray | None = replay.follow(self.pending, start, end).result
             return found
         entry = self._entries[core].get(start)
-        if entry is not None and entry[0] == end:
-            replay.record(self.pending, start, end, entry[2])
-            return entry[2]
+        if entry is not None and entry.end == end:
+            replay.record(self.pending, start, end, entry.src)
+            return entry.src
         if self._meets(core, start, end):
             self._cut(core, start, end, whole=False)
         replay.record(self.pending, start, end)
@@ -125,15 +111,15 @@ class DeferredLoads:
         if not starts:
             return False
         i = bisect_left(starts, end)
-        return i > 0 and self._entries[core][starts[i - 1]][0] > start
+        return i > 0 and self._entries[core][starts[i - 1]].end > start
 
     def _cut(self, core: int, start: int, end: int, *, whole: bool) -> None:
         """Take every deferred buffer meeting [start, end) apart by rows of its first axis:
         rows wholly outside stay deferred; rows inside are written, except those `whole`
         says the caller overwrites entirely."""
         self.replay.touch(core, True)
-        for key in self._overlapping(core, start, end):
-            found_end, dst, src = self._entries[core].pop(key)
+        for key, found_end, dst, src in self._overlapping(core, start, end):
+            del self._entries[core][key]
             self.pending[core].remove(key)
             if dst.ndim == 0 or dst.shape[0] == 0 or dst.nbytes == 0:
                 if not (whole and start <= key and found_end <= end):
@@ -159,16 +145,4 @@ class DeferredLoads:
     def _add(self, core: int, start: int, end: int, dst: np.ndarray, src: np.ndarray) -> None:
         self.replay.touch(core, bool(self.pending[core]))
         insort(self.pending[core], start)
-        self._entries[core][start] = (end, dst, src)
-
-    def _overlapping(self, core: int, start: int, end: int) -> list[int]:
-        starts = self.pending[core]
-        if not starts:
-            return []
-        entries = self._entries[core]
-        found = []
-        i = bisect_left(starts, end) - 1
-        while i >= 0 and entries[starts[i]][0] > start:  # disjoint: ends rise with starts
-            found.append(starts[i])
-            i -= 1
-        return found
+        self._entries[core][start] = Deferred(start, end, dst, src)

@@ -31,7 +31,7 @@ is recorded and the later ones replay it (see replay.py).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import EllipsisType
@@ -39,7 +39,7 @@ from types import EllipsisType
 import numpy as np
 
 from compiler_core.ops.registry import Box, box_shape
-from compiler_core.runtime.replay import Replay
+from compiler_core.runtime.replay import CoreRanges
 
 Key = tuple[int, int, Box, str]
 """A buffer: its VTCM bytes [start, end), the box of the tensor it holds, its dtype."""
@@ -116,15 +116,14 @@ class Mirror:
         return self.held[core]
 
 
-class Mirrors:
+class Mirrors(CoreRanges[Mirror]):
     """Per core, the mirrors holding some of its bytes: disjoint byte ranges of its VTCM
-    (`replay` False: every inference looks them up; see replay.py)."""
+    (`pending`: their starts, sorted; `replay` False: every inference looks them up; see
+    replay.py)."""
 
     def __init__(self, vtcm: Sequence[np.ndarray], replay: bool = True) -> None:
+        super().__init__(len(vtcm), replay)
         self.vtcm = vtcm
-        self.pending: list[list[int]] = [[] for _ in vtcm]
-        """Per core, the starts of the mirrors holding some of its bytes, sorted."""
-        self._entries: list[dict[int, Mirror]] = [{} for _ in vtcm]
         self._spare: dict[Key, list[np.ndarray]] = {}
         """Arrays of the last inference's mirrors, for this one's."""
         self._made: list[Mirror] = []
@@ -137,7 +136,6 @@ class Mirrors:
         self._taken: dict[Key, int] = {}
         self._count: dict[Key, int] = {}
         self.judged = False
-        self.replay = Replay(replay)
 
     def judge(self) -> None:
         """After a session's first inference: the buffers whose mirrors had more than a
@@ -154,24 +152,12 @@ class Mirrors:
         }
 
     def clear(self) -> None:
-        """The inference VTCM was zeroed: nothing is mirrored (and nothing recorded)."""
-        self.pending = [[] for _ in self.pending]
-        for entries in self._entries:
-            entries.clear()
+        """The inference VTCM was zeroed: nothing is mirrored (and nothing recorded); the
+        mirrors' arrays are kept for the next inference's."""
+        super().clear()
         for mirror in self._made:
             self._spare.setdefault(mirror.key, []).append(mirror.array)
         self._made.clear()
-        self.replay.stop()
-
-    def start(self, *, fresh: bool) -> None:
-        """An inference begins with its VTCM zeroed: it replays the recorded one, or is
-        recorded (`fresh`: the streams were decoded anew)."""
-        self.clear()
-        self.replay.start(fresh=fresh)
-
-    def finish(self) -> None:
-        """The inference ran to its end (a recorded one is what the next ones replay)."""
-        self.replay.finish()
 
     def multicast(
         self,
@@ -424,18 +410,6 @@ class Mirrors:
         mirror.own.pop(core, None)
         del self._entries[core][mirror.start]
         self.pending[core].remove(mirror.start)
-
-    def _overlapping(self, core: int, start: int, end: int) -> list[Mirror]:
-        starts = self.pending[core]
-        if not starts:
-            return []
-        entries = self._entries[core]
-        found = []
-        i = bisect_left(starts, end) - 1
-        while i >= 0 and entries[starts[i]].end > start:  # disjoint: ends rise with starts
-            found.append(entries[starts[i]])
-            i -= 1
-        return found
 
 
 def _complete(mirror: Mirror, held: Spans) -> bool:

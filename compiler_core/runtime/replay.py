@@ -13,7 +13,8 @@ byte range, more or fewer accesses) is a `ReplayFault`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from bisect import bisect_left
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -181,3 +182,56 @@ class Replay:
         if touched:
             touched.clear()
         self.copied = 0
+
+
+class _Ranged(Protocol):
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+E = TypeVar("E", bound=_Ranged)
+
+
+class CoreRanges(Generic[E]):
+    """Per core, disjoint byte ranges [start, end) of its VTCM, each with an entry, whose
+    accesses are recorded and replayed: what the deferred loads and the mirrors share
+    (`replay` False: every inference looks the entries up)."""
+
+    def __init__(self, num_cores: int, replay: bool = True) -> None:
+        self.pending: list[list[int]] = [[] for _ in range(num_cores)]
+        """Per core, the starts of its ranges, sorted (empty: none)."""
+        self._entries: list[dict[int, E]] = [{} for _ in range(num_cores)]
+        self.replay = Replay(replay)
+
+    def clear(self) -> None:
+        """The inference VTCM was zeroed: no range is held (and nothing recorded)."""
+        self.pending = [[] for _ in self.pending]
+        for entries in self._entries:
+            entries.clear()
+        self.replay.stop()
+
+    def start(self, *, fresh: bool) -> None:
+        """An inference begins with its VTCM zeroed: it replays the recorded one, or is
+        recorded (`fresh`: the streams were decoded anew)."""
+        self.clear()
+        self.replay.start(fresh=fresh)
+
+    def finish(self) -> None:
+        """The inference ran to its end (a recorded one is what the next ones replay)."""
+        self.replay.finish()
+
+    def _overlapping(self, core: int, start: int, end: int) -> list[E]:
+        """`core`'s entries whose ranges meet [start, end), last first."""
+        starts = self.pending[core]
+        if not starts:
+            return []
+        entries = self._entries[core]
+        found = []
+        i = bisect_left(starts, end) - 1
+        while i >= 0 and entries[starts[i]].end > start:  # disjoint: ends rise with starts
+            found.append(entries[starts[i]])
+            i -= 1
+        return found
