@@ -401,10 +401,7 @@ def _joinable(
             return False
     boxes = []
     for _, _, instr in members:
-        act = instr.inputs[0]
-        if act is None or not _covered(act) or len(instr.outputs) != 1:
-            return False
-        if list(opdef.input_boxes(info, instr.out_box))[0] != act.box:
+        if not _reads_its_box(opdef, info, instr):
             return False
         w = instr.inputs[1]
         if w is None or w.box[1:] != tuple((0, d) for d in info.in_shapes[1][1:]):  # type: ignore[index]
@@ -414,8 +411,7 @@ def _joinable(
         return False
     if max(int(np.prod(box_shape(b[2:]), dtype=np.int64)) for b in boxes) > THIN:
         return False
-    volume = sum(int(np.prod(box_shape(b), dtype=np.int64)) for b in boxes)
-    return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
+    return _tile_the_output(boxes, out_shape)
 
 
 def _joinable_matmul(
@@ -443,16 +439,28 @@ def _joinable_matmul(
         return False
     boxes = []
     for _, _, instr in members:
-        act, w = instr.inputs[0], instr.inputs[1]
-        if act is None or w is None or not _covered(act) or len(instr.outputs) != 1:
-            return False
-        if list(opdef.input_boxes(info, instr.out_box))[0] != act.box:
+        w = instr.inputs[1]
+        if w is None or not _reads_its_box(opdef, info, instr):
             return False
         if w.box != ((0, b[0]), instr.out_box[-1]):
             return False
         boxes.append(instr.out_box)
     if len({box[-2] for box in boxes}) < 2:  # one band: shared products cover it
         return False
+    return _tile_the_output(boxes, out_shape)
+
+
+def _reads_its_box(opdef: OpDef, info: NodeInfo, instr: RunKernel) -> bool:
+    """A member tile with one output reads the whole activation box its output needs, held
+    in one VTCM buffer."""
+    act = instr.inputs[0]
+    if act is None or not _covered(act) or len(instr.outputs) != 1:
+        return False
+    return bool(list(opdef.input_boxes(info, instr.out_box))[0] == act.box)
+
+
+def _tile_the_output(boxes: list[Box], out_shape: tuple[int, ...]) -> bool:
+    """The members' output boxes are distinct and together as large as the output."""
     volume = sum(int(np.prod(box_shape(box), dtype=np.int64)) for box in boxes)
     return volume == int(np.prod(out_shape, dtype=np.int64)) and len(set(boxes)) == len(boxes)
 
