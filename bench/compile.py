@@ -13,8 +13,9 @@ over the repeats), so a busy machine slows every row alike, and the median is re
 
 `--light-resnet50` measures onnx's backend-test light_resnet50 (separate BatchNormalization
 nodes; its ConstantOfShape weights replaced by seeded random ones) instead of our ResNet-50.
-Every figure is given in wall and in CPU time; our packages are byte-compiled first, as
-installing the wheel does (`byte_compile_packages`).
+Every figure is given in wall and in CPU time; the compile-time targets are judged in CPU time
+(issue 25: "measured ... in CPU time beside the peer"), the wall rows are information. Our
+packages are byte-compiled first, as installing the wheel does (`byte_compile_packages`).
 """
 
 from __future__ import annotations
@@ -503,12 +504,13 @@ def wall_ratio(name: str, a: Measurement, b: Measurement, target: float | None =
     return Ratio(name, a.wall_s / b.wall_s, target)
 
 
-def cpu_ratio(name: str, a: Measurement, b: Measurement) -> Ratio:
-    """The same ratio in CPU time (user + system): steadier than wall time on a busy machine,
-    but it counts ORT's thread-pool spinning, and the targets are wall time."""
+def cpu_ratio(name: str, a: Measurement, b: Measurement, target: float | None = None) -> Ratio:
+    """A ratio in CPU time (user + system), the measure of issue 25's targets: steadier than
+    wall time on a shared machine, where the wall rows follow whatever else runs."""
     if not a.ok or not b.ok:
-        return Ratio(name, None, None)
-    return Ratio(name, a.cpu_s / b.cpu_s, None, "CPU time, user + system")
+        failed = a if not a.ok else b
+        return Ratio(name, None, target, f"{failed.label} failed: {failed.error}")
+    return Ratio(name, a.cpu_s / b.cpu_s, target, "CPU time, user + system")
 
 
 def table(rows: Sequence[Measurement]) -> list[str]:
@@ -674,16 +676,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm=warm,
         load_average=load_average,
         ratios=[
-            _warm_ratio(warm),
             _warm_cpu_ratio(warm),
+            _warm_ratio(warm),
             _warm_user_ratio(warm),
-            wall_ratio(
-                f"compile process ({n} cores) / ORT process, wall", compile_n, ort_m, PROCESS_TARGET
+            cpu_ratio(
+                f"compile process ({n} cores) / ORT process, CPU", compile_n, ort_m, PROCESS_TARGET
             ),
-            wall_ratio(
-                "compile process (1 core) / ORT process, wall", compile_1, ort_m, PROCESS_TARGET
+            cpu_ratio(
+                "compile process (1 core) / ORT process, CPU", compile_1, ort_m, PROCESS_TARGET
             ),
-            cpu_ratio(f"compile process ({n} cores) / ORT process, CPU", compile_n, ort_m),
+            wall_ratio(f"compile process ({n} cores) / ORT process, wall", compile_n, ort_m),
+            wall_ratio("compile process (1 core) / ORT process, wall", compile_1, ort_m),
             cpu_ratio("import baseline / ORT process, CPU", baseline, ort_m),
             _minus_baseline_ratio(compile_n, baseline, ort_m),
             wall_ratio(f"compile process ({n} cores) / load+save process", compile_n, load_save),
@@ -751,20 +754,19 @@ def _minus_baseline_ratio(
 
 
 def _warm_ratio(warm: dict[str, Any]) -> Ratio:
-    name = "compile in-process warm / ORT in-process warm"
+    name = "compile in-process warm / ORT in-process warm, wall"
     if "error" in warm:
-        return Ratio(name, None, 1.0, f"failed: {warm['error']}")
-    return Ratio(
-        name, warm["compile_s_median"] / warm["ort_s_median"], 1.0, f"{warm['cores']} cores"
-    )
+        return Ratio(name, None, None)
+    return Ratio(name, warm["compile_s_median"] / warm["ort_s_median"], None, "wall time")
 
 
 def _warm_cpu_ratio(warm: dict[str, Any]) -> Ratio:
+    """Issue 25's in-process target, in CPU time (all threads, user + system)."""
     name = "compile in-process warm / ORT in-process warm, CPU"
     if "error" in warm:
-        return Ratio(name, None, None)
+        return Ratio(name, None, 1.0, f"failed: {warm['error']}")
     ratio = warm["compile_cpu_s_median"] / warm["ort_cpu_s_median"]
-    return Ratio(name, ratio, None, "process CPU time, all threads")
+    return Ratio(name, ratio, 1.0, f"{warm['cores']} cores, process CPU time, all threads")
 
 
 def _warm_user_ratio(warm: dict[str, Any]) -> Ratio:
