@@ -130,10 +130,13 @@ def import_model(
             load_small_external(function.graph, limit=MAX_TENSOR_BYTES)
 
     _set_initializer_types(model.graph)
-    _run_checker(model)
+    checked: onnx.ModelProto | None = _run_checker(model)
+    if model.functions:
+        checked = None  # inlining rewrites the graph: shape inference needs a fresh copy
     _inline_functions(model)
     warnings = _drop_initializer_inputs(model.graph)
-    _name_nodes(model.graph)
+    if warnings or _name_nodes(model.graph):
+        checked = None
     _check_io_types(model.graph)
     opset = _default_opset(model)
 
@@ -144,12 +147,16 @@ def import_model(
     _raise_unsupported(_unsupported_op_types(model, registry))
 
     symbols = input_symbols(model.graph)
+    input_shapes = [v.shape for v in model.graph.inputs]
     warnings += _bind_input_shapes(model.graph, dict(define_symbols or {}), batchsize)
     _require_static_inputs(model.graph)
     check_value_sizes(model.graph.inputs, "input")
     declared = _declared_output_shapes(model.graph)
-    _clear_node_output_shapes(model.graph)
-    infer_shapes(model)
+    cleared = _clear_node_output_shapes(model.graph)
+    if checked is not None:
+        rebound = [i for i, v in enumerate(model.graph.inputs) if v.shape is not input_shapes[i]]
+        checked = _relean(checked, model.graph, rebound, cleared)
+    infer_shapes(model, checked)
     check_value_sizes(_main_values(model.graph), "value")
     _fill_same_shapes(model, registry)
     _apply_declared_shapes(model.graph, declared, registry)
@@ -165,7 +172,7 @@ def import_model(
     return ImportedModel(model, opset, source_path, warnings, unresolved, symbols)
 
 
-def infer_shapes(model: ir.Model) -> None:
+def infer_shapes(model: ir.Model, lean: onnx.ModelProto | None = None) -> None:
     """(Re)run ONNX shape inference (strict) and merge the result into the IR in place.
 
     An inferred shape replaces the IR's one unless it knows less (a static shape is never
@@ -173,9 +180,11 @@ def infer_shapes(model: ir.Model) -> None:
     propagation (Shape -> Gather -> Concat -> Reshape chains) runs only when plain inference
     leaves something dynamic, and not when the graph holds large 1-D tensors: onnx's data
     propagation expands those element by element (gigabytes for a 300 MB vector).
+    `lean`: the model's lean copy (`_lean_model`) when the caller already has it.
     """
     _set_initializer_types(model.graph)
-    lean = _lean_model(model)
+    if lean is None:
+        lean = _lean_model(model)
     _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=False))
     if dynamic_values(model.graph) and not _has_large_vectors(model.graph):
         _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=True))
@@ -326,11 +335,11 @@ def _deserialize(proto: onnx.ModelProto) -> ir.Model:
         raise CompileError("invalid_model", f"the model cannot be read: {first}") from None
 
 
-def _run_checker(model: ir.Model) -> None:
-    """The ONNX checker on the model without its large weights. A mutated model can make the
-    re-serialisation itself fail (onnx_ir's SerdeError, a tensor of an undefined type): that
-    is the model's fault as much as a checker refusal, so every failure of this step is a
-    clean `invalid_model`."""
+def _run_checker(model: ir.Model) -> onnx.ModelProto:
+    """The ONNX checker on the model without its large weights; returns the lean copy it
+    checked. A mutated model can make the re-serialisation itself fail (onnx_ir's SerdeError,
+    a tensor of an undefined type): that is the model's fault as much as a checker refusal,
+    so every failure of this step is a clean `invalid_model`."""
     try:
         lean = _lean_model(model)
         onnx.checker.check_model(lean, full_check=False)
@@ -339,6 +348,7 @@ def _run_checker(model: ir.Model) -> None:
         raise CompileError(
             "invalid_model", f"the ONNX checker rejects the model: {first[:300]}"
         ) from None
+    return lean
 
 
 # --- external data --------------------------------------------------------------------------
@@ -537,9 +547,12 @@ def _drop_initializer_inputs(graph: ir.Graph) -> list[str]:
     ]
 
 
-def _name_nodes(graph: ir.Graph) -> None:
-    """Give unnamed (and duplicate-named) nodes `<op_type>_<index>`, unique and stable."""
+def _name_nodes(graph: ir.Graph) -> bool:
+    """Give unnamed (and duplicate-named) nodes `<op_type>_<index>`, unique and stable;
+    whether any node was (re)named."""
     used = {node.name for node in graph if node.name}
+    if len(used) == len(graph):
+        return False  # every node has a name of its own
     seen: set[str] = set()
     for index, node in enumerate(graph):
         if node.name and node.name not in seen:
@@ -552,6 +565,7 @@ def _name_nodes(graph: ir.Graph) -> None:
         node.name = name
         used.add(name)
         seen.add(name)
+    return True
 
 
 def _check_io_types(graph: ir.Graph) -> None:
@@ -894,12 +908,17 @@ def _broadcast_neutral(value: ir.Value, rank: int) -> bool:
     return len(dims) <= rank and all(d == 1 for d in dims)
 
 
-def _clear_node_output_shapes(graph: ir.Graph) -> None:
+def _clear_node_output_shapes(graph: ir.Graph) -> list[ir.Value]:
     """Forget annotated intermediate shapes: after binding they are recomputed from the inputs,
-    so stale exporter annotations (e.g. the old batch) cannot conflict with them."""
+    so stale exporter annotations (e.g. the old batch) cannot conflict with them. Returns the
+    values that had a shape."""
+    cleared = []
     for node in graph:
         for value in node.outputs:
-            value.shape = None
+            if value.shape is not None:
+                cleared.append(value)
+                value.shape = None
+    return cleared
 
 
 # --- shape inference plumbing ---------------------------------------------------------------
@@ -937,6 +956,29 @@ def _lean_model(model: ir.Model) -> onnx.ModelProto:
     with _lean_graph(model):
         lean = ir.serde.serialize_model(model)
     _external_constants_to_inputs(lean.graph)
+    return lean
+
+
+def _relean(
+    lean: onnx.ModelProto, graph: ir.Graph, rebound: Sequence[int], cleared: Sequence[ir.Value]
+) -> onnx.ModelProto | None:
+    """The lean copy the checker saw, brought up to date with the graph as shape inference
+    receives it: the inputs at `rebound` given their bound shapes, the node outputs of
+    `cleared` their shapes removed. That is what `_lean_model` would serialise again, at a
+    fraction of the cost (the checked copy is used up: it is changed in place). None when a
+    cleared value is not a named tensor (serialising again is then simplest)."""
+    names = set()
+    for value in cleared:
+        if not value.name or not isinstance(value.type, ir.TensorType):
+            return None
+        names.add(value.name)
+    proto = lean.graph
+    for index in rebound:
+        proto.input[index].CopyFrom(ir.serde.serialize_value(graph.inputs[index]))
+    if names:
+        for info in (*proto.value_info, *proto.output):
+            if info.name in names:
+                info.type.tensor_type.ClearField("shape")
     return lean
 
 

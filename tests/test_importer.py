@@ -437,6 +437,82 @@ def test_inconsistent_shapes_are_shape_inference_failed_naming_the_node() -> Non
     assert err.value.node == "Add_1" and "Add_1" in err.value.message
 
 
+def _annotated_chain() -> onnx.ModelProto:
+    """Named nodes, exporter shape annotations (a stale batch), a large weight and a large
+    Constant: every part of the copy shape inference receives that import changes."""
+    proto = parse(
+        """<ir_version: 8, opset_import: ["" : 17]>
+        m (float[N, 600] x, float[1, 600] z) => (float[N, 600] y, float[1, 600] zz)
+        { a = Add(x, big) b = Mul(a, small) c = Constant<value = float[600] {0}>()
+          d = Add(b, c) y = Relu(d) zz = Relu(z) }"""
+    )
+    for index, node in enumerate(proto.graph.node):
+        node.name = f"n{index}"
+    constant = proto.graph.node[2].attribute[0].t
+    constant.ClearField("float_data")
+    constant.raw_data = np.full(600, 0.5, np.float32).tobytes()
+    proto.graph.initializer.extend(
+        [
+            onh.from_array(np.arange(600, dtype=np.float32), "big"),
+            onh.from_array(np.array([2.0], np.float32), "small"),
+        ]
+    )
+    for name in ("a", "b"):
+        proto.graph.value_info.append(
+            oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, 600])
+        )
+    proto.graph.value_info.append(oh.make_tensor_value_info("d", onnx.TensorProto.FLOAT, None))
+    return proto
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [
+        (RELU_ADD, {"define_symbols": {"N": 3}}),
+        (TWO_INPUTS, {"define_symbols": {"S": 7}, "batchsize": 4}),
+        ("annotated", {"define_symbols": {"N": 2}}),
+        ("annotated", {"batchsize": 5}),
+        ("unnamed", {"define_symbols": {"N": 2}}),
+    ],
+)
+def test_shape_inference_sees_the_model_as_it_stands_after_binding(
+    model: str, options: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The import serialises the model once, for the checker, and brings that copy up to date
+    for shape inference: it must be what serialising the bound model again gives."""
+    import compiler_core.importer as importer
+
+    if model == TWO_INPUTS:
+        proto = two_inputs()
+    elif model in ("annotated", "unnamed"):
+        proto = _annotated_chain()
+        if model == "unnamed":
+            proto.graph.node[1].name = ""
+    else:
+        proto = parse(model)
+    for index, node in enumerate(proto.graph.node):
+        node.name = node.name or ("" if model == "unnamed" else f"n{index}")
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)  # the large tensors then stay in the file (onnx_wire)
+    real = importer.infer_shapes
+    given: list[bool] = []
+
+    def compare(ir_model: ir.Model, lean: onnx.ModelProto | None = None) -> None:
+        given.append(lean is not None)
+        if lean is not None:
+            fresh = importer._lean_model(ir_model)
+            assert lean.SerializeToString(deterministic=True) == fresh.SerializeToString(
+                deterministic=True
+            )
+        real(ir_model, lean)
+
+    monkeypatch.setattr(importer, "infer_shapes", compare)
+    registry = make_registry("Relu", "Add", "Mul", "Reshape", "Constant")
+    imported = load(os.fspath(path), registry=registry, **options)
+    assert_all_static(imported.model)
+    assert given == [model != "unnamed"]  # a renamed node: serialised again
+
+
 def test_infer_shapes_reruns_in_place_after_a_graph_change() -> None:
     imported = load(parse(RELU_ADD), define_symbols={"N": 2})
     model = imported.model
