@@ -20,7 +20,7 @@ import pytest
 from compiler_core import compile_model
 from compiler_core.lowering.emit import VTCM_SPAN
 from compiler_core.lowering.program import BYTE_RUNS, box_byte_progressions, box_byte_range
-from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, VtcmSpace
 from tests.codegen_models import conv_net
 
 
@@ -149,13 +149,13 @@ def _count_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """How often the hazards made, took apart and expanded periodic blocks."""
     taken: Counter[str] = Counter()
     for name in ("_carve", "_expand", "_periods", "_regrid"):
-        method = getattr(VtcmHazards, name)
+        method = getattr(VtcmSpace, name)
 
-        def counted(self: VtcmHazards, *args: int, _name: str = name, _method: Any = method) -> Any:
+        def counted(self: VtcmSpace, *args: int, _name: str = name, _method: Any = method) -> Any:
             taken[_name] += 1
             return _method(self, *args)
 
-        monkeypatch.setattr(VtcmHazards, name, counted)
+        monkeypatch.setattr(VtcmSpace, name, counted)
     return taken
 
 
@@ -195,28 +195,30 @@ def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(
     """Small maps cut by columns on 14 cores: each core multicasts its columns of every row.
     Every walk of the compile (one per program it emits) is replayed on its own."""
     taken = _count_paths(monkeypatch)
-    walks: dict[int, tuple[list[int], list[Call]]] = {}  # by hazards: its ops' cores, calls
-    read, write_runs = VtcmHazards.read, VtcmHazards.write_runs
+    # by walk (its ops' cores): the calls, each core's window placed in one address space
+    walks: dict[int, tuple[list[int], list[Call]]] = {}
+    read, write_runs = VtcmSpace.read, VtcmSpace.write_runs
 
-    def recorded(self: VtcmHazards, call: Call) -> None:
-        walks.setdefault(id(self), (self.core_of, []))[1].append(call)
+    def recorded(self: VtcmSpace, call: Call) -> None:
+        walks.setdefault(id(self.core_of), (self.core_of, []))[1].append(call)
 
-    def recorded_read(self: VtcmHazards, lo: int, hi: int, op: int, deps: set[int]) -> None:
-        recorded(self, ("r", lo, hi, op))
+    def recorded_read(self: VtcmSpace, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        at = self.core * VTCM_SPAN
+        recorded(self, ("r", at + lo, at + hi, op))
         read(self, lo, hi, op, deps)
 
     def recorded_write_runs(
-        self: VtcmHazards, base: int, runs: Sequence[Progression], op: int, deps: set[int]
+        self: VtcmSpace, base: int, runs: Sequence[Progression], op: int, deps: set[int]
     ) -> None:
-        recorded(self, ("w", base, list(runs), op))
+        recorded(self, ("w", self.core * VTCM_SPAN + base, list(runs), op))
         write_runs(self, base, runs, op, deps)
 
-    def recorded_write(self: VtcmHazards, lo: int, hi: int, op: int, deps: set[int]) -> None:
+    def recorded_write(self: VtcmSpace, lo: int, hi: int, op: int, deps: set[int]) -> None:
         recorded_write_runs(self, 0, [(lo, hi - lo, hi - lo, 1)], op, deps)
 
-    monkeypatch.setattr(VtcmHazards, "read", recorded_read)
-    monkeypatch.setattr(VtcmHazards, "write_runs", recorded_write_runs)
-    monkeypatch.setattr(VtcmHazards, "write", recorded_write)
+    monkeypatch.setattr(VtcmSpace, "read", recorded_read)
+    monkeypatch.setattr(VtcmSpace, "write_runs", recorded_write_runs)
+    monkeypatch.setattr(VtcmSpace, "write", recorded_write)
     compile_model(conv_net(batch=1, channels=32, size=28), ["-aic-num-cores=14"])
     monkeypatch.undo()
     calls = [call for _, walk in walks.values() for call in walk]
@@ -233,7 +235,7 @@ def test_a_strided_write_makes_periods_of_a_long_segment_past_a_short_one() -> N
     deps: set[int] = set()
     hazards.write(0, 100, 0, deps)
     hazards.write_runs(0, [(0, 8, 56, 64)], 1, deps)
-    assert any(block.period == 56 for block in hazards.blocks)
+    assert any(block.period == 56 for block in hazards.space(0).blocks)
     read: set[int] = set()
     hazards.read(0, 64 * 56, 2, read)
     assert read - {-1} == {0, 1}

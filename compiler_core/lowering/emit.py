@@ -1091,8 +1091,8 @@ def materialize(
 
     sizes: dict[tuple[Box, str], int] = {}
 
-    def span(core: int, ref: BufRef, box: Box, tid: int) -> tuple[int, int]:
-        lo = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+    def span(ref: BufRef, box: Box, tid: int) -> tuple[int, int]:
+        lo = buffers[ref[0]].offset + ref[1]
         dtype = tensors[tid].dtype
         n = sizes.get((box, dtype))
         if n is None:
@@ -1114,10 +1114,10 @@ def materialize(
 
     ranges: dict[tuple[Box, Box, str], tuple[int, int]] = {}
 
-    def part_span(core: int, ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
+    def part_span(ref: BufRef, buf_box: Box, box: Box, tid: int) -> tuple[int, int]:
         """From the first byte of `box` to its last: what a read of it is ordered by (a
         read's span orders it after the writes it needs and costs one segment)."""
-        base = core * VTCM_SPAN + buffers[ref[0]].offset + ref[1]
+        base = buffers[ref[0]].offset + ref[1]
         key = (box, buf_box, tensors[tid].dtype)
         found = ranges.get(key)
         if found is None:
@@ -1134,7 +1134,9 @@ def materialize(
 
     vtcm_used = [0] * cores
     ddr = _DdrHazards(graph, plan)
-    vtcm = VtcmHazards(ddr.core_of, VTCM_SPAN)
+    top = max((b.offset + b.size for b in buffers), default=0)
+    vtcm = VtcmHazards(ddr.core_of, VTCM_SPAN, top + 1)
+    spaces = [vtcm.space(c) for c in range(cores)]  # each core's VTCM, from its offset 0
     ops = schedule.ops
     position: list[int] = []
     counts = [0] * cores
@@ -1152,19 +1154,19 @@ def materialize(
             assert op.dst is not None
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
             for target in targets_of(op.mask):
-                vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
+                spaces[target].write_runs(offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == STORE:
             assert op.src is not None
-            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
+            spaces[c].read(*part_span(op.src, op.src_box, op.box, op.tensor), index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
-            vtcm.read(*part_span(c, op.src, op.src_box, op.box, op.tensor), index, deps)
+            spaces[c].read(*part_span(op.src, op.src_box, op.box, op.tensor), index, deps)
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
             for target in targets_of(op.mask):
-                vtcm.write_runs(target * VTCM_SPAN + offset, runs, index, deps)
+                spaces[target].write_runs(offset, runs, index, deps)
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == SCATTER:
@@ -1173,7 +1175,7 @@ def materialize(
                 operand = op.inputs[slot]
                 assert operand is not None
                 for ref, box in operand.parts:
-                    vtcm.read(*span(c, ref, box, desc.inputs[slot]), index, deps)
+                    spaces[c].read(*span(ref, box, desc.inputs[slot]), index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == LINK_SEND:
             ddr.read(op.tensor, op.box, index, deps)
@@ -1183,10 +1185,10 @@ def materialize(
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
             ddr.read(op.tensor, op.box, index, deps)  # a cache written earlier in the run
-            vtcm.read(*span(c, op.src, op.src_box, desc.inputs[1]), index, deps)
+            spaces[c].read(*span(op.src, op.src_box, desc.inputs[1]), index, deps)
             out = desc.outputs[0]
-            lo, hi = span(0, op.dst, op.dst_box, out)
-            vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+            lo, hi = span(op.dst, op.dst_box, out)
+            spaces[c].write(lo, hi, index, deps)
             vtcm_used[c] = max(vtcm_used[c], hi)
         else:
             desc = graph.kernels[op.kernel].desc
@@ -1194,12 +1196,12 @@ def materialize(
                 if operand is None or tid < 0:
                     continue
                 for ref, box in operand.parts:
-                    vtcm.read(*span(c, ref, box, tid), index, deps)
+                    spaces[c].read(*span(ref, box, tid), index, deps)
             for tid, result in zip(desc.outputs, op.outputs, strict=True):
                 if result is None or tid < 0:
                     continue
-                lo, hi = span(0, result.ref, result.held, tid)
-                vtcm.write(c * VTCM_SPAN + lo, c * VTCM_SPAN + hi, index, deps)
+                lo, hi = span(result.ref, result.held, tid)
+                spaces[c].write(lo, hi, index, deps)
                 if hi > vtcm_used[c]:
                     vtcm_used[c] = hi
         deps.discard(-1)

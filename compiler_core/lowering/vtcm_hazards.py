@@ -28,8 +28,9 @@ import bisect
 import math
 from collections.abc import Sequence
 
-END = 1 << 62
-"""The end of the address space (each core's VTCM has a 2**34-byte window in it)."""
+COMPACT = (1 << 30) - 1
+"""Offsets below this are one-digit ints, which CPython adds and compares on its fast paths
+(a core's VTCM is a few MiB): a core's window is walked in its own offsets, from 0."""
 
 PLAIN_MAX = 64
 """Segments a plain block holds before it is halved."""
@@ -157,26 +158,63 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
 
 
 class VtcmHazards:
-    """Per byte of every core's VTCM (one address space, a `window` of it per core): the last
-    writer and the latest reader since (ops by global index); each access adds the ops it
-    must wait for to `deps`, and -1 (no op) when a byte it meets has none."""
+    """Every core's VTCM as one address space, a `window` of it per core (each access within
+    one window): the last writer and the latest reader since of every byte (ops by global
+    index); each access adds the ops it must wait for to `deps`, and -1 (no op) when a byte
+    it meets has none. Each window is a `VtcmSpace` of its own, in its own offsets."""
 
-    def __init__(self, core_of: list[int], window: int) -> None:
-        self.starts: list[int] = [0]
-        self.blocks: list[_Block] = [_Block(0, 1, [0], [-1], [-1])]
+    def __init__(self, core_of: list[int], window: int, end: int = 0) -> None:
         self.core_of = core_of
         """The core of every op, by global index."""
         self.window = window
+        end = end if end else window
+        self.end = end if end > COMPACT else COMPACT
+        """Past every offset accessed in a window (the window's size, unless told less)."""
+        self.spaces: dict[int, VtcmSpace] = {}
+
+    def space(self, core: int) -> VtcmSpace:
+        """Core `core`'s window, in offsets from its start."""
+        found = self.spaces.get(core)
+        if found is None:
+            found = self.spaces[core] = VtcmSpace(core, self.core_of, self.end)
+        return found
 
     def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         """A read by `op` of bytes in its own core's window."""
-        assert lo // self.window == self.core_of[op], "a core reads only its own VTCM"
+        core, lo = divmod(lo, self.window)
+        self.space(core).read(lo, hi - core * self.window, op, deps)
+
+    def write(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        core, lo = divmod(lo, self.window)
+        self.space(core).write(lo, hi - core * self.window, op, deps)
+
+    def write_runs(self, base: int, runs: Sequence[Progression], op: int, deps: set[int]) -> None:
+        """A write of each progression's runs, offset by `base` (a transfer's bytes)."""
+        for lo, length, stride, count in runs:
+            core, at = divmod(base + lo, self.window)
+            self.space(core).write_runs(at, ((0, length, stride, count),), op, deps)
+
+
+class VtcmSpace:
+    """One core's window of VTCM, from offset 0 to `end` (past every byte accessed): per byte,
+    the last writer and the latest reader since (ops by global index; only `core` reads)."""
+
+    def __init__(self, core: int, core_of: list[int], end: int) -> None:
+        self.starts: list[int] = [0]
+        self.blocks: list[_Block] = [_Block(0, 1, [0], [-1], [-1])]
+        self.core = core
+        self.core_of = core_of
+        self.end = end
+
+    def read(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
+        """A read by `op`, of this core."""
+        assert self.core_of[op] == self.core, "a core reads only its own VTCM"
         if hi <= lo:
             return
         starts = self.starts
         i = bisect.bisect_right(starts, lo) - 1
         b = self.blocks[i]
-        end = starts[i + 1] if i + 1 < len(starts) else END
+        end = starts[i + 1] if i + 1 < len(starts) else self.end
         if b.period or hi > end:  # a periodic block, or more than one block
             self._span(lo, hi, op, deps, True)
             return
@@ -208,7 +246,7 @@ class VtcmHazards:
         starts = self.starts
         i = bisect.bisect_right(starts, lo) - 1
         b = self.blocks[i]
-        end = starts[i + 1] if i + 1 < len(starts) else END
+        end = starts[i + 1] if i + 1 < len(starts) else self.end
         if b.period or hi > end:  # a periodic block, or more than one block
             self._span(lo, hi, op, deps, False)
             return
@@ -226,7 +264,7 @@ class VtcmHazards:
         while pos < hi:
             b = blocks[i]
             start = starts[i]
-            end = starts[i + 1] if i + 1 < len(starts) else END
+            end = starts[i + 1] if i + 1 < len(starts) else self.end
             period = b.period
             if not period:
                 stop = hi if hi < end else end
@@ -258,7 +296,7 @@ class VtcmHazards:
                     _write_one(blocks[i], 0, period, period, op, deps)
                     blocks[i] = _Block(0, 1, [starts[i]], [op], [-1])
             i += 1
-            pos = starts[i] if i < len(starts) else END
+            pos = starts[i] if i < len(starts) else self.end
         if not read:
             self._join(first - 1, i)
 
@@ -273,7 +311,7 @@ class VtcmHazards:
             i = bisect.bisect_right(starts, lo) - 1
             b = blocks[i]
             start = starts[i]
-            end = starts[i + 1] if i + 1 < len(starts) else END
+            end = starts[i + 1] if i + 1 < len(starts) else self.end
             period = b.period
             if not period:
                 last = (end - length - lo0) // stride  # the last run inside
@@ -371,7 +409,7 @@ class VtcmHazards:
         periodic block."""
         b = self.blocks[i]
         hi = lo + n * stride
-        end = self.starts[i + 1] if i + 1 < len(self.starts) else END
+        end = self.starts[i + 1] if i + 1 < len(self.starts) else self.end
         offs, writer, readers = b.offs, b.writer, b.readers
         new_starts: list[int] = []
         new_blocks: list[_Block] = []
