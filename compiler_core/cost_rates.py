@@ -134,7 +134,8 @@ class TileCompute:
 
     @property
     def cycles(self) -> int:
-        return self.decode_cycles + max(self.main_cycles, self.epilogue_cycles)
+        main, epilogue = self.main_cycles, self.epilogue_cycles
+        return self.decode_cycles + (epilogue if epilogue > main else main)
 
 
 def compute_dtype(info_in: tuple[str | None, ...], out: tuple[str, ...]) -> str:
@@ -224,11 +225,13 @@ def tile_cost(
     included; `epilogue`: each step's output dtype; `epilogue_ops`: per integer step, its
     HVX instructions per 128 codes, `int8_step_ops`)."""
     out_shape = info.out_shapes[0] if info.out_shapes else ()
-    out_total = max(1, math.prod(out_shape))
+    out_total = math.prod(out_shape)
+    out_total = out_total if out_total > 1 else 1
     tile_elems = box_elements(out_box)
     share = tile_elems / out_total
     dtype = info.out_dtypes[0] if info.out_dtypes else "float32"
-    base_macs = max(0, macs - out_total * len(epilogue))
+    base_macs = macs - out_total * len(epilogue)
+    base_macs = base_macs if base_macs > 0 else 0
     epi_tile = tile_elems * len(epilogue)
     if unit == "hmx":
         precision = compute_dtype(info.in_dtypes, info.out_dtypes)

@@ -437,7 +437,7 @@ class _Builder:
                     assert box is not None
                     tiles.append((c, j, box, delta))
                     delta += align(box_nbytes(box, dtype))
-                size = max(size, delta)
+                size = delta if delta > size else size
             return size, tuple(tiles)
         size = max(
             box_nbytes(_tile_out_boxes(self.graph, kt.k, t)[o] or (), dtype)
@@ -859,7 +859,8 @@ class _Builder:
             mine = [n for n in found if slots[n].core == c]
             remote = [n for n in found if slots[n].core != c]
             needs.append((c, j, box, mine, remote))
-            most_remote = max(most_remote, len(remote))
+            if len(remote) > most_remote:
+                most_remote = len(remote)
         if most_remote == 0:
             for c, j, box, mine, _ in needs:
                 reads.append((c, j, box, tuple((n, 0, slots[n].box) for n in mine)))

@@ -123,7 +123,7 @@ def _weights(graph: LoweredGraph) -> dict[tuple[int, int], tuple[int, int]]:
                     previous = b
                 # a core that loads one box (its tiles' output channels) keeps just that box
                 held = sizes[boxes[0]] if loads == 1 else box_nbytes(bounding_box(boxes), dtype)
-                cost = max(cost, held)
+                cost = held if held > cost else cost
             if gathered:  # a lookup table streams only the rows it is asked for
                 cost = max(
                     box_nbytes(b, dtype) for tile in lk.tiles if (b := tile.in_boxes[i]) is not None

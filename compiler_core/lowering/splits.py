@@ -236,7 +236,8 @@ class SplitChooser:
         not priced, its bound already above the cheapest; see `_pick`)."""
 
     def cores(self, req: TilingRequest) -> int:
-        return min(self.active or req.num_cores, req.num_cores)
+        active = self.active or req.num_cores
+        return active if active < req.num_cores else req.num_cores
 
     # ----------------------------------------------------------------------- candidates
 
@@ -605,11 +606,13 @@ class SplitChooser:
                 if len(unique) == 1:
                     (only,) = unique
                     nbytes = _bytes(only, dtype)
-                    worst = max(worst, nbytes)
-                    engine = max(engine, nbytes)
+                    worst = worst if worst > nbytes else nbytes
+                    engine = engine if engine > nbytes else nbytes
                 elif unique:
-                    worst = max(worst, _bytes(bounding_box(list(unique)), dtype))
-                    engine = max(engine, sum(_bytes(b, dtype) for b in unique))
+                    nbytes = _bytes(bounding_box(list(unique)), dtype)
+                    worst = worst if worst > nbytes else nbytes
+                    nbytes = sum(_bytes(b, dtype) for b in unique)
+                    engine = engine if engine > nbytes else nbytes
                 distinct |= unique
             weight_bytes += worst
             streamed += sum(_bytes(b, dtype) for b in distinct)
@@ -687,7 +690,7 @@ class SplitChooser:
         if dtype is None:
             return 0.0, 0.0
         size = _itemsize(dtype)
-        cores = max(1, len(cand.by_core))
+        cores = len(cand.by_core) or 1
         # what the producer's cut leaves on each core is read in place
         local = producer if kind == "chip" and not ks.reshaped[i] else None
         remote = 0
@@ -719,9 +722,10 @@ class SplitChooser:
                         pieces += 1
         if not remote:
             return 0.0, 0.0
-        distinct = min(remote, ks.nbytes[i])
+        distinct = remote if remote < ks.nbytes[i] else ks.nbytes[i]
         rate = self.ddr if kind == "ddr" else self.noc
-        return max(distinct / rate, distinct / (cores * self.engine)), DESCRIPTOR * pieces / cores
+        a, b = distinct / rate, distinct / (cores * self.engine)
+        return (b if b > a else a), DESCRIPTOR * pieces / cores
 
     def _time(self, k: int, cand: _Candidate, chosen: list[_Candidate | None]) -> float:
         move = self._move(k, cand, chosen)
@@ -751,7 +755,7 @@ class SplitChooser:
                 # (a negative price, which only tests ask for, bounds nothing)
                 unbuilt = 0.0 if price >= 0 else -math.inf
                 bounds = [
-                    c.busiest + min(price * c.resident, c.stream)
+                    c.busiest + (c.stream if c.stream < price * c.resident else price * c.resident)
                     if c.built
                     else c.busiest + unbuilt
                     for c in cands
@@ -769,8 +773,9 @@ class SplitChooser:
                     t = times[j]
                     if t is None:
                         t = times[j] = self._time(k, c, chosen)
+                    weight = price * c.resident
                     key = (
-                        t + min(price * c.resident, c.stream),
+                        t + (c.stream if c.stream < weight else weight),
                         stem and 1 in c.parts,
                         c.resident,
                         j,

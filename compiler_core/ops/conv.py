@@ -59,9 +59,11 @@ class Window:
 def clip_range(lo: int, hi: int, size: int) -> tuple[int, int]:
     """Clip [lo, hi) to [0, size), never empty: a tile made only of padding still gets one
     element, which its kernel then ignores, so that no box is ever empty."""
-    lo, hi = max(lo, 0), min(hi, size)
+    # conditional expressions, not min/max: called for every axis of every tile cut tried
+    lo = lo if lo > 0 else 0
+    hi = hi if hi < size else size
     if hi <= lo:
-        lo = min(max(lo, 0), size - 1)
+        lo = lo if lo < size - 1 else size - 1
         hi = lo + 1
     return lo, hi
 
