@@ -29,6 +29,8 @@ class WireError(ValueError):
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos < len(buf) and buf[pos] < 0x80:  # one byte: field keys, small lengths
+        return buf[pos], pos + 1
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
@@ -41,7 +43,12 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
+
+
 def _encode_varint(value: int) -> bytes:
+    if value < 0x80:
+        return _ONE_BYTE[value]
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -64,14 +71,22 @@ def _len_field(field: int, payload: bytes) -> bytes:
 def _fields(buf: memoryview, start: int, end: int):  # type: ignore[no-untyped-def]
     """Yield (field, wire, field_start, value_start, value_end) for a message's fields."""
     pos = start
+    size = len(buf)
     while pos < end:
         field_start = pos
-        key, pos = _varint(buf, pos)
+        key = buf[pos]  # pos < end <= len(buf)
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(buf, pos)
         field, wire = key >> 3, key & 7
         if field == 0:
             raise WireError("field number 0")
         if wire == _VARINT:
-            _, value_end = _varint(buf, pos)
+            if pos < size and buf[pos] < 0x80:
+                value_end = pos + 1
+            else:
+                _, value_end = _varint(buf, pos)
             yield field, wire, field_start, pos, value_end
             pos = value_end
         elif wire == _I64:
@@ -114,6 +129,11 @@ def _rewrite(buf: memoryview, start: int, end: int, children: dict[int, Rewriter
     return b"".join(out)
 
 
+def _external_entry(key: bytes, value: bytes) -> bytes:
+    """An `external_data` field of a TensorProto: a StringStringEntryProto (key 1, value 2)."""
+    return _len_field(_TENSOR_EXTERNAL_DATA, _len_field(1, key) + _len_field(2, value))
+
+
 @dataclass
 class Stripped:
     data: bytes
@@ -131,31 +151,35 @@ def strip_inline_weights(data: memoryview, location: str, threshold: int = 1024)
     """
 
     counts = {"moved": 0}
+    # The parts of each reference that are the same for every tensor, encoded once.
+    at_location = _external_entry(b"location", location.encode())
+    external = _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_EXTERNAL)
 
     def tensor(buf: memoryview, start: int, end: int) -> bytes | None:
         if end - start < threshold:
             return None
-        keep: list[bytes] = []
+        cuts: list[tuple[int, int]] = []  # the raw_data fields left out: every one that large
         moved: tuple[int, int] | None = None
         for field, wire, field_start, value_start, value_end in _fields(buf, start, end):
             if field == _TENSOR_RAW_DATA and wire == _LEN and value_end - value_start >= threshold:
                 moved = (value_start, value_end - value_start)
+                cuts.append((field_start, value_end))
             elif field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
                 return None  # already external: leave it as it is
-            else:
-                keep.append(bytes(buf[field_start:value_end]))
         if moved is None:
             return None
         offset, length = moved
         counts["moved"] += 1
-        for key, value in (
-            ("location", location),
-            ("offset", str(offset)),
-            ("length", str(length)),
-        ):
-            entry = _len_field(1, key.encode()) + _len_field(2, value.encode())
-            keep.append(_len_field(_TENSOR_EXTERNAL_DATA, entry))
-        keep.append(_key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_EXTERNAL))
+        keep: list[bytes] = []
+        kept = start
+        for cut_start, cut_end in cuts:  # the other fields, in order, as runs
+            keep.append(bytes(buf[kept:cut_start]))
+            kept = cut_end
+        keep.append(bytes(buf[kept:end]))
+        keep.append(at_location)
+        keep.append(_external_entry(b"offset", str(offset).encode()))
+        keep.append(_external_entry(b"length", str(length).encode()))
+        keep.append(external)
         return b"".join(keep)
 
     def attribute(buf: memoryview, start: int, end: int) -> bytes | None:
