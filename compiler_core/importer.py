@@ -51,7 +51,7 @@ from compiler_core.onnx_wire import WireError, strip_inline_weights
 from compiler_core.tensors import load_small_external
 
 if TYPE_CHECKING:
-    from compiler_core.ops.registry import OpRegistry
+    from compiler_core.ops.registry import OpDef, OpRegistry
 
 log = logging.getLogger(__name__)
 
@@ -670,11 +670,13 @@ def _domain(node: ir.Node) -> str:
 
 def _unsupported_op_types(model: ir.Model, registry: OpRegistry) -> list[_Unsupported]:
     found: dict[tuple[str, str, int], _Unsupported] = {}
+    supported: dict[tuple[str, str, int], bool] = {}  # by op kind: a few for many nodes
     # Nodes inside subgraphs (If branches, Loop/Scan bodies) run on our kernels too.
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        opset = _node_opset(model, node)
-        if registry.lookup(node.op_type, _domain(node), opset) is None:
-            key = (node.op_type, _domain(node), opset)
+        key = (node.op_type, _domain(node), _node_opset(model, node))
+        if key not in supported:
+            supported[key] = registry.lookup(*key) is not None
+        if not supported[key]:
             entry = found.setdefault(key, _Unsupported(*key, reason=""))
             entry.nodes.append(node.name or f"{node.op_type} (in a subgraph)")
     return list(found.values())
@@ -684,13 +686,21 @@ def _unsupported_dtypes(model: ir.Model, registry: OpRegistry) -> list[_Unsuppor
     """Check each node's data type: its first input's element type (the output's if it has no
     inputs) must be in `OpDef.dtypes`. Index-like inputs (shapes, axes, indices) are not checked."""
     found: dict[tuple[str, str, int, str], _Unsupported] = {}
+    # A model has a few op kinds and element types for many nodes: each looked up once.
+    opdefs: dict[tuple[str, str, int], OpDef | None] = {}
+    names: dict[ir.DataType, str] = {}
     for node in model.graph:
         opset = _node_opset(model, node)
-        opdef = registry.lookup(node.op_type, _domain(node), opset)
+        kind = (node.op_type, _domain(node), opset)
+        if kind not in opdefs:
+            opdefs[kind] = registry.lookup(*kind)
+        opdef = opdefs[kind]
         data = node.inputs[0] if node.inputs else (node.outputs[0] if node.outputs else None)
         if opdef is None or data is None or data.dtype is None:
             continue
-        name = dtype_name(data.dtype)
+        name = names.get(data.dtype)
+        if name is None:
+            name = names[data.dtype] = dtype_name(data.dtype)
         if name in opdef.dtypes:
             continue
         key = (node.op_type, _domain(node), opset, name)
