@@ -504,7 +504,7 @@ def _declared_input_symbols(source: ModelSource) -> frozenset[str]:
     only on the way to an error)."""
     from compiler_core.importer import _read_model
 
-    proto, _, _ = _read_model(source)
+    proto = _read_model(source)[0]
     return frozenset(
         dim.dim_param
         for value in proto.graph.input

@@ -106,8 +106,8 @@ def import_model(
     """
     if model_folder.confined and model_folder.root is None:
         allow_external_data = False
-    proto, source_path, has_external = _read_model(source, model_folder)
-    if has_external and not allow_external_data:
+    proto, source_path, external, moved = _read_model(source, model_folder)
+    if len(external) > moved and not allow_external_data:
         raise CompileError(
             "external_data_not_allowed",
             "the model references external data files; send the model and its data files "
@@ -118,7 +118,9 @@ def import_model(
     _check_structure(proto)
     check_model_bounds(proto)  # before onnx's checker, inliner or anything allocates
     folder = _external_data_folder(model_folder, base_dir)
-    _check_external_data(proto, None if base_dir is None else Path(base_dir), folder, source_path)
+    _check_external_data(
+        external, None if base_dir is None else Path(base_dir), folder, source_path
+    )
     model = _deserialize(proto)
     if base_dir is not None:
         _set_base_dir(model, os.fspath(base_dir))
@@ -268,17 +270,18 @@ def require_static_shapes(model: ir.Model) -> None:
 
 def _read_model(
     source: ModelSource, folder: ModelFolder = LOCAL
-) -> tuple[onnx.ModelProto, Path | None, bool]:
-    """The parsed model, its path, and whether it references external data files (anywhere:
-    every graph, subgraph, tensor attribute and function). Messages name a model file as
-    `folder` shows it (relative to a confined folder: no server path)."""
+) -> tuple[onnx.ModelProto, Path | None, list[onnx.TensorProto], int]:
+    """The parsed model, its path, the tensors that keep their data in a file (anywhere:
+    every graph, subgraph, tensor attribute and function) and how many of those are
+    references into the model file itself (onnx_wire's, not external data files). Messages
+    name a model file as `folder` shows it (relative to a confined folder: no server path)."""
     if isinstance(source, onnx.ModelProto):
-        return source, None, any(True for _ in _external_tensor_protos(source))
+        return source, None, list(_external_tensor_protos(source)), 0
     if isinstance(source, bytes | bytearray | memoryview):
         if len(source) == 0:
             raise CompileError("invalid_model", "the model is empty (0 bytes)")
         proto = _parse(source, "the given bytes")
-        return proto, None, any(True for _ in _external_tensor_protos(proto))
+        return proto, None, list(_external_tensor_protos(proto)), 0
     path = Path(source)
     shown = folder.shown(path)
     if not path.exists():
@@ -297,8 +300,7 @@ def _read_model(
             proto = _parse(view if stripped is None else stripped.data, f"'{shown}'")
     # The references into the model file itself that stripping made are not external files.
     moved = stripped.moved if stripped is not None else 0
-    external = sum(1 for _ in _external_tensor_protos(proto))
-    return proto, path.resolve(), external > moved
+    return proto, path.resolve(), list(_external_tensor_protos(proto)), moved
 
 
 def _parse(data: bytes | bytearray | memoryview, what: str) -> onnx.ModelProto:
@@ -364,12 +366,16 @@ def _external_data_folder(
 
 
 def _check_external_data(
-    proto: onnx.ModelProto, base_dir: Path | None, folder: ModelFolder, model_file: Path | None
+    external: Sequence[onnx.TensorProto],
+    base_dir: Path | None,
+    folder: ModelFolder,
+    model_file: Path | None,
 ) -> None:
-    """Reject external data that escapes `folder`, is missing or is too short. Messages name
-    the tensor and its location as the model writes them, never a resolved server path."""
+    """Reject external data that escapes `folder`, is missing or is too short (`external`:
+    the model's tensors kept in files, as `_read_model` found them). Messages name the tensor
+    and its location as the model writes them, never a resolved server path."""
     files: dict[str, os.stat_result] = {}  # location -> stat, once per file
-    for tensor in _external_tensor_protos(proto):
+    for tensor in external:
         info = onnx.external_data_helper.ExternalDataInfo(tensor)
         location = str(info.location)
         where = f"tensor '{tensor.name}' (external data location '{location}')"
