@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-from compiler_core.ops.conv import Window, gather_windows
+from compiler_core.ops.conv import Window, _TileWindows, gather_windows
 
 
 def _reference(x: np.ndarray, win: Window, rank: int, o0: int, o1: int) -> np.ndarray:
@@ -43,3 +43,29 @@ def test_every_tile_reads_the_windows_of_the_padded_input(
             assert got.shape == (1, 3, *(o1 - o0,) * rank, *(kernel,) * rank)
             np.testing.assert_array_equal(got, want)
             assert not got.flags.writeable, "a kernel could write its input through it"
+
+
+@pytest.mark.parametrize("kernel,pad", [(3, 1), (1, 0), (3, 0)])
+def test_a_tiles_kept_windows_read_its_input_as_it_holds_now(kernel: int, pad: int) -> None:
+    """A conv tile's windows are laid out once (`_TileWindows`, padding in a private array):
+    they still read what the same input array holds at each use, and another array's bytes
+    when given another array."""
+    size = 7
+    out = (size + 2 * pad - kernel) // 1 + 1
+    win = Window(kernel, 1, 1, pad, pad, size, out)
+    o0, o1 = 0, max(1, out - 2)
+    lo, hi = win.clipped(o0, o1)
+    out_box = ((0, 1), (0, 3), (o0, o1), (0, out))
+    in_box = ((0, 1), (0, 3), (lo, hi), win.clipped(0, out))
+    rng = np.random.default_rng(kernel + pad)
+    vtcm = rng.standard_normal((1, 3, size, size)).astype(np.float32)
+    x = vtcm[:, :, lo:hi, in_box[3][0] : in_box[3][1]]  # a buffer's view, as the runtime's
+    kept = _TileWindows(x.shape, x.dtype, [win] * 2, out_box, in_box)
+    for _ in range(2):
+        want = gather_windows(x, [win] * 2, out_box, in_box, 0.0)
+        np.testing.assert_array_equal(kept.of(x), want)
+        vtcm[...] = rng.standard_normal(vtcm.shape)  # the buffer is written again
+    other = rng.standard_normal(x.shape).astype(np.float32)
+    got = kept.of(other)
+    np.testing.assert_array_equal(got, gather_windows(other, [win] * 2, out_box, in_box, 0.0))
+    assert not got.flags.writeable

@@ -134,6 +134,46 @@ def crop_or_pad_all(
     return out
 
 
+def _window_ranges(
+    shape: Sequence[int],
+    wins: Sequence[Window],
+    out_box: Box,
+    in_box: Box,
+    aligned: Sequence[int],
+) -> list[tuple[int, int] | None]:
+    """Per axis of an input of `shape` given as `in_box`, the range of it the windows of the
+    output tile `out_box` read (None: the whole axis); see `gather_windows`."""
+    first = len(shape) - len(wins)
+    ranges: list[tuple[int, int] | None] = [None] * len(shape)
+    for axis in aligned:
+        shift = in_box[axis][0]
+        ranges[axis] = (out_box[axis][0] - shift, out_box[axis][1] - shift)
+    for i, win in enumerate(wins):
+        lo, hi = win.need(*out_box[first + i])
+        start = in_box[first + i][0]
+        ranges[first + i] = (lo - start, hi - start)
+    return ranges
+
+
+def _window_view(x: np.ndarray, wins: Sequence[Window]) -> np.ndarray:
+    """The windows (N, C, *O, *K) of `x`, cropped and padded to what they read: a
+    read-only strided view."""
+    first = x.ndim - len(wins)
+    if all(w.span == 1 for w in wins):  # 1x1 windows: the input itself, strided
+        strided = x[(*[slice(None)] * first, *(slice(None, None, w.stride) for w in wins))]
+        view = strided.reshape((*strided.shape, *(1,) * len(wins)))
+        view.flags.writeable = False  # read-only, as sliding_window_view's
+        return view
+    spatial = tuple(range(first, x.ndim))
+    view = sliding_window_view(x, [w.span for w in wins], axis=spatial)
+    index = (
+        [slice(None)] * first
+        + [slice(None, None, w.stride) for w in wins]
+        + [slice(None, None, w.dilation) for w in wins]
+    )
+    return view[tuple(index)]
+
+
 def gather_windows(
     x: np.ndarray,
     wins: Sequence[Window],
@@ -148,29 +188,64 @@ def gather_windows(
     positions outside the input (padding, or past the end under ceil_mode) read `fill`.
     `aligned` axes index input and output alike (batch; channels too for pooling).
     """
-    first = x.ndim - len(wins)
-    ranges: list[tuple[int, int] | None] = [None] * x.ndim
-    for axis in aligned:
-        shift = in_box[axis][0]
-        ranges[axis] = (out_box[axis][0] - shift, out_box[axis][1] - shift)
-    for i, win in enumerate(wins):
-        lo, hi = win.need(*out_box[first + i])
-        start = in_box[first + i][0]
-        ranges[first + i] = (lo - start, hi - start)
-    x = crop_or_pad_all(x, ranges, fill)
-    if all(w.span == 1 for w in wins):  # 1x1 windows: the input itself, strided
-        strided = x[(*[slice(None)] * first, *(slice(None, None, w.stride) for w in wins))]
-        view = strided.reshape((*strided.shape, *(1,) * len(wins)))
-        view.flags.writeable = False  # read-only, as sliding_window_view's
+    ranges = _window_ranges(x.shape, wins, out_box, in_box, aligned)
+    return _window_view(crop_or_pad_all(x, ranges, fill), wins)
+
+
+class _TileWindows:
+    """The windows one conv tile reads of an input of one shape and dtype (zero padding),
+    laid out once: the crop of the input and, when the windows read padding, a private
+    padded array whose borders are written once (each use copies only the input's part
+    into its interior). The view is kept for the input array last seen, so an input that
+    is the same array (a VTCM buffer's view, a kept copy) costs no new view."""
+
+    __slots__ = ("inside", "wins", "interior", "x", "src", "view")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        wins: Sequence[Window],
+        out_box: Box,
+        in_box: Box,
+    ) -> None:
+        ranges = _window_ranges(shape, wins, out_box, in_box, (0,))
+        wanted = [(0, n) if r is None else r for r, n in zip(ranges, shape, strict=True)]
+        self.inside = tuple(
+            slice(min(max(a, 0), n), min(max(b, 0), n))
+            for (a, b), n in zip(wanted, shape, strict=True)
+        )
+        self.wins = wins
+        self.interior: np.ndarray | None = None
+        """The padded array's part the input fills (None: the windows read no padding)."""
+        self.x: np.ndarray | None = None
+        self.src: np.ndarray | None = None
+        """The part of `x` copied into `interior` at each use."""
+        self.view: np.ndarray | None = None
+        if not all(0 <= a and b <= n for (a, b), n in zip(wanted, shape, strict=True)):
+            padded = np.zeros([b - a for a, b in wanted], dtype=dtype)
+            self.interior = padded[
+                tuple(
+                    slice(s.start - a, s.start - a + (s.stop - s.start))
+                    for s, (a, _) in zip(self.inside, wanted, strict=True)
+                )
+            ]
+            self.view = _window_view(padded, wins)
+
+    def of(self, x: np.ndarray) -> np.ndarray:
+        """The windows of `x` as it holds now (valid until the next call)."""
+        if x is not self.x:
+            self.x = x
+            part = x[self.inside]
+            if self.interior is None:
+                self.view = _window_view(part, self.wins)
+            else:
+                self.src = part
+        interior, src, view = self.interior, self.src, self.view
+        if interior is not None and src is not None:
+            np.copyto(interior, src)
+        assert view is not None
         return view
-    spatial = tuple(range(first, x.ndim))
-    view = sliding_window_view(x, [w.span for w in wins], axis=spatial)
-    index = (
-        [slice(None)] * first
-        + [slice(None, None, w.stride) for w in wins]
-        + [slice(None, None, w.dilation) for w in wins]
-    )
-    return view[tuple(index)]
 
 
 def accumulator(dtype: np.dtype) -> type[np.floating]:
@@ -200,6 +275,8 @@ def uniform_rows(rows: np.ndarray) -> bool:
     row is never equal; the outputs they make are then one output repeated). Costs one row
     compare when the first two rows differ, as in any trained or random weight."""
     if rows.ndim != 2 or len(rows) < 2 or rows.size == 0:
+        return False
+    if not rows[0, 0] == rows[1, 0]:  # the usual answer, for the price of one compare
         return False
     if not np.array_equal(rows[0], rows[1]):
         return False
@@ -345,42 +422,94 @@ def conv_grid_boxes(
                 yield [x_box, weights] if bias is None else [x_box, weights, bias]
 
 
+class _ConvTile:
+    """What `conv_compute` works out of a node and a tile, once per tile: the runtime
+    calls it with the same tile (and mostly the same input arrays) at every inference."""
+
+    __slots__ = (
+        "tile", "out_dtype", "acc", "group", "in_per_group", "out_per_group", "wins",
+        "x_box", "out_tile", "channels", "w_first", "b_box", "windows",
+    )  # fmt: skip
+
+    def __init__(self, node: NodeInfo, tile: TileCtx) -> None:
+        self.tile = tile
+        self.out_dtype = np.dtype(node.out_dtypes[0])
+        self.acc = product_accumulator(self.out_dtype)
+        self.group, self.in_per_group, self.out_per_group = _conv_group_geometry(node)
+        self.wins = _conv_windows(node)
+        self.x_box = tile_box(tile, node, 0)
+        self.out_tile = box_shape(tile.out_box)
+        self.channels: tuple[int, int] = tile.out_box[1]
+        self.w_first = tile_box(tile, node, 1)[0][0]
+        self.b_box = tile_box(tile, node, 2) if len(node.in_shapes) > 2 else None
+        self.windows: dict[tuple[int, tuple[int, ...], np.dtype], _TileWindows] = {}
+
+    def windows_of(self, x: np.ndarray) -> np.ndarray:
+        """The windows (N, C, *O, *K) of the tile's input `x` as it holds now (a view, valid
+        until this tile's next product)."""
+        key = (threading.get_ident(), x.shape, x.dtype)
+        found = self.windows.get(key)
+        if found is None:
+            found = self.windows[key] = _TileWindows(
+                x.shape, x.dtype, self.wins, self.tile.out_box, self.x_box
+            )
+        return found.of(x)
+
+
+_TILES_KEPT = 4096
+"""Tiles whose `_ConvTile` a node keeps (a compile folding constants makes a fresh tile per
+call: the plans are dropped when there are more)."""
+
+
+def _conv_tile(node: NodeInfo, tile: TileCtx) -> _ConvTile:
+    """The tile's `_ConvTile`, by the tile object (the runtime's tiles live as long as its
+    decoded streams; the plan keeps the tile, so its id is not reused meanwhile)."""
+    tiles: dict[int, _ConvTile] | None = node.derived.get("conv_tiles")
+    if tiles is None:
+        tiles = node.derived["conv_tiles"] = {}
+    found = tiles.get(id(tile))
+    if found is None or found.tile is not tile:
+        if len(tiles) >= _TILES_KEPT:
+            tiles.clear()
+        found = tiles[id(tile)] = _ConvTile(node, tile)
+    return found
+
+
 def conv_compute(
     node: NodeInfo, inputs: list[np.ndarray | None], tile: TileCtx
 ) -> list[np.ndarray]:
     x, w = inputs[0], inputs[1]
     bias = inputs[2] if len(inputs) > 2 else None
     assert x is not None and w is not None
-    out_dtype = np.dtype(node.out_dtypes[0])
-    acc = product_accumulator(out_dtype)
-    group, in_per_group, out_per_group = _conv_group_geometry(node)
-    wins = _conv_windows(node)
-    x_box = tile_box(tile, node, 0)
-    if group != 1:
-        x = x.astype(acc, copy=False)
-    xw = gather_windows(x, wins, tile.out_box, x_box, 0.0)
-    w = w.astype(acc, copy=False)
+    plan = _conv_tile(node, tile)
+    acc = plan.acc
+    wins = plan.wins
     rank = len(wins)
-    out_tile = box_shape(tile.out_box)
-    m0, m1 = tile.out_box[1]
-    w = w[m0 - tile_box(tile, node, 1)[0][0] :][: m1 - m0]
-    if group == 1:
+    if plan.group != 1:
+        x = x.astype(acc, copy=False)
+    xw = plan.windows_of(x)
+    w = w.astype(acc, copy=False)
+    m0, m1 = plan.channels
+    w = w[m0 - plan.w_first :][: m1 - m0]
+    if plan.group == 1:
         y = _dense_conv(xw, w, rank, acc)
     else:
+        in_per_group, out_per_group = plan.in_per_group, plan.out_per_group
         g0 = m0 // out_per_group
-        first_channel = g0 * in_per_group - x_box[1][0]
+        first_channel = g0 * in_per_group - plan.x_box[1][0]
         n_groups = (m1 - 1) // out_per_group + 1 - g0
         xg = xw[:, first_channel : first_channel + n_groups * in_per_group]
         xg = xg.reshape(xg.shape[0], n_groups, in_per_group, *xg.shape[2:])
         y = _grouped_conv(xg, w, m0 - g0 * out_per_group, out_per_group, rank)
     if bias is not None:
-        b = channel_part(bias, tile_box(tile, node, 2), (m0, m1), acc, rank)
+        assert plan.b_box is not None
+        b = channel_part(bias, plan.b_box, (m0, m1), acc, rank)
         if y.flags.writeable:  # the product's own fresh array (not a repeated row)
             np.add(y, b, out=y)
         else:
             y = y + b
-    assert y.shape == out_tile, (y.shape, out_tile)
-    return [y.astype(out_dtype, copy=False)]
+    assert y.shape == plan.out_tile, (y.shape, plan.out_tile)
+    return [y.astype(plan.out_dtype, copy=False)]
 
 
 _SCRATCH = threading.local()
@@ -408,7 +537,7 @@ def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarr
     copy (none for 1x1 kernels at stride 1 on an `acc` input)."""
     n, c = int(xw.shape[0]), int(xw.shape[1])
     out_sp = xw.shape[2 : 2 + rank]
-    taps = int(np.prod(xw.shape[2 + rank :], dtype=np.int64))
+    taps = math.prod(xw.shape[2 + rank :])
     perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
     windows = xw.transpose(perm)
     if windows.dtype == acc and taps == 1:
@@ -425,15 +554,12 @@ def _dense_conv(xw: np.ndarray, w: np.ndarray, rank: int, acc: type) -> np.ndarr
     return y.reshape(n, len(w), *out_sp)
 
 
-def conv_columns_into(
-    node: NodeInfo, x: np.ndarray, out_box: Box, x_box: Box, out: np.ndarray
-) -> None:
+def conv_columns_into(node: NodeInfo, x: np.ndarray, tile: TileCtx, out: np.ndarray) -> None:
     """Write an ungrouped conv tile's im2col columns for its one batch entry into `out`
     (C * taps, output positions of the tile): the matrix `_dense_conv` multiplies, so
     several tiles' columns side by side make one product (runtime/joins.py)."""
-    wins = _conv_windows(node)
-    rank = len(wins)
-    xw = gather_windows(x, wins, out_box, x_box, 0.0)
+    rank = len(_conv_windows(node))
+    xw = _conv_tile(node, tile).windows_of(x)
     perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
     windows = xw.transpose(perm)[0]  # (C, *K, *O)
     np.copyto(np.reshape(out, windows.shape, copy=False), windows)

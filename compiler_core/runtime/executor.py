@@ -576,26 +576,29 @@ class Executor:
         sems, pcs, traffic = self._sems, self._pcs, self.traffic
         arrivals = self.arrivals
         progressed = False
-        for core, steps in enumerate(streams):
-            pc, end, moved = pcs[core], len(steps), traffic[core]
-            start = pc
-            while pc < end:
-                step = steps[pc]
-                kind = step[0]
-                if kind == _RUN:
-                    step[1](moved)
-                elif kind == _WAIT:
-                    if sems[step[1]] < step[2]:
-                        break
-                elif kind == _LINK_WAIT:
-                    if arrivals.get(step[1], 0) < step[2]:
-                        break
-                    self.awaited.add(step[1])
-                else:
-                    sems[step[1]] += 1
-                pc += 1
-            pcs[core] = pc
-            progressed = progressed or pc != start
+        # floating-point errors are values here (inf, nan), never warnings: once per call,
+        # not per ufunc (the fused epilogue steps below rely on it)
+        with np.errstate(all="ignore"):
+            for core, steps in enumerate(streams):
+                pc, end, moved = pcs[core], len(steps), traffic[core]
+                start = pc
+                while pc < end:
+                    step = steps[pc]
+                    kind = step[0]
+                    if kind == _RUN:
+                        step[1](moved)
+                    elif kind == _WAIT:
+                        if sems[step[1]] < step[2]:
+                            break
+                    elif kind == _LINK_WAIT:
+                        if arrivals.get(step[1], 0) < step[2]:
+                            break
+                        self.awaited.add(step[1])
+                    else:
+                        sems[step[1]] += 1
+                    pc += 1
+                pcs[core] = pc
+                progressed = progressed or pc != start
         done = all(pc == len(s) for pc, s in zip(pcs, streams, strict=True))
         return progressed, done
 
@@ -1505,6 +1508,10 @@ def _step_operands(
 
 
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_ZEROS = {dtype: np.zeros((), dtype) for dtype in _FUSED_DTYPES}
+"""Relu's other operand, per dtype (read-only: shared by every tile)."""
+for _zero in _ZEROS.values():
+    _zero.flags.writeable = False
 
 _UFUNCS: dict[str, np.ufunc] = {
     "Relu": np.maximum,
@@ -1558,26 +1565,25 @@ def _fits(
 def _write_fused(op_type: str, inputs: list[np.ndarray | None], dst: np.ndarray) -> None:
     """A kernel's last epilogue step (Relu, Add, Sub, Mul, Div) computed into its output tile:
     the same ufunc on the same operands as the step's compute (`_UFUNCS`), without the array
-    it would return and the copy of it into VTCM."""
+    it would return and the copy of it into VTCM (run inside `advance`, where floating-point
+    errors are ignored)."""
     a, b = inputs[0], inputs[-1]
     assert a is not None and b is not None
-    with np.errstate(all="ignore"):
-        if op_type == "Relu":
-            np.maximum(a, np.zeros((), dst.dtype), out=dst)
-        else:
-            _UFUNCS[op_type](a, b, out=dst)
+    if op_type == "Relu":
+        np.maximum(a, _ZEROS[dst.dtype], out=dst)
+    else:
+        _UFUNCS[op_type](a, b, out=dst)
 
 
 def _direct_step(
     op_type: str, dtype: np.dtype, inputs: list[np.ndarray | None]
 ) -> np.ndarray | None:
     """An epilogue step's value as its ufunc gives it (`_direct`), when its two operands are
-    of its dtype; None: it runs its own compute."""
+    of its dtype; None: it runs its own compute (inside `advance`, as `_write_fused`)."""
     a, b = inputs[0], inputs[-1]
     if len(inputs) != 2 or a is None or b is None or a.dtype != dtype or b.dtype != dtype:
         return None
-    with np.errstate(all="ignore"):
-        return _UFUNCS[op_type](a, b)  # type: ignore[no-any-return]
+    return _UFUNCS[op_type](a, b)  # type: ignore[no-any-return]
 
 
 def _outer_index(

@@ -33,6 +33,7 @@ Nothing here moves VTCM or DDR bytes.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class Member:
     fallback: SharedTile | None
     """Its shared product (channel halves of one band), when it does not join."""
     checked: bool = False
+    seen: list[np.ndarray | None] = field(default_factory=list)
+    """Per constant input, the last array found to be the constant in place (as
+    `SharedTile.seen`: the same object again is that constant)."""
 
 
 @dataclass
@@ -195,7 +199,17 @@ def _begin(join: Join, inference: int) -> None:
 
 
 def _constants_in_place(member: Member, inputs: Sequence[np.ndarray | None]) -> bool:
-    return all(is_in_place(inputs[e[0]], e) for e in member.expected)
+    seen = member.seen
+    if not seen:
+        seen.extend([None] * len(member.expected))
+    for i, expected in enumerate(member.expected):
+        a = inputs[expected[0]]
+        if a is not None and a is seen[i]:
+            continue
+        if not is_in_place(a, expected):
+            return False
+        seen[i] = a
+    return True
 
 
 def _batches(join: Join) -> dict[int, list[int]]:
@@ -222,7 +236,7 @@ def _compute(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
     for n in batch:
         key = (members[n].x_box, members[n].out_box[2:])
         if key not in bands:
-            count = int(np.prod(box_shape(key[1]), dtype=np.int64))
+            count = math.prod(box_shape(key[1]))
             bands[key] = (width, count, own)
             width += count
     columns = np.empty((join.weight.shape[1], width), dtype=np.float32)
@@ -245,7 +259,7 @@ def _compute(join: Join, batch: list[int], m: int, own: np.ndarray) -> None:
         else:
             x = own if n == m else member.read(None)
             bands[key] = (start, count, x)
-            conv_columns_into(join.info, x, member.out_box, member.x_box, into)
+            conv_columns_into(join.info, x, member.tile, into)
     lo = min(members[n].out_box[1][0] for n in batch)
     hi = max(members[n].out_box[1][1] for n in batch)
     y = np.matmul(join.weight[lo:hi], columns)
