@@ -76,7 +76,8 @@ def test_a_fused_last_step_writes_the_bytes_its_own_compute_gives(
     vtcm = np.zeros(2 * inputs[0].nbytes, np.uint8)
     dst: np.ndarray = vtcm[8 : 8 + inputs[0].nbytes].view(dtype).reshape(shape)
     assert _fits(step, np.dtype(dtype), list(inputs), dst)
-    _write_fused(op_type, list(inputs), dst)
+    with np.errstate(all="ignore"):  # as the executor's `advance` runs it
+        _write_fused(op_type, list(inputs), dst)
     own = _own(op_type, inputs)
     view = np.uint32 if dtype == np.float32 else np.uint64
     np.testing.assert_array_equal(dst.view(view), own.view(view))
@@ -92,7 +93,8 @@ def test_an_arithmetic_step_by_its_ufunc_gives_the_bytes_its_own_compute_gives(
     inputs = [_specials(SHAPES[0], dtype), _specials(other, dtype)]
     direct = _direct(_step(op_type, np.dtype(dtype).name, (None, 0)))
     assert direct == np.dtype(dtype)
-    got = _direct_step(op_type, direct, list(inputs))
+    with np.errstate(all="ignore"):  # as the executor's `advance` runs it
+        got = _direct_step(op_type, direct, list(inputs))
     assert got is not None
     own = _own(op_type, inputs)
     view = np.uint32 if dtype == np.float32 else np.uint64
@@ -115,7 +117,8 @@ def test_an_add_into_its_own_operand_sees_the_operand_before_the_write() -> None
     a = _specials((4, 6), np.float32)
     b = _specials((4, 6), np.float32)
     want = _own("Add", [a, b])
-    _write_fused("Add", [a, b], b)
+    with np.errstate(all="ignore"):
+        _write_fused("Add", [a, b], b)
     np.testing.assert_array_equal(b.view(np.uint32), want.view(np.uint32))
 
 

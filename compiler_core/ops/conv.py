@@ -155,11 +155,15 @@ def _window_ranges(
     return ranges
 
 
-def _window_view(x: np.ndarray, wins: Sequence[Window]) -> np.ndarray:
+def _window_view(
+    x: np.ndarray, wins: Sequence[Window], pointwise: bool | None = None
+) -> np.ndarray:
     """The windows (N, C, *O, *K) of `x`, cropped and padded to what they read: a
-    read-only strided view."""
+    read-only strided view (`pointwise`: whether every window is 1x1, if known)."""
     first = x.ndim - len(wins)
-    if all(w.span == 1 for w in wins):  # 1x1 windows: the input itself, strided
+    if pointwise is None:
+        pointwise = all(w.span == 1 for w in wins)
+    if pointwise:  # 1x1 windows: the input itself, strided
         strided = x[(*[slice(None)] * first, *(slice(None, None, w.stride) for w in wins))]
         view = strided.reshape((*strided.shape, *(1,) * len(wins)))
         view.flags.writeable = False  # read-only, as sliding_window_view's
@@ -199,7 +203,7 @@ class _TileWindows:
     into its interior). The view is kept for the input array last seen, so an input that
     is the same array (a VTCM buffer's view, a kept copy) costs no new view."""
 
-    __slots__ = ("inside", "wins", "interior", "x", "src", "view")
+    __slots__ = ("inside", "wins", "pointwise", "interior", "x", "src", "view")
 
     def __init__(
         self,
@@ -216,6 +220,7 @@ class _TileWindows:
             for (a, b), n in zip(wanted, shape, strict=True)
         )
         self.wins = wins
+        self.pointwise = all(w.span == 1 for w in wins)
         self.interior: np.ndarray | None = None
         """The padded array's part the input fills (None: the windows read no padding)."""
         self.x: np.ndarray | None = None
@@ -230,7 +235,7 @@ class _TileWindows:
                     for s, (a, _) in zip(self.inside, wanted, strict=True)
                 )
             ]
-            self.view = _window_view(padded, wins)
+            self.view = _window_view(padded, wins, self.pointwise)
 
     def of(self, x: np.ndarray) -> np.ndarray:
         """The windows of `x` as it holds now (valid until the next call)."""
@@ -238,7 +243,7 @@ class _TileWindows:
             self.x = x
             part = x[self.inside]
             if self.interior is None:
-                self.view = _window_view(part, self.wins)
+                self.view = _window_view(part, self.wins, self.pointwise)
             else:
                 self.src = part
         interior, src, view = self.interior, self.src, self.view

@@ -716,12 +716,13 @@ class Executor:
                 d_replay, m_replay = deferred.replay, mirrors.replay
                 d_mark, m_mark = d_replay.mark(), m_replay.mark()
                 d_skip, m_skip = d_replay.skip(skips[0]), m_replay.skip(skips[1])
-                for target, dst, (start, end) in dsts:
-                    if not m_skip and mirrors.pending[target]:
-                        mirrors.overwrite(target, start, end, whole=True)
-                    if not d_skip:
-                        deferred.defer(target, start, end, dst, src)
-                    copies.wrote(target, start, end, holding)
+                if not (d_skip and m_skip and not copies.tracking):
+                    for target, dst, (start, end) in dsts:
+                        if not m_skip and mirrors.pending[target]:
+                            mirrors.overwrite(target, start, end, whole=True)
+                        if not d_skip:
+                            deferred.defer(target, start, end, dst, src)
+                        copies.wrote(target, start, end, holding)
                 if d_mark is not None:
                     skips[0] = d_replay.span(d_mark, [])
                 if m_mark is not None:
@@ -1143,7 +1144,8 @@ class Executor:
         self, core: int, tensor_id: int, operand: Operand | None
     ) -> np.ndarray | Callable[[], np.ndarray] | None:
         """An input operand: a view of the one buffer that holds it, or a function that joins
-        its pieces (run at every inference: the pieces' contents change)."""
+        its pieces (run at every inference: the pieces' contents change) into one array of
+        its own, the same at every run."""
         if operand is None or tensor_id < 0:
             return None
         dtype = self.program.tensors[tensor_id].dtype
@@ -1172,8 +1174,12 @@ class Executor:
                 f"{size} elements (gaps or overlaps)"
             )
 
+        out = np.empty(shape, dtype=np.dtype(dtype))
+
         def join() -> np.ndarray:
-            out = np.empty(shape, dtype=np.dtype(dtype))
+            # one array for every run of the step: the operand lives until the step returns
+            # (what kernels keep of an input, a shared product's or a join's, is a copy), and
+            # a fresh one of a few hundred KB costs its page clearing at every inference
             for where, src in parts:
                 out[where] = src
             return out
