@@ -111,6 +111,9 @@ class Join:
     """Joins learned in this inference, used from the next."""
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Turn -> the members whose product it computes (its own tile first if it is one)."""
+    batched: tuple[object, ...] = ()
+    """The order, joins (the dict itself, kept) and their number `batches` was worked out
+    from."""
     copies: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
     """While learning: member -> its input as last read, and the first turn it was so."""
     inference: int = -1
@@ -192,7 +195,9 @@ def _begin(join: Join, inference: int) -> None:
         join.learning = False
     elif not join.done:
         join.learning = join.done = True
-    join.batches = _batches(join)
+    order = tuple(join.order)
+    if join.batched != (order, join.joins, len(join.joins)):  # `_batches`' inputs changed
+        join.batches, join.batched = _batches(join), (order, join.joins, len(join.joins))
     join.copies.clear()
     join.parts.clear()
     join.inference, join.turn = inference, 0
