@@ -13,6 +13,7 @@ import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -432,11 +433,12 @@ class _ConvTile:
     calls it with the same tile (and mostly the same input arrays) at every inference."""
 
     __slots__ = (
-        "tile", "out_dtype", "acc", "group", "in_per_group", "out_per_group", "wins",
+        "node", "tile", "out_dtype", "acc", "group", "in_per_group", "out_per_group", "wins",
         "x_box", "out_tile", "channels", "w_first", "b_box", "windows",
     )  # fmt: skip
 
     def __init__(self, node: NodeInfo, tile: TileCtx) -> None:
+        self.node = node
         self.tile = tile
         self.out_dtype = np.dtype(node.out_dtypes[0])
         self.acc = product_accumulator(self.out_dtype)
@@ -461,22 +463,15 @@ class _ConvTile:
         return found.of(x)
 
 
-_TILES_KEPT = 4096
-"""Tiles whose `_ConvTile` a node keeps (a compile folding constants makes a fresh tile per
-call: the plans are dropped when there are more)."""
-
-
 def _conv_tile(node: NodeInfo, tile: TileCtx) -> _ConvTile:
-    """The tile's `_ConvTile`, by the tile object (the runtime's tiles live as long as its
-    decoded streams; the plan keeps the tile, so its id is not reused meanwhile)."""
-    tiles: dict[int, _ConvTile] | None = node.derived.get("conv_tiles")
-    if tiles is None:
-        tiles = node.derived["conv_tiles"] = {}
-    found = tiles.get(id(tile))
-    if found is None or found.tile is not tile:
-        if len(tiles) >= _TILES_KEPT:
-            tiles.clear()
-        found = tiles[id(tile)] = _ConvTile(node, tile)
+    """The tile's `_ConvTile`: kept in the tile when it is one the runtime keeps for the
+    session (a `kept` dict: runtime/shared.py `RunTile`), else worked out for this call."""
+    kept: dict[str, Any] | None = getattr(tile, "kept", None)
+    if kept is None:
+        return _ConvTile(node, tile)
+    found: _ConvTile | None = kept.get("conv")
+    if found is None or found.node is not node:
+        found = kept["conv"] = _ConvTile(node, tile)
     return found
 
 

@@ -49,7 +49,7 @@ from compiler_core.runtime.deferred import DeferredLoads
 from compiler_core.runtime.joins import JoinTile, plan_joins
 from compiler_core.runtime.mirrors import Key, Mirrors
 from compiler_core.runtime.replay import Span
-from compiler_core.runtime.shared import SharedTile, plan
+from compiler_core.runtime.shared import RunTile, SharedTile, plan
 
 if TYPE_CHECKING:
     from compiler_core.runtime.numerics import FiniteProbe
@@ -1273,7 +1273,7 @@ class Executor:
             for position, holding, box, acc in self._wide_operands(core, kernel, instr)
         ]
         base_boxes = tuple(op.box if op is not None else None for op in instr.inputs[:n_base])
-        tile = TileCtx(out_box=instr.out_box, in_boxes=base_boxes)
+        tile = RunTile(out_box=instr.out_box, in_boxes=base_boxes)  # kept: ops may plan once
         outs = []
         for position, (tid, operand) in enumerate(zip(desc.outputs, instr.outputs, strict=True)):
             if operand is None:

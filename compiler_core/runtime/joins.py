@@ -46,6 +46,7 @@ from compiler_core.ops.registry import Box, NodeInfo, OpDef, TileCtx, box_shape
 from compiler_core.runtime.shared import (
     Compute,
     Expected,
+    RunTile,
     SharedTile,
     _same_bytes,
     expected_in_place,
@@ -378,7 +379,7 @@ def plan_joins(
                     expected.append(expected_in_place(in_place(core, desc.inputs[p], operand), p))
             (c0, c1) = instr.out_box[-1 if matmul else 1]
             n_base = len(info.in_shapes)
-            tile = TileCtx(
+            tile = RunTile(
                 out_box=instr.out_box,
                 in_boxes=tuple(None if op is None else op.box for op in instr.inputs[:n_base]),
             )

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,16 @@ Compute = Callable[[NodeInfo, list[np.ndarray | None], TileCtx], Results]
 Expected = tuple[int, int, tuple[int, ...], tuple[int, ...], np.dtype]
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True, eq=False)
+class RunTile(TileCtx):
+    """A tile the runtime keeps for the session (an instruction's, a shared group's, a join
+    member's): a kernel may keep in `kept` what it works out of the tile and its input
+    arrays once (ops/conv.py `_conv_tile`), instead of at every inference. A tile made for
+    one call is a plain TileCtx, and nothing is kept for it."""
+
+    kept: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _uniform_weight(op_type: str, inputs: Sequence[np.ndarray | None]) -> bool:
@@ -346,7 +357,7 @@ def plan(
             compute=opdef.compute,
             constant=constant,
             union=union,
-            tile=TileCtx(out_box=union_out, in_boxes=tuple(union_in[:n_base])),
+            tile=RunTile(out_box=union_out, in_boxes=tuple(union_in[:n_base])),
             out_box=union_out,
         )
         for core, index, instr in tiles:
@@ -359,7 +370,7 @@ def plan(
             part = tuple(
                 slice(a - u, b - u) for (a, b), (u, _) in zip(instr.out_box, union_out, strict=True)
             )
-            tile = TileCtx(
+            tile = RunTile(
                 out_box=instr.out_box,
                 in_boxes=tuple(None if op is None else op.box for op in instr.inputs[:n_base]),
             )
