@@ -914,7 +914,15 @@ def _meeting(slots: list[_Slot], boxes: list[Box]) -> list[list[int]]:
     meets = np.all(
         (s[None, :, :, 0] < b[:, None, :, 1]) & (b[:, None, :, 0] < s[None, :, :, 1]), axis=2
     )
-    return [np.flatnonzero(row).tolist() for row in meets]
+    # one nonzero for the whole matrix (row-major: each row's slots ascending), cut by rows
+    counts = np.count_nonzero(meets, axis=1).tolist()
+    found = np.nonzero(meets)[1].tolist()
+    out: list[list[int]] = []
+    at = 0
+    for n in counts:
+        out.append(found[at : at + n])
+        at += n
+    return out
 
 
 @dataclass(frozen=True)
