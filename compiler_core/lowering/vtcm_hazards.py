@@ -24,8 +24,8 @@ writer and readers, so every access finds the same ops.
 
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
 COMPACT = (1 << 30) - 1
@@ -70,34 +70,44 @@ class _Block:
         self.own = own
 
 
-def _cut(b: _Block, at: int) -> int:
-    """The index of the segment starting at `at`, splitting the one that holds it."""
-    offs = b.offs
-    i = bisect.bisect_right(offs, at) - 1
-    if offs[i] == at:
-        return i
-    offs.insert(i + 1, at)
-    b.writer.insert(i + 1, b.writer[i])
-    b.readers.insert(i + 1, b.readers[i])
-    return i + 1
-
-
 def _read(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -> None:
-    """A read of `[lo, hi)` in `b`'s segments (which end at `lim`)."""
-    first = _cut(b, lo)
-    last = _cut(b, hi) if hi < lim else len(b.offs)
-    deps.update(b.writer[first:last])
-    b.readers[first:last] = [op] * (last - first)
+    """A read of `[lo, hi)` (not empty) in `b`'s segments (which end at `lim`): the segments
+    split at `lo` and `hi`."""
+    offs, writer, readers = b.offs, b.writer, b.readers
+    first = bisect_right(offs, lo) - 1
+    if offs[first] != lo:
+        first += 1
+        offs.insert(first, lo)
+        writer.insert(first, writer[first - 1])
+        readers.insert(first, readers[first - 1])
+    if hi < lim:
+        last = bisect_left(offs, hi, first + 1)
+        if last == len(offs) or offs[last] != hi:
+            offs.insert(last, hi)
+            writer.insert(last, writer[last - 1])
+            readers.insert(last, readers[last - 1])
+    else:
+        last = len(offs)
+    if last == first + 1:  # one segment, mostly
+        deps.add(writer[first])
+        readers[first] = op
+    else:
+        deps.update(writer[first:last])
+        readers[first:last] = [op] * (last - first)
 
 
 def _write_one(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -> None:
     """A write of `[lo, hi)` (not empty, before `lim`) in `b`'s segments: those it meets are
     found by bisection and replaced by slice (a run meets one or two segments, mostly)."""
     offs, writer, readers = b.offs, b.writer, b.readers
-    i = bisect.bisect_right(offs, lo) - 1
-    j = bisect.bisect_left(offs, hi, i + 1)  # segments i .. j - 1 meet the run
-    deps.update(writer[i:j])
-    deps.update(readers[i:j])
+    i = bisect_right(offs, lo) - 1
+    j = bisect_left(offs, hi, i + 1)  # segments i .. j - 1 meet the run
+    if j == i + 1:  # one segment, mostly
+        deps.add(writer[i])
+        deps.add(readers[i])
+    else:
+        deps.update(writer[i:j])
+        deps.update(readers[i:j])
     if (offs[j] if j < len(offs) else lim) > hi:  # the rest of segment j - 1, after the run
         offs.insert(j, hi)
         writer.insert(j, writer[j - 1])
@@ -114,7 +124,7 @@ def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: 
     `b`'s segments: those the runs cover are rebuilt at once."""
     offs, writer, readers = b.offs, b.writer, b.readers
     count = len(offs)
-    first = i = bisect.bisect_right(offs, runs[0][0]) - 1
+    first = i = bisect_right(offs, runs[0][0]) - 1
     pos = offs[i]
     end = offs[i + 1] if i + 1 < count else lim
     new_offs: list[int] = []
@@ -212,7 +222,7 @@ class VtcmSpace:
         if hi <= lo:
             return
         starts = self.starts
-        i = bisect.bisect_right(starts, lo) - 1
+        i = bisect_right(starts, lo) - 1
         b = self.blocks[i]
         end = starts[i + 1] if i + 1 < len(starts) else self.end
         if b.period or hi > end:  # a periodic block, or more than one block
@@ -244,22 +254,21 @@ class VtcmSpace:
     def _put(self, lo: int, hi: int, op: int, deps: set[int]) -> None:
         """A write of `[lo, hi)` (not empty)."""
         starts = self.starts
-        i = bisect.bisect_right(starts, lo) - 1
+        i = bisect_right(starts, lo) - 1
         b = self.blocks[i]
         end = starts[i + 1] if i + 1 < len(starts) else self.end
         if b.period or hi > end:  # a periodic block, or more than one block
             self._span(lo, hi, op, deps, False)
             return
         _write_one(b, lo, hi, end, op, deps)  # in one plain block, mostly
-        last = i + 1
         if len(b.offs) > PLAIN_MAX:
             self._halve(i)
-            last += 1
-        self._join(i - 1, last)
+        elif len(b.offs) == 1:  # the block is one segment now: it may join a neighbour
+            self._join(i - 1, i + 1)
 
     def _span(self, lo: int, hi: int, op: int, deps: set[int], read: bool) -> None:
         starts, blocks = self.starts, self.blocks
-        i = first = bisect.bisect_right(starts, lo) - 1
+        i = first = bisect_right(starts, lo) - 1
         pos = lo
         while pos < hi:
             b = blocks[i]
@@ -308,7 +317,7 @@ class VtcmSpace:
         k = 0
         while k < count:
             lo = lo0 + k * stride
-            i = bisect.bisect_right(starts, lo) - 1
+            i = bisect_right(starts, lo) - 1
             b = blocks[i]
             start = starts[i]
             end = starts[i + 1] if i + 1 < len(starts) else self.end
@@ -322,7 +331,7 @@ class VtcmSpace:
                     continue
                 if last - k + 1 >= STRIDED_MIN:
                     offs = b.offs
-                    j = bisect.bisect_right(offs, lo) - 1
+                    j = bisect_right(offs, lo) - 1
                     seg_end = offs[j + 1] if j + 1 < len(offs) else end
                     n = (seg_end - lo) // stride
                     n = n if n <= last - k else last - k + 1
@@ -333,7 +342,7 @@ class VtcmSpace:
                     need = (STRIDED_MIN + 1) * stride
                     top = lo0 + (last + 1) * stride
                     segs = len(offs)
-                    for x in range(j + 1, bisect.bisect_left(offs, top, j + 1)):
+                    for x in range(j + 1, bisect_left(offs, top, j + 1)):
                         if (offs[x + 1] if x + 1 < segs else end) - offs[x] >= need:
                             break
                     else:
@@ -444,7 +453,7 @@ class VtcmSpace:
             return False
         q, phase = divmod(lo - start, period)
         offs, writer, readers = b.offs, b.writer, b.readers
-        j = bisect.bisect_right(offs, phase) - 1  # the segment at `phase`
+        j = bisect_right(offs, phase) - 1  # the segment at `phase`
         keep = j + 1 if offs[j] < phase else j  # the segments that start before it
         order = list(range(j, len(offs)))
         rel = [0, *(offs[x] - phase for x in range(j + 1, len(offs)))]
