@@ -357,8 +357,13 @@ class VtcmSpace:
                             self._halve(i)
                         k = stop
                         continue
-                runs = [(lo0 + x * stride, lo0 + x * stride + length) for x in range(k, last + 1)]
-                _write(b, runs, end, op, deps)
+                if last == k:  # one run in this block (small blocks, one period each)
+                    _write_one(b, lo, lo + length, end, op, deps)
+                else:
+                    runs = [
+                        (lo0 + x * stride, lo0 + x * stride + length) for x in range(k, last + 1)
+                    ]
+                    _write(b, runs, end, op, deps)
                 if len(b.offs) > PLAIN_MAX:
                     self._halve(i)
                 k = last + 1
