@@ -114,9 +114,18 @@ def _write_one(b: _Block, lo: int, hi: int, lim: int, op: int, deps: set[int]) -
         readers.insert(j, readers[j - 1])
     if offs[i] < lo:  # the part of segment i before the run
         i += 1
-    offs[i:j] = (lo,)
-    writer[i:j] = (op,)
-    readers[i:j] = (-1,)
+    if j == i + 1:  # the run replaces one segment
+        offs[i] = lo
+        writer[i] = op
+        readers[i] = -1
+    elif j == i:  # the run splits one segment
+        offs.insert(i, lo)
+        writer.insert(i, op)
+        readers.insert(i, -1)
+    else:
+        offs[i:j] = (lo,)
+        writer[i:j] = (op,)
+        readers[i:j] = (-1,)
 
 
 def _write(b: _Block, runs: Sequence[tuple[int, int]], lim: int, op: int, deps: set[int]) -> None:
