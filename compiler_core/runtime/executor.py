@@ -1556,10 +1556,9 @@ def _fits(
         return False
     if len(inputs) != (1 if epilogue.op_type == "Relu" else 2):
         return False
-    if not all(a is not None and a.dtype == dtype for a in inputs):
+    a, b = inputs[0], inputs[-1]  # one or two operands (checked above)
+    if a is None or b is None or a.dtype != dtype or b.dtype != dtype:
         return False
-    a, b = inputs[0], inputs[-1]
-    assert a is not None and b is not None
     if a.shape == b.shape:
         return a.shape == dst.shape
     try:
