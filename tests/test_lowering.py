@@ -264,6 +264,21 @@ def test_program_encoding_round_trips() -> None:
     assert decoded.streams == program.streams
 
 
+@pytest.mark.parametrize("name", [None, 'w"\x000', "\x001"])
+def test_program_tables_are_what_json_writes_whatever_the_names(name: str | None) -> None:
+    """The tables' base64 constants are spliced into the JSON text after encoding; a name
+    that looks like the splice's placeholder must not change a byte."""
+    from compiler_core.lowering.program import _tables_json, _tables_text
+
+    program = compile_model(_cnn(), ["-aic-num-cores=2"]).program
+    assert any(k.info.consts for k in program.kernels)  # arrays to splice
+    if name is not None:
+        first = dataclasses.replace(program.tensors[0], name=name)
+        program = dataclasses.replace(program, tensors=[first, *program.tensors[1:]])
+    assert _tables_json(program) == _tables_text(program, None).encode("utf-8")
+    assert decode_program(encode_program(program)).tensors == program.tensors
+
+
 def test_identical_inputs_give_byte_identical_qpcs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     model = _cnn()
     a = compile_model(model, ["-aic-num-cores=4", f"-aic-binary-dir={tmp_path / 'a'}"])

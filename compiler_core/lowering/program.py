@@ -12,6 +12,7 @@ import functools
 import itertools
 import json
 import math
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -446,23 +447,47 @@ _OP_SCATTER = 8
 _OP_LINK_SEND, _OP_LINK_WAIT = 9, 10
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: Any, blobs: list[str] | None = None) -> Any:
+    """`value` as JSON values; arrays and bytes as base64 text, or with `blobs`, as a
+    placeholder for the text appended there (`_with_blobs`)."""
     if isinstance(value, np.ndarray):
         arr = np.asarray(value, order="C")  # keeps 0-d arrays 0-d
         return {
-            "__ndarray__": base64.b64encode(arr.tobytes()).decode("ascii"),
+            "__ndarray__": _base64(arr.tobytes(), blobs),
             "dtype": str(arr.dtype),
             "shape": list(arr.shape),
         }
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, bytes):  # a graph attribute: a serialized ModelProto
-        return {"__bytes__": base64.b64encode(value).decode("ascii")}
+        return {"__bytes__": _base64(value, blobs)}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, blobs) for v in value]
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable(v, blobs) for k, v in value.items()}
     return value
+
+
+def _base64(data: bytes, blobs: list[str] | None) -> str:
+    text = base64.b64encode(data).decode("ascii")
+    if blobs is None:
+        return text
+    blobs.append(text)
+    return f"\x00{len(blobs) - 1}"
+
+
+_BLOB = re.compile(r'"\\u0000(\d+)"')
+"""A blob's placeholder as json.dumps writes it (ensure_ascii escapes the NUL)."""
+
+
+def _with_blobs(text: str, blobs: list[str]) -> str | None:
+    """The JSON `text` with each placeholder replaced by its blob's text, as json.dumps
+    would have written it (base64 needs no escaping); None when some other string of the
+    document could be mistaken for a placeholder. The JSON encoder then never escapes the
+    blobs character by character (a program's constants: most of its tables)."""
+    if text.count('"\\u0000') != len(blobs):
+        return None
+    return _BLOB.sub(lambda match: f'"{blobs[int(match[1])]}"', text)
 
 
 def _unjson(value: Any) -> Any:
@@ -478,18 +503,18 @@ def _unjson(value: Any) -> Any:
     return value
 
 
-def _info_to_json(info: NodeInfo) -> dict[str, Any]:
+def _info_to_json(info: NodeInfo, blobs: list[str] | None = None) -> dict[str, Any]:
     return {
         "op_type": info.op_type,
         "name": info.name,
         "domain": info.domain,
         "opset": info.opset,
-        "attrs": _jsonable(info.attrs),
+        "attrs": _jsonable(info.attrs, blobs),
         "in_shapes": [None if s is None else list(s) for s in info.in_shapes],
         "in_dtypes": list(info.in_dtypes),
         "out_shapes": [list(s) for s in info.out_shapes],
         "out_dtypes": list(info.out_dtypes),
-        "consts": {str(k): _jsonable(v) for k, v in sorted(info.consts.items())},
+        "consts": {str(k): _jsonable(v, blobs) for k, v in sorted(info.consts.items())},
     }
 
 
@@ -509,6 +534,15 @@ def _info_from_json(d: dict[str, Any]) -> NodeInfo:
 
 
 def _tables_json(program: Program) -> bytes:
+    """The tables section: canonical JSON (sorted keys, no spaces)."""
+    blobs: list[str] = []
+    text = _with_blobs(_tables_text(program, blobs), blobs)
+    if text is None:
+        text = _tables_text(program, None)
+    return text.encode("utf-8")
+
+
+def _tables_text(program: Program, blobs: list[str] | None) -> str:
     doc = {
         "version": PROGRAM_VERSION,
         "num_cores": program.num_cores,
@@ -519,7 +553,7 @@ def _tables_json(program: Program) -> bytes:
         "resident": program.resident,
         "inputs": program.inputs,
         "outputs": program.outputs,
-        "meta": _jsonable(program.meta),
+        "meta": _jsonable(program.meta, blobs),
         "tensors": [
             [t.id, t.name, t.dtype, list(t.shape), t.kind, t.ddr_offset, t.nbytes]
             for t in program.tensors
@@ -528,7 +562,7 @@ def _tables_json(program: Program) -> bytes:
             {
                 "id": k.id,
                 "name": k.name,
-                "info": _info_to_json(k.info),
+                "info": _info_to_json(k.info, blobs),
                 "inputs": list(k.inputs),
                 "outputs": list(k.outputs),
                 "epilogue": [
@@ -536,7 +570,7 @@ def _tables_json(program: Program) -> bytes:
                         "op_type": e.op_type,
                         "node_name": e.node_name,
                         "inputs": list(e.inputs),
-                        "attrs": _jsonable(e.attrs),
+                        "attrs": _jsonable(e.attrs, blobs),
                         "opset": e.opset,
                         "out_dtype": e.out_dtype,
                         **({"domain": e.domain} if e.domain else {}),
@@ -552,7 +586,7 @@ def _tables_json(program: Program) -> bytes:
             for k in program.kernels
         ],
     }
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 def _pack_box(out: list[bytes], box: Box) -> None:
