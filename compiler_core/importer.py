@@ -158,14 +158,15 @@ def import_model(
     if checked is not None:
         rebound = [i for i, v in enumerate(model.graph.inputs) if v.shape is not input_shapes[i]]
         checked = _relean(checked, model.graph, rebound, cleared)
-    infer_shapes(model, checked)
+    all_static = infer_shapes(model, checked)
     check_value_sizes(_main_values(model.graph), "value")
     _fill_same_shapes(model, registry)
     _apply_declared_shapes(model.graph, declared, registry)
     _raise_unsupported(_unsupported_dtypes(model, registry))
     _check_value_types(model.graph)
 
-    unresolved = [v.name or "" for v in dynamic_values(model.graph)]
+    # What follows inference only makes shapes static: a static graph stays static.
+    unresolved = [] if all_static else [v.name or "" for v in dynamic_values(model.graph)]
     if unresolved:
         warnings.append(
             f"{len(unresolved)} value(s) have no static shape after shape inference "
@@ -174,7 +175,7 @@ def import_model(
     return ImportedModel(model, opset, source_path, warnings, unresolved, symbols)
 
 
-def infer_shapes(model: ir.Model, lean: onnx.ModelProto | None = None) -> None:
+def infer_shapes(model: ir.Model, lean: onnx.ModelProto | None = None) -> bool:
     """(Re)run ONNX shape inference (strict) and merge the result into the IR in place.
 
     An inferred shape replaces the IR's one unless it knows less (a static shape is never
@@ -182,14 +183,18 @@ def infer_shapes(model: ir.Model, lean: onnx.ModelProto | None = None) -> None:
     propagation (Shape -> Gather -> Concat -> Reshape chains) runs only when plain inference
     leaves something dynamic, and not when the graph holds large 1-D tensors: onnx's data
     propagation expands those element by element (gigabytes for a 300 MB vector).
-    `lean`: the model's lean copy (`_lean_model`) when the caller already has it.
+    `lean`: the model's lean copy (`_lean_model`) when the caller already has it. Returns
+    True when plain inference left every value static (False: some may still be dynamic).
     """
     _set_initializer_types(model.graph)
     if lean is None:
         lean = _lean_model(model)
     _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=False))
-    if dynamic_values(model.graph) and not _has_large_vectors(model.graph):
+    if not dynamic_values(model.graph):
+        return True
+    if not _has_large_vectors(model.graph):
         _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=True))
+    return False
 
 
 def _onnx_infer_shapes(proto: onnx.ModelProto, *, data_prop: bool) -> onnx.ModelProto:
