@@ -1168,11 +1168,13 @@ def materialize(
                     vtcm_used[target] = end
         elif op.kind == STORE:
             assert op.src is not None
-            spaces[c].read(*part_span(op.src, op.src_box, op.box, op.tensor), index, deps)
+            lo, hi = part_span(op.src, op.src_box, op.box, op.tensor)
+            spaces[c].read(lo, hi, index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == NOC:
             assert op.src is not None and op.dst is not None
-            spaces[c].read(*part_span(op.src, op.src_box, op.box, op.tensor), index, deps)
+            lo, hi = part_span(op.src, op.src_box, op.box, op.tensor)
+            spaces[c].read(lo, hi, index, deps)
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
             for target in targets_of(op.mask):
                 spaces[target].write_runs(offset, runs, index, deps)
@@ -1184,7 +1186,8 @@ def materialize(
                 operand = op.inputs[slot]
                 assert operand is not None
                 for ref, box in operand.parts:
-                    spaces[c].read(*span(ref, box, desc.inputs[slot]), index, deps)
+                    lo, hi = span(ref, box, desc.inputs[slot])
+                    spaces[c].read(lo, hi, index, deps)
             ddr.write(op.tensor, op.box, index, deps)
         elif op.kind == LINK_SEND:
             ddr.read(op.tensor, op.box, index, deps)
@@ -1194,18 +1197,25 @@ def materialize(
             assert op.src is not None and op.dst is not None
             desc = graph.kernels[op.kernel].desc
             ddr.read(op.tensor, op.box, index, deps)  # a cache written earlier in the run
-            spaces[c].read(*span(op.src, op.src_box, desc.inputs[1]), index, deps)
+            lo, hi = span(op.src, op.src_box, desc.inputs[1])
+            spaces[c].read(lo, hi, index, deps)
             out = desc.outputs[0]
             lo, hi = span(op.dst, op.dst_box, out)
             spaces[c].write(lo, hi, index, deps)
             vtcm_used[c] = max(vtcm_used[c], hi)
         else:
             desc = graph.kernels[op.kernel].desc
+            space = spaces[c]
             for tid, operand in zip(desc.inputs, op.inputs, strict=True):
                 if operand is None or tid < 0:
                     continue
-                for ref, box in operand.parts:
-                    spaces[c].read(*span(ref, box, tid), index, deps)
+                dtype = tensors[tid].dtype
+                for ref, box in operand.parts:  # `span`, inlined (~2,900 reads for ResNet-50)
+                    lo = buffers[ref[0]].offset + ref[1]
+                    n = sizes.get((box, dtype))
+                    if n is None:
+                        n = sizes[(box, dtype)] = box_nbytes(box, dtype)
+                    space.read(lo, lo + n, index, deps)
             for tid, result in zip(desc.outputs, op.outputs, strict=True):
                 if result is None or tid < 0:
                     continue
@@ -1216,7 +1226,9 @@ def materialize(
         deps.discard(-1)
         mine = clocks[c]
         # core -> its latest op this one depends on (a core's ops are in program order)
-        latest = {core_of[d]: d for d in sorted(deps)}
+        latest: dict[int, int] = {}
+        for d in sorted(deps):  # a loop: a comprehension is a function call of its own
+            latest[core_of[d]] = d
         latest.pop(c, None)  # this op's core, the op itself among them
         mine_waits: list[tuple[int, int]] = []
         for dc in sorted(latest):
@@ -1355,15 +1367,14 @@ def _instr(
             indices=indices,
             kernel=op.kernel,
         )
-    outs = tuple(
-        None
-        if out is None
-        else Operand(one(out.box, out.box), (Piece(resolve(out.ref), one(out.held, out.held)),))
-        for out in op.outputs
-    )
-    return RunKernel(
-        kernel=op.kernel, out_box=one(op.out_box, op.out_box), inputs=tuple(ins), outputs=outs
-    )
+    outs: list[Operand | None] = []
+    for result in op.outputs:  # a loop, not a generator (a frame of its own)
+        if result is None:
+            outs.append(None)
+        else:
+            piece = Piece(resolve(result.ref), one(result.held, result.held))
+            outs.append(Operand(one(result.box, result.box), (piece,)))
+    return RunKernel(op.kernel, one(op.out_box, op.out_box), tuple(ins), tuple(outs))
 
 
 def _onchip(graph: LoweredGraph, tid: int, chip: frozenset[int]) -> bool:
