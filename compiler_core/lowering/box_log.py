@@ -19,6 +19,16 @@ SMALL = 16
 
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes of one rank, or None when they do not overlap."""
+    if len(a) == 4:  # a feature map's box, unrolled (thousands of calls per schedule)
+        (a0, a1), (b0, b1), (c0, c1), (d0, d1) = a
+        (e0, e1), (f0, f1), (g0, g1), (h0, h1) = b
+        lo0, hi0 = (a0 if a0 > e0 else e0), (a1 if a1 < e1 else e1)
+        lo1, hi1 = (b0 if b0 > f0 else f0), (b1 if b1 < f1 else f1)
+        lo2, hi2 = (c0 if c0 > g0 else g0), (c1 if c1 < g1 else g1)
+        lo3, hi3 = (d0 if d0 > h0 else h0), (d1 if d1 < h1 else h1)
+        if lo0 >= hi0 or lo1 >= hi1 or lo2 >= hi2 or lo3 >= hi3:
+            return None
+        return ((lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3))
     out = []
     for (a0, a1), (b0, b1) in zip(a, b, strict=True):
         lo = a0 if a0 > b0 else b0
