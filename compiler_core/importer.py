@@ -124,7 +124,11 @@ def import_model(
     model = _deserialize(proto)
     if base_dir is not None:
         _set_base_dir(model, os.fspath(base_dir))
-        _confine_external_tensors(model, folder, source_path)
+        # Tensors kept in files that are all onnx_wire's references into the model file,
+        # resolved against its own folder, name that file: nothing to confine.
+        own_file = source_path is not None and Path(base_dir) == source_path.parent
+        if not (own_file and len(external) == moved):
+            _confine_external_tensors(model, folder, source_path)
         load_small_external(model.graph)
         for function in model.functions.values():
             # A function body's constants are read whole, like subgraphs': the copy given to
