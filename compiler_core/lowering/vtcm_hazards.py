@@ -7,7 +7,8 @@ is a fence of everything its core did before.
 
 `materialize` (emit.py) orders each transfer by the bytes it touches: up to 128 equal runs a
 fixed stride apart when cores fill a shared buffer side by side (each its columns of every
-row). The address space is cut into blocks, sorted by start and tiling it:
+row). Each core's window is a `VtcmSpace` of its own, walked in offsets from 0 (one-digit
+ints, on CPython's fast paths), and cut into blocks, sorted by start and tiling it:
 
 - a *plain* block holds segments (absolute starts, each with its writer and readers), as
   many as `PLAIN_MAX`, and is halved past that so an insert shifts few of them;
