@@ -612,11 +612,14 @@ _ELEMENT_TYPES = frozenset(
 def _check_value_types(graph: ir.Graph) -> None:
     """Reject intermediate values of element types no kernel handles (Cast to float8...)."""
     problems: dict[str, list[str]] = {}
+    names: dict[ir.DataType, str] = {}  # a few element types for many values
     for node in graph:
         for value in node.outputs:
             if value.dtype is None or value.dtype == ir.DataType.STRING:
                 continue
-            name = dtype_name(value.dtype)
+            name = names.get(value.dtype)
+            if name is None:
+                name = names[value.dtype] = dtype_name(value.dtype)
             if name not in _ELEMENT_TYPES:
                 problems.setdefault(f"{node.op_type} producing {name}", []).append(node.name or "")
     if problems:
