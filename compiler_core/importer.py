@@ -187,11 +187,12 @@ def infer_shapes(model: ir.Model, lean: onnx.ModelProto | None = None) -> bool:
     propagation (Shape -> Gather -> Concat -> Reshape chains) runs only when plain inference
     leaves something dynamic, and not when the graph holds large 1-D tensors: onnx's data
     propagation expands those element by element (gigabytes for a 300 MB vector).
-    `lean`: the model's lean copy (`_lean_model`) when the caller already has it. Returns
-    True when plain inference left every value static (False: some may still be dynamic).
+    `lean`: the model's lean copy (`_lean_model`) when the caller already has it, made
+    after `_set_initializer_types`. Returns True when plain inference left every value
+    static (False: some may still be dynamic).
     """
-    _set_initializer_types(model.graph)
     if lean is None:
+        _set_initializer_types(model.graph)
         lean = _lean_model(model)
     _merge_inferred(model.graph, _onnx_infer_shapes(lean, data_prop=False))
     if not dynamic_values(model.graph):
