@@ -852,9 +852,13 @@ def _reads(
             if box is None or box in seen:
                 continue
             seen.add(box)
-            n = 1
-            for a, b in box:
-                n *= b - a
+            if len(box) == 4:  # a feature map's box, unrolled
+                (a0, a1), (b0, b1), (c0, c1), (d0, d1) = box
+                n = (a1 - a0) * (b1 - b0) * (c1 - c0) * (d1 - d0)
+            else:
+                n = 1
+                for a, b in box:
+                    n *= b - a
             boxes.append((box, n))
             if n > 0:
                 total += n

@@ -112,8 +112,12 @@ def _tile_reading(req: TilingRequest, out_box: Box, in_boxes: tuple[Box | None, 
         if b is None or d is None:
             continue
         n = _itemsize(d)
-        for start, stop in b:
-            n *= stop - start
+        if len(b) == 4:  # a feature map's box, unrolled
+            (a0, a1), (b0, b1), (c0, c1), (d0, d1) = b
+            n *= (a1 - a0) * (b1 - b0) * (c1 - c0) * (d1 - d0)
+        else:
+            for start, stop in b:
+                n *= stop - start
         ws += (n + ALIGN - 1) // ALIGN * ALIGN
     if not req.opdef.output_in_ddr:
         outs = output_boxes(req.opdef, info, out_box)
