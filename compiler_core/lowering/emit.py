@@ -477,11 +477,10 @@ class _Builder:
         scratch: dict[int, list[int]] = {}
         for i in streamed:
             tid = desc.inputs[i]
-            size = max(
-                box_nbytes(b, self.dtype(tid))
-                for t in graph.kernels[kt.k].tiles
-                if (b := t.in_boxes[i]) is not None
-            )
+            dtype = self.dtype(tid)
+            # the tiles' distinct boxes (a core's tiles mostly read one box of a weight)
+            boxes = {b for t in graph.kernels[kt.k].tiles if (b := t.in_boxes[i]) is not None}
+            size = max(box_nbytes(b, dtype) for b in boxes)
             weight = graph.tensors[graph.root(tid)].kind == KIND_CONSTANT
             early_first = step_of(self.hoist_to(kt.k), True) - 1 if weight else kt.first
             scratch[i] = [
