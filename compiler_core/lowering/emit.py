@@ -573,10 +573,10 @@ class _Builder:
             if j >= len(ts):
                 continue
             tile = ts[j]
-            ins = tuple(
-                inputs.operands.get((c, j, i)) if tid >= 0 else None
-                for i, tid in enumerate(desc.inputs)
-            )
+            found: list[TileInput | None] = []
+            for i, tid in enumerate(desc.inputs):  # loops, not generators: a frame each
+                found.append(inputs.operands.get((c, j, i)) if tid >= 0 else None)
+            ins = tuple(found)
             out_boxes = _tile_out_boxes(self.graph, k, tile)
             if kt.scatter:
                 self.ops.append(
@@ -610,12 +610,20 @@ class _Builder:
                     )
                 )
             else:
-                outs = tuple(
-                    None if box is None else TileOutput(box, outputs.refs[(c, j, o)], box)
-                    for o, box in enumerate(out_boxes)
-                )
+                made: list[TileOutput | None] = []
+                for o, box in enumerate(out_boxes):
+                    made.append(
+                        None if box is None else TileOutput(box, outputs.refs[(c, j, o)], box)
+                    )
                 self.ops.append(
-                    Op(core=c, kind=RUN, kernel=k, out_box=tile.out_box, inputs=ins, outputs=outs)
+                    Op(
+                        core=c,
+                        kind=RUN,
+                        kernel=k,
+                        out_box=tile.out_box,
+                        inputs=ins,
+                        outputs=tuple(made),
+                    )
                 )
             for o in outputs.stores:
                 box = out_boxes[o]
