@@ -635,7 +635,10 @@ class SplitChooser:
                 for t in cand.by_core.get(core, [])
             ]
             bound = bounding_box(boxes) if boxes else None
-            if bound is not None and sum(_volume(b) for b in boxes) == _volume(bound):
+            total = 0
+            for b in boxes:  # a loop, not a generator
+                total += _volume(b)
+            if bound is not None and total == _volume(bound):
                 cand.held[key] = bound
             else:
                 cand.held[key] = None
@@ -765,7 +768,10 @@ class SplitChooser:
             if len(cands) > 1:
                 # a kernel's times depend only on its producers' cuts, mostly the same from
                 # one price to the next: kept per choice of producers, each when first needed
-                producers = tuple(id(chosen[s]) if s >= 0 else 0 for _, s in self._moved[k])
+                ids: list[int] = []
+                for _, s in self._moved[k]:  # a loop, not a generator (a frame of its own)
+                    ids.append(id(chosen[s]) if s >= 0 else 0)
+                producers = tuple(ids)
                 times = self._times[k].get(producers)
                 if times is None:
                     times = self._times[k][producers] = [None] * len(cands)
