@@ -286,6 +286,39 @@ def test_batchnorm_after_conv_folds_into_its_weights(with_bias: bool) -> None:
     assert_same_as_original(proto, model, {"x": randn(1, 3, 5, 5)}, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("row", [27, 576])
+def test_a_folded_weight_read_from_its_file_is_the_products_of_its_rows(
+    row: int, tmp_path: Path
+) -> None:
+    """`scale_into` (how the QPC writer gets a folded weight kept in a file) gives each
+    weight times its output channel's factor, for rows shorter and longer than the ones it
+    scales row by row, and leaves numpy's buffer size as it found it."""
+    from compiler_core.passes.fold_batchnorm import ScaledWeight
+
+    weight = randn(6, row)
+    factor = randn(6)
+    path = tmp_path / "w.bin"
+    weight.tofile(path)
+    source = ir.ExternalTensor(
+        location="w.bin",
+        offset=0,
+        length=weight.nbytes,
+        dtype=ir.DataType.FLOAT,
+        shape=ir.Shape(weight.shape),
+        name="w",
+        base_dir=tmp_path,
+    )
+    scaled = ScaledWeight(lambda: ir.Tensor(weight * factor[:, None]), source, factor, weight.dtype)
+    assert scaled.scales_into(weight.dtype)
+    out = np.zeros(weight.nbytes, np.uint8)
+    before = np.getbufsize()
+    with open(path, "rb") as f:
+        scaled.scale_into(out, {str(path): f})
+    assert np.getbufsize() == before
+    got = out.view(np.float32).reshape(weight.shape)
+    assert got.tobytes() == (weight * factor[:, None]).tobytes()
+
+
 def test_weights_shared_by_two_convs_fold_separately() -> None:
     c = 2
     bn = (

@@ -230,9 +230,12 @@ class ScaledWeight(ir.LazyTensor):
         if product.shape[1] < _LONG_ROW:
             np.multiply(product, factor, out=product)
             return
-        with np.errstate():  # restores the buffer size
-            np.setbufsize(_ROW_BUFFER)
+        size = np.getbufsize()  # numpy keeps it per thread and context
+        np.setbufsize(_ROW_BUFFER)
+        try:
             np.multiply(product, factor, out=product)
+        finally:
+            np.setbufsize(size)
 
 
 _LONG_ROW = 512
