@@ -68,6 +68,9 @@ MOVE_OPS = frozenset(
 )
 """Ops whose output codes are input codes (moved, not computed): they run on the integers."""
 
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+"""The ops every fold starts from."""
+
 NOT_LUT = frozenset({"Cast", "CastLike", "IsNaN", "IsInf", "Not", "Sign", "Dropout"})
 REFUSALS_SHOWN = 4
 """Refused nodes whose reasons the warning spells out (all are named in its `nodes`)."""
@@ -249,20 +252,26 @@ class FoldQDQPass(GraphPass):
         ]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        folder = _Folder(model.graph, model_opset(model))
         changed = False
-        for node in list(model.graph):
-            if node.graph is None or node.domain not in ("", "ai.onnx"):
-                continue
-            if node.op_type in self.keep_float:
-                continue
-            if folder.fold(node):
-                changed = True
-        changed |= folder.drop_dead()
-        changed |= folder.fold_constant_dequantize()
+        folded: dict[str, list[str]] = {}
+        refusals: list[FoldRefusal] = []
+        # Every fold starts from a QuantizeLinear or DequantizeLinear node (a group's input
+        # or output, a Q(DQ) pair, a dead or constant one): a float model has none to try.
+        if any(n.op_type in QDQ_OPS for n in model.graph):
+            folder = _Folder(model.graph, model_opset(model))
+            for node in list(model.graph):
+                if node.graph is None or node.domain not in ("", "ai.onnx"):
+                    continue
+                if node.op_type in self.keep_float:
+                    continue
+                if folder.fold(node):
+                    changed = True
+            changed |= folder.drop_dead()
+            changed |= folder.fold_constant_dequantize()
+            folded, refusals = folder.folded, folder.refusals
         if any(n.domain == DOMAIN for n in model.graph):
             model.opset_imports.setdefault(DOMAIN, 1)
-        self.folded, self.refusals = folder.folded, folder.refusals
+        self.folded, self.refusals = folded, refusals
         log.info(
             "fold-qdq: %s, refused %d",
             {k: len(v) for k, v in self.folded.items()},
