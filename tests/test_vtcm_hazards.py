@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from compiler_core import compile_model
+from compiler_core.lowering import emit
 from compiler_core.lowering.emit import VTCM_SPAN
 from compiler_core.lowering.program import BYTE_RUNS, box_byte_progressions, box_byte_range
-from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, VtcmSpace
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, VtcmSpace, write_each
 from tests.codegen_models import conv_net
 
 
@@ -216,7 +217,19 @@ def test_a_14_core_compile_s_accesses_find_the_ops_bytes_would(
     def recorded_write(self: VtcmSpace, lo: int, hi: int, op: int, deps: set[int]) -> None:
         recorded_write_runs(self, 0, [(lo, hi - lo, hi - lo, 1)], op, deps)
 
+    def recorded_write_each(
+        spaces: Sequence[VtcmSpace],
+        base: int,
+        runs: Sequence[Progression],
+        op: int,
+        deps: set[int],
+    ) -> None:
+        for space in spaces:
+            recorded(space, ("w", space.core * VTCM_SPAN + base, list(runs), op))
+        write_each(spaces, base, runs, op, deps)
+
     monkeypatch.setattr(VtcmSpace, "read", recorded_read)
+    monkeypatch.setattr(emit, "write_each", recorded_write_each)
     monkeypatch.setattr(VtcmSpace, "write_runs", recorded_write_runs)
     monkeypatch.setattr(VtcmSpace, "write", recorded_write)
     compile_model(conv_net(batch=1, channels=32, size=28), ["-aic-num-cores=14"])
@@ -239,3 +252,44 @@ def test_a_strided_write_makes_periods_of_a_long_segment_past_a_short_one() -> N
     read: set[int] = set()
     hazards.read(0, 64 * 56, 2, read)
     assert read - {-1} == {0, 1}
+
+
+def test_a_multicast_s_writes_find_what_each_target_s_own_write_would() -> None:
+    """`write_each` sorts each progression out once for all a multicast's targets: every
+    target's VTCM ends as its own `write_runs` leaves it, and the ops found are their union."""
+    rng = random.Random(7)
+    cores = 5
+    core_of = [rng.randrange(cores) for _ in range(1500)]
+    each = VtcmHazards(core_of, 1 << 20)
+    alone = VtcmHazards(core_of, 1 << 20)
+    found = 0
+    for op, core in enumerate(core_of):
+        if rng.random() < 0.3:  # a read of its own core's
+            lo = rng.randrange(0, 60_000)
+            hi = lo + rng.choice([1, 300, 5_000])
+            got: set[int] = set()
+            want: set[int] = set()
+            each.space(core).read(lo, hi, op, got)
+            alone.space(core).read(lo, hi, op, want)
+            assert got == want
+            continue
+        stride = rng.choice([168, 224, 560])
+        length = rng.choice([56, stride, stride + 56])  # strided, whole, overlapping runs
+        runs = [(rng.randrange(0, 300), length, stride, rng.choice([1, 3, 64]))]
+        if rng.random() < 0.3:  # two progressions, one empty
+            runs.append((70_000, rng.choice([0, 100]), 100, 2))
+        targets = rng.sample(range(cores), rng.randrange(1, cores + 1))
+        base = rng.randrange(0, 50_000)
+        got, want = set(), set()
+        write_each([each.space(t) for t in targets], base, runs, op, got)
+        for t in targets:
+            alone.space(t).write_runs(base, runs, op, want)
+        assert got == want
+        found += len(want)
+    for c in range(cores):
+        a, b = each.space(c), alone.space(c)
+        assert a.starts == b.starts
+        assert [(x.period, x.count, x.offs, x.writer, x.readers) for x in a.blocks] == [
+            (x.period, x.count, x.offs, x.writer, x.readers) for x in b.blocks
+        ]
+    assert found > 1500  # the writes do conflict

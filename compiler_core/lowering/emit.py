@@ -62,7 +62,7 @@ from compiler_core.lowering.program import (
 from compiler_core.lowering.splits import bounding_box
 from compiler_core.lowering.tiling import TileSpec, output_boxes
 from compiler_core.lowering.vtcm import Buffer, align, step_of
-from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards
+from compiler_core.lowering.vtcm_hazards import Progression, VtcmHazards, VtcmSpace, write_each
 from compiler_core.ops.registry import Box, full_box
 
 LOAD, STORE, NOC, RUN, GATHER, SCATTER = 1, 2, 3, 4, 5, 6
@@ -1153,6 +1153,15 @@ def materialize(
     top = max((b.offset + b.size for b in buffers), default=0)
     vtcm = VtcmHazards(ddr.core_of, VTCM_SPAN, top + 1)
     spaces = [vtcm.space(c) for c in range(cores)]  # each core's VTCM, from its offset 0
+    mask_spaces: dict[int, list[VtcmSpace]] = {}
+
+    def spaces_of(mask: int, targets: list[int]) -> list[VtcmSpace]:
+        """The VTCM of each of a multicast's targets."""
+        found = mask_spaces.get(mask)
+        if found is None:
+            found = mask_spaces[mask] = [spaces[t] for t in targets]
+        return found
+
     ops = schedule.ops
     position: list[int] = []
     counts = [0] * cores
@@ -1169,8 +1178,9 @@ def materialize(
             ddr.read(op.tensor, op.box, index, deps)
             assert op.dst is not None
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
-            for target in targets_of(op.mask):
-                spaces[target].write_runs(offset, runs, index, deps)
+            targets = targets_of(op.mask)
+            write_each(spaces_of(op.mask, targets), offset, runs, index, deps)
+            for target in targets:
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == STORE:
@@ -1183,8 +1193,9 @@ def materialize(
             lo, hi = part_span(op.src, op.src_box, op.box, op.tensor)
             spaces[c].read(lo, hi, index, deps)
             offset, runs, end = part(op.dst, op.dst_box, op.box, op.tensor)
-            for target in targets_of(op.mask):
-                spaces[target].write_runs(offset, runs, index, deps)
+            targets = targets_of(op.mask)
+            write_each(spaces_of(op.mask, targets), offset, runs, index, deps)
+            for target in targets:
                 if end > vtcm_used[target]:
                     vtcm_used[target] = end
         elif op.kind == SCATTER:

@@ -215,6 +215,30 @@ class VtcmHazards:
             self.space(core).write_runs(at, ((0, length, stride, count),), op, deps)
 
 
+def write_each(
+    spaces: Sequence[VtcmSpace], base: int, runs: Sequence[Progression], op: int, deps: set[int]
+) -> None:
+    """`VtcmSpace.write_runs` in each of `spaces` (a multicast's targets): each progression
+    is sorted out once for all of them. Exact: a space's accesses keep their order, and
+    `deps` is a union whatever the order of the spaces."""
+    for lo, length, stride, count in runs:
+        if length <= 0:
+            continue
+        lo += base
+        if count == 1 or stride == length:
+            hi = lo + length * count
+            for space in spaces:
+                space._put(lo, hi, op, deps)
+        elif stride > length:
+            for space in spaces:
+                space._strided(lo, length, stride, count, op, deps)
+        else:  # overlapping runs: one by one
+            for space in spaces:
+                for k in range(count):
+                    at = lo + k * stride
+                    space._span(at, at + length, op, deps, False)
+
+
 class VtcmSpace:
     """One core's window of VTCM, from offset 0 to `end` (past every byte accessed): per byte,
     the last writer and the latest reader since (ops by global index; only `core` reads)."""
