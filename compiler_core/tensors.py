@@ -71,8 +71,16 @@ def read_into(
 
 
 def _read_at(source: BinaryIO, tensor: ir.ExternalTensor) -> bytes:
+    """The tensor's bytes; a file that ends before them (the import checks lengths first,
+    but a file can change after) is the same clear error as `read_into`'s."""
     source.seek(tensor.offset or 0)
-    return source.read(tensor.nbytes)
+    raw = source.read(tensor.nbytes)
+    if len(raw) < tensor.nbytes:
+        raise CompileError(
+            "external_data_missing",
+            f"external data file '{tensor.location}' ends before tensor {tensor.name!r} does",
+        )
+    return raw
 
 
 def load_small_external(graph: ir.Graph, limit: int = SMALL_TENSOR_BYTES) -> int:

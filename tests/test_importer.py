@@ -210,6 +210,31 @@ def test_external_file_shorter_than_the_tensor_is_a_clear_error(tmp_path: Path) 
     assert "4096 bytes" in err.value.message and "[8, 4104)" in err.value.message
 
 
+def test_a_small_external_tensor_whose_file_shrank_after_the_check_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """The import checks every file's length first; a file cut short after that check (by
+    another process) is still `external_data_missing` naming the file, not numpy's error."""
+    from compiler_core.tensors import read_external
+
+    np.ones(16, np.float32).tofile(tmp_path / "w.bin")
+    tensor = ir.ExternalTensor(
+        location="w.bin",
+        offset=0,
+        length=64,
+        dtype=ir.DataType.FLOAT,
+        shape=ir.Shape([16]),
+        name="w",
+        base_dir=tmp_path,
+    )
+    assert read_external(tensor).numpy().tolist() == [1.0] * 16
+    os.truncate(tmp_path / "w.bin", 60)
+    with pytest.raises(CompileError) as err:
+        read_external(tensor)
+    assert err.value.code == "external_data_missing"
+    assert "w.bin" in err.value.message and "'w'" in err.value.message
+
+
 def test_large_external_data_model_imports_without_loading_its_weights(tmp_path: Path) -> None:
     n = 300 * 2**20 // 4  # 300 MiB of float32
     chunk = np.ones(2**20, np.float32)  # 4 MiB
