@@ -49,9 +49,9 @@ from compiler_core.runtime.shared import (
     RunTile,
     SharedTile,
     _same_bytes,
+    constants_in_place,
     expected_in_place,
     in_place_views,
-    is_in_place,
 )
 
 THIN = 100
@@ -151,7 +151,7 @@ class JoinTile:
         x = inputs[0]
         if join.learning and x is not None:
             _learn(join, m, turn, x)
-        if x is None or not _constants_in_place(member, inputs):
+        if x is None or not constants_in_place(member.seen, member.expected, inputs):
             return None
         batch = join.batches.get(turn)
         if batch is not None:
@@ -202,20 +202,6 @@ def _begin(join: Join, inference: int) -> None:
     join.copies.clear()
     join.parts.clear()
     join.inference, join.turn = inference, 0
-
-
-def _constants_in_place(member: Member, inputs: Sequence[np.ndarray | None]) -> bool:
-    seen = member.seen
-    if not seen:
-        seen.extend([None] * len(member.expected))
-    for i, expected in enumerate(member.expected):
-        a = inputs[expected[0]]
-        if a is not None and a is seen[i]:
-            continue
-        if not is_in_place(a, expected):
-            return False
-        seen[i] = a
-    return True
 
 
 def _batches(join: Join) -> dict[int, list[int]]:

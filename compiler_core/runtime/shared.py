@@ -163,16 +163,8 @@ class SharedTile:
 
     def results(self, inputs: list[np.ndarray | None], inference: int) -> Results | None:
         """This tile's outputs from the group's product, or None (it computes alone)."""
-        seen = self.seen
-        if not seen:
-            seen.extend([None] * len(self.expected))
-        for i, expected in enumerate(self.expected):
-            a = inputs[expected[0]]
-            if a is not None and a is seen[i]:
-                continue
-            if not is_in_place(a, expected):
-                return None
-            seen[i] = a
+        if not constants_in_place(self.seen, self.expected, inputs):
+            return None
         group = self.group
         if group.off:
             return None
@@ -280,6 +272,26 @@ def is_in_place(a: np.ndarray | None, expected: Expected) -> bool:
         and a.dtype == dtype
         and _address(a) == address
     )
+
+
+def constants_in_place(
+    seen: list[np.ndarray | None],
+    expected: Sequence[Expected],
+    inputs: Sequence[np.ndarray | None],
+) -> bool:
+    """Whether each constant input of a tile is the constant in place (`expected`), the
+    same object as last time (`seen`, per constant, updated) counting as in place without
+    comparing again."""
+    if not seen:
+        seen.extend([None] * len(expected))
+    for i, want in enumerate(expected):
+        a = inputs[want[0]]
+        if a is not None and a is seen[i]:
+            continue
+        if not is_in_place(a, want):
+            return False
+        seen[i] = a
+    return True
 
 
 def plan(
