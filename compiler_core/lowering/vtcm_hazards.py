@@ -272,17 +272,7 @@ class VtcmSpace:
 
     def write_runs(self, base: int, runs: Sequence[Progression], op: int, deps: set[int]) -> None:
         """A write of each progression's runs, offset by `base` (a transfer's bytes)."""
-        for lo, length, stride, count in runs:
-            if length <= 0:
-                continue
-            if count == 1 or stride == length:
-                self._put(base + lo, base + lo + length * count, op, deps)
-            elif stride > length:
-                self._strided(base + lo, length, stride, count, op, deps)
-            else:  # overlapping runs: one by one
-                for k in range(count):
-                    at = base + lo + k * stride
-                    self._span(at, at + length, op, deps, False)
+        write_each((self,), base, runs, op, deps)
 
     # ------------------------------------------------------------------ accesses
     def _put(self, lo: int, hi: int, op: int, deps: set[int]) -> None:

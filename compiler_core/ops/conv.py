@@ -558,8 +558,9 @@ def conv_columns_into(node: NodeInfo, x: np.ndarray, tile: TileCtx, out: np.ndar
     """Write an ungrouped conv tile's im2col columns for its one batch entry into `out`
     (C * taps, output positions of the tile): the matrix `_dense_conv` multiplies, so
     several tiles' columns side by side make one product (runtime/joins.py)."""
-    rank = len(_conv_windows(node))
-    xw = _conv_tile(node, tile).windows_of(x)
+    plan = _conv_tile(node, tile)
+    rank = len(plan.wins)
+    xw = plan.windows_of(x)
     perm = (0, 1, *range(2 + rank, 2 + 2 * rank), *range(2, 2 + rank))
     windows = xw.transpose(perm)[0]  # (C, *K, *O)
     np.copyto(np.reshape(out, windows.shape, copy=False), windows)

@@ -113,8 +113,7 @@ class Join:
     batches: dict[int, list[int]] = field(default_factory=dict)
     """Turn -> the members whose product it computes (its own tile first if it is one)."""
     batched: tuple[object, ...] = ()
-    """The order, joins (the dict itself, kept) and their number `batches` was worked out
-    from."""
+    """The order and joins (a copy) `batches` was worked out from."""
     copies: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
     """While learning: member -> its input as last read, and the first turn it was so."""
     inference: int = -1
@@ -197,8 +196,8 @@ def _begin(join: Join, inference: int) -> None:
     elif not join.done:
         join.learning = join.done = True
     order = tuple(join.order)
-    if join.batched != (order, join.joins, len(join.joins)):  # `_batches`' inputs changed
-        join.batches, join.batched = _batches(join), (order, join.joins, len(join.joins))
+    if join.batched != (order, join.joins):  # `_batches`' inputs changed
+        join.batches, join.batched = _batches(join), (order, dict(join.joins))
     join.copies.clear()
     join.parts.clear()
     join.inference, join.turn = inference, 0
